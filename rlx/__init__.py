@@ -1,0 +1,62 @@
+"""rlx: a graph-IR mini compiler for attention kernels.
+
+Build a graph with :class:`Graph`, differentiate with :func:`grad`, transform with
+:mod:`rlx.passes`, check with :mod:`rlx.reference` and JIT-compile with :func:`compile`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rlx.config import RuntimeConfig
+from rlx.errors import RlxError, RlxKeyError, RlxTypeError, RlxValueError
+from rlx.ir import Graph, Layout, MaskKind, Node, OpKind, TensorType, Value, Wrt
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from rlx.codegen.executable import Executable
+
+
+def grad(graph: Graph, y: Value, xs: Sequence[Value], dy: Value) -> list[Value]:
+    """Reverse-mode gradients of ``y`` w.r.t. each of ``xs`` given the cotangent ``dy`` of ``y``."""
+    from rlx.autodiff import grad as _grad
+
+    return _grad(graph, y, xs, dy)
+
+
+def compile(graph: Graph, passes: Sequence[str] | None = None, config: RuntimeConfig | None = None) -> Executable:
+    """JIT-compile ``graph`` (never mutated) into an executable; ``passes=[]`` skips all passes."""
+    from rlx.codegen.executable import compile_graph
+
+    return compile_graph(graph, passes=passes, config=config)
+
+
+def __getattr__(name: str) -> Any:
+    # Submodules load lazily so that `import rlx` stays cheap and llvmlite loads only to compile.
+    if name in ("passes", "reference", "codegen", "autodiff"):
+        import importlib
+
+        return importlib.import_module(f"rlx.{name}")
+    raise AttributeError(f"module 'rlx' has no attribute {name!r}")
+
+
+__all__ = [
+    "Graph",
+    "Layout",
+    "MaskKind",
+    "Node",
+    "OpKind",
+    "RlxError",
+    "RlxKeyError",
+    "RlxTypeError",
+    "RlxValueError",
+    "RuntimeConfig",
+    "TensorType",
+    "Value",
+    "Wrt",
+    "compile",
+    "grad",
+]

@@ -1,0 +1,79 @@
+"""Runtime configuration shared by the reference interpreter and compiled code."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+
+from rlx.errors import RlxTypeError, RlxValueError
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Numeric and threading knobs.
+
+    ``attn_mask_neg_inf`` is the score written where a mask hides a key (``-inf`` gives the
+    safe softmax: fully masked rows produce zeros). ``mask_binary_threshold`` decides which
+    key-padding entries are masked (``mask < threshold``). ``num_threads=None`` means
+    ``RLX_NUM_THREADS`` or else every core.
+    """
+
+    attn_mask_neg_inf: float = -1e9
+    mask_binary_threshold: float = 0.5
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("attn_mask_neg_inf", "mask_binary_threshold"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise RlxTypeError(f"RuntimeConfig.{name} must be a float, got {type(value).__name__}")
+            object.__setattr__(self, name, float(value))
+        if math.isnan(self.attn_mask_neg_inf) or self.attn_mask_neg_inf > 0:
+            raise RlxValueError(
+                f"RuntimeConfig.attn_mask_neg_inf must be a non-positive number or -inf, "
+                f"got {self.attn_mask_neg_inf}"
+            )
+        if math.isnan(self.mask_binary_threshold):
+            raise RlxValueError("RuntimeConfig.mask_binary_threshold must not be NaN")
+        if self.num_threads is not None:
+            if isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int):
+                raise RlxTypeError(
+                    f"RuntimeConfig.num_threads must be an int or None, got {type(self.num_threads).__name__}"
+                )
+            if self.num_threads < 1:
+                raise RlxValueError(f"RuntimeConfig.num_threads must be >= 1, got {self.num_threads}")
+
+    def with_overrides(self, **changes: object) -> RuntimeConfig:
+        """A copy with some fields changed (validated like the constructor)."""
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def resolve_config(config: RuntimeConfig | None) -> RuntimeConfig:
+    """Check the user's config argument and fill the default."""
+    if config is None:
+        return RuntimeConfig()
+    if not isinstance(config, RuntimeConfig):
+        raise RlxTypeError(f"config must be an rlx.RuntimeConfig, got {type(config).__name__}")
+    return config
+
+
+def resolve_num_threads(config: RuntimeConfig) -> int:
+    """Threads for the parallel region: config, then ``RLX_NUM_THREADS``, then every core.
+
+    ``RLX_ATTN_BWD_SERIAL=1`` forces one thread whatever else says, for A/B measurements.
+    """
+    if os.environ.get("RLX_ATTN_BWD_SERIAL", "").strip() not in ("", "0"):
+        return 1
+    if config.num_threads is not None:
+        return config.num_threads
+    env = os.environ.get("RLX_NUM_THREADS", "").strip()
+    if env:
+        try:
+            count = int(env)
+        except ValueError:
+            raise RlxValueError(f"RLX_NUM_THREADS must be a positive integer, got {env!r}") from None
+        if count < 1:
+            raise RlxValueError(f"RLX_NUM_THREADS must be a positive integer, got {env!r}")
+        return count
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)

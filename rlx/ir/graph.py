@@ -1,0 +1,360 @@
+"""The op graph: ``Graph`` owns ``Node``s; a ``Value`` is one output of one node.
+
+networkx stores the use-def edges (producer -> consumer, one edge per input slot) behind this
+API; passes call the methods here (``replace_all_uses_with``, ``erase``, ``users``) and never
+touch networkx, so the store can change without touching a pass.
+"""
+
+from __future__ import annotations
+
+import keyword
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import networkx as nx
+
+from rlx.errors import RlxTypeError, RlxValueError
+from rlx.ir.ops import (
+    SHAPE_RULES,
+    AttentionAttrs,
+    AttentionBwdAttrs,
+    Attrs,
+    InputAttrs,
+    OpKind,
+    check_layout,
+    check_mask,
+    check_wrt,
+)
+from rlx.ir.types import Layout, MaskKind, TensorType, Wrt, as_dtype, check_shape
+
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
+
+
+def check_name(name: object, what: str) -> str:
+    """Input and output names are identifiers (dots allowed) so that textual IR can carry them."""
+    if not isinstance(name, str):
+        raise RlxTypeError(f"{what} must be a str, got {type(name).__name__}")
+    if not _NAME_RE.match(name) or keyword.iskeyword(name):
+        raise RlxValueError(f"{what} must be an identifier (letters, digits, '_' or '.'), got {name!r}")
+    return name
+
+
+@dataclass(frozen=True, eq=True)
+class Value:
+    """Output ``index`` of ``node``. Hashable; two Values are equal when they name the same output."""
+
+    node: Node
+    index: int
+
+    @property
+    def type(self) -> TensorType:
+        return self.node.types[self.index]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.type.shape
+
+    @property
+    def dtype(self):
+        return self.type.dtype
+
+    @property
+    def graph(self) -> Graph:
+        return self.node.graph
+
+    def __repr__(self) -> str:
+        return f"Value(node={self.node.id} {self.node.op}, index={self.index}, type={self.type})"
+
+
+class Node:
+    """One operation. ``inputs`` are Values of earlier nodes; ``types`` one per output."""
+
+    __slots__ = ("_inputs", "attrs", "graph", "id", "op", "types")
+
+    def __init__(
+        self,
+        graph: Graph,
+        node_id: int,
+        op: OpKind,
+        attrs: Attrs,
+        inputs: tuple[Value, ...],
+        types: tuple[TensorType, ...],
+    ) -> None:
+        self.graph = graph
+        self.id = node_id
+        self.op = op
+        self.attrs = attrs
+        self._inputs = inputs
+        self.types = types
+
+    @property
+    def inputs(self) -> tuple[Value, ...]:
+        return self._inputs
+
+    @property
+    def outputs(self) -> tuple[Value, ...]:
+        return tuple(Value(self, i) for i in range(len(self.types)))
+
+    @property
+    def users(self) -> list[Node]:
+        """Nodes that read any output of this node (graph outputs are not nodes)."""
+        return self.graph.users(self)
+
+    def __repr__(self) -> str:
+        return f"Node({self.id}, {self.op}, {self.attrs})"
+
+
+class Graph:
+    """A dataflow graph of attention ops with named inputs and named outputs.
+
+    Build it with :meth:`input`, :meth:`attention`, :meth:`attention_bwd` and :meth:`output`.
+    ``print(g)`` shows one line per node; :meth:`verify` checks the whole graph.
+    """
+
+    def __init__(self, name: str = "graph") -> None:
+        self.name = check_name(name, "graph name")
+        self._store = nx.MultiDiGraph()
+        self._nodes: dict[int, Node] = {}
+        self._next_id = 0
+        self._inputs: dict[str, Node] = {}
+        self._outputs: dict[str, Value] = {}
+
+    # ----------------------------------------------------------------- queries
+
+    @property
+    def nodes(self) -> list[Node]:
+        """All nodes in a topological order; ties go to the node created first."""
+        order = nx.lexicographical_topological_sort(self._store, key=lambda node_id: node_id)
+        return [self._nodes[node_id] for node_id in order]
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self.nodes)
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __contains__(self, item: object) -> bool:
+        if isinstance(item, Value):
+            item = item.node
+        return isinstance(item, Node) and self._nodes.get(item.id) is item
+
+    @property
+    def inputs(self) -> Mapping[str, Value]:
+        """Graph inputs by name, in declaration order."""
+        return MappingProxyType({name: node.outputs[0] for name, node in self._inputs.items()})
+
+    @property
+    def outputs(self) -> Mapping[str, Value]:
+        """Graph outputs by name, in the order they were declared."""
+        return MappingProxyType(dict(self._outputs))
+
+    def node(self, node_id: int) -> Node:
+        return self._nodes[node_id]
+
+    def users(self, node: Node) -> list[Node]:
+        """Distinct consumers of ``node``'s outputs, oldest first."""
+        self._check_owned(node)
+        return sorted({self._nodes[c] for c in self._store.successors(node.id)}, key=lambda n: n.id)
+
+    def uses(self, value: Value) -> list[tuple[Node, int]]:
+        """Every ``(consumer, input slot)`` that reads ``value``."""
+        self._check_owned(value.node)
+        found = []
+        for consumer_id in sorted(set(self._store.successors(value.node.id))):
+            consumer = self._nodes[consumer_id]
+            found += [(consumer, slot) for slot, v in enumerate(consumer.inputs) if v == value]
+        return found
+
+    def output_names_of(self, value: Value) -> list[str]:
+        return [name for name, v in self._outputs.items() if v == value]
+
+    # ----------------------------------------------------------------- builders
+
+    def input(self, name: str, shape: Sequence[int], dtype: object = "float32") -> Value:
+        """Declare a graph input ``name`` of static ``shape`` and ``dtype`` (default float32)."""
+        check_name(name, "input name")
+        if name in self._inputs:
+            raise RlxValueError(f"graph {self.name!r} already has an input named {name!r}")
+        ty = TensorType(check_shape(shape, f"input {name!r}"), as_dtype(dtype))
+        node = self._add(OpKind.INPUT, InputAttrs(name), (), (ty,))
+        self._inputs[name] = node
+        return node.outputs[0]
+
+    def attention(
+        self,
+        q: Value,
+        k: Value,
+        v: Value,
+        mask: MaskKind = MaskKind.NONE,
+        layout: Layout = Layout.BSHD,
+        mask_input: Value | None = None,
+    ) -> Value:
+        """Forward attention ``softmax(mask(Q K^T / sqrt(D))) V``; returns ``out`` shaped like q."""
+        attrs = AttentionAttrs(check_mask(mask, "attention"), check_layout(layout, "attention"))
+        inputs = (q, k, v) + ((mask_input,) if mask_input is not None else ())
+        return self.add_node(OpKind.ATTENTION, inputs, attrs).outputs[0]
+
+    def attention_bwd(
+        self,
+        q: Value,
+        k: Value,
+        v: Value,
+        dy: Value,
+        wrt: Wrt = Wrt.ALL,
+        mask: MaskKind = MaskKind.NONE,
+        layout: Layout = Layout.BSHD,
+        mask_input: Value | None = None,
+    ) -> Value | tuple[Value, ...]:
+        """Gradients of attention w.r.t. the ``wrt`` operands, given the output cotangent ``dy``.
+
+        One flag returns one Value; several return a tuple in Q, K, V order.
+        """
+        attrs = AttentionBwdAttrs(
+            check_wrt(wrt, "attention_bwd"), check_mask(mask, "attention_bwd"), check_layout(layout, "attention_bwd")
+        )
+        inputs = (q, k, v, dy) + ((mask_input,) if mask_input is not None else ())
+        outputs = self.add_node(OpKind.ATTENTION_BWD, inputs, attrs).outputs
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def output(self, *values: Value, **named: Value) -> None:
+        """Mark graph outputs. Keywords name them; positional ones are named ``out0``, ``out1``…"""
+        pairs = [(f"out{len(self._outputs) + i}", v) for i, v in enumerate(values)] + list(named.items())
+        seen: set[str] = set()
+        for name, value in pairs:
+            check_name(name, "output name")
+            if name in self._outputs or name in seen:
+                raise RlxValueError(f"graph {self.name!r} already has an output named {name!r}")
+            seen.add(name)
+            self._check_value(value, f"output {name!r}")
+        for name, value in pairs:
+            self._outputs[name] = value
+
+    def add_node(self, op: OpKind, inputs: Sequence[Value], attrs: Attrs) -> Node:
+        """Add a node, inferring and checking its output types with the op's shape rule."""
+        what = f"{op} (node {self._next_id})"
+        for slot, value in enumerate(inputs):
+            self._check_value(value, f"{what} operand {slot}")
+        types = SHAPE_RULES[op](what, [v.type for v in inputs], attrs)
+        return self._add(op, attrs, tuple(inputs), types)
+
+    # ----------------------------------------------------------------- mutation
+
+    def replace_all_uses_with(self, old: Value, new: Value) -> None:
+        """Make every reader of ``old`` (node inputs and graph outputs) read ``new`` instead."""
+        self._check_value(old, "replace_all_uses_with: old")
+        self._check_value(new, "replace_all_uses_with: new")
+        if old.type != new.type:
+            raise RlxValueError(f"replace_all_uses_with: {old.type} cannot be replaced by {new.type}")
+        if old == new:
+            return
+        for consumer, slot in self.uses(old):
+            self.set_input(consumer, slot, new)
+        for name, value in self._outputs.items():
+            if value == old:
+                self._outputs[name] = new
+
+    def set_input(self, node: Node, slot: int, value: Value) -> None:
+        """Rewire one input slot of ``node``; the new value must have the same type."""
+        self._check_owned(node)
+        self._check_value(value, f"set_input of node {node.id}")
+        old = node.inputs[slot]
+        if old.type != value.type:
+            raise RlxValueError(f"set_input: slot {slot} of node {node.id} has type {old.type}, got {value.type}")
+        self._store.remove_edge(old.node.id, node.id, key=slot)
+        if nx.has_path(self._store, node.id, value.node.id):
+            self._store.add_edge(old.node.id, node.id, key=slot)
+            raise RlxValueError(f"set_input: reading node {value.node.id} from node {node.id} would make a cycle")
+        self._store.add_edge(value.node.id, node.id, key=slot)
+        node._inputs = node.inputs[:slot] + (value,) + node.inputs[slot + 1 :]
+
+    def erase(self, node: Node) -> None:
+        """Remove a node that nothing reads; refuses, naming the readers, otherwise."""
+        self._check_owned(node)
+        users = self.users(node)
+        if users:
+            names = ", ".join(f"node {u.id} ({u.op})" for u in users)
+            raise RlxValueError(f"cannot erase node {node.id} ({node.op}): still used by {names}")
+        outs = [name for name, v in self._outputs.items() if v.node is node]
+        if outs:
+            raise RlxValueError(f"cannot erase node {node.id} ({node.op}): it is graph output {', '.join(outs)}")
+        self._store.remove_node(node.id)
+        del self._nodes[node.id]
+        if node.op is OpKind.INPUT:
+            assert isinstance(node.attrs, InputAttrs)
+            del self._inputs[node.attrs.name]
+
+    def remove_output(self, name: str) -> None:
+        del self._outputs[name]
+
+    # ----------------------------------------------------------------- whole-graph
+
+    def verify(self) -> None:
+        """Check the whole graph; raises ``RlxValueError`` ending with the printed graph."""
+        from rlx.ir.verify import verify
+
+        verify(self)
+
+    def copy(self) -> Graph:
+        """A deep copy with the same node ids, input and output names."""
+        clone = Graph(self.name)
+        clone._next_id = self._next_id
+        mapping: dict[int, Node] = {}
+        for node in self.nodes:
+            inputs = tuple(Value(mapping[v.node.id], v.index) for v in node.inputs)
+            copied = Node(clone, node.id, node.op, node.attrs, inputs, node.types)
+            clone._insert(copied)
+            mapping[node.id] = copied
+            if node.op is OpKind.INPUT:
+                assert isinstance(node.attrs, InputAttrs)
+                clone._inputs[node.attrs.name] = copied
+        clone._inputs = {name: clone._inputs[name] for name in self._inputs}
+        clone._outputs = {name: Value(mapping[v.node.id], v.index) for name, v in self._outputs.items()}
+        return clone
+
+    def __str__(self) -> str:
+        from rlx.ir.printer import format_graph
+
+        return format_graph(self)
+
+    def __repr__(self) -> str:
+        return f"<rlx.Graph {self.name!r}: {len(self._nodes)} nodes, outputs {list(self._outputs)}>"
+
+    def to_dot(self) -> str:
+        """Graphviz DOT text of the graph."""
+        from rlx.ir.dot import to_dot
+
+        return to_dot(self)
+
+    # ----------------------------------------------------------------- internals
+
+    def _add(self, op: OpKind, attrs: Attrs, inputs: tuple[Value, ...], types: tuple[TensorType, ...]) -> Node:
+        node = Node(self, self._next_id, op, attrs, inputs, types)
+        self._next_id += 1
+        self._insert(node)
+        return node
+
+    def _insert(self, node: Node) -> None:
+        self._nodes[node.id] = node
+        self._store.add_node(node.id)
+        for slot, value in enumerate(node.inputs):
+            self._store.add_edge(value.node.id, node.id, key=slot)
+
+    def _check_owned(self, node: Node) -> None:
+        if not isinstance(node, Node):
+            raise RlxTypeError(f"expected an rlx Node, got {type(node).__name__}")
+        if self._nodes.get(node.id) is not node:
+            raise RlxValueError(f"node {node.id} ({node.op}) does not belong to graph {self.name!r}")
+
+    def _check_value(self, value: object, what: str) -> None:
+        if not isinstance(value, Value):
+            raise RlxTypeError(f"{what} must be an rlx Value (from this graph's builder), got {type(value).__name__}")
+        if self._nodes.get(value.node.id) is not value.node:
+            raise RlxValueError(
+                f"{what} belongs to graph {value.node.graph.name!r}, not to graph {self.name!r}"
+                if value.node.graph is not self
+                else f"{what} is an output of node {value.node.id}, which was erased"
+            )
+        if not 0 <= value.index < len(value.node.types):
+            raise RlxValueError(f"{what}: node {value.node.id} has no output {value.index}")

@@ -1,0 +1,65 @@
+"""Textual IR: one line per node, stable order, every value's type spelled out.
+
+```
+graph @attn {
+  %q = input "q" : f32[2,128,4,64]
+  %0 = attention %q, %k, %v {mask = causal, layout = bshd} : f32[2,128,4,64]
+  %1, %2, %3 = attention_bwd %q, %k, %v, %dy {wrt = q|k|v, mask = causal, layout = bshd} : f32[...], ...
+  output dq = %1, dk = %2, dv = %3
+}
+```
+
+Inputs are named after the graph input; other values are numbered in print order, so the text
+does not depend on node ids and survives passes that renumber nothing. ``rlx.ir.parse`` reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from rlx.ir.ops import InputAttrs, OpKind
+
+if TYPE_CHECKING:
+    from rlx.ir.graph import Graph, Node, Value
+
+
+def value_names(graph: Graph) -> dict[Value, str]:
+    """The printed name of every value: ``%<input name>`` or ``%<n>`` in print order."""
+    names: dict[Value, str] = {}
+    counter = 0
+    for node in graph.nodes:
+        if node.op is OpKind.INPUT:
+            assert isinstance(node.attrs, InputAttrs)
+            names[node.outputs[0]] = f"%{node.attrs.name}"
+            continue
+        for value in node.outputs:
+            names[value] = f"%{counter}"
+            counter += 1
+    return names
+
+
+def format_attrs(node: Node) -> str:
+    fields = [f"{f.name} = {getattr(node.attrs, f.name)}" for f in dataclasses.fields(node.attrs)]
+    return "{" + ", ".join(fields) + "}"
+
+
+def format_node(node: Node, names: dict[Value, str]) -> str:
+    """One node as one line (without indentation)."""
+    types = ", ".join(str(t) for t in node.types)
+    if node.op is OpKind.INPUT:
+        assert isinstance(node.attrs, InputAttrs)
+        return f'{names[node.outputs[0]]} = input "{node.attrs.name}" : {types}'
+    results = ", ".join(names[v] for v in node.outputs)
+    operands = ", ".join(names[v] for v in node.inputs)
+    return f"{results} = {node.op} {operands} {format_attrs(node)} : {types}"
+
+
+def format_graph(graph: Graph) -> str:
+    names = value_names(graph)
+    lines = [f"graph @{graph.name} {{"]
+    lines += [f"  {format_node(node, names)}" for node in graph.nodes]
+    if graph.outputs:
+        lines.append("  output " + ", ".join(f"{name} = {names[v]}" for name, v in graph.outputs.items()))
+    lines.append("}")
+    return "\n".join(lines)

@@ -1,0 +1,195 @@
+"""Value types and the small enums attention nodes carry: layout, mask kind, gradient set."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from rlx.errors import RlxTypeError, RlxValueError
+
+# Short IR spelling <-> NumPy dtype. float32 is what every attention op computes in.
+DTYPE_NAMES: dict[str, np.dtype] = {
+    "f32": np.dtype(np.float32),
+    "f64": np.dtype(np.float64),
+    "f16": np.dtype(np.float16),
+    "i32": np.dtype(np.int32),
+    "i64": np.dtype(np.int64),
+    "bool": np.dtype(np.bool_),
+}
+_NAME_OF_DTYPE = {dtype: name for name, dtype in DTYPE_NAMES.items()}
+
+
+def as_dtype(dtype: object) -> np.dtype:
+    """Normalise a user dtype (``np.float32``, ``"float32"``, ``"f32"``) or raise RlxTypeError."""
+    if isinstance(dtype, str) and dtype in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype]
+    try:
+        normalised = np.dtype(dtype)  # type: ignore[call-overload]
+    except TypeError:
+        raise RlxTypeError(f"not a dtype: {dtype!r}") from None
+    if normalised not in _NAME_OF_DTYPE:
+        supported = ", ".join(str(d) for d in _NAME_OF_DTYPE)
+        raise RlxTypeError(f"unsupported dtype {normalised}; rlx supports {supported}")
+    return normalised
+
+
+@dataclass(frozen=True)
+class TensorType:
+    """Static shape and dtype of a value; printed as ``f32[2,128,4,64]``."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype = np.dtype(np.float32)
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    @property
+    def dtype_name(self) -> str:
+        return _NAME_OF_DTYPE[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def __str__(self) -> str:
+        return f"{self.dtype_name}[{','.join(str(d) for d in self.shape)}]"
+
+
+def check_shape(shape: object, what: str) -> tuple[int, ...]:
+    """Validate a user shape: a sequence of positive Python/NumPy ints."""
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise RlxTypeError(f"{what}: shape must be a tuple of ints, got {type(shape).__name__}")
+    dims = []
+    for dim in shape:  # type: ignore[union-attr]
+        if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)):
+            raise RlxTypeError(f"{what}: shape entries must be ints, got {dim!r} in {tuple(shape)}")  # type: ignore[arg-type]
+        if dim < 1:
+            raise RlxValueError(f"{what}: every dimension must be >= 1, got shape {tuple(int(d) for d in shape)}")  # type: ignore[union-attr]
+        dims.append(int(dim))
+    return tuple(dims)
+
+
+class Layout(enum.Enum):
+    """Where the head axis sits: BSHD ``[B, S, H, D]`` (default) or BHSD ``[B, H, S, D]``."""
+
+    BSHD = "bshd"
+    BHSD = "bhsd"
+
+    def split(self, shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+        """Return ``(B, S, H, D)`` from a rank-4 shape in this layout."""
+        if self is Layout.BSHD:
+            b, s, h, d = shape
+        else:
+            b, h, s, d = shape
+        return b, s, h, d
+
+    def join(self, b: int, s: int, h: int, d: int) -> tuple[int, int, int, int]:
+        """Inverse of :meth:`split`."""
+        return (b, s, h, d) if self is Layout.BSHD else (b, h, s, d)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Wrt(enum.Flag):
+    """Which gradients an attention-backward node produces; outputs come in Q, K, V order."""
+
+    QUERY = 1
+    KEY = 2
+    VALUE = 4
+    ALL = QUERY | KEY | VALUE
+
+    @property
+    def members(self) -> tuple[Wrt, ...]:
+        """The single flags set, in Q, K, V order."""
+        return tuple(flag for flag in (Wrt.QUERY, Wrt.KEY, Wrt.VALUE) if flag & self)
+
+    def __str__(self) -> str:
+        return "|".join(_WRT_SHORT[flag] for flag in self.members) or "none"
+
+    @staticmethod
+    def parse(text: str) -> Wrt:
+        flags = Wrt(0)
+        for part in text.split("|"):
+            if part not in _WRT_LONG:
+                raise RlxValueError(f"unknown wrt {part!r}; expected q, k or v joined by '|'")
+            flags |= _WRT_LONG[part]
+        return flags
+
+
+_WRT_SHORT = {Wrt.QUERY: "q", Wrt.KEY: "k", Wrt.VALUE: "v"}
+_WRT_LONG = {short: flag for flag, short in _WRT_SHORT.items()}
+
+
+@dataclass(frozen=True)
+class MaskKind:
+    """How scores are masked. Use the constants and :meth:`sliding_window`, not the constructor.
+
+    ``NONE``; ``CAUSAL`` (bottom-right aligned); ``sliding_window(w)`` (causal and at most ``w``
+    keys back); ``CUSTOM`` (key padding ``[B, Sk]`` tensor); ``BIAS`` (additive ``[B, H, Sq, Sk]``).
+    Equal masks compare and hash equal.
+    """
+
+    kind: str
+    window: int | None = None
+
+    NONE: ClassVar[MaskKind]
+    CAUSAL: ClassVar[MaskKind]
+    CUSTOM: ClassVar[MaskKind]
+    BIAS: ClassVar[MaskKind]
+
+    _KINDS: ClassVar[tuple[str, ...]] = ("none", "causal", "sliding_window", "custom", "bias")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self._KINDS:
+            raise RlxValueError(f"unknown mask kind {self.kind!r}; expected one of {', '.join(self._KINDS)}")
+        if (self.kind == "sliding_window") != (self.window is not None):
+            raise RlxValueError("only a sliding_window mask carries a window")
+
+    @staticmethod
+    def sliding_window(window: int) -> MaskKind:
+        """Causal mask that also hides keys more than ``window`` positions back (0: diagonal only)."""
+        if isinstance(window, (bool, np.bool_)) or not isinstance(window, (int, np.integer)):
+            raise RlxTypeError(f"sliding_window: window must be an int, got {type(window).__name__}")
+        if window < 0:
+            raise RlxValueError(f"sliding_window: window must be >= 0, got {window}")
+        return MaskKind("sliding_window", int(window))
+
+    @property
+    def needs_tensor(self) -> bool:
+        """CUSTOM and BIAS take a mask tensor input; the others do not."""
+        return self.kind in ("custom", "bias")
+
+    @property
+    def is_causal_like(self) -> bool:
+        return self.kind in ("causal", "sliding_window")
+
+    def __str__(self) -> str:
+        return f"sliding_window({self.window})" if self.kind == "sliding_window" else self.kind
+
+    def __repr__(self) -> str:
+        if self.kind == "sliding_window":
+            return f"MaskKind.sliding_window({self.window})"
+        return f"MaskKind.{self.kind.upper()}"
+
+    @staticmethod
+    def parse(text: str) -> MaskKind:
+        text = text.strip()
+        if text.startswith("sliding_window(") and text.endswith(")"):
+            inner = text[len("sliding_window(") : -1]
+            if not inner.strip().lstrip("-").isdigit():
+                raise RlxValueError(f"bad sliding_window mask {text!r}")
+            return MaskKind.sliding_window(int(inner))
+        if text == "sliding_window":
+            raise RlxValueError("sliding_window mask needs a window: sliding_window(w)")
+        return MaskKind(text)
+
+
+MaskKind.NONE = MaskKind("none")
+MaskKind.CAUSAL = MaskKind("causal")
+MaskKind.CUSTOM = MaskKind("custom")
+MaskKind.BIAS = MaskKind("bias")

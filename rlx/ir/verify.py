@@ -1,0 +1,68 @@
+"""Whole-graph verifier: structure, types and outputs. Errors end with the printed graph."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import networkx as nx
+
+from rlx.errors import RlxError, RlxValueError
+from rlx.ir.ops import ATTRS_CLASS, SHAPE_RULES, InputAttrs, OpKind
+
+if TYPE_CHECKING:
+    from rlx.ir.graph import Graph, Node
+
+
+def verify(graph: Graph) -> None:
+    """Raise ``RlxValueError`` naming the first problem found, followed by the printed graph."""
+    problems = _problems(graph)
+    if problems:
+        try:
+            printed = str(graph)
+        except Exception as exc:  # a graph broken enough not to print still gets its message
+            printed = f"<graph could not be printed: {exc}>"
+        raise RlxValueError(
+            f"graph {graph.name!r} failed verification:\n  " + "\n  ".join(problems) + "\n\n" + printed
+        )
+
+
+def _problems(graph: Graph) -> list[str]:
+    store = graph._store
+    if not nx.is_directed_acyclic_graph(store):
+        cycle = nx.find_cycle(store)
+        return [f"the graph has a cycle through nodes {[edge[0] for edge in cycle]}"]
+    problems: list[str] = []
+    input_names: set[str] = set()
+    for node in graph.nodes:
+        problems += _node_problems(graph, node)
+        if node.op is OpKind.INPUT and isinstance(node.attrs, InputAttrs):
+            if node.attrs.name in input_names:
+                problems.append(f"two inputs are named {node.attrs.name!r}")
+            input_names.add(node.attrs.name)
+    for name, value in graph.outputs.items():
+        if value not in graph:
+            problems.append(f"output {name!r} reads node {value.node.id}, which is not in the graph")
+        elif not 0 <= value.index < len(value.node.types):
+            problems.append(f"output {name!r} reads output {value.index} of node {value.node.id}, which has none")
+    return problems
+
+
+def _node_problems(graph: Graph, node: Node) -> list[str]:
+    where = f"node {node.id} ({node.op})"
+    if not isinstance(node.attrs, ATTRS_CLASS[node.op]):
+        return [f"{where}: attrs must be {ATTRS_CLASS[node.op].__name__}, got {type(node.attrs).__name__}"]
+    for slot, value in enumerate(node.inputs):
+        if value not in graph:
+            return [f"{where}: operand {slot} reads node {value.node.id}, which is not in the graph"]
+        if not 0 <= value.index < len(value.node.types):
+            return [f"{where}: operand {slot} reads output {value.index} of node {value.node.id}, which has none"]
+    if node.op is OpKind.INPUT:
+        return [] if not node.inputs and len(node.types) == 1 else [f"{where}: an input has no operands, one result"]
+    try:
+        expected = SHAPE_RULES[node.op](where, [v.type for v in node.inputs], node.attrs)
+    except RlxError as exc:
+        return [str(exc)]
+    if tuple(expected) != tuple(node.types):
+        got = ", ".join(map(str, node.types))
+        return [f"{where}: result types are {got}, but its operands give {', '.join(map(str, expected))}"]
+    return []
