@@ -85,13 +85,13 @@ def attention_dims(
     Raises ``RlxTypeError`` for a dtype other than float32 and ``RlxValueError`` for a wrong
     rank, a size mismatch, or a missing / extra / misshapen mask tensor. Messages name ``what``.
     """
-    operands = [("q", q), ("k", k), ("v", v)] + ([("dy", dy)] if dy is not None else [])
-    if mask_tensor is not None:
-        operands.append(("mask_input", mask_tensor))
+    tensors = [("q", q), ("k", k), ("v", v)] + ([("dy", dy)] if dy is not None else [])
+    operands = tensors + ([("mask_input", mask_tensor)] if mask_tensor is not None else [])
     for label, ty in operands:
         if ty.dtype != F32:
             raise RlxTypeError(f"{what}: {label} must be f32, got {ty.dtype_name} ({ty})")
-    for label, ty in operands[:4]:
+    # Only q, k, v and dy are rank 4; the mask tensor's shape is checked below.
+    for label, ty in tensors:
         if ty.rank != 4:
             raise RlxValueError(f"{what}: {label} must have rank 4 ({_layout_names(layout)}), got {ty}")
     b, sq, h, d = layout.split(q.shape)
