@@ -1,0 +1,95 @@
+"""Check user arrays against a graph's inputs before anything reads them.
+
+Both the reference interpreter and compiled executables call :func:`bind_inputs` first, so no
+pointer reaches native code unless its name, dtype and shape match the graph exactly and its
+memory is C-contiguous and aligned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from rlx.errors import RlxKeyError, RlxTypeError, RlxValueError
+
+if TYPE_CHECKING:
+    from rlx.ir.graph import Graph
+    from rlx.ir.types import TensorType
+
+
+def bind_inputs(graph: Graph, arrays: Mapping[str, object]) -> dict[str, np.ndarray]:
+    """Return one C-contiguous, aligned array per graph input, in declaration order.
+
+    Raises ``RlxKeyError`` for an unknown or missing name, ``RlxTypeError`` for an object that is
+    not an array or has the wrong dtype (never converted), ``RlxValueError`` for a wrong shape.
+    """
+    if not isinstance(arrays, Mapping):
+        raise RlxTypeError(f"inputs must be a mapping of name -> array, got {type(arrays).__name__}")
+    declared = graph.inputs
+    unknown = [name for name in arrays if name not in declared]
+    if unknown:
+        raise RlxKeyError(
+            f"graph {graph.name!r} has no input named {unknown[0]!r}; expected inputs: {_names(declared)}"
+        )
+    missing = [name for name in declared if name not in arrays]
+    if missing:
+        raise RlxKeyError(
+            f"graph {graph.name!r}: missing input {missing[0]!r}"
+            f"{' (and ' + ', '.join(map(repr, missing[1:])) + ')' if len(missing) > 1 else ''}; "
+            f"expected inputs: {_names(declared)}"
+        )
+    return {name: _check_array(name, arrays[name], value.type) for name, value in declared.items()}
+
+
+def _names(declared: Mapping[str, object]) -> str:
+    return ", ".join(map(repr, declared)) or "(none)"
+
+
+def _check_array(name: str, obj: object, expected: TensorType) -> np.ndarray:
+    """One input: convert, then check dtype and shape, then make the memory safe to hand out."""
+    array = obj if isinstance(obj, np.ndarray) else _to_array(name, obj)
+    if array.dtype != expected.dtype:
+        array = _native_byte_order(name, array, expected)
+    if array.shape != expected.shape:
+        what = "rank" if array.ndim != len(expected.shape) else "shape"
+        raise RlxValueError(
+            f"input {name!r}: wrong {what}: expected shape {expected.shape} ({expected}), got {array.shape}"
+        )
+    if not (array.flags.c_contiguous and array.flags.aligned):
+        # Transposed, strided, broadcast or unaligned views: native code assumes dense rows.
+        array = np.array(array, order="C", copy=True)
+    return array
+
+
+def _to_array(name: str, obj: object) -> np.ndarray:
+    """DLPack first for objects that offer it (zero-copy), else ``np.asarray``; never dtype=object."""
+    errors: list[str] = []
+    if hasattr(obj, "__dlpack__"):
+        try:
+            return np.from_dlpack(obj)
+        except Exception as exc:  # device tensors, read-only exports, unsupported dtypes
+            errors.append(f"DLPack: {exc}")
+    try:
+        array = np.asarray(obj)
+    except Exception as exc:  # ragged sequences, objects whose __array__ raises
+        errors.append(f"np.asarray: {exc}")
+    else:
+        if array.dtype != object:
+            return array
+        errors.append("it converts only to an object array")
+    raise RlxTypeError(
+        f"input {name!r}: expected a NumPy array (or an object convertible with np.asarray or DLPack), "
+        f"got {type(obj).__name__}: {'; '.join(errors)}"
+    )
+
+
+def _native_byte_order(name: str, array: np.ndarray, expected: TensorType) -> np.ndarray:
+    """Accept the declared dtype in the other byte order (a lossless swap); refuse anything else."""
+    if array.dtype.newbyteorder("=") == expected.dtype:
+        return array.astype(expected.dtype)
+    raise RlxTypeError(
+        f"input {name!r}: expected dtype {expected.dtype} ({expected}), got {array.dtype}; "
+        f"convert explicitly, e.g. arr.astype(np.{expected.dtype})"
+    )
