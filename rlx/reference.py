@@ -186,9 +186,7 @@ def _eval_attention(node: Node, args: Sequence[np.ndarray], ctx: EvalContext) ->
     attrs = node.attrs
     assert isinstance(attrs, AttentionAttrs)
     mask_tensor = args[3] if len(args) > 3 else None
-    out = attention_forward(
-        *args[:3], mask=attrs.mask, layout=attrs.layout, mask_tensor=mask_tensor, config=ctx.config
-    )
+    out = attention_forward(*args[:3], mask=attrs.mask, layout=attrs.layout, mask_tensor=mask_tensor, config=ctx.config)
     return (out,)
 
 
@@ -223,7 +221,7 @@ def evaluate(
     env: dict[Value, np.ndarray] = {}
     for node in graph.nodes:
         results = _eval_node(graph, node, [env[value] for value in node.inputs], ctx)
-        for value, result in zip(node.outputs, results):
+        for value, result in zip(node.outputs, results, strict=True):
             with np.errstate(over="ignore"):  # float64 beyond float32 range rounds to inf, as in f32 code
                 env[value] = np.asarray(result).astype(value.type.dtype, copy=False)
     return {name: np.array(env[value], copy=True) for name, value in graph.outputs.items()}
