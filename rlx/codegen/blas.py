@@ -1,0 +1,50 @@
+"""The BLAS rlx calls: OpenBLAS from the ``scipy-openblas32`` wheel (CBLAS names prefixed ``scipy_``).
+
+Loaded once per process. BLAS runs single-threaded because rlx parallelises over batch x heads
+itself; nested BLAS threads would oversubscribe the cores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from dataclasses import dataclass
+
+SGEMM = "scipy_cblas_sgemm"
+_SET_THREADS = "scipy_openblas_set_num_threads"
+
+# CBLAS enum values (cblas.h).
+ROW_MAJOR = 101
+NO_TRANS = 111
+TRANS = 112
+
+
+@dataclass(frozen=True)
+class Blas:
+    path: str
+    library: ctypes.CDLL
+    sgemm_address: int
+
+
+@functools.cache
+def load_blas() -> Blas:
+    """Load OpenBLAS, make its symbols visible to JIT code and pin it to one thread."""
+    import scipy_openblas32
+
+    path = os.path.join(scipy_openblas32.get_lib_dir(), f"lib{scipy_openblas32.get_library()}.so")
+    library = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    set_threads = getattr(library, _SET_THREADS)
+    set_threads.argtypes = [ctypes.c_int]
+    set_threads(1)
+    address = ctypes.cast(getattr(library, SGEMM), ctypes.c_void_p).value
+    assert address, f"{SGEMM} not found in {path}"
+    return Blas(path=path, library=library, sgemm_address=int(address))
+
+
+@functools.cache
+def libc_symbol(name: str) -> int:
+    """Address of a C library function (pthread_create, pthread_join) for the JIT to call."""
+    address = ctypes.cast(getattr(ctypes.CDLL(None), name), ctypes.c_void_p).value
+    assert address, f"{name} not found in the C library"
+    return int(address)

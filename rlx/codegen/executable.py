@@ -1,0 +1,201 @@
+"""``rlx.compile``: passes -> memory plan -> LLVM IR -> machine code, cached; and the callable result.
+
+An equal graph compiled twice with the same passes, config and thread count reuses the first
+compilation from an in-process cache (keyed on the printed graph, which spells out every shape,
+attribute and name). Calling the executable validates every input with ``bind_inputs`` before
+any pointer reaches native code, then makes ONE native call that releases the GIL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rlx.bind import bind_inputs
+from rlx.codegen.jit import CompiledLibrary, compile_ir
+from rlx.codegen.lower import CodegenOptions, lower_graph, scratch_bytes
+from rlx.codegen.memory_plan import MemoryPlan, plan_memory, random_topological_order
+from rlx.config import RuntimeConfig, resolve_config, resolve_num_threads
+from rlx.errors import RlxTypeError
+from rlx.ir.graph import Graph
+
+_ENTRY_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
+_CACHE_SIZE = 64
+
+
+@dataclass
+class Program:
+    """What one compilation produced; shared by every Executable made from an equal graph."""
+
+    graph: Graph
+    plan: MemoryPlan
+    llvm_ir: str
+    library: CompiledLibrary
+    entry: ctypes._CFuncPtr  # type: ignore[name-defined]
+    compile_times: dict[str, float]
+    config: RuntimeConfig
+    threads: int
+    output_types: dict[str, tuple[tuple[int, ...], np.dtype]] = field(default_factory=dict)
+
+
+_cache: OrderedDict[tuple, Program] = OrderedDict()
+_cache_lock = threading.Lock()
+
+
+def default_pipeline() -> list[str]:
+    from rlx.passes import DEFAULT_PIPELINE
+
+    return list(DEFAULT_PIPELINE)
+
+
+def _check_passes(passes: Sequence[str] | None) -> tuple[str, ...] | None:
+    if passes is None:
+        return None
+    if isinstance(passes, str) or not all(isinstance(p, str) for p in passes):
+        raise RlxTypeError(f"passes must be a list of pass names, got {passes!r}")
+    return tuple(passes)
+
+
+def compile_graph(
+    graph: Graph,
+    passes: Sequence[str] | None = None,
+    config: RuntimeConfig | None = None,
+    options: CodegenOptions | None = None,
+) -> Executable:
+    """Compile ``graph`` (never mutated). ``passes=None`` runs the default pipeline."""
+    if not isinstance(graph, Graph):
+        raise RlxTypeError(f"rlx.compile expects an rlx.Graph, got {type(graph).__name__}")
+    config = resolve_config(config)
+    pass_names = _check_passes(passes)
+    options = options or CodegenOptions()
+    if not isinstance(options, CodegenOptions):
+        raise RlxTypeError(f"options must be a CodegenOptions, got {type(options).__name__}")
+    threads = resolve_num_threads(config)
+    start = time.perf_counter()
+    key = (str(graph), pass_names, config, threads, options)
+    with _cache_lock:
+        program = _cache.get(key)
+        if program is not None:
+            _cache.move_to_end(key)
+    if program is None:
+        program = _build(graph, pass_names, config, threads, options)
+        with _cache_lock:
+            _cache[key] = program
+            while len(_cache) > _CACHE_SIZE:
+                _cache.popitem(last=False)
+        times = dict(program.compile_times)
+    else:
+        times = {"cache_lookup": time.perf_counter() - start}
+    times["total"] = time.perf_counter() - start
+    return Executable(program, times)
+
+
+def _build(graph: Graph, pass_names: tuple[str, ...] | None, config: RuntimeConfig, threads: int,
+           options: CodegenOptions) -> Program:
+    from rlx.passes import run as run_passes
+
+    times: dict[str, float] = {}
+    start = time.perf_counter()
+    working = graph.copy()
+    working.verify()
+    run_passes(working, list(pass_names) if pass_names is not None else default_pipeline())
+    times["passes"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    order = None if options.order_seed is None else random_topological_order(working, options.order_seed)
+    plan = plan_memory(working, lambda node: scratch_bytes(node, config, options), threads, order)
+    llvm_ir = lower_graph(working, plan, config, options)
+    times["lowering"] = time.perf_counter() - start
+
+    library = compile_ir(llvm_ir)
+    times["llvm_optimize"] = library.times["llvm_optimize"]
+    times["machine_code"] = library.times["machine_code"] + library.times["link"]
+    entry = _ENTRY_TYPE(library.entry_address)
+    output_types = {name: (v.type.shape, v.type.dtype) for name, v in working.outputs.items()}
+    return Program(working, plan, llvm_ir, library, entry, times, config, threads, output_types)
+
+
+class Executable:
+    """A compiled graph. Call it with keyword arrays; get a dict of new float32 arrays back."""
+
+    def __init__(self, program: Program, compile_times: dict[str, float]) -> None:
+        self._program = program
+        self.compile_times = compile_times
+        self._arenas = threading.local()
+
+    @property
+    def graph(self) -> Graph:
+        """The graph after the pipeline (do not mutate: it is shared with the compile cache)."""
+        return self._program.graph
+
+    @property
+    def llvm_ir(self) -> str:
+        """The LLVM IR module as generated, before optimisation."""
+        return self._program.llvm_ir
+
+    @property
+    def optimized_llvm_ir(self) -> str:
+        return self._program.library.optimized_ir
+
+    @property
+    def asm(self) -> str:
+        """Assembly of the machine code."""
+        return self._program.library.asm
+
+    @property
+    def threads(self) -> int:
+        return self._program.threads
+
+    @property
+    def memory_plan(self) -> MemoryPlan:
+        return self._program.plan
+
+    def __call__(self, **arrays: object) -> dict[str, np.ndarray]:
+        program = self._program
+        bound = bind_inputs(program.graph, arrays)
+        plan = program.plan
+        results: dict[str, np.ndarray] = {}
+        pointers = (ctypes.c_void_p * max(1, len(plan.buffer_names)))()
+        for index, name in enumerate(plan.buffer_names):
+            if name in bound:
+                array = bound[name]
+            else:
+                shape, dtype = program.output_types[name]
+                array = results[name] = np.empty(shape, dtype=dtype)
+            pointers[index] = array.ctypes.data
+        arena = self._arena(plan.arena_bytes)
+        program.entry(ctypes.addressof(pointers), arena.ctypes.data)
+        outputs: dict[str, np.ndarray] = {}
+        for name in program.output_types:
+            if name in results:
+                outputs[name] = results[name]
+            else:
+                source = plan.aliases[name]
+                outputs[name] = (results[source] if source in results else bound[source]).copy()
+        return outputs
+
+    def _arena(self, nbytes: int) -> np.ndarray:
+        """A per-Python-thread arena, reused across calls: concurrent calls never share one."""
+        arena = getattr(self._arenas, "buffer", None)
+        if arena is None or arena.nbytes < nbytes:
+            arena = np.empty(max(nbytes, 64) + 64, dtype=np.uint8)
+            self._arenas.buffer = arena
+        offset = (-arena.ctypes.data) % 64
+        return arena[offset : offset + max(nbytes, 1)]
+
+    def __repr__(self) -> str:
+        outputs = ", ".join(self._program.output_types)
+        return f"<rlx.Executable {self._program.graph.name!r} -> {outputs}; {self.threads} threads>"
+
+
+def emit_llvm_ir(graph: Graph, passes: Sequence[str] | None = None, config: RuntimeConfig | None = None) -> str:
+    """The LLVM IR ``rlx.compile`` would generate for ``graph`` (compiles it, cached)."""
+    return compile_graph(graph, passes=passes, config=config).llvm_ir
+
+

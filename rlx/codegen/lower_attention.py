@@ -1,0 +1,416 @@
+"""Lower one attention (forward or backward) node to a per-head LLVM function.
+
+The function ``void @<node>(ptr args, i64 item, ptr scratch)`` computes head ``item`` (= b·H + h)
+in query strips of ``block_q`` rows, so scratch is O(block_q · Sk) per thread whatever the
+sequence length. For each strip:
+
+1. ``S = scale · Q_strip K_vis^T``                      (GEMM, only keys the strip can see)
+2. mask, then row softmax in place: ``S -> P``
+3. forward:  ``out_strip = P V_vis``                    (GEMM)
+   backward: ``dV_vis += P^T dY_strip``                 (GEMM, if dV wanted)
+             ``dP = dY_strip V_vis^T``                  (GEMM, if dQ or dK wanted)
+             ``dS = P ∘ (dP − rowsum(P ∘ dP))``, 0 where masked
+             ``dQ_strip = scale · dS K_vis``            (GEMM, if dQ wanted)
+             ``dK_vis += scale · dS^T Q_strip``         (GEMM, if dK wanted)
+
+So V alone costs 2 GEMMs, Q or K alone 3, any two 4, all three 5. The visible keys of a strip
+are ``[ks, ks + nk)``: all keys, except for causal and sliding-window masks, whose hidden blocks
+are skipped. Skipping is exact only while a hidden key's weight ``exp(neg − rowmax)`` vanishes;
+when a row says otherwise (a custom ``neg`` near the scores, or a row with no visible key) the
+strip is recomputed over all keys, which is always exact.
+
+Both layouts are read in place: a head's rows are ``H·D`` floats apart in BSHD and ``D`` apart in
+BHSD, and that stride is the BLAS leading dimension, so no head is ever copied.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from llvmlite import ir
+
+from rlx.codegen.blas import NO_TRANS, ROW_MAJOR, SGEMM, TRANS
+from rlx.codegen.expf import define_expf
+from rlx.codegen.irutil import (
+    F32,
+    I1,
+    I8,
+    I32,
+    I64,
+    PTR,
+    REDUCE,
+    VOID,
+    alloca_entry,
+    clamp,
+    declare,
+    f32,
+    fill,
+    for_range,
+    gep,
+    gep_f32,
+    i32,
+    i64,
+    intrinsic,
+    smax,
+    smin,
+)
+from rlx.ir.ops import AttentionDims
+from rlx.ir.types import Layout, MaskKind, Wrt
+
+# A hidden key may be skipped when its softmax weight exp(neg - rowmax) is below e^-50: even
+# summed over 10^7 keys that is far under float32 rounding of the row sum (which is >= 1).
+SKIP_MARGIN = -50.0
+SCRATCH_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class AttentionKernelSpec:
+    """Everything that shapes the generated code of one attention node."""
+
+    dims: AttentionDims
+    layout: Layout
+    mask: MaskKind
+    neg: float
+    threshold: float
+    grads: Wrt | None  # None: the forward op
+    block_q: int
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.dims.head_dim)
+
+    @property
+    def needs_dp(self) -> bool:
+        return self.grads is not None and bool(self.grads & (Wrt.QUERY | Wrt.KEY))
+
+    @property
+    def work_items(self) -> int:
+        return self.dims.batch * self.dims.heads
+
+    def strip_floats(self) -> int:
+        """Floats in one scores strip, rounded up to keep every scratch buffer 64-byte aligned."""
+        raw = self.block_q * self.dims.seq_k
+        per_line = SCRATCH_ALIGN // 4
+        return -(-raw // per_line) * per_line
+
+    def scratch_bytes(self) -> int:
+        """Per-thread scratch: the P strip, plus the dP/dS strip when dQ or dK are wanted."""
+        return self.strip_floats() * 4 * (2 if self.needs_dp else 1)
+
+
+def choose_block_q(seq_q: int, seq_k: int, needs_dp: bool, l2_bytes: int = 1 << 20) -> int:
+    """Query rows per strip: the strip buffers fill about half of L2, with 32..512 rows.
+
+    Strips are balanced (``ceil(Sq / n)`` rows each) so that no strip is a sliver.
+    """
+    buffers = 2 if needs_dp else 1
+    target = (l2_bytes // 2) // (4 * seq_k * buffers)
+    target = max(32, min(512, target))
+    strips = -(-seq_q // target)
+    return -(-seq_q // strips)
+
+
+class AttentionLowering:
+    """Emits the per-head function for one attention node; see the module docstring."""
+
+    def __init__(self, module: ir.Module, spec: AttentionKernelSpec, name: str) -> None:
+        self.module = module
+        self.spec = spec
+        self.name = name
+        self.expf = define_expf(module)
+        self.maxnum = intrinsic(module, "llvm.maxnum.f32", F32, [F32, F32])
+        self.memset = intrinsic(module, "llvm.memset.p0.i64", VOID, [PTR, I8, I64, I1])
+        self.sgemm = declare(module, SGEMM, VOID, [I32] * 6 + [F32, PTR, I32, PTR, I32, F32, PTR, I32])
+        self.neg = f32(spec.neg)
+
+    # ------------------------------------------------------------------ public
+
+    def operand_slots(self) -> list[str]:
+        """Names of the pointers in ``args``, in order: operands then results."""
+        slots = ["q", "k", "v"]
+        if self.spec.grads is not None:
+            slots.append("dy")
+        if self.spec.mask.needs_tensor:
+            slots.append("mask")
+        if self.spec.grads is None:
+            slots.append("out")
+        else:
+            slots += [f"d{flag!s}" for flag in self.spec.grads.members]
+        return slots
+
+    def emit(self) -> ir.Function:
+        spec, dims = self.spec, self.spec.dims
+        fn = ir.Function(self.module, ir.FunctionType(VOID, [PTR, I64, PTR]), name=self.name)
+        fn.linkage = "internal"
+        args, item, scratch = fn.args
+        args.name, item.name, scratch.name = "args", "item", "scratch"
+        b = ir.IRBuilder(fn.append_basic_block("entry"))
+        base = {
+            slot: b.load(gep(b, args, [i64(i)], PTR), typ=PTR, name=f"{slot}.base")
+            for i, slot in enumerate(self.operand_slots())
+        }
+        batch = b.sdiv(item, i64(dims.heads), name="b")
+        head = b.srem(item, i64(dims.heads), name="h")
+        self.batch = batch
+        heads = {}
+        for slot, ptr in base.items():
+            if slot == "mask":
+                continue
+            seq = dims.seq_q if slot in ("q", "dy", "out", "dq") else dims.seq_k
+            heads[slot] = gep_f32(b, ptr, self._head_offset(b, batch, head, seq), name=f"{slot}.head")
+        self.mask_base = self._mask_base(b, base.get("mask"), batch, head)
+        strip_s = scratch
+        strip_dp = gep_f32(b, scratch, spec.strip_floats(), name="dp.strip") if spec.needs_dp else None
+
+        for slot in ("dk", "dv"):
+            if slot in heads:
+                self._zero_rows(b, heads[slot], dims.seq_k)
+
+        n_strips = -(-dims.seq_q // spec.block_q)
+        with for_range(b, 0, n_strips, "strip") as strip:
+            i0 = b.mul(strip, i64(spec.block_q), name="i0")
+            rows = smin(b, i64(spec.block_q), b.sub(i64(dims.seq_q), i0), name="rows")
+            ks, nk = self._scores_and_softmax(b, heads, i0, rows, strip_s)
+            if spec.grads is None:
+                self._forward_gemm(b, heads, i0, rows, ks, nk, strip_s)
+            else:
+                self._backward_gemms(b, heads, i0, rows, ks, nk, strip_s, strip_dp)
+        b.ret_void()
+        return fn
+
+    # ------------------------------------------------------------------ addressing
+
+    def _row_stride(self) -> int:
+        dims = self.spec.dims
+        return dims.heads * dims.head_dim if self.spec.layout is Layout.BSHD else dims.head_dim
+
+    def _head_offset(self, b: ir.IRBuilder, batch: ir.Value, head: ir.Value, seq: int) -> ir.Value:
+        """Element offset of row 0 of head (batch, head) in a tensor with ``seq`` rows per head."""
+        dims = self.spec.dims
+        d = dims.head_dim
+        if self.spec.layout is Layout.BSHD:  # ((b*S + s)*H + h)*D
+            return b.add(b.mul(batch, i64(seq * dims.heads * d)), b.mul(head, i64(d)))
+        return b.mul(b.add(b.mul(batch, i64(dims.heads)), head), i64(seq * d))  # ((b*H + h)*S + s)*D
+
+    def _mask_base(self, b: ir.IRBuilder, mask: ir.Value | None, batch: ir.Value, head: ir.Value) -> ir.Value | None:
+        """Key-padding row ``mask[b, :]`` (custom) or bias plane ``bias[b, h, :, :]`` (bias)."""
+        dims = self.spec.dims
+        if mask is None:
+            return None
+        if self.spec.mask == MaskKind.CUSTOM:
+            return gep_f32(b, mask, b.mul(batch, i64(dims.seq_k)), name="pad.row")
+        plane = b.add(b.mul(batch, i64(dims.heads)), head)
+        return gep_f32(b, mask, b.mul(plane, i64(dims.seq_q * dims.seq_k)), name="bias.plane")
+
+    def _zero_rows(self, b: ir.IRBuilder, head: ir.Value, rows: int) -> None:
+        """Zero a head's rows before strips accumulate into them with beta = 1."""
+        stride, d = self._row_stride(), self.spec.dims.head_dim
+        if stride == d:  # contiguous head (BHSD): one memset
+            b.call(self.memset, [head, ir.Constant(I8, 0), i64(rows * d * 4), ir.Constant(I1, 0)])
+            return
+        with for_range(b, 0, rows, "zero") as row:
+            ptr = gep_f32(b, head, b.mul(row, i64(stride)))
+            b.call(self.memset, [ptr, ir.Constant(I8, 0), i64(d * 4), ir.Constant(I1, 0)])
+
+    # ------------------------------------------------------------------ masks
+
+    def _strip_keys(self, b: ir.IRBuilder, i0: ir.Value, rows: ir.Value) -> tuple[ir.Value, ir.Value]:
+        """Keys ``[ks, ks + nk)`` that any row of the strip can see (all keys if none can)."""
+        dims, mask = self.spec.dims, self.spec.mask
+        if not mask.is_causal_like:
+            return i64(0), i64(dims.seq_k)
+        offset = max(dims.seq_k - dims.seq_q, 0)
+        end = smin(b, b.add(i0, b.add(rows, i64(offset))), i64(dims.seq_k), name="ke")
+        if mask.window is None:
+            start = i64(0)
+        else:
+            start = smax(b, b.sub(b.add(i0, i64(offset)), i64(mask.window)), i64(0), name="ks.raw")
+        empty = b.icmp_signed(">=", start, end)
+        start = b.select(empty, i64(0), start, name="ks")
+        end = b.select(empty, i64(dims.seq_k), end, name="ke.full")
+        return start, b.sub(end, start, name="nk")
+
+    def _row_keys(self, b: ir.IRBuilder, gi: ir.Value, ks: ir.Value, nk: ir.Value) -> tuple[ir.Value, ir.Value]:
+        """Causal-like masks: the columns ``[lo, hi)`` of the strip that query row ``gi`` sees."""
+        dims, mask = self.spec.dims, self.spec.mask
+        diagonal = b.add(gi, i64(max(dims.seq_k - dims.seq_q, 0)), name="diag")
+        hi = clamp(b, b.sub(b.add(diagonal, i64(1)), ks), i64(0), nk, name="hi")
+        if mask.window is None:
+            return i64(0), hi
+        lo = clamp(b, b.sub(b.sub(diagonal, i64(mask.window)), ks), i64(0), hi, name="lo")
+        return lo, hi
+
+    def _key_padded(self, b: ir.IRBuilder, gj: ir.Value) -> ir.Value:
+        """Custom mask: is key ``gj`` hidden (``mask[b, gj] < threshold``)?"""
+        value = b.load(gep_f32(b, self.mask_base, gj), typ=F32, name="pad")
+        return b.fcmp_ordered("<", value, f32(self.spec.threshold), name="padded")
+
+    # ------------------------------------------------------------------ softmax
+
+    def _scores_and_softmax(
+        self, b: ir.IRBuilder, heads: dict[str, ir.Value], i0: ir.Value, rows: ir.Value, strip: ir.Value
+    ) -> tuple[ir.Value, ir.Value]:
+        """GEMM 1, mask and softmax of one strip; returns the keys ``(ks, nk)`` it used."""
+        spec, dims = self.spec, self.spec.dims
+        ld = self._row_stride()
+        ks0, nk0 = self._strip_keys(b, i0, rows)
+        before = b.block
+        scores = b.append_basic_block("scores")
+        retry = b.append_basic_block("scores.retry")
+        after = b.append_basic_block("scores.done")
+        b.branch(scores)
+        b.position_at_end(scores)
+        ks = b.phi(I64, name="ks")
+        nk = b.phi(I64, name="nk")
+        ks.add_incoming(ks0, before)
+        nk.add_incoming(nk0, before)
+        ks.add_incoming(i64(0), retry)
+        nk.add_incoming(i64(dims.seq_k), retry)
+        q_strip = gep_f32(b, heads["q"], b.mul(i0, i64(ld)), name="q.strip")
+        k_vis = gep_f32(b, heads["k"], b.mul(ks, i64(ld)), name="k.vis")
+        self._sgemm(b, NO_TRANS, TRANS, rows, nk, i64(dims.head_dim), spec.scale, q_strip, ld, k_vis, ld, 0.0,
+                    strip, nk)
+        needs_all_keys = self._mask_softmax_rows(b, strip, i0, rows, ks, nk)
+        partial = b.icmp_signed("<", nk, i64(dims.seq_k), name="partial")
+        b.cbranch(b.and_(partial, needs_all_keys, name="redo"), retry, after)
+        b.position_at_end(retry)
+        b.branch(scores)
+        b.position_at_end(after)
+        return ks, nk
+
+    def _mask_softmax_rows(
+        self, b: ir.IRBuilder, strip: ir.Value, i0: ir.Value, rows: ir.Value, ks: ir.Value, nk: ir.Value
+    ) -> ir.Value:
+        """Mask and softmax every row of the strip in place; true if a skipped key could matter."""
+        mask = self.spec.mask
+        flag = alloca_entry(b, I1, "needs.all.keys")
+        b.store(ir.Constant(I1, 0), flag)
+        row_max = alloca_entry(b, F32, "row.max")
+        row_sum = alloca_entry(b, F32, "row.sum")
+        with for_range(b, 0, rows, "r") as r:
+            gi = b.add(i0, r, name="gi")
+            row = gep_f32(b, strip, b.mul(r, nk), name="row")
+            b.store(f32(-math.inf), row_max)
+            if mask.is_causal_like:
+                lo, hi = self._row_keys(b, gi, ks, nk)
+                fill(b, row, i64(0), lo, self.neg, "fill.lo")
+                fill(b, row, hi, nk, self.neg, "fill.hi")
+                with for_range(b, lo, hi, "j") as j:
+                    self._max_into(b, row_max, b.load(gep_f32(b, row, j), typ=F32))
+                hidden = b.or_(b.icmp_signed(">", lo, i64(0)), b.icmp_signed("<", hi, nk), name="has.hidden")
+                with b.if_then(hidden):
+                    self._max_into(b, row_max, self.neg)
+            else:
+                with for_range(b, 0, nk, "j") as j:
+                    ptr = gep_f32(b, row, j)
+                    score = b.load(ptr, typ=F32, name="s")
+                    gj = b.add(ks, j, name="gj")
+                    if mask == MaskKind.CUSTOM:
+                        score = b.select(self._key_padded(b, gj), self.neg, score, name="s.masked")
+                        b.store(score, ptr)
+                    elif mask == MaskKind.BIAS:
+                        bias_ptr = gep_f32(b, self.mask_base, b.add(b.mul(gi, i64(self.spec.dims.seq_k)), gj))
+                        score = b.fadd(score, b.load(bias_ptr, typ=F32, name="bias"), name="s.biased")
+                        b.store(score, ptr)
+                    self._max_into(b, row_max, score)
+            m = b.load(row_max, typ=F32, name="m")
+            if mask.is_causal_like and math.isfinite(self.spec.neg):
+                matters = b.fcmp_ordered(">", b.fsub(self.neg, m), f32(SKIP_MARGIN), name="hidden.matters")
+                b.store(b.or_(b.load(flag, typ=I1), matters), flag)
+            self._exp_normalise(b, row, nk, m, row_sum)
+        return b.load(flag, typ=I1, name="needs.all")
+
+    def _max_into(self, b: ir.IRBuilder, acc: ir.Value, value: ir.Value) -> None:
+        b.store(b.call(self.maxnum, [b.load(acc, typ=F32), value], fastmath=()), acc)
+
+    def _exp_normalise(self, b: ir.IRBuilder, row: ir.Value, nk: ir.Value, m: ir.Value, row_sum: ir.Value) -> None:
+        """``row = exp(row - m) / sum``; a row whose max is -inf (all hidden by -inf) becomes 0."""
+        with b.if_else(b.fcmp_ordered("==", m, f32(-math.inf), name="all.hidden")) as (empty, normal):
+            with empty:
+                fill(b, row, i64(0), nk, f32(0.0), "zero.row")
+            with normal:
+                b.store(f32(0.0), row_sum)
+                with for_range(b, 0, nk, "e") as j:
+                    ptr = gep_f32(b, row, j)
+                    e = b.call(self.expf, [b.fsub(b.load(ptr, typ=F32), m)], name="e")
+                    b.store(e, ptr)
+                    b.store(b.fadd(b.load(row_sum, typ=F32), e, flags=REDUCE), row_sum)
+                inv = b.fdiv(f32(1.0), b.load(row_sum, typ=F32), name="inv.sum")
+                with for_range(b, 0, nk, "n") as j:
+                    ptr = gep_f32(b, row, j)
+                    b.store(b.fmul(b.load(ptr, typ=F32), inv), ptr)
+
+    def _softmax_backward_rows(
+        self, b: ir.IRBuilder, p: ir.Value, dp: ir.Value, i0: ir.Value, rows: ir.Value, ks: ir.Value, nk: ir.Value
+    ) -> None:
+        """``dS = P ∘ (dP − rowsum(P ∘ dP))`` into ``dp``; exactly 0 where the mask hid the score."""
+        mask = self.spec.mask
+        dot = alloca_entry(b, F32, "row.dot")
+        with for_range(b, 0, rows, "r.bwd") as r:
+            offset = b.mul(r, nk)
+            p_row = gep_f32(b, p, offset, name="p.row")
+            dp_row = gep_f32(b, dp, offset, name="dp.row")
+            b.store(f32(0.0), dot)
+            with for_range(b, 0, nk, "d") as j:
+                product = b.fmul(b.load(gep_f32(b, p_row, j), typ=F32), b.load(gep_f32(b, dp_row, j), typ=F32))
+                b.store(b.fadd(b.load(dot, typ=F32), product, flags=REDUCE), dot)
+            total = b.load(dot, typ=F32, name="dot")
+            lo, hi = (i64(0), nk)
+            if mask.is_causal_like:
+                lo, hi = self._row_keys(b, b.add(i0, r), ks, nk)
+                fill(b, dp_row, i64(0), lo, f32(0.0), "ds.lo")
+                fill(b, dp_row, hi, nk, f32(0.0), "ds.hi")
+            with for_range(b, lo, hi, "g") as j:
+                dp_ptr = gep_f32(b, dp_row, j)
+                centred = b.fsub(b.load(dp_ptr, typ=F32), total)
+                ds = b.fmul(b.load(gep_f32(b, p_row, j), typ=F32), centred, name="ds")
+                if mask == MaskKind.CUSTOM:
+                    ds = b.select(self._key_padded(b, b.add(ks, j)), f32(0.0), ds, name="ds.masked")
+                b.store(ds, dp_ptr)
+
+    # ------------------------------------------------------------------ GEMMs
+
+    def _forward_gemm(self, b: ir.IRBuilder, heads: dict[str, ir.Value], i0: ir.Value, rows: ir.Value,
+                      ks: ir.Value, nk: ir.Value, p: ir.Value) -> None:
+        ld, d = self._row_stride(), self.spec.dims.head_dim
+        v_vis = gep_f32(b, heads["v"], b.mul(ks, i64(ld)), name="v.vis")
+        out = gep_f32(b, heads["out"], b.mul(i0, i64(ld)), name="out.strip")
+        self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(d), nk, 1.0, p, nk, v_vis, ld, 0.0, out, ld)
+
+    def _backward_gemms(self, b: ir.IRBuilder, heads: dict[str, ir.Value], i0: ir.Value, rows: ir.Value,
+                        ks: ir.Value, nk: ir.Value, p: ir.Value, dp: ir.Value | None) -> None:
+        spec, ld, d = self.spec, self._row_stride(), self.spec.dims.head_dim
+        grads = spec.grads
+        assert grads is not None
+        q_strip = gep_f32(b, heads["q"], b.mul(i0, i64(ld)), name="q.strip")
+        dy_strip = gep_f32(b, heads["dy"], b.mul(i0, i64(ld)), name="dy.strip")
+        k_vis = gep_f32(b, heads["k"], b.mul(ks, i64(ld)), name="k.vis")
+        v_vis = gep_f32(b, heads["v"], b.mul(ks, i64(ld)), name="v.vis")
+        if grads & Wrt.VALUE:  # dV_vis += P^T dY_strip
+            dv = gep_f32(b, heads["dv"], b.mul(ks, i64(ld)), name="dv.vis")
+            self._sgemm(b, TRANS, NO_TRANS, nk, i64(d), rows, 1.0, p, nk, dy_strip, ld, 1.0, dv, ld)
+        if dp is None:
+            return
+        # dP = dY_strip V_vis^T, then dS in place
+        self._sgemm(b, NO_TRANS, TRANS, rows, nk, i64(d), 1.0, dy_strip, ld, v_vis, ld, 0.0, dp, nk)
+        self._softmax_backward_rows(b, p, dp, i0, rows, ks, nk)
+        if grads & Wrt.QUERY:  # dQ_strip = scale · dS K_vis
+            dq = gep_f32(b, heads["dq"], b.mul(i0, i64(ld)), name="dq.strip")
+            self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(d), nk, spec.scale, dp, nk, k_vis, ld, 0.0, dq, ld)
+        if grads & Wrt.KEY:  # dK_vis += scale · dS^T Q_strip
+            dk = gep_f32(b, heads["dk"], b.mul(ks, i64(ld)), name="dk.vis")
+            self._sgemm(b, TRANS, NO_TRANS, nk, i64(d), rows, spec.scale, dp, nk, q_strip, ld, 1.0, dk, ld)
+
+    def _sgemm(self, b: ir.IRBuilder, trans_a: int, trans_b: int, m: ir.Value, n: ir.Value, k: ir.Value,
+               alpha: float, a: ir.Value, lda: int | ir.Value, b_mat: ir.Value, ldb: int | ir.Value, beta: float,
+               c: ir.Value, ldc: int | ir.Value) -> None:
+        """The one place a matrix product is emitted: row-major ``C = alpha op(A) op(B) + beta C``."""
+
+        def as_i32(value: int | ir.Value) -> ir.Value:
+            return i32(value) if isinstance(value, int) else b.trunc(value, I32)
+
+        b.call(self.sgemm, [
+            i32(ROW_MAJOR), i32(trans_a), i32(trans_b), as_i32(m), as_i32(n), as_i32(k), f32(alpha),
+            a, as_i32(lda), b_mat, as_i32(ldb), f32(beta), c, as_i32(ldc),
+        ])

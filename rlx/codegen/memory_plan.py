@@ -1,0 +1,163 @@
+"""Where every value lives at run time: a user input, a fresh output array, or the arena.
+
+Intermediates share one arena, placed first-fit by liveness. A value is live from the step of
+the node that makes it through the last step that reads it, *inclusive*: a node's inputs are
+still live while its outputs are written, so an output can never take an input's bytes. (The
+fused kernel writes dK/dV with beta = 1 while it still reads Q and dY; letting an output overlap
+an input is the bug that keeps the original kernel's fused path off.) ``check_plan`` proves the
+property for each plan, and the planner is fuzzed over random topological orders in the tests.
+
+Per-thread scratch sits after the intermediates; nodes run one after another, so all nodes share
+it, sized for the hungriest.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from rlx.errors import RlxError
+from rlx.ir.graph import Graph, Node, Value
+from rlx.ir.ops import OpKind
+
+ALIGN = 64
+
+
+@dataclass(frozen=True)
+class Location:
+    """``kind`` is ``"input"`` / ``"output"`` (index into the entry's buffer list) or ``"arena"`` (byte offset)."""
+
+    kind: str
+    index: int
+
+
+@dataclass
+class MemoryPlan:
+    order: list[Node]
+    locations: dict[Value, Location]
+    buffer_names: list[str]  # entry-function buffer list: graph inputs, then output slots
+    arena_bytes: int
+    scratch_offset: int
+    scratch_stride: int
+    threads: int
+    live: dict[Value, tuple[int, int]] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)  # output name -> input or output it copies
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def random_topological_order(graph: Graph, seed: int) -> list[Node]:
+    """A uniformly shuffled valid order, for fuzzing the planner (as tinygrad fuzzes schedules)."""
+    rng = random.Random(seed)
+    store = graph._store
+    indegree = {n: store.in_degree(n) for n in store.nodes}
+    ready = [n for n, d in indegree.items() if d == 0]
+    order: list[Node] = []
+    while ready:
+        node_id = ready.pop(rng.randrange(len(ready)))
+        order.append(graph.node(node_id))
+        for succ in set(store.successors(node_id)):
+            indegree[succ] -= store.number_of_edges(node_id, succ)
+            if indegree[succ] == 0:
+                ready.append(succ)
+    return order
+
+
+def plan_memory(
+    graph: Graph,
+    scratch_per_thread: Callable[[Node], int],
+    threads: int,
+    order: Sequence[Node] | None = None,
+) -> MemoryPlan:
+    """Assign every value a location; ``order`` defaults to ``graph.nodes``."""
+    order = list(graph.nodes if order is None else order)
+    _check_order(graph, order)
+    locations: dict[Value, Location] = {}
+    buffer_names: list[str] = []
+    for name, value in graph.inputs.items():
+        locations[value] = Location("input", len(buffer_names))
+        buffer_names.append(name)
+    aliases: dict[str, str] = {}
+    for name, value in graph.outputs.items():
+        if value in locations:  # an input, or a value already written to an earlier output
+            aliases[name] = buffer_names[locations[value].index]
+            continue
+        locations[value] = Location("output", len(buffer_names))
+        buffer_names.append(name)
+
+    step = {node: i for i, node in enumerate(order)}
+    live: dict[Value, tuple[int, int]] = {}
+    for node in order:
+        for value in node.outputs:
+            uses = [step[consumer] for consumer, _ in graph.uses(value)]
+            live[value] = (step[node], max(uses, default=step[node]))
+
+    placed: list[tuple[int, int, int, int]] = []  # (offset, end, first, last)
+    intermediates = [v for n in order if n.op is not OpKind.INPUT for v in n.outputs if v not in locations]
+    intermediates.sort(key=lambda v: (-v.type.nbytes, live[v][0]))
+    for value in intermediates:
+        first, last = live[value]
+        size = _align(value.type.nbytes)
+        offset = 0
+        for other_offset, other_end, other_first, other_last in sorted(placed):
+            overlaps_in_time = not (last < other_first or other_last < first)
+            if overlaps_in_time and offset < other_end and other_offset < offset + size:
+                offset = _align(other_end)
+        placed.append((offset, offset + size, first, last))
+        locations[value] = Location("arena", offset)
+    values_end = max((end for _, end, _, _ in placed), default=0)
+    stride = _align(max((scratch_per_thread(n) for n in order if n.op is not OpKind.INPUT), default=0))
+    plan = MemoryPlan(
+        order=order,
+        locations=locations,
+        buffer_names=buffer_names,
+        arena_bytes=values_end + stride * threads,
+        scratch_offset=values_end,
+        scratch_stride=stride,
+        threads=threads,
+        live=live,
+        aliases=aliases,
+    )
+    check_plan(plan)
+    return plan
+
+
+def check_plan(plan: MemoryPlan) -> None:
+    """Raise if two arena values live at once overlap, or a node's output overlaps its input."""
+    arena = [(v, loc.index, loc.index + v.type.nbytes) for v, loc in plan.locations.items() if loc.kind == "arena"]
+    for i, (a, a_start, a_end) in enumerate(arena):
+        if a_end > plan.scratch_offset:
+            raise RlxError(f"memory plan bug: {a} runs into the scratch region")
+        for b, b_start, b_end in arena[i + 1 :]:
+            (a_first, a_last), (b_first, b_last) = plan.live[a], plan.live[b]
+            if a_start < b_end and b_start < a_end and not (a_last < b_first or b_last < a_first):
+                raise RlxError(f"memory plan bug: {a} and {b} are live together and overlap")
+    for node in plan.order:
+        for out in node.outputs:
+            for operand in node.inputs:
+                if _overlap(plan, out, operand):
+                    raise RlxError(f"memory plan bug: node {node.id} ({node.op}) writes {out} over its input {operand}")
+
+
+def _overlap(plan: MemoryPlan, a: Value, b: Value) -> bool:
+    la, lb = plan.locations[a], plan.locations[b]
+    if la.kind != lb.kind:
+        return False
+    if la.kind != "arena":
+        return la.index == lb.index
+    return la.index < lb.index + b.type.nbytes and lb.index < la.index + a.type.nbytes
+
+
+def _check_order(graph: Graph, order: Sequence[Node]) -> None:
+    if {n.id for n in order} != {n.id for n in graph.nodes} or len(order) != len(graph):
+        raise RlxError("memory plan: the order must list every node of the graph once")
+    position = {n.id: i for i, n in enumerate(order)}
+    for node in order:
+        for value in node.inputs:
+            if position[value.node.id] >= position[node.id]:
+                raise RlxError(f"memory plan: node {node.id} comes before its operand node {value.node.id}")
+
+
