@@ -15,7 +15,7 @@ from types import MappingProxyType
 
 import networkx as nx
 
-from rlx.errors import RlxTypeError, RlxValueError
+from rlx.errors import RlxKeyError, RlxTypeError, RlxValueError
 from rlx.ir.ops import (
     SHAPE_RULES,
     AttentionAttrs,
@@ -151,6 +151,8 @@ class Graph:
         return MappingProxyType(dict(self._outputs))
 
     def node(self, node_id: int) -> Node:
+        if node_id not in self._nodes:
+            raise RlxKeyError(f"graph {self.name!r} has no node {node_id!r}")
         return self._nodes[node_id]
 
     def users(self, node: Node) -> list[Node]:
@@ -286,6 +288,8 @@ class Graph:
             del self._inputs[node.attrs.name]
 
     def remove_output(self, name: str) -> None:
+        if name not in self._outputs:
+            raise RlxKeyError(f"graph {self.name!r} has no output named {name!r}; outputs: {list(self._outputs)}")
         del self._outputs[name]
 
     # ----------------------------------------------------------------- whole-graph
