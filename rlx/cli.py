@@ -1,0 +1,242 @@
+"""The ``rlx`` command line: ``rlx opt`` transforms textual IR, ``rlx demo`` runs the main job.
+
+``rlx opt FILE -p fuse-attention-bwd,dce`` works like ``mlir-opt``/``xdsl-opt``: the final IR goes
+to stdout, ``--print-after-all`` dumps and ``--timings`` go to stderr, so stdout can be piped.
+Errors print one line on stderr and exit with status 1, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TextIO
+
+import numpy as np
+
+import rlx
+from rlx.errors import RlxError
+from rlx.ir import Graph, Layout, MaskKind, OpKind, parse
+
+# ----------------------------------------------------------------------------- rlx opt
+
+
+def run_opt(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """Parse, transform and print (or lower) one textual-IR file."""
+    text = sys.stdin.read() if args.file == "-" else _read(args.file)
+    graph = parse(text)
+    timings: dict[str, float] = {}
+    rlx.passes.run(graph, args.passes, print_after_all=err if args.print_after_all else False, timings=timings)
+    if args.timings:
+        print_timings(timings, err)
+    if args.emit == "llvm":
+        print(emit_llvm(graph), file=out)
+    else:
+        print(graph, file=out)
+    return 0
+
+
+def emit_llvm(graph: Graph) -> str:
+    """The LLVM IR module the code generator builds for ``graph`` exactly as given.
+
+    ``passes=[]``: ``rlx opt`` has already run the passes the user asked for, and no others.
+    """
+    try:
+        from rlx.codegen import emit_llvm_ir
+    except ImportError as exc:
+        raise CliError(f"--emit llvm needs the code generator (rlx.codegen.emit_llvm_ir): {exc}") from exc
+    return str(emit_llvm_ir(graph, passes=[]))
+
+
+def print_timings(timings: Mapping[str, float], stream: TextIO) -> None:
+    width = max((len(name) for name in timings), default=4)
+    print(f"{'pass':<{width}}  time (ms)", file=stream)
+    for name, seconds in timings.items():
+        print(f"{name:<{width}}  {seconds * 1e3:9.3f}", file=stream)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror if isinstance(exc, OSError) else exc}") from exc
+
+
+def _pass_list(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+# ----------------------------------------------------------------------------- rlx demo
+
+Engine = Callable[[Graph, Mapping[str, np.ndarray]], dict[str, np.ndarray]]
+
+
+def run_on_reference(graph: Graph, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    from rlx.reference import evaluate
+
+    return evaluate(graph, arrays)
+
+
+# Where ``rlx demo --engine`` looks up how to run a graph. The code generator adds
+# ``"compiled": lambda g, a: rlx.compile(g, passes=[])(**a)`` and makes it the default.
+ENGINES: dict[str, Engine] = {"reference": run_on_reference}
+DEFAULT_ENGINE = "reference"
+
+
+def build_demo_graph(batch: int, heads: int, seq: int, dim: int) -> Graph:
+    """Causal BSHD forward attention plus ``rlx.grad`` w.r.t. q, k and v (three single-wrt nodes)."""
+    g = Graph("attention_block")
+    shape = (batch, seq, heads, dim)
+    q, k, v, dy = (g.input(name, shape) for name in ("q", "k", "v", "dy"))
+    out = g.attention(q, k, v, mask=MaskKind.CAUSAL, layout=Layout.BSHD)
+    dq, dk, dv = rlx.grad(g, out, [q, k, v], dy)
+    g.output(out=out, dq=dq, dk=dk, dv=dv)
+    return g
+
+
+def demo_inputs(graph: Graph, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {name: rng.standard_normal(value.shape).astype(np.float32) for name, value in graph.inputs.items()}
+
+
+def max_abs_diff(got: Mapping[str, np.ndarray], expected: Mapping[str, np.ndarray]) -> float:
+    return max(float(np.max(np.abs(got[name].astype(np.float64) - expected[name]))) for name in expected)
+
+
+def finite_difference_error(
+    arrays: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray], samples: int, seed: int
+) -> float:
+    """Worst ``|grad - fd| / (1 + |fd|)`` over sampled entries of dq, dk, dv.
+
+    ``fd`` is a central difference of ``sum(attention(q, k, v) * dy)`` with the float64 reference
+    forward, so it checks the gradients against the forward itself, not against another backward.
+    """
+    from rlx.reference import attention_forward
+
+    base = {name: np.asarray(array, dtype=np.float64) for name, array in arrays.items()}
+
+    def loss(operands: Mapping[str, np.ndarray]) -> float:
+        out = attention_forward(operands["q"], operands["k"], operands["v"], mask=MaskKind.CAUSAL)
+        return float(np.sum(out * base["dy"]))
+
+    rng = np.random.default_rng(seed + 1)
+    eps, worst = 1e-4, 0.0
+    for name in ("q", "k", "v"):
+        for _ in range(samples):
+            index = tuple(int(rng.integers(size)) for size in base[name].shape)
+            shifted = {}
+            for sign in (1.0, -1.0):
+                moved = base[name].copy()
+                moved[index] += sign * eps
+                shifted[sign] = loss({**base, name: moved})
+            fd = (shifted[1.0] - shifted[-1.0]) / (2 * eps)
+            worst = max(worst, abs(float(grads["d" + name][index]) - fd) / (1.0 + abs(fd)))
+    return worst
+
+
+def run_demo(args: argparse.Namespace, out: TextIO) -> int:
+    """Build, differentiate, fuse, run and check; 0 when every check passes."""
+    engine = ENGINES[args.engine]
+    graph = build_demo_graph(args.batch, args.heads, args.seq, args.dim)
+    print(f"== forward + rlx.grad: B={args.batch} H={args.heads} S={args.seq} D={args.dim}, causal, bshd", file=out)
+    print(graph, file=out)
+
+    fused = graph.copy()
+    timings: dict[str, float] = {}
+    rlx.passes.run(fused, list(rlx.passes.DEFAULT_PIPELINE), timings=timings)
+    print(f"\n== after {', '.join(rlx.passes.DEFAULT_PIPELINE)}", file=out)
+    print(fused, file=out)
+    print(f"attention_bwd nodes: {_count_bwd(graph)} -> {_count_bwd(fused)}", file=out)
+
+    arrays = demo_inputs(graph, args.seed)
+    start = time.perf_counter()
+    expected = run_on_reference(graph, arrays)  # the oracle: the unfused graph on the reference
+    timings["reference (unfused)"] = time.perf_counter() - start
+    start = time.perf_counter()
+    got = engine(fused, arrays)
+    timings[f"{args.engine} (fused)"] = time.perf_counter() - start
+    start = time.perf_counter()
+    fd_error = finite_difference_error(arrays, got, args.samples, args.seed)
+    timings["finite differences"] = time.perf_counter() - start
+
+    diff = max_abs_diff(got, expected)
+    scale = max(float(np.max(np.abs(array))) for array in expected.values())
+    diff_ok = diff <= 1e-5 * max(1.0, scale)
+    fd_ok = fd_error <= 1e-3
+    print(f"\n== checks (engine: {args.engine}, seed {args.seed})", file=out)
+    print(f"fused vs unfused reference: max abs diff {diff:.3e}  {'ok' if diff_ok else 'MISMATCH'}", file=out)
+    print(
+        f"gradients vs central differences ({3 * args.samples} entries): worst error {fd_error:.3e}  "
+        f"{'ok' if fd_ok else 'MISMATCH'}",
+        file=out,
+    )
+    print("\n== timings", file=out)
+    print_timings(timings, out)
+    return 0 if diff_ok and fd_ok else 1
+
+
+def _count_bwd(graph: Graph) -> int:
+    return sum(node.op is OpKind.ATTENTION_BWD for node in graph.nodes)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+class CliError(RlxError):
+    """A command-line problem (unreadable file, missing code generator): message, exit 1."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlx", description="Graph-IR mini compiler for attention kernels.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    opt = commands.add_parser("opt", help="run passes on a textual-IR file and print the result")
+    opt.add_argument("file", metavar="FILE", help="textual IR, or - for stdin")
+    opt.add_argument(
+        "-p",
+        "--passes",
+        type=_pass_list,
+        default=[],
+        help=f"comma-separated passes, from: {', '.join(rlx.passes.PASSES)}",
+    )
+    opt.add_argument("--print-after-all", action="store_true", help="print the IR after each pass that changed it")
+    opt.add_argument("--timings", action="store_true", help="print the time each pass took")
+    opt.add_argument("--emit", choices=("ir", "llvm"), default="ir", help="print textual IR (default) or LLVM IR")
+
+    demo = commands.add_parser("demo", help="attention forward -> grad -> fuse -> run -> check")
+    demo.add_argument("--batch", type=_positive, default=2)
+    demo.add_argument("--heads", type=_positive, default=4)
+    demo.add_argument("--seq", type=_positive, default=128)
+    demo.add_argument("--dim", type=_positive, default=64)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--samples", type=_positive, default=4, help="finite-difference entries per gradient")
+    demo.add_argument("--engine", choices=sorted(ENGINES), default=DEFAULT_ENGINE, help="how to run the fused graph")
+    return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``rlx`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "opt":
+            return run_opt(args, sys.stdout, sys.stderr)
+        return run_demo(args, sys.stdout)
+    except RlxError as exc:
+        print(f"rlx {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
