@@ -62,6 +62,8 @@ def _node_problems(graph: Graph, node: Node) -> list[str]:
         expected = SHAPE_RULES[node.op](where, [v.type for v in node.inputs], node.attrs)
     except RlxError as exc:
         return [str(exc)]
+    except Exception as exc:  # e.g. an attrs field of the wrong type: report it, do not crash
+        return [f"{where}: attrs {node.attrs!r} do not fit its operands ({type(exc).__name__}: {exc})"]
     if tuple(expected) != tuple(node.types):
         got = ", ".join(map(str, node.types))
         return [f"{where}: result types are {got}, but its operands give {', '.join(map(str, expected))}"]
