@@ -1,0 +1,351 @@
+"""Graph API: order, use lists, rewiring, erasing, copying, verification, flags and masks."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+import rlx
+from rlx import Graph, Layout, MaskKind, OpKind, TensorType, Value, Wrt
+from rlx.ir import AttentionAttrs, InputAttrs, parse
+
+from .graphs import SK, SQ, B, D, H, spec_graph
+
+
+def _qkv(g: Graph) -> tuple[Value, Value, Value, Value]:
+    return g.inputs["q"], g.inputs["k"], g.inputs["v"], g.inputs["dy"]
+
+
+def _assert_topological(g: Graph) -> None:
+    seen: set[int] = set()
+    for node in g.nodes:
+        assert all(v.node.id in seen for v in node.inputs), f"node {node.id} printed before an operand"
+        seen.add(node.id)
+
+
+# ----------------------------------------------------------------------------- order and uses
+
+
+def test_nodes_are_topological_after_rewiring_to_a_newer_input() -> None:
+    """Creation order is no longer topological once a node reads a later input; g.nodes still is."""
+    g = spec_graph()
+    q = g.inputs["q"]
+    o = g.outputs["o"]
+    late_q = g.input("late_q", q.shape)
+    g.set_input(o.node, 0, late_q)
+    order = [n.id for n in g.nodes]
+    assert order.index(late_q.node.id) < order.index(o.node.id)
+    assert late_q.node.id > o.node.id
+    _assert_topological(g)
+    g.verify()
+    assert str(parse(str(g))) == str(g)
+
+
+def test_nodes_break_ties_by_creation_order() -> None:
+    g = spec_graph()
+    assert [n.id for n in g.nodes] == sorted(n.id for n in g.nodes)
+    assert [n.op for n in g.nodes] == [OpKind.INPUT] * 4 + [OpKind.ATTENTION, OpKind.ATTENTION_BWD]
+
+
+def test_users_are_distinct_and_oldest_first() -> None:
+    g = Graph("u")
+    x = g.input("x", (1, 3, 1, 2))
+    a = g.attention(x, x, x)  # reads x three times
+    b = g.attention_bwd(x, a, a, x, wrt=Wrt.KEY)
+    assert x.node.users == [a.node, b.node]
+    assert a.node.users == [b.node]
+    assert b.node.users == []
+    assert g.users(x.node) == x.node.users
+
+
+def test_uses_lists_every_slot() -> None:
+    g = Graph("u")
+    x = g.input("x", (1, 3, 1, 2))
+    a = g.attention(x, x, x)
+    b = g.attention_bwd(x, a, a, x, wrt=Wrt.KEY)
+    assert g.uses(x) == [(a.node, 0), (a.node, 1), (a.node, 2), (b.node, 0), (b.node, 3)]
+    assert g.uses(a) == [(b.node, 1), (b.node, 2)]
+    assert g.uses(b) == []
+
+
+def test_uses_tell_outputs_of_one_node_apart() -> None:
+    g = spec_graph()
+    dq, dk, dv = (g.outputs[n] for n in ("dq", "dk", "dv"))
+    reader = g.attention(g.inputs["q"], dk, dv)
+    assert g.uses(dk) == [(reader.node, 1)]
+    assert g.uses(dv) == [(reader.node, 2)]
+    assert g.uses(dq) == []
+    assert dk.node.users == [reader.node]
+
+
+# ----------------------------------------------------------------------------- rewiring
+
+
+def test_replace_all_uses_with_rewires_nodes_and_graph_outputs() -> None:
+    g = spec_graph()
+    q, k, v, _ = _qkv(g)
+    old = g.outputs["o"]
+    reader = g.attention(old, k, v)
+    g.output(again=old)
+    new = g.attention(q, k, v, mask=MaskKind.sliding_window(1))
+    g.replace_all_uses_with(old, new)
+    assert reader.node.inputs[0] == new
+    assert g.outputs["o"] == new and g.outputs["again"] == new
+    assert g.uses(old) == [] and old.node.users == []
+    assert reader.node in new.node.users
+    assert list(g.outputs) == ["o", "dq", "dk", "dv", "again"], "output names and order are kept"
+    g.erase(old.node)
+    g.verify()
+
+
+def test_replace_all_uses_with_refuses_another_type() -> None:
+    g = spec_graph()
+    with pytest.raises(rlx.RlxValueError, match=r"f32\[2,5,2,4\] cannot be replaced by f32\[2,3,2,4\]"):
+        g.replace_all_uses_with(g.outputs["dq"], g.outputs["dk"])
+    assert g.outputs["dq"].index == 0
+
+
+def test_replace_all_uses_with_refuses_a_value_of_another_graph() -> None:
+    g, other = spec_graph(), spec_graph()
+    with pytest.raises(rlx.RlxValueError, match="replace_all_uses_with: new belongs to graph"):
+        g.replace_all_uses_with(g.outputs["o"], other.outputs["o"])
+
+
+def test_set_input_refuses_a_cycle_and_leaves_the_graph_as_it_was() -> None:
+    g = spec_graph()
+    q, k, v, _ = _qkv(g)
+    first = g.attention(q, k, v)
+    second = g.attention(first, k, v)
+    before = str(g)
+    with pytest.raises(rlx.RlxValueError, match=r"set_input: reading node \d+ from node \d+ would make a cycle"):
+        g.set_input(first.node, 0, second)
+    with pytest.raises(rlx.RlxValueError, match="would make a cycle"):
+        g.set_input(first.node, 0, first)  # reading its own output
+    assert first.node.inputs[0] == q
+    assert str(g) == before
+    assert g.uses(second) == []
+    g.verify()
+
+
+def test_set_input_refuses_another_type() -> None:
+    g = spec_graph()
+    k = g.inputs["k"]
+    with pytest.raises(rlx.RlxValueError, match=r"slot 0 of node \d+ has type f32\[2,5,2,4\], got f32\[2,3,2,4\]"):
+        g.set_input(g.outputs["o"].node, 0, k)
+
+
+# ----------------------------------------------------------------------------- erasing
+
+
+def test_erase_refuses_while_users_remain_and_names_them() -> None:
+    g = spec_graph()
+    q = g.inputs["q"]
+    fwd = g.outputs["o"].node
+    bwd = g.outputs["dq"].node
+    with pytest.raises(rlx.RlxValueError) as info:
+        g.erase(q.node)
+    message = str(info.value)
+    assert f"cannot erase node {q.node.id} (input)" in message
+    assert f"node {fwd.id} (attention)" in message and f"node {bwd.id} (attention_bwd)" in message
+    assert q.node in g
+
+
+def test_erase_refuses_graph_outputs_and_names_them() -> None:
+    g = spec_graph()
+    bwd = g.outputs["dq"].node
+    expected = r"cannot erase node \d+ \(attention_bwd\): it is graph output dq, dk, dv"
+    with pytest.raises(rlx.RlxValueError, match=expected):
+        g.erase(bwd)
+    for name in ("dq", "dk", "dv"):
+        g.remove_output(name)
+    g.erase(bwd)
+    assert bwd not in g and len(g) == 5
+    g.verify()
+
+
+def test_erasing_an_input_removes_it_from_the_inputs() -> None:
+    g = spec_graph()
+    spare = g.input("spare", (3,))
+    g.erase(spare.node)
+    assert "spare" not in g.inputs
+    assert g.input("spare", (4,)).shape == (4,), "the name is free again"
+
+
+def test_erase_refuses_a_node_of_another_graph() -> None:
+    g, other = spec_graph(), spec_graph()
+    with pytest.raises(rlx.RlxValueError, match="does not belong to graph 'attn'"):
+        g.erase(other.outputs["o"].node)
+
+
+# ----------------------------------------------------------------------------- copying
+
+
+def test_copy_is_independent_of_the_original() -> None:
+    g = spec_graph()
+    before = str(g)
+    clone = g.copy()
+    assert str(clone) == before
+    assert [n.id for n in clone.nodes] == [n.id for n in g.nodes]
+    assert all(c is not n and c.graph is clone for c, n in zip(clone.nodes, g.nodes, strict=True))
+
+    q, k, v, _ = _qkv(clone)
+    extra = clone.attention(q, k, v, mask=MaskKind.sliding_window(2))
+    clone.replace_all_uses_with(clone.outputs["o"], extra)
+    clone.erase(clone.node(g.outputs["o"].node.id))
+    for name in ("dq", "dk", "dv"):
+        clone.remove_output(name)
+    clone.input("more", (1,))
+
+    assert str(g) == before
+    g.verify()
+    clone.verify()
+    assert g.outputs["o"].node.attrs.mask == MaskKind.CAUSAL
+    assert g.outputs["o"] not in clone and extra not in g
+    with pytest.raises(rlx.RlxValueError, match="belongs to graph"):
+        g.attention(extra, k, v)
+
+
+def test_copy_keeps_ids_so_new_nodes_do_not_collide() -> None:
+    g = spec_graph()
+    g.erase(g.input("gone", (1,)).node)
+    clone = g.copy()
+    fresh = clone.input("fresh", (1,))
+    assert fresh.node.id not in {n.id for n in g.nodes}
+    assert fresh.node.id == g.input("fresh", (1,)).node.id
+
+
+# ----------------------------------------------------------------------------- verification
+
+
+def _corrupt_types(g: Graph) -> None:
+    node = g.outputs["o"].node
+    node.types = (TensorType((B, SQ, H, D + 1)),)
+
+
+def _corrupt_wrt(g: Graph) -> None:
+    node = g.outputs["dq"].node
+    node.attrs = dataclasses.replace(node.attrs, wrt=Wrt.QUERY)  # three results, one flag
+
+
+def _corrupt_mask(g: Graph) -> None:
+    node = g.outputs["o"].node
+    node.attrs = dataclasses.replace(node.attrs, mask=MaskKind.BIAS)  # no bias tensor
+
+
+def _corrupt_attrs_class(g: Graph) -> None:
+    g.outputs["o"].node.attrs = InputAttrs("o")
+
+
+def _corrupt_attrs_field(g: Graph) -> None:
+    g.outputs["o"].node.attrs = AttentionAttrs(mask="causal", layout=Layout.BSHD)  # type: ignore[arg-type]
+
+
+def _corrupt_layout(g: Graph) -> None:
+    node = g.outputs["o"].node
+    node.attrs = dataclasses.replace(node.attrs, layout=Layout.BHSD)
+
+
+def _corrupt_input_type(g: Graph) -> None:
+    g.inputs["k"].node.types = (TensorType((B, SK, H, D), np.dtype(np.float64)),)
+
+
+CORRUPTIONS = [
+    (_corrupt_types, r"node \d+ \(attention\): result types are f32\[2,5,2,5\], but its operands give f32\[2,5,2,4\]"),
+    (_corrupt_wrt, r"node \d+ \(attention_bwd\): result types are .*, but its operands give f32\[2,5,2,4\]$"),
+    (_corrupt_mask, r"node \d+ \(attention\): mask bias needs a mask_input tensor"),
+    (_corrupt_attrs_class, r"node \d+ \(attention\): attrs must be AttentionAttrs, got InputAttrs"),
+    (_corrupt_attrs_field, r"node \d+ \(attention\): attrs AttentionAttrs\(mask='causal'.* do not fit its operands"),
+    (_corrupt_layout, r"node \d+ \(attention\): k must have batch 2, heads 5"),
+    (_corrupt_input_type, r"node \d+ \(attention\): k must be f32, got f64"),
+]
+
+
+@pytest.mark.parametrize(("corrupt", "problem"), CORRUPTIONS, ids=[c[0].__name__ for c in CORRUPTIONS])
+def test_verify_catches_a_corrupted_graph_and_ends_with_the_printout(
+    corrupt: Callable[[Graph], None], problem: str
+) -> None:
+    g = spec_graph()
+    g.verify()
+    corrupt(g)
+    with pytest.raises(rlx.RlxValueError) as info:
+        g.verify()
+    message = str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert message.startswith("graph 'attn' failed verification:")
+    assert any(re.search(problem, line) for line in message.splitlines()), message
+    assert message.endswith("\n\n" + str(g))
+
+
+def test_verify_catches_an_output_of_an_erased_node() -> None:
+    g = spec_graph()
+    q, k, v, _ = _qkv(g)
+    stale = g.attention(q, k, v)
+    g.erase(stale.node)
+    g._outputs["stale"] = stale  # what a buggy pass could leave behind
+    with pytest.raises(rlx.RlxValueError, match=r"output 'stale' reads node \d+, which is not in the graph"):
+        g.verify()
+
+
+# ----------------------------------------------------------------------------- flags and masks
+
+
+def test_wrt_flags_combine_to_all() -> None:
+    assert Wrt.QUERY | Wrt.KEY | Wrt.VALUE == Wrt.ALL
+    assert Wrt.ALL.members == (Wrt.QUERY, Wrt.KEY, Wrt.VALUE)
+    assert (Wrt.VALUE | Wrt.QUERY).members == (Wrt.QUERY, Wrt.VALUE)
+    assert str(Wrt.VALUE | Wrt.KEY) == "k|v"
+    for bits in range(1, 8):
+        assert Wrt.parse(str(Wrt(bits))) == Wrt(bits)
+
+
+@pytest.mark.parametrize("layout", list(Layout))
+def test_wrt_decides_the_results_in_q_k_v_order(layout: Layout) -> None:
+    g = Graph("w")
+    q = g.input("q", layout.join(B, SQ, H, D))
+    k = g.input("k", layout.join(B, SK, H, D))
+    v = g.input("v", layout.join(B, SK, H, D))
+    dy = g.input("dy", layout.join(B, SQ, H, D))
+    shape_of = {Wrt.QUERY: q.shape, Wrt.KEY: k.shape, Wrt.VALUE: v.shape}
+    for flag in (Wrt.QUERY, Wrt.KEY, Wrt.VALUE):
+        single = g.attention_bwd(q, k, v, dy, wrt=flag, layout=layout)
+        assert isinstance(single, Value)
+        assert single.shape == shape_of[flag] and single.node.attrs.wrt == flag
+    pair = g.attention_bwd(q, k, v, dy, wrt=Wrt.VALUE | Wrt.QUERY, layout=layout)
+    assert isinstance(pair, tuple) and [x.shape for x in pair] == [q.shape, v.shape]
+    assert [x.index for x in pair] == [0, 1]
+    dq, dk, dv = g.attention_bwd(q, k, v, dy, wrt=Wrt.ALL, layout=layout)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    assert dq.node is dk.node is dv.node and len(dq.node.outputs) == 3
+
+
+def test_mask_kinds_compare_and_hash_by_value() -> None:
+    assert MaskKind.sliding_window(3) == MaskKind.sliding_window(3)
+    assert hash(MaskKind.sliding_window(3)) == hash(MaskKind.sliding_window(3))
+    assert MaskKind.sliding_window(3) != MaskKind.sliding_window(4)
+    assert MaskKind.sliding_window(0) != MaskKind.CAUSAL
+    assert MaskKind.CUSTOM != MaskKind.BIAS
+    assert len({MaskKind.sliding_window(3), MaskKind.sliding_window(3), MaskKind.CAUSAL, MaskKind.NONE}) == 3
+    assert MaskKind.parse("causal") is not MaskKind.CAUSAL and MaskKind.parse("causal") == MaskKind.CAUSAL
+
+
+def test_mask_kind_text_round_trips() -> None:
+    masks = [MaskKind.NONE, MaskKind.CAUSAL, MaskKind.CUSTOM, MaskKind.BIAS, MaskKind.sliding_window(0)]
+    for mask in [*masks, MaskKind.sliding_window(128)]:
+        assert MaskKind.parse(str(mask)) == mask
+    assert repr(MaskKind.sliding_window(5)) == "MaskKind.sliding_window(5)"
+    assert [m.needs_tensor for m in masks] == [False, False, True, True, False]
+
+
+def test_equal_attrs_make_equal_nodes_attrs() -> None:
+    """Passes (CSE, fusion) compare attrs with ==: equal masks built separately must match."""
+    g = spec_graph()
+    q, k, v, _ = _qkv(g)
+    a = g.attention(q, k, v, mask=MaskKind.sliding_window(2))
+    b = g.attention(q, k, v, mask=MaskKind.sliding_window(2))
+    c = g.attention(q, k, v, mask=MaskKind.sliding_window(2), layout=Layout.BSHD)
+    assert a.node.attrs == b.node.attrs == c.node.attrs
+    assert hash(a.node.attrs) == hash(b.node.attrs)
