@@ -5,7 +5,7 @@ from __future__ import annotations
 from textwrap import dedent
 
 import pytest
-from conftest import assert_same_numerics, qkv
+from passes_helpers import assert_same_numerics, qkv
 
 import rlx
 from rlx import Graph, Layout, MaskKind, OpKind, Wrt

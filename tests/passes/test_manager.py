@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 
 import pytest
-from conftest import qkv
+from passes_helpers import qkv
 
 import rlx
 from rlx import Graph, RlxError, RlxKeyError, RlxTypeError, RlxValueError, TensorType, Wrt
