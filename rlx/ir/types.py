@@ -180,8 +180,8 @@ class MaskKind:
     def parse(text: str) -> MaskKind:
         text = text.strip()
         if text.startswith("sliding_window(") and text.endswith(")"):
-            inner = text[len("sliding_window(") : -1]
-            if not inner.strip().lstrip("-").isdigit():
+            inner = text[len("sliding_window(") : -1].strip()
+            if not (inner.isascii() and inner.lstrip("-").isdigit()):  # "²".isdigit() but int("²") fails
                 raise RlxValueError(f"bad sliding_window mask {text!r}")
             return MaskKind.sliding_window(int(inner))
         if text == "sliding_window":
