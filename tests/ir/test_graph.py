@@ -349,3 +349,12 @@ def test_equal_attrs_make_equal_nodes_attrs() -> None:
     c = g.attention(q, k, v, mask=MaskKind.sliding_window(2), layout=Layout.BSHD)
     assert a.node.attrs == b.node.attrs == c.node.attrs
     assert hash(a.node.attrs) == hash(b.node.attrs)
+
+
+def test_bad_mask_and_wrt_text_raise_rlx_errors() -> None:
+    for text in ("bogus", "sliding_window", "sliding_window(x)", "sliding_window(\u00b2)", "sliding_window(-1)"):
+        with pytest.raises(rlx.RlxValueError):
+            MaskKind.parse(text)
+    for text in ("", "x", "q|", "q,k"):
+        with pytest.raises(rlx.RlxValueError, match=r"expected q, k or v joined by '\|'"):
+            Wrt.parse(text)
