@@ -236,9 +236,11 @@ _CONVERTERS: dict[type, Callable[[str], object]] = {
 
 
 def _describe_type(tp: object) -> str:
+    name = str(getattr(tp, "__name__", tp))
+    article = "an" if name[:1] in ("a", "e", "i", "o", "u") else "a"
     if isinstance(tp, type) and issubclass(tp, enum.Enum) and not issubclass(tp, enum.Flag):
-        return f"a {tp.__name__} ({' or '.join(str(m) for m in tp)})"
-    return f"a {getattr(tp, '__name__', tp)}"
+        return f"{article} {name} ({' or '.join(str(m) for m in tp)})"
+    return f"{article} {name}"
 
 
 def _convert(tp: object, tokens: list[Token]) -> object:

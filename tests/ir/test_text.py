@@ -198,7 +198,7 @@ def test_new_attrs_class_reports_bad_values(monkeypatch: pytest.MonkeyPatch) -> 
         'graph @g {\n  %x = input "x" : f32[3]\n'
         "  %0 = attention %x {count = 1.5, scale = 1.0, label = a, flag = True, wrt = q} : f32[3]\n}"
     )
-    with pytest.raises(rlx.RlxValueError, match=r"line 3, column \d+: attribute 'count' of attention must be a int"):
+    with pytest.raises(rlx.RlxValueError, match=r"line 3, column \d+: attribute 'count' of attention must be an int"):
         parse(text)
     with pytest.raises(rlx.RlxValueError, match=r"line 3, column \d+: attribute 'flag' of attention must be a bool"):
         parse(text.replace("count = 1.5", "count = 1").replace("True", "yes"))
