@@ -70,20 +70,6 @@ def _pass_list(text: str) -> list[str]:
 
 # ----------------------------------------------------------------------------- rlx demo
 
-Engine = Callable[[Graph, Mapping[str, np.ndarray]], dict[str, np.ndarray]]
-
-
-def run_on_reference(graph: Graph, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    from rlx.reference import evaluate
-
-    return evaluate(graph, arrays)
-
-
-# Where ``rlx demo --engine`` looks up how to run a graph. The code generator adds
-# ``"compiled": lambda g, a: rlx.compile(g, passes=[])(**a)`` and makes it the default.
-ENGINES: dict[str, Engine] = {"reference": run_on_reference}
-DEFAULT_ENGINE = "reference"
-
 
 def build_demo_graph(batch: int, heads: int, seq: int, dim: int) -> Graph:
     """Causal BSHD forward attention plus ``rlx.grad`` w.r.t. q, k and v (three single-wrt nodes)."""
@@ -112,69 +98,86 @@ def finite_difference_error(
 
     ``fd`` is a central difference of ``sum(attention(q, k, v) * dy)`` with the float64 reference
     forward, so it checks the gradients against the forward itself, not against another backward.
+    An entry of head (b, h) only moves that head's output, so the loss is taken over that head.
     """
     from rlx.reference import attention_forward
 
     base = {name: np.asarray(array, dtype=np.float64) for name, array in arrays.items()}
-
-    def loss(operands: Mapping[str, np.ndarray]) -> float:
-        out = attention_forward(operands["q"], operands["k"], operands["v"], mask=MaskKind.CAUSAL)
-        return float(np.sum(out * base["dy"]))
-
     rng = np.random.default_rng(seed + 1)
     eps, worst = 1e-4, 0.0
     for name in ("q", "k", "v"):
         for _ in range(samples):
             index = tuple(int(rng.integers(size)) for size in base[name].shape)
+            b, h = index[0], index[2]
+            head = {key: base[key][b : b + 1, :, h : h + 1, :] for key in ("q", "k", "v", "dy")}
+            local = (0, index[1], 0, index[3])
             shifted = {}
             for sign in (1.0, -1.0):
-                moved = base[name].copy()
-                moved[index] += sign * eps
-                shifted[sign] = loss({**base, name: moved})
+                moved = head[name].copy()
+                moved[local] += sign * eps
+                operands = {**head, name: moved}
+                out = attention_forward(operands["q"], operands["k"], operands["v"], mask=MaskKind.CAUSAL)
+                shifted[sign] = float(np.sum(out * head["dy"]))
             fd = (shifted[1.0] - shifted[-1.0]) / (2 * eps)
             worst = max(worst, abs(float(grads["d" + name][index]) - fd) / (1.0 + abs(fd)))
     return worst
 
 
+def _median_times(runs: Mapping[str, Callable[[], object]], repeat: int) -> dict[str, float]:
+    """Median seconds per callable, calls interleaved so machine noise hits all alike."""
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeat):
+        for name, call in runs.items():
+            start = time.perf_counter()
+            call()
+            samples[name].append(time.perf_counter() - start)
+    return {name: float(np.median(times)) for name, times in samples.items()}
+
+
 def run_demo(args: argparse.Namespace, out: TextIO) -> int:
-    """Build, differentiate, fuse, run and check; 0 when every check passes."""
-    engine = ENGINES[args.engine]
+    """Build, differentiate, fuse, compile, run and check; 0 when every check passes."""
+    from rlx.reference import evaluate
+
     graph = build_demo_graph(args.batch, args.heads, args.seq, args.dim)
     print(f"== forward + rlx.grad: B={args.batch} H={args.heads} S={args.seq} D={args.dim}, causal, bshd", file=out)
     print(graph, file=out)
 
-    fused = graph.copy()
-    timings: dict[str, float] = {}
-    rlx.passes.run(fused, list(rlx.passes.DEFAULT_PIPELINE), timings=timings)
-    print(f"\n== after {', '.join(rlx.passes.DEFAULT_PIPELINE)}", file=out)
-    print(fused, file=out)
-    print(f"attention_bwd nodes: {_count_bwd(graph)} -> {_count_bwd(fused)}", file=out)
+    start = time.perf_counter()
+    fused = rlx.compile(graph)
+    compile_fused = time.perf_counter() - start
+    start = time.perf_counter()
+    unfused = rlx.compile(graph, passes=[])
+    compile_unfused = time.perf_counter() - start
+    print(f"\n== after {', '.join(rlx.passes.DEFAULT_PIPELINE)} (the graph rlx compiled)", file=out)
+    print(fused.graph, file=out)
+    print(f"attention_bwd nodes: {_count_bwd(graph)} -> {_count_bwd(fused.graph)}", file=out)
 
     arrays = demo_inputs(graph, args.seed)
     start = time.perf_counter()
-    expected = run_on_reference(graph, arrays)  # the oracle: the unfused graph on the reference
-    timings["reference (unfused)"] = time.perf_counter() - start
-    start = time.perf_counter()
-    got = engine(fused, arrays)
-    timings[f"{args.engine} (fused)"] = time.perf_counter() - start
-    start = time.perf_counter()
-    fd_error = finite_difference_error(arrays, got, args.samples, args.seed)
-    timings["finite differences"] = time.perf_counter() - start
+    expected = evaluate(graph, arrays)  # the oracle: the unfused graph on the float64 reference
+    reference_time = time.perf_counter() - start
+    results = {"rlx fused": fused(**arrays), "rlx unfused": unfused(**arrays)}
+    times = _median_times({name: (lambda exe=exe: exe(**arrays)) for name, exe in
+                           (("rlx fused", fused), ("rlx unfused", unfused))}, args.repeat)
+    errors = {name: max_abs_diff(got, expected) for name, got in results.items()}
+    fd_error = finite_difference_error(arrays, results["rlx fused"], args.samples, args.seed)
 
-    diff = max_abs_diff(got, expected)
     scale = max(float(np.max(np.abs(array))) for array in expected.values())
-    diff_ok = diff <= 1e-5 * max(1.0, scale)
+    tolerance = 1e-4 * max(1.0, scale)
+    print(f"\n== results ({fused.threads} threads, median of {args.repeat} interleaved calls, seed {args.seed})",
+          file=out)
+    print(f"{'':<22}{'time (ms)':>11}{'max |err| vs reference':>26}", file=out)
+    for name in ("rlx fused", "rlx unfused"):
+        print(f"{name:<22}{times[name] * 1e3:>11.2f}{errors[name]:>26.2e}", file=out)
+    print(f"{'reference (float64)':<22}{reference_time * 1e3:>11.2f}{'-':>26}", file=out)
+    print(f"fused speed-up over unfused: {times['rlx unfused'] / times['rlx fused']:.2f}x; "
+          f"compile: fused {compile_fused * 1e3:.0f} ms, unfused {compile_unfused * 1e3:.0f} ms", file=out)
     fd_ok = fd_error <= 1e-3
-    print(f"\n== checks (engine: {args.engine}, seed {args.seed})", file=out)
-    print(f"fused vs unfused reference: max abs diff {diff:.3e}  {'ok' if diff_ok else 'MISMATCH'}", file=out)
-    print(
-        f"gradients vs central differences ({3 * args.samples} entries): worst error {fd_error:.3e}  "
-        f"{'ok' if fd_ok else 'MISMATCH'}",
-        file=out,
-    )
-    print("\n== timings", file=out)
-    print_timings(timings, out)
-    return 0 if diff_ok and fd_ok else 1
+    errors_ok = all(error <= tolerance for error in errors.values())
+    print(f"gradients vs central differences ({3 * args.samples} entries): worst error {fd_error:.2e}  "
+          f"{'ok' if fd_ok else 'MISMATCH'}", file=out)
+    print(f"compiled vs reference (tolerance {tolerance:.1e}): {'ok' if errors_ok else 'MISMATCH'}", file=out)
+    return 0 if errors_ok and fd_ok else 1
 
 
 def _count_bwd(graph: Graph) -> int:
@@ -206,13 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--emit", choices=("ir", "llvm"), default="ir", help="print textual IR (default) or LLVM IR")
 
     demo = commands.add_parser("demo", help="attention forward -> grad -> fuse -> run -> check")
-    demo.add_argument("--batch", type=_positive, default=2)
-    demo.add_argument("--heads", type=_positive, default=4)
-    demo.add_argument("--seq", type=_positive, default=128)
+    demo.add_argument("--batch", type=_positive, default=4)
+    demo.add_argument("--heads", type=_positive, default=8)
+    demo.add_argument("--seq", type=_positive, default=512)
     demo.add_argument("--dim", type=_positive, default=64)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--samples", type=_positive, default=4, help="finite-difference entries per gradient")
-    demo.add_argument("--engine", choices=sorted(ENGINES), default=DEFAULT_ENGINE, help="how to run the fused graph")
+    demo.add_argument("--repeat", type=_positive, default=9, help="timed calls of each executable")
     return parser
 
 

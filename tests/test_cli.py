@@ -12,6 +12,8 @@ from textwrap import dedent
 import numpy as np
 import pytest
 
+import rlx
+import rlx.codegen
 from rlx import cli
 
 SOURCE = dedent(
@@ -139,16 +141,26 @@ def test_demo_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
     assert "attention_bwd nodes: 3 -> 1" in out
     assert "f32[1,16,2,8]" in out
     assert "MISMATCH" not in out and out.count(" ok\n") == 2
-    assert "finite differences" in out
+    assert "central differences" in out
+    for row in ("rlx fused", "rlx unfused", "reference (float64)"):
+        assert row in out
 
 
-def test_demo_reports_a_mismatch(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    def wrong_engine(graph, arrays):  # type: ignore[no-untyped-def]
-        results = cli.run_on_reference(graph, arrays)
+class _SkewedExecutable:
+    """Wraps a real executable but scales dK by 1.01: the demo must notice."""
+
+    def __init__(self, exe: rlx.codegen.Executable) -> None:
+        self.exe, self.graph, self.threads = exe, exe.graph, exe.threads
+
+    def __call__(self, **arrays: np.ndarray) -> dict[str, np.ndarray]:
+        results = self.exe(**arrays)
         results["dk"] = results["dk"] * np.float32(1.01)
         return results
 
-    monkeypatch.setitem(cli.ENGINES, "reference", wrong_engine)
+
+def test_demo_reports_a_mismatch(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    real_compile = rlx.compile
+    monkeypatch.setattr(rlx, "compile", lambda *a, **k: _SkewedExecutable(real_compile(*a, **k)))
     assert cli.main(SMALL) == 1
     out = capsys.readouterr().out
     assert out.count("MISMATCH") == 2  # caught by both the reference and the finite differences
