@@ -26,9 +26,11 @@ def as_dtype(dtype: object) -> np.dtype:
     """Normalise a user dtype (``np.float32``, ``"float32"``, ``"f32"``) or raise RlxTypeError."""
     if isinstance(dtype, str) and dtype in DTYPE_NAMES:
         return DTYPE_NAMES[dtype]
+    if dtype is None:  # np.dtype(None) is float64: too surprising to accept silently
+        raise RlxTypeError("not a dtype: None (leave the argument out for float32)")
     try:
         normalised = np.dtype(dtype)  # type: ignore[call-overload]
-    except TypeError:
+    except (TypeError, ValueError):
         raise RlxTypeError(f"not a dtype: {dtype!r}") from None
     if normalised not in _NAME_OF_DTYPE:
         supported = ", ".join(str(d) for d in _NAME_OF_DTYPE)
@@ -42,6 +44,12 @@ class TensorType:
 
     shape: tuple[int, ...]
     dtype: np.dtype = np.dtype(np.float32)
+
+    def __post_init__(self) -> None:
+        # Normalise so that equal types compare and hash equal and always print: a tuple of
+        # Python ints and one of the supported NumPy dtypes (``"float32"`` becomes ``np.float32``).
+        object.__setattr__(self, "shape", check_shape(self.shape, "TensorType"))
+        object.__setattr__(self, "dtype", as_dtype(self.dtype))
 
     @property
     def rank(self) -> int:
@@ -60,17 +68,22 @@ class TensorType:
 
 
 def check_shape(shape: object, what: str) -> tuple[int, ...]:
-    """Validate a user shape: a sequence of positive Python/NumPy ints."""
+    """Validate a user shape: a sequence of positive Python/NumPy ints; returns a tuple of ints."""
+    if type(shape) is tuple and all(type(dim) is int and dim >= 1 for dim in shape):
+        return shape  # the common case, already normal
     if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
         raise RlxTypeError(f"{what}: shape must be a tuple of ints, got {type(shape).__name__}")
-    dims = []
-    for dim in shape:  # type: ignore[union-attr]
+    try:
+        entries = tuple(shape)  # type: ignore[arg-type]
+    except TypeError:  # e.g. a 0-d array, which has __iter__ but cannot be iterated
+        raise RlxTypeError(f"{what}: shape must be a tuple of ints, got {type(shape).__name__}") from None
+    for dim in entries:
         if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)):
-            raise RlxTypeError(f"{what}: shape entries must be ints, got {dim!r} in {tuple(shape)}")  # type: ignore[arg-type]
-        if dim < 1:
-            raise RlxValueError(f"{what}: every dimension must be >= 1, got shape {tuple(int(d) for d in shape)}")  # type: ignore[union-attr]
-        dims.append(int(dim))
-    return tuple(dims)
+            raise RlxTypeError(f"{what}: shape entries must be ints, got {dim!r} in {entries}")
+    dims = tuple(int(dim) for dim in entries)
+    if any(dim < 1 for dim in dims):
+        raise RlxValueError(f"{what}: every dimension must be >= 1, got shape {dims}")
+    return dims
 
 
 class Layout(enum.Enum):
@@ -145,19 +158,27 @@ class MaskKind:
     _KINDS: ClassVar[tuple[str, ...]] = ("none", "causal", "sliding_window", "custom", "bias")
 
     def __post_init__(self) -> None:
+        if not isinstance(self.kind, str):
+            raise RlxTypeError(f"MaskKind: kind must be a str, got {type(self.kind).__name__}")
         if self.kind not in self._KINDS:
             raise RlxValueError(f"unknown mask kind {self.kind!r}; expected one of {', '.join(self._KINDS)}")
-        if (self.kind == "sliding_window") != (self.window is not None):
-            raise RlxValueError("only a sliding_window mask carries a window")
-
-    @staticmethod
-    def sliding_window(window: int) -> MaskKind:
-        """Causal mask that also hides keys more than ``window`` positions back (0: diagonal only)."""
+        if self.kind != "sliding_window":
+            if self.window is not None:
+                raise RlxValueError(f"only a sliding_window mask carries a window; {self.kind} got {self.window!r}")
+            return
+        window = self.window
+        if window is None:
+            raise RlxValueError("sliding_window mask needs a window: MaskKind.sliding_window(w)")
         if isinstance(window, (bool, np.bool_)) or not isinstance(window, (int, np.integer)):
             raise RlxTypeError(f"sliding_window: window must be an int, got {type(window).__name__}")
         if window < 0:
             raise RlxValueError(f"sliding_window: window must be >= 0, got {window}")
-        return MaskKind("sliding_window", int(window))
+        object.__setattr__(self, "window", int(window))  # np.int64(3) and 3 must hash alike
+
+    @staticmethod
+    def sliding_window(window: int) -> MaskKind:
+        """Causal mask that also hides keys more than ``window`` positions back (0: diagonal only)."""
+        return MaskKind("sliding_window", window)
 
     @property
     def needs_tensor(self) -> bool:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import rlx
-from rlx import Graph, Layout, MaskKind, Value, Wrt
+from rlx import Graph, Layout, MaskKind, TensorType, Value, Wrt
 
 B, SQ, SK, H, D = 2, 5, 3, 2, 4
 
@@ -155,6 +155,24 @@ CASES: list[tuple[str, Case, type[Exception], str]] = [
     ("float window", lambda e: MaskKind.sliding_window(2.0), TypeError, "window must be an int, got float"),
     ("str window", lambda e: MaskKind.sliding_window("2"), TypeError, "window must be an int, got str"),
     ("bool window", lambda e: MaskKind.sliding_window(True), TypeError, "window must be an int, got bool"),
+    # the constructor validates too: a bad mask never gets as far as printing or verify
+    ("ctor negative window", lambda e: MaskKind("sliding_window", -1), ValueError, "window must be >= 0, got -1"),
+    ("ctor float window", lambda e: MaskKind("sliding_window", 1.5), TypeError, "window must be an int, got float"),
+    ("ctor bool window", lambda e: MaskKind("sliding_window", False), TypeError, "window must be an int, got bool"),
+    ("ctor missing window", lambda e: MaskKind("sliding_window"), ValueError, "sliding_window mask needs a window"),
+    ("ctor window on causal", lambda e: MaskKind("causal", 2), ValueError, "only a sliding_window mask carries"),
+    ("ctor unknown kind", lambda e: MaskKind("diagonal"), ValueError, "unknown mask kind 'diagonal'; expected one"),
+    ("ctor kind not a str", lambda e: MaskKind(3), TypeError, "MaskKind: kind must be a str, got int"),
+    # TensorType: shape entries are ints >= 1, dtype one of the supported ones
+    ("type zero dim", lambda e: TensorType((2, 0)), ValueError, r"TensorType: every dimension must be >= 1"),
+    ("type negative dim", lambda e: TensorType((-1,)), ValueError, r"got shape \(-1,\)"),
+    ("type float dim", lambda e: TensorType((2, 3.0)), TypeError, "TensorType: shape entries must be ints, got 3.0"),
+    ("type bool dim", lambda e: TensorType((True,)), TypeError, "TensorType: shape entries must be ints"),
+    ("type str dim after 0", lambda e: TensorType((0, "a")), TypeError, "shape entries must be ints, got 'a'"),
+    ("type shape an int", lambda e: TensorType(3), TypeError, "TensorType: shape must be a tuple of ints, got int"),
+    ("type unknown dtype", lambda e: TensorType((1,), "float31"), TypeError, "not a dtype: 'float31'"),
+    ("type unsupported dtype", lambda e: TensorType((1,), "complex64"), TypeError, "unsupported dtype complex64"),
+    ("type dtype None", lambda e: TensorType((1,), None), TypeError, "not a dtype: None"),
     # --- argument types
     (
         "wrt an int",
@@ -271,6 +289,9 @@ CASES: list[tuple[str, Case, type[Exception], str]] = [
     ("name not a str", lambda e: e.g.input(3, (1,)), TypeError, "input name must be a str, got int"),
     ("unknown dtype", lambda e: e.g.input("x", (1,), dtype="float31"), TypeError, "not a dtype: 'float31'"),
     ("unsupported dtype", lambda e: e.g.input("x", (1,), dtype="complex64"), TypeError, "unsupported dtype complex64"),
+    ("dtype None", lambda e: e.g.input("x", (1,), dtype=None), TypeError, "not a dtype: None"),
+    ("dtype not understood", lambda e: e.g.input("x", (1,), dtype="f4 junk"), TypeError, "not a dtype: .f4 junk."),
+    ("shape a 0-d array", lambda e: e.g.input("x", np.array(3)), TypeError, "shape must be a tuple of ints"),
     ("graph name", lambda e: Graph("my graph"), ValueError, "graph name must be an identifier"),
     # --- values from elsewhere
     (

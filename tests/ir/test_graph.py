@@ -351,6 +351,32 @@ def test_equal_attrs_make_equal_nodes_attrs() -> None:
     assert hash(a.node.attrs) == hash(b.node.attrs)
 
 
+def test_mask_kind_constructor_normalises_the_window() -> None:
+    """A NumPy int window is stored as a Python int, so the two spellings compare and hash equal."""
+    mask = MaskKind("sliding_window", np.int64(3))
+    assert type(mask.window) is int
+    assert mask == MaskKind.sliding_window(3) and hash(mask) == hash(MaskKind.sliding_window(3))
+    assert str(mask) == "sliding_window(3)"
+
+
+def test_tensor_type_normalises_shape_and_dtype() -> None:
+    """Regression: a str dtype was stored as given and printing the type raised KeyError."""
+    ty = TensorType((2, 3), "float64")
+    assert ty.dtype == np.dtype(np.float64) and isinstance(ty.dtype, np.dtype)
+    assert str(ty) == "f64[2,3]"
+    assert TensorType([np.int64(2), 3], "f64") == ty and hash(TensorType([2, 3], np.float64)) == hash(ty)
+    assert type(TensorType([np.int64(2)]).shape[0]) is int
+    assert TensorType(()).dtype == np.dtype(np.float32) and str(TensorType(())) == "f32[]"
+
+
+def test_tensor_type_with_a_str_dtype_verifies_and_prints() -> None:
+    g = spec_graph()
+    g.inputs["k"].node.types = (TensorType((B, SK, H, D), "float64"),)
+    with pytest.raises(rlx.RlxValueError, match=r"k must be f32, got f64") as info:
+        g.verify()
+    assert str(info.value).endswith("\n\n" + str(g))
+
+
 def test_bad_mask_and_wrt_text_raise_rlx_errors() -> None:
     for text in ("bogus", "sliding_window", "sliding_window(x)", "sliding_window(\u00b2)", "sliding_window(-1)"):
         with pytest.raises(rlx.RlxValueError):
