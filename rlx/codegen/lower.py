@@ -45,7 +45,7 @@ def kernel_spec(node: Node, config: RuntimeConfig, options: CodegenOptions) -> A
                           types[3] if is_bwd else None, attrs.mask, mask_type)
     grads = attrs.wrt if isinstance(attrs, AttentionBwdAttrs) else None
     needs_dp = grads is not None and bool(grads & (Wrt.QUERY | Wrt.KEY))
-    block_q = options.block_q or choose_block_q(dims.seq_q, dims.seq_k, needs_dp)
+    block_q = options.block_q or choose_block_q(dims.seq_q, dims.seq_k, needs_dp, attrs.mask.is_causal_like)
     spec = AttentionKernelSpec(dims, attrs.layout, attrs.mask, config.attn_mask_neg_inf,
                                config.mask_binary_threshold, grads, max(1, min(block_q, dims.seq_q)))
     _check_blas_limits(node, spec)

@@ -99,14 +99,17 @@ class AttentionKernelSpec:
         return self.strip_floats() * 4 * (2 if self.needs_dp else 1)
 
 
-def choose_block_q(seq_q: int, seq_k: int, needs_dp: bool, l2_bytes: int = 1 << 20) -> int:
-    """Query rows per strip: the strip buffers fill about half of L2, with 32..512 rows.
+def choose_block_q(seq_q: int, seq_k: int, needs_dp: bool, causal_like: bool, l2_bytes: int = 2 << 20) -> int:
+    """Query rows per strip (measured on the benchmark shapes, see benchmarks/README.md).
 
-    Strips are balanced (``ceil(Sq / n)`` rows each) so that no strip is a sliver.
+    Tall strips make the rank-``block_q`` updates of dK/dV efficient GEMMs, so use up to 256
+    rows while the strip buffers fit in L2. Causal-like masks cap at 128 rows: more strips
+    skip more hidden keys (strip ``i`` sees only keys up to its diagonal). Strips are balanced
+    (``ceil(Sq / n)`` rows each) so that no strip is a sliver.
     """
     buffers = 2 if needs_dp else 1
-    target = (l2_bytes // 2) // (4 * seq_k * buffers)
-    target = max(32, min(512, target))
+    target = l2_bytes // (4 * seq_k * buffers)
+    target = max(64, min(128 if causal_like else 256, target))
     strips = -(-seq_q // target)
     return -(-seq_q // strips)
 
