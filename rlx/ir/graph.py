@@ -8,6 +8,7 @@ touch networkx, so the store can change without touching a pass.
 from __future__ import annotations
 
 import keyword
+import numbers
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -221,8 +222,12 @@ class Graph:
         return outputs[0] if len(outputs) == 1 else outputs
 
     def output(self, *values: Value, **named: Value) -> None:
-        """Mark graph outputs. Keywords name them; positional ones are named ``out0``, ``out1``…"""
-        pairs = [(f"out{len(self._outputs) + i}", v) for i, v in enumerate(values)] + list(named.items())
+        """Mark graph outputs. Keywords name them; positional ones get the lowest free ``out0``, ``out1``…
+
+        "Free" means neither an existing output nor a keyword of this call, so removing an output or
+        naming one ``out0`` never makes a positional output clash.
+        """
+        pairs = list(zip(self._free_output_names(len(values), set(named)), values, strict=True)) + list(named.items())
         seen: set[str] = set()
         for name, value in pairs:
             check_name(name, "output name")
@@ -260,6 +265,18 @@ class Graph:
     def set_input(self, node: Node, slot: int, value: Value) -> None:
         """Rewire one input slot of ``node``; the new value must have the same type."""
         self._check_owned(node)
+        if isinstance(slot, bool) or not isinstance(slot, numbers.Integral):
+            raise RlxTypeError(
+                f"set_input: slot of node {node.id} ({node.op}) must be an int, got {type(slot).__name__}"
+            )
+        slot = int(slot)
+        if not 0 <= slot < len(node.inputs):
+            raise RlxValueError(
+                f"set_input: node {node.id} ({node.op}) has {len(node.inputs)} inputs "
+                f"(slots 0 to {len(node.inputs) - 1}), got slot {slot}"
+                if node.inputs
+                else f"set_input: node {node.id} ({node.op}) has no inputs, got slot {slot}"
+            )
         self._check_value(value, f"set_input of node {node.id}")
         old = node.inputs[slot]
         if old.type != value.type:
@@ -288,6 +305,9 @@ class Graph:
             del self._inputs[node.attrs.name]
 
     def remove_output(self, name: str) -> None:
+        """Stop returning graph output ``name`` (the value itself stays in the graph)."""
+        if not isinstance(name, str):
+            raise RlxTypeError(f"remove_output: the output name must be a str, got {type(name).__name__}")
         if name not in self._outputs:
             raise RlxKeyError(f"graph {self.name!r} has no output named {name!r}; outputs: {list(self._outputs)}")
         del self._outputs[name]
@@ -344,6 +364,16 @@ class Graph:
         self._store.add_node(node.id)
         for slot, value in enumerate(node.inputs):
             self._store.add_edge(value.node.id, node.id, key=slot)
+
+    def _free_output_names(self, count: int, taken: set[str]) -> list[str]:
+        names: list[str] = []
+        index = 0
+        while len(names) < count:
+            name = f"out{index}"
+            if name not in self._outputs and name not in taken:
+                names.append(name)
+            index += 1
+        return names
 
     def _check_owned(self, node: Node) -> None:
         if not isinstance(node, Node):

@@ -313,13 +313,8 @@ CASES: list[tuple[str, Case, type[Exception], str]] = [
         ValueError,
         "graph 'build' already has an output named 'o'",
     ),
-    (
-        "duplicate output in one call",
-        lambda e: e.g.output(e.q, out0=e.k),
-        ValueError,
-        "already has an output named 'out0'",
-    ),
     ("unknown output removed", lambda e: e.g.remove_output("nope"), KeyError, "has no output named 'nope'"),
+    ("output removed by a non-str", lambda e: e.g.remove_output(0), TypeError, "output name must be a str, got int"),
     ("unknown node id", lambda e: e.g.node(99), KeyError, "graph 'build' has no node 99"),
 ]
 

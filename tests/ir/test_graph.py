@@ -138,6 +138,84 @@ def test_set_input_refuses_another_type() -> None:
         g.set_input(g.outputs["o"].node, 0, k)
 
 
+def test_set_input_refuses_a_slot_out_of_range_and_names_node_and_slot_count() -> None:
+    """Regression: an out-of-range slot raised a bare IndexError (and -1 rewired the last slot)."""
+    g = spec_graph()
+    q = g.inputs["q"]
+    fwd = g.outputs["o"].node
+    before = str(g)
+    for slot in (3, 7, -1):
+        with pytest.raises(rlx.RlxValueError) as info:
+            g.set_input(fwd, slot, q)
+        assert str(info.value) == f"set_input: node {fwd.id} (attention) has 3 inputs (slots 0 to 2), got slot {slot}"
+    with pytest.raises(rlx.RlxValueError, match=rf"set_input: node {q.node.id} \(input\) has no inputs, got slot 0"):
+        g.set_input(q.node, 0, q)
+    assert str(g) == before
+    g.verify()
+
+
+@pytest.mark.parametrize("slot", ["0", 0.0, True, None])
+def test_set_input_refuses_a_slot_that_is_not_an_int(slot: object) -> None:
+    g = spec_graph()
+    fwd = g.outputs["o"].node
+    with pytest.raises(rlx.RlxTypeError, match=rf"set_input: slot of node {fwd.id} \(attention\) must be an int"):
+        g.set_input(fwd, slot, g.inputs["q"])  # type: ignore[arg-type]
+    assert fwd.inputs[0] == g.inputs["q"]
+
+
+def test_set_input_accepts_a_numpy_int_slot() -> None:
+    g = spec_graph()
+    fwd = g.outputs["o"].node
+    g.set_input(fwd, np.int64(0), g.inputs["dy"])  # dy has q's shape
+    assert fwd.inputs[0] == g.inputs["dy"]
+    g.verify()
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def test_positional_outputs_take_the_lowest_free_names_after_remove_output() -> None:
+    """Regression: names were ``out{len(outputs)}``, which clashed once an output was removed."""
+    g = spec_graph()
+    q, k, v, dy = _qkv(g)
+    g.output(q, k)
+    assert g.outputs["out0"] == q and g.outputs["out1"] == k
+    g.remove_output("out0")
+    g.output(v)
+    assert g.outputs["out0"] == v and g.outputs["out1"] == k
+    g.output(dy, q)
+    assert [name for name in g.outputs if name.startswith("out")] == ["out1", "out0", "out2", "out3"]
+    g.verify()
+
+
+def test_positional_outputs_skip_keyword_names_like_out_n() -> None:
+    g = spec_graph()
+    q, k, v, dy = _qkv(g)
+    g.output(out1=q)
+    g.output(k, v)  # used to name them out1 (clash) and out2
+    assert dict(g.outputs)["out0"] == k and dict(g.outputs)["out2"] == v
+    g.output(dy, out3=q)  # a keyword of the same call is taken too
+    assert g.outputs["out4"] == dy and g.outputs["out3"] == q
+    assert str(parse(str(g))) == str(g)
+
+
+def test_a_keyword_output_still_refuses_an_existing_name() -> None:
+    g = spec_graph()
+    g.output(g.inputs["q"])
+    with pytest.raises(rlx.RlxValueError, match="graph 'attn' already has an output named 'out0'"):
+        g.output(out0=g.inputs["k"])
+    assert g.outputs["out0"] == g.inputs["q"]
+
+
+def test_remove_output_of_an_unknown_name_is_an_rlx_key_error_listing_the_outputs() -> None:
+    g = spec_graph()
+    with pytest.raises(rlx.RlxKeyError) as info:
+        g.remove_output("nope")
+    assert isinstance(info.value, KeyError)
+    assert str(info.value) == "graph 'attn' has no output named 'nope'; outputs: ['o', 'dq', 'dk', 'dv']"
+    assert list(g.outputs) == ["o", "dq", "dk", "dv"]
+
+
 # ----------------------------------------------------------------------------- erasing
 
 
