@@ -10,7 +10,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from rlx.ir.ops import InputAttrs, OpKind
-from rlx.ir.printer import value_names
+from rlx.ir.printer import format_attr_value, value_names
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Node
@@ -27,7 +27,7 @@ def node_label(node: Node) -> str:
     if node.op is OpKind.INPUT:
         assert isinstance(node.attrs, InputAttrs)
         return f"input {node.attrs.name}\n{node.types[0]}"
-    attrs = [f"{f.name} = {getattr(node.attrs, f.name)}" for f in dataclasses.fields(node.attrs)]
+    attrs = [f"{f.name} = {format_attr_value(getattr(node.attrs, f.name))}" for f in dataclasses.fields(node.attrs)]
     return "\n".join([str(node.op), *attrs])
 
 

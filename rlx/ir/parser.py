@@ -10,7 +10,8 @@ Grammar (one statement per line; blank lines and ``//`` comments are skipped)::
     attrs     ::= '{' [NAME '=' attr_value (',' NAME '=' attr_value)*] '}'
     type      ::= DTYPE '[' [INT (',' INT)*] ']'
 
-    SYMBOL = '@' name, VALUE = '%' name, attr_value = tokens up to ',' or '}' outside brackets.
+    SYMBOL = '@' name, VALUE = '%' name, attr_value = tokens up to ',' or '}' outside brackets,
+    STRING = a JSON string literal (the printer quotes every str attribute value this way).
 
 Nodes are built with the public builder (``Graph.input``, ``Graph.add_node``, ``Graph.output``), so
 parsed text gets exactly the shape checks Python code gets. Attribute values are converted by the
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import types
 import typing
 from collections.abc import Callable
@@ -49,8 +51,8 @@ class Token:
 
     @property
     def string_value(self) -> str:
-        """The content of a string token, with ``\\"`` and ``\\\\`` unescaped."""
-        return _unescape(self.text[1:-1])
+        """The content of a string token, JSON escapes (``\\"``, ``\\\\``, ``\\n``, ``\\u00e9``) decoded."""
+        return _decode_string(self.text)
 
     def describe(self) -> str:
         return "end of line" if self.kind == "end" else repr(self.text)
@@ -60,14 +62,12 @@ def _is_name_char(char: str) -> bool:
     return char.isascii() and (char.isalnum() or char in "_.")
 
 
-def _unescape(body: str) -> str:
-    out, i = [], 0
-    while i < len(body):
-        if body[i] == "\\" and i + 1 < len(body):
-            i += 1
-        out.append(body[i])
-        i += 1
-    return "".join(out)
+def _decode_string(text: str) -> str:
+    """Decode a quoted string token as JSON; raw control characters (a tab) are allowed."""
+    value = json.loads(text, strict=False)
+    if not isinstance(value, str):  # cannot happen for a token that starts and ends with '"'
+        raise ValueError(f"not a string: {text}")
+    return value
 
 
 def _error(line: int, column: int, message: str) -> RlxValueError:
@@ -155,6 +155,11 @@ def _string_end(source: str, i: int, line: int) -> int:
             j += 2
             continue
         if source[j] == '"':
+            try:
+                _decode_string(source[i : j + 1])
+            except ValueError:
+                escapes = r"\", \\, \/, \b, \f, \n, \r, \t or \uXXXX"
+                raise _error(line, i + 1, f"bad escape in string {source[i : j + 1]}; expected {escapes}") from None
             return j + 1
         j += 1
     raise _error(line, i + 1, "unterminated string")

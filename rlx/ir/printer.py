@@ -10,12 +10,15 @@ graph @attn {
 ```
 
 Inputs are named after the graph input; other values are numbered in print order, so the text
-does not depend on node ids and survives passes that renumber nothing. ``rlx.ir.parse`` reads it.
+does not depend on node ids and survives passes that renumber nothing. String attribute values
+are JSON-quoted, so any text stays on its line. ``rlx.ir.parse`` reads it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import json
 from typing import TYPE_CHECKING
 
 from rlx.ir.ops import InputAttrs, OpKind
@@ -39,8 +42,18 @@ def value_names(graph: Graph) -> dict[Value, str]:
     return names
 
 
+def quote(text: str) -> str:
+    """A double-quoted string with JSON escaping (``\\"``, ``\\\\``, ``\\n``, ``\\uXXXX``): one ASCII line."""
+    return json.dumps(text)
+
+
+def format_attr_value(value: object) -> str:
+    """An attribute value as the parser reads it back: strings quoted, everything else ``str()``."""
+    return quote(value) if isinstance(value, str) and not isinstance(value, enum.Enum) else str(value)
+
+
 def format_attrs(node: Node) -> str:
-    fields = [f"{f.name} = {getattr(node.attrs, f.name)}" for f in dataclasses.fields(node.attrs)]
+    fields = [f"{f.name} = {format_attr_value(getattr(node.attrs, f.name))}" for f in dataclasses.fields(node.attrs)]
     return "{" + ", ".join(fields) + "}"
 
 
@@ -49,7 +62,7 @@ def format_node(node: Node, names: dict[Value, str]) -> str:
     types = ", ".join(str(t) for t in node.types)
     if node.op is OpKind.INPUT:
         assert isinstance(node.attrs, InputAttrs)
-        return f'{names[node.outputs[0]]} = input "{node.attrs.name}" : {types}'
+        return f"{names[node.outputs[0]]} = input {quote(node.attrs.name)} : {types}"
     results = ", ".join(names[v] for v in node.outputs)
     operands = ", ".join(names[v] for v in node.inputs)
     return f"{results} = {node.op} {operands} {format_attrs(node)} : {types}"

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import rlx
-from rlx import Graph, Layout, MaskKind, Value, Wrt
+from rlx import Graph, Layout, MaskKind, OpKind, TensorType, Value, Wrt
+from rlx.ir import ops as ir_ops
 from rlx.ir import parse
 
 MASKS = st.one_of(
@@ -127,3 +132,32 @@ def test_damaged_text_never_escapes_the_error_hierarchy(data: st.DataObject) -> 
     else:
         parsed.verify()
         assert str(parse(str(parsed))) == str(parsed)
+
+
+@dataclasses.dataclass(frozen=True)
+class _LabelAttrs:
+    """Stand-in for a future op with a free-text attribute."""
+
+    label: str
+
+
+def _same_as_first(what: str, inputs: Sequence[TensorType], attrs: object) -> tuple[TensorType, ...]:
+    return (inputs[0],)
+
+
+@SETTINGS
+@given(st.lists(st.text(), min_size=1, max_size=3))
+def test_any_str_attribute_round_trips(labels: list[str]) -> None:
+    """Whatever a str attribute holds (quotes, commas, newlines, any code point) prints on one line and parses back."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(ir_ops.ATTRS_CLASS, OpKind.ATTENTION, _LabelAttrs)
+        patch.setitem(ir_ops.SHAPE_RULES, OpKind.ATTENTION, _same_as_first)
+        g = Graph("labels")
+        x = g.input("x", (2,))
+        for label in labels:
+            g.add_node(OpKind.ATTENTION, [x], _LabelAttrs(label))
+        text = str(g)
+        assert len(text.splitlines()) == 3 + len(labels)
+        parsed = parse(text)
+        assert [n.attrs.label for n in parsed.nodes[1:]] == labels
+        assert str(parsed) == text

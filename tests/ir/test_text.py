@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -185,10 +186,67 @@ def test_new_attrs_class_parses_without_parser_changes(monkeypatch: pytest.Monke
     ):
         g.add_node(OpKind.ATTENTION, [x], attrs)
     text = str(g)
-    assert "count = -3, scale = 1e-09, label = tag.x, flag = True, wrt = k|v" in text
+    assert 'count = -3, scale = 1e-09, label = "tag.x", flag = True, wrt = k|v' in text
     parsed = parse(text)
     assert [n.attrs for n in parsed.nodes[1:]] == [n.attrs for n in g.nodes[1:]]
     assert str(parsed) == text
+
+
+@dataclasses.dataclass(frozen=True)
+class _TextAttrs:
+    """Stand-in for a future op with free-text attributes."""
+
+    label: str
+    note: str | None = None
+
+
+TRICKY_STRINGS = [
+    "two words",
+    "a, b, c",
+    'say "hi"',
+    'back\\slash \\" mixed',
+    "{braces} = [brackets] (parens) : colon | bar",
+    "%not_a_value @not_a_symbol // not a comment",
+    "line\nbreak\ttab\rreturn",
+    "caf\u00e9 \u2192 \U0001f600",
+    "",
+    " ",
+    "None",
+    "True",
+    "\x00\x1f\x7f",
+]
+
+
+@pytest.mark.parametrize("label", TRICKY_STRINGS, ids=range(len(TRICKY_STRINGS)))
+def test_str_attrs_are_quoted_and_round_trip(monkeypatch: pytest.MonkeyPatch, label: str) -> None:
+    """Regression: str attribute values were printed bare, so spaces, commas or quotes broke parsing."""
+    monkeypatch.setitem(ir_ops.ATTRS_CLASS, OpKind.ATTENTION, _TextAttrs)
+    monkeypatch.setitem(ir_ops.SHAPE_RULES, OpKind.ATTENTION, _same_as_first)
+    g = Graph("text")
+    x = g.input("x", (3,))
+    g.add_node(OpKind.ATTENTION, [x], _TextAttrs(label))
+    g.add_node(OpKind.ATTENTION, [x], _TextAttrs("plain", note=label))
+    text = str(g)
+    assert len(text.splitlines()) == 5, "a string never spans lines"
+    assert text.isascii()
+    assert f"{{label = {json.dumps(label)}, note = None}}" in text
+    assert f'{{label = "plain", note = {json.dumps(label)}}}' in text
+    parsed = parse(text)
+    assert [n.attrs for n in parsed.nodes[1:]] == [_TextAttrs(label), _TextAttrs("plain", note=label)]
+    assert str(parsed) == text
+
+
+def test_str_attrs_read_bare_names_and_json_escapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hand-written text may leave a simple name unquoted; quoted strings use JSON escapes."""
+    monkeypatch.setitem(ir_ops.ATTRS_CLASS, OpKind.ATTENTION, _TextAttrs)
+    monkeypatch.setitem(ir_ops.SHAPE_RULES, OpKind.ATTENTION, _same_as_first)
+    head = 'graph @g {\n  %x = input "x" : f32[3]\n'
+    parsed = parse(head + '  %0 = attention %x {label = tag.x, note = "a\\tb \\"c\\" \\u00e9\\/"} : f32[3]\n}')
+    assert parsed.nodes[1].attrs == _TextAttrs("tag.x", note='a\tb "c" \u00e9/')
+    with pytest.raises(rlx.RlxValueError, match=r"^line 3, column 40: bad escape in string \"a\\qb\"; expected"):
+        parse(head + '  %0 = attention %x {label = x, note = "a\\qb"} : f32[3]\n}')
+    with pytest.raises(rlx.RlxValueError, match=r"attribute 'label' of attention must be a str, got '3'"):
+        parse(head + "  %0 = attention %x {label = 3} : f32[3]\n}")
 
 
 def test_new_attrs_class_reports_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
