@@ -27,13 +27,35 @@ if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Node, Value
 
 
+class ValueNames(dict):  # type: ignore[type-arg]
+    """``value -> printed name``; a value the graph does not hold gets a placeholder, not a KeyError.
+
+    A graph damaged by a buggy pass (an output or operand that reads an erased node) must still
+    print, because ``verify`` ends its error message with the printed graph.
+    """
+
+    def __init__(self, graph: Graph) -> None:
+        super().__init__()
+        self.graph = graph
+
+    def __missing__(self, value: Value) -> str:
+        node = value.node
+        if node.graph is not self.graph:
+            return f"%<node {node.id} of graph {node.graph.name!r}>"
+        if value not in self.graph:
+            return f"%<erased node {node.id}>"
+        return f"%<node {node.id} has no output {value.index}>"
+
+
 def value_names(graph: Graph) -> dict[Value, str]:
-    """The printed name of every value: ``%<input name>`` or ``%<n>`` in print order."""
-    names: dict[Value, str] = {}
+    """The printed name of every value: ``%<input name>`` or ``%<n>`` in print order.
+
+    Looking up a value that is not in the graph gives a placeholder such as ``%<erased node 7>``.
+    """
+    names = ValueNames(graph)
     counter = 0
     for node in graph.nodes:
-        if node.op is OpKind.INPUT:
-            assert isinstance(node.attrs, InputAttrs)
+        if node.op is OpKind.INPUT and isinstance(node.attrs, InputAttrs):
             names[node.outputs[0]] = f"%{node.attrs.name}"
             continue
         for value in node.outputs:
@@ -60,8 +82,7 @@ def format_attrs(node: Node) -> str:
 def format_node(node: Node, names: dict[Value, str]) -> str:
     """One node as one line (without indentation)."""
     types = ", ".join(str(t) for t in node.types)
-    if node.op is OpKind.INPUT:
-        assert isinstance(node.attrs, InputAttrs)
+    if node.op is OpKind.INPUT and isinstance(node.attrs, InputAttrs):
         return f"{names[node.outputs[0]]} = input {quote(node.attrs.name)} : {types}"
     results = ", ".join(names[v] for v in node.outputs)
     operands = ", ".join(names[v] for v in node.inputs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import networkx as nx
@@ -28,6 +29,15 @@ def verify(graph: Graph) -> None:
 
 def _problems(graph: Graph) -> list[str]:
     store = graph._store
+    stored, known = set(store.nodes), set(graph._nodes)
+    if stored != known:
+        return [
+            f"the graph store holds nodes {sorted(stored)} but the graph has nodes {sorted(known)}"
+            " (a node was added or removed behind the Graph API)"
+        ]
+    edge_problems = _edge_problems(graph)
+    if edge_problems:
+        return edge_problems  # the order of graph.nodes and the users lists are wrong until fixed
     if not nx.is_directed_acyclic_graph(store):
         cycle = nx.find_cycle(store)
         return [f"the graph has a cycle through nodes {[edge[0] for edge in cycle]}"]
@@ -44,6 +54,40 @@ def _problems(graph: Graph) -> list[str]:
             problems.append(f"output {name!r} reads node {value.node.id}, which is not in the graph")
         elif not 0 <= value.index < len(value.node.types):
             problems.append(f"output {name!r} reads output {value.index} of node {value.node.id}, which has none")
+    return problems
+
+
+def _edge_problems(graph: Graph) -> list[str]:
+    """The store must hold exactly one edge ``producer -> consumer`` keyed by slot per operand.
+
+    ``users``, ``uses`` and the topological order all read the store, so an operand changed
+    without its edge (``node._inputs = ...`` instead of ``set_input``) silently breaks them.
+    Operands that read a node outside the graph are left to :func:`_node_problems`.
+    """
+    expected: Counter[tuple[int, int, int]] = Counter()
+    operand_slots: set[tuple[int, int]] = set()
+    for node in graph._nodes.values():
+        for slot, value in enumerate(node.inputs):
+            operand_slots.add((node.id, slot))
+            if value in graph:
+                expected[(value.node.id, node.id, slot)] += 1
+    actual: Counter[tuple[int, int, int]] = Counter(list(graph._store.edges(keys=True)))
+    problems = []
+    for producer, consumer, slot in sorted((expected - actual).elements()):
+        stored = sorted(p for p, c, k in actual if c == consumer and k == slot)
+        found = f"an edge from node {stored[0]}" if stored else "no edge"
+        problems.append(
+            f"node {consumer} ({graph._nodes[consumer].op}): operand {slot} reads node {producer}, but the graph "
+            f"store has {found} for slot {slot} (operands changed behind the Graph API; use set_input)"
+        )
+    for producer, consumer, slot in sorted((actual - expected).elements()):
+        if (consumer, slot) in operand_slots:
+            continue  # reported above, or an operand outside the graph that _node_problems reports
+        node = graph._nodes[consumer]
+        problems.append(
+            f"node {consumer} ({node.op}): the graph store has an edge from node {producer} for slot {slot}, "
+            f"but the node has {len(node.inputs)} operand(s)"
+        )
     return problems
 
 

@@ -331,6 +331,26 @@ def _corrupt_input_type(g: Graph) -> None:
     g.inputs["k"].node.types = (TensorType((B, SK, H, D), np.dtype(np.float64)),)
 
 
+def _corrupt_operand_behind_the_store(g: Graph) -> None:
+    node = g.outputs["o"].node
+    node._inputs = (g.inputs["dy"], *node.inputs[1:])  # dy has q's type, so only the edges disagree
+
+
+def _corrupt_drop_an_operand(g: Graph) -> None:
+    node = g.outputs["o"].node
+    node._inputs = node.inputs[:2]
+
+
+def _corrupt_store_edge(g: Graph) -> None:
+    node = g.outputs["o"].node
+    g._store.remove_edge(g.inputs["k"].node.id, node.id, key=1)
+
+
+def _corrupt_store_extra_edge(g: Graph) -> None:
+    node = g.outputs["dq"].node
+    g._store.add_edge(g.outputs["o"].node.id, node.id, key=9)
+
+
 CORRUPTIONS = [
     (_corrupt_types, r"node \d+ \(attention\): result types are f32\[2,5,2,5\], but its operands give f32\[2,5,2,4\]"),
     (_corrupt_wrt, r"node \d+ \(attention_bwd\): result types are .*, but its operands give f32\[2,5,2,4\]$"),
@@ -339,6 +359,17 @@ CORRUPTIONS = [
     (_corrupt_attrs_field, r"node \d+ \(attention\): attrs AttentionAttrs\(mask='causal'.* do not fit its operands"),
     (_corrupt_layout, r"node \d+ \(attention\): k must have batch 2, heads 5"),
     (_corrupt_input_type, r"node \d+ \(attention\): k must be f32, got f64"),
+    (
+        _corrupt_operand_behind_the_store,
+        r"^  node 4 \(attention\): operand 0 reads node 3, but the graph store has an edge from node 0 for slot 0 "
+        r"\(operands changed behind the Graph API; use set_input\)$",
+    ),
+    (
+        _corrupt_drop_an_operand,
+        r"^  node 4 \(attention\): the graph store has an edge from node 2 for slot 2, but the node has 2 operand",
+    ),
+    (_corrupt_store_edge, r"node 4 \(attention\): operand 1 reads node 1, but the graph store has no edge for slot 1"),
+    (_corrupt_store_extra_edge, r"node 5 \(attention_bwd\): the graph store has an edge from node 4 for slot 9"),
 ]
 
 
@@ -358,13 +389,54 @@ def test_verify_catches_a_corrupted_graph_and_ends_with_the_printout(
     assert message.endswith("\n\n" + str(g))
 
 
-def test_verify_catches_an_output_of_an_erased_node() -> None:
+def test_verify_catches_an_output_of_an_erased_node_and_still_prints_the_graph() -> None:
+    """Regression: the printer raised KeyError on such an output, so the message ended with a placeholder."""
     g = spec_graph()
     q, k, v, _ = _qkv(g)
     stale = g.attention(q, k, v)
     g.erase(stale.node)
     g._outputs["stale"] = stale  # what a buggy pass could leave behind
-    with pytest.raises(rlx.RlxValueError, match=r"output 'stale' reads node \d+, which is not in the graph"):
+    printed = str(g)
+    assert (
+        printed.splitlines()[-2]
+        == f"  output o = %0, dq = %1, dk = %2, dv = %3, stale = %<erased node {stale.node.id}>"
+    )
+    with pytest.raises(rlx.RlxValueError) as info:
+        g.verify()
+    message = str(info.value)
+    assert f"output 'stale' reads node {stale.node.id}, which is not in the graph" in message
+    assert message.endswith("\n\n" + printed)
+
+
+def test_verify_catches_an_operand_of_an_erased_node_and_still_prints_the_graph() -> None:
+    g = spec_graph()
+    q, k, v, _ = _qkv(g)
+    stale = g.attention(q, k, v)
+    g.erase(stale.node)
+    fwd = g.outputs["o"].node
+    fwd._inputs = (stale, k, v)
+    printed = str(g)
+    assert f"= attention %<erased node {stale.node.id}>, %k, %v {{" in printed
+    with pytest.raises(rlx.RlxValueError) as info:
+        g.verify()
+    message = str(info.value)
+    assert f"node {fwd.id} (attention): operand 0 reads node {stale.node.id}, which is not in the graph" in message
+    assert "graph store" not in message, "the edge check leaves operands outside the graph to the operand check"
+    assert message.endswith("\n\n" + printed)
+
+
+def test_printer_names_values_of_another_graph_or_missing_outputs() -> None:
+    g, other = spec_graph(), spec_graph()
+    g._outputs["foreign"] = other.outputs["o"]
+    g._outputs["past_end"] = Value(g.outputs["o"].node, 5)
+    last = str(g).splitlines()[-2]
+    assert last.endswith("foreign = %<node 4 of graph 'attn'>, past_end = %<node 4 has no output 5>")
+
+
+def test_verify_catches_a_node_added_to_the_store_behind_the_api() -> None:
+    g = spec_graph()
+    g._store.add_node(99)
+    with pytest.raises(rlx.RlxValueError, match=r"the graph store holds nodes \[0, 1, 2, 3, 4, 5, 99\] but the graph"):
         g.verify()
 
 
