@@ -99,6 +99,8 @@ def compile_ir(llvm_ir: str) -> CompiledLibrary:
     with _lock:  # llvmlite serialises compilation; keep module handling on one thread at a time
         start = time.perf_counter()
         module = llvm.parse_assembly(llvm_ir)
+        module.triple = llvm.get_process_triple()
+        module.data_layout = str(state.target_machine.target_data)
         module.verify()
         if cached is None:
             options = llvm.create_pipeline_tuning_options(speed_level=3)

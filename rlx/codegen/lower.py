@@ -98,10 +98,11 @@ def lower_graph(graph: Graph, plan: MemoryPlan, config: RuntimeConfig, options: 
         for slot, value in enumerate(values):
             location = plan.locations[value]
             if location.kind == "arena":
-                ptr = gep(b, arena, [i64(location.index)], I8)
+                ptr = gep(b, arena, [i64(location.index)], I8, f"node{value.node.id}.{value.index}")
             else:
-                ptr = b.load(gep(b, buffers, [i64(location.index)], PTR), typ=PTR)
-            b.store(ptr, gep(b, args, [i64(slot)], PTR))
+                name = plan.buffer_names[location.index]
+                ptr = b.load(gep(b, buffers, [i64(location.index)], PTR, f"{name}.slot"), typ=PTR, name=name)
+            b.store(ptr, gep(b, args, [i64(slot)], PTR, f"args.{node.id}.{slot}"))
         b.call(parallel_for, [args, i64(items), scratch, i64(plan.scratch_stride)])
     b.ret_void()
     return str(module)
