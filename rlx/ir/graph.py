@@ -120,6 +120,7 @@ class Graph:
         self._nodes: dict[int, Node] = {}
         self._next_id = 0
         self._inputs: dict[str, Node] = {}
+        self._inputs_view: Mapping[str, Value] | None = None  # cache of `inputs`; reset when _inputs changes
         self._outputs: dict[str, Value] = {}
 
     # ----------------------------------------------------------------- queries
@@ -143,8 +144,14 @@ class Graph:
 
     @property
     def inputs(self) -> Mapping[str, Value]:
-        """Graph inputs by name, in declaration order."""
-        return MappingProxyType({name: node.outputs[0] for name, node in self._inputs.items()})
+        """Graph inputs by name, in declaration order (a read-only snapshot).
+
+        Cached: executables read it on every call. Methods that change the inputs reset the cache
+        (:meth:`_inputs_changed`), so a mapping handed out earlier never changes under its holder.
+        """
+        if self._inputs_view is None:
+            self._inputs_view = MappingProxyType({name: Value(node, 0) for name, node in self._inputs.items()})
+        return self._inputs_view
 
     @property
     def outputs(self) -> Mapping[str, Value]:
@@ -183,6 +190,7 @@ class Graph:
         ty = TensorType(check_shape(shape, f"input {name!r}"), as_dtype(dtype))
         node = self._add(OpKind.INPUT, InputAttrs(name), (), (ty,))
         self._inputs[name] = node
+        self._inputs_changed()
         return node.outputs[0]
 
     def attention(
@@ -303,6 +311,7 @@ class Graph:
         if node.op is OpKind.INPUT:
             assert isinstance(node.attrs, InputAttrs)
             del self._inputs[node.attrs.name]
+            self._inputs_changed()
 
     def remove_output(self, name: str) -> None:
         """Stop returning graph output ``name`` (the value itself stays in the graph)."""
@@ -334,6 +343,7 @@ class Graph:
                 assert isinstance(node.attrs, InputAttrs)
                 clone._inputs[node.attrs.name] = copied
         clone._inputs = {name: clone._inputs[name] for name in self._inputs}
+        clone._inputs_changed()
         clone._outputs = {name: Value(mapping[v.node.id], v.index) for name, v in self._outputs.items()}
         return clone
 
@@ -364,6 +374,9 @@ class Graph:
         self._store.add_node(node.id)
         for slot, value in enumerate(node.inputs):
             self._store.add_edge(value.node.id, node.id, key=slot)
+
+    def _inputs_changed(self) -> None:
+        self._inputs_view = None
 
     def _free_output_names(self, count: int, taken: set[str]) -> list[str]:
         names: list[str] = []

@@ -82,6 +82,47 @@ def test_uses_tell_outputs_of_one_node_apart() -> None:
     assert dk.node.users == [reader.node]
 
 
+# ----------------------------------------------------------------------------- inputs mapping
+
+
+def test_inputs_mapping_is_cached_and_read_only() -> None:
+    """Executables read ``graph.inputs`` on every call: it must not be rebuilt each time."""
+    g = spec_graph()
+    first = g.inputs
+    assert g.inputs is first
+    assert list(first) == ["q", "k", "v", "dy"]
+    with pytest.raises(TypeError):
+        first["x"] = first["q"]  # type: ignore[index]
+    g.attention(first["q"], first["k"], first["v"])  # new nodes that are not inputs keep the cache
+    assert g.inputs is first
+
+
+def test_inputs_mapping_follows_input_and_erase() -> None:
+    g = spec_graph()
+    before = g.inputs
+    spare = g.input("spare", (3,))
+    after = g.inputs
+    assert after is not before and list(after) == ["q", "k", "v", "dy", "spare"]
+    assert after["spare"] == spare
+    assert "spare" not in before, "a mapping handed out earlier is a snapshot"
+    g.erase(spare.node)
+    assert list(g.inputs) == ["q", "k", "v", "dy"] and g.inputs is not after
+    assert "spare" in after
+
+
+def test_inputs_mapping_of_a_copy_reads_the_copy() -> None:
+    g = spec_graph()
+    original = g.inputs
+    clone = g.copy()
+    assert all(value.node.graph is clone for value in clone.inputs.values())
+    assert list(clone.inputs) == list(original)
+    clone.input("extra", (1,))
+    assert "extra" in clone.inputs and "extra" not in g.inputs
+    assert g.inputs is original
+    parsed = parse(str(g))
+    assert all(value.node.graph is parsed for value in parsed.inputs.values())
+
+
 # ----------------------------------------------------------------------------- rewiring
 
 
