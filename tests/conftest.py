@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-# `import helpers` must work from every test directory, whatever pytest's import mode.
-_HERE = str(Path(__file__).parent)
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)
+# `import helpers` works from every test directory through `pythonpath` in pyproject.toml.
 
 
 @pytest.fixture
