@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+
+import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
 
@@ -24,29 +27,42 @@ class RuntimeConfig:
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
+        # Fields are normalised to Python floats / ints (NumPy scalars accepted) so that equal
+        # settings compare and hash equal: the compile cache keys on the config.
         for name in ("attn_mask_neg_inf", "mask_binary_threshold"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if _is_bool(value) or not isinstance(value, numbers.Real):
                 raise RlxTypeError(f"RuntimeConfig.{name} must be a float, got {type(value).__name__}")
-            object.__setattr__(self, name, float(value))
+            try:
+                object.__setattr__(self, name, float(value))
+            except OverflowError:  # an int beyond the float range
+                raise RlxValueError(f"RuntimeConfig.{name} must fit in a float, got {value}") from None
         if math.isnan(self.attn_mask_neg_inf) or self.attn_mask_neg_inf > 0:
             raise RlxValueError(
-                f"RuntimeConfig.attn_mask_neg_inf must be a non-positive number or -inf, "
-                f"got {self.attn_mask_neg_inf}"
+                f"RuntimeConfig.attn_mask_neg_inf must be a non-positive number or -inf, got {self.attn_mask_neg_inf}"
             )
         if math.isnan(self.mask_binary_threshold):
             raise RlxValueError("RuntimeConfig.mask_binary_threshold must not be NaN")
         if self.num_threads is not None:
-            if isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int):
+            if _is_bool(self.num_threads) or not isinstance(self.num_threads, numbers.Integral):
                 raise RlxTypeError(
                     f"RuntimeConfig.num_threads must be an int or None, got {type(self.num_threads).__name__}"
                 )
+            object.__setattr__(self, "num_threads", int(self.num_threads))
             if self.num_threads < 1:
                 raise RlxValueError(f"RuntimeConfig.num_threads must be >= 1, got {self.num_threads}")
 
     def with_overrides(self, **changes: object) -> RuntimeConfig:
         """A copy with some fields changed (validated like the constructor)."""
+        known = [field.name for field in fields(self)]
+        for name in changes:
+            if name not in known:
+                raise RlxTypeError(f"RuntimeConfig has no field {name!r}; fields: {', '.join(known)}")
         return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _is_bool(value: object) -> bool:
+    return isinstance(value, (bool, np.bool_))
 
 
 def resolve_config(config: RuntimeConfig | None) -> RuntimeConfig:
@@ -69,11 +85,8 @@ def resolve_num_threads(config: RuntimeConfig) -> int:
         return config.num_threads
     env = os.environ.get("RLX_NUM_THREADS", "").strip()
     if env:
-        try:
-            count = int(env)
-        except ValueError:
-            raise RlxValueError(f"RLX_NUM_THREADS must be a positive integer, got {env!r}") from None
-        if count < 1:
+        # Plain ASCII digits only: int() would also take "+4", "4_0" and non-ASCII digits.
+        if not (env.isascii() and env.isdigit()) or int(env) < 1:
             raise RlxValueError(f"RLX_NUM_THREADS must be a positive integer, got {env!r}")
-        return count
+        return int(env)
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
