@@ -1,0 +1,380 @@
+"""Benchmark plumbing that knows nothing about attention: machine facts, timing, memory, BLAS rate.
+
+Kept apart from ``attention_bwd.py`` so that the attention benchmark reads as "what is measured"
+while this file holds "how a number is taken". Linux only where it reads ``/proc``; every reader
+returns ``None`` instead of failing when a file is missing, so the benchmark still runs elsewhere.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import math
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+# ----------------------------------------------------------------------------- machine and versions
+
+
+def core_count() -> int:
+    """Cores this process may run on (the affinity mask, not the host's count)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def cpu_model() -> str:
+    """The CPU model string from /proc/cpuinfo (``platform.processor()`` is often empty on Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def cpu_flags() -> list[str]:
+    """The vector-ISA flags that decide which kernels BLAS and LLVM may use."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = line.split(":", 1)[1].split()
+                return sorted(f for f in flags if f.startswith(("avx", "fma", "sse4", "amx")))
+    except OSError:
+        pass
+    return []
+
+
+def git_revision(repo: Path) -> dict[str, object]:
+    """Commit and dirty flag of the tree being measured: the kernels change under active tuning."""
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    status = git("status", "--porcelain", "--", "rlx")
+    return {"commit": git("rev-parse", "HEAD"), "rlx_tree_dirty": None if status is None else bool(status)}
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Summary of one implementation's timed repetitions, in seconds."""
+
+    median: float
+    minimum: float
+    samples: tuple[float, ...]
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> Stats:
+        return cls(statistics.median(samples), min(samples), tuple(samples))
+
+
+def geomean(values: Iterable[float]) -> float | None:
+    """Geometric mean: the right average of speed ratios (a 2x win and a 2x loss cancel)."""
+    values = [v for v in values if v > 0 and math.isfinite(v)]
+    if not values:
+        return None
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def median_or_none(values: Iterable[float]) -> float | None:
+    values = list(values)
+    return statistics.median(values) if values else None
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+class Timeable(Protocol):
+    """Something to time: ``setup`` runs untimed before every ``run`` (e.g. dropping old gradients)."""
+
+    def setup(self) -> None: ...
+
+    def run(self) -> object: ...
+
+
+def time_interleaved(calls: Mapping[str, Timeable], repeat: int, gap: float) -> dict[str, list[float]]:
+    """Time each call ``repeat`` times, interleaved so that machine noise hits every implementation alike.
+
+    Repetition r starts its round at the r-th implementation (a rotation), so no implementation
+    always runs right after the same neighbour. ``gap`` seconds of sleep before every timed call let
+    the previous call's BLAS/OpenMP worker threads stop spinning: measured here, OpenBLAS threads
+    still busy-waiting after a NumPy matmul made the next PyTorch call up to 2x slower. The garbage
+    collector is off while a call runs and results are freed outside the timer.
+    """
+    names = list(calls)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(repeat):
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
+            calls[name].setup()
+            gc.collect()
+            time.sleep(gap)
+            gc.disable()
+            try:
+                start = time.perf_counter()
+                result = calls[name].run()
+                elapsed = time.perf_counter() - start
+            finally:
+                gc.enable()
+            del result
+            samples[name].append(elapsed)
+    return samples
+
+
+def timed(call: Timeable) -> tuple[object, float]:
+    """One untimed setup and one timed run (the warm-up, whose result feeds the correctness check)."""
+    call.setup()
+    start = time.perf_counter()
+    result = call.run()
+    return result, time.perf_counter() - start
+
+
+# ----------------------------------------------------------------------------- CPU used by others
+
+
+def _machine_cpu_seconds() -> tuple[float, float] | None:
+    """(busy, total) CPU seconds of the whole machine since boot, from the first line of /proc/stat."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    user, nice, system, idle, iowait, irq, softirq, steal = fields
+    busy = user + nice + system + irq + softirq + steal
+    return busy / hz, (busy + idle + iowait) / hz
+
+
+class ForeignLoad:
+    """How many cores other processes kept busy while we measured: the shared machine's noise level.
+
+    Machine-wide busy CPU time (/proc/stat) minus this process's own (and its children's) CPU time,
+    divided by the wall time. Recorded with each case so a slow number can be told from a busy box.
+    """
+
+    def __init__(self) -> None:
+        self._start = (time.perf_counter(), _own_cpu_seconds(), _machine_cpu_seconds())
+
+    def cores(self) -> float | None:
+        wall0, own0, machine0 = self._start
+        machine1 = _machine_cpu_seconds()
+        if machine0 is None or machine1 is None:
+            return None
+        wall = time.perf_counter() - wall0
+        foreign = (machine1[0] - machine0[0]) - (_own_cpu_seconds() - own0)
+        return max(0.0, foreign / wall) if wall > 0 else None
+
+
+def _own_cpu_seconds() -> float:
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+# ----------------------------------------------------------------------------- memory from /proc
+
+
+def proc_status_kib(field: str) -> int | None:
+    """A ``Vm*`` field of /proc/self/status in KiB (VmRSS: resident now, VmHWM: resident peak)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux: writing 5 to clear_refs); False when not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+    except OSError:
+        return False
+    hwm, rss = proc_status_kib("VmHWM"), proc_status_kib("VmRSS")
+    return hwm is not None and rss is not None and hwm <= rss + 64  # a few pages may fault in between
+
+
+def extra_peak_bytes(call: Callable[[], object]) -> tuple[int | None, object]:
+    """Peak resident memory during ``call`` above the resident memory just before it, in bytes.
+
+    VmHWM is the kernel's exact page-level high-water mark, so no sampling thread can miss a short
+    spike. Returns ``None`` where the peak cannot be reset (non-Linux, restricted /proc).
+    """
+    gc.collect()
+    if not reset_peak_rss():
+        return None, call()
+    baseline = proc_status_kib("VmRSS")
+    result = call()
+    peak = proc_status_kib("VmHWM")
+    if baseline is None or peak is None:
+        return None, result
+    return max(0, peak - baseline) * 1024, result
+
+
+# ----------------------------------------------------------------------------- the BLAS that rlx calls
+
+
+_SGEMM_TYPE = ctypes.CFUNCTYPE(
+    None, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
+    ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
+)
+
+
+class RlxOpenBlas:
+    """rlx's own OpenBLAS (``rlx.codegen.blas.load_blas``), called through private ctypes prototypes.
+
+    Private prototypes built from symbol addresses leave the argtypes of the shared ``CDLL``
+    attributes untouched, so nothing here can change how rlx itself calls the library.
+    """
+
+    def __init__(self) -> None:
+        from rlx.codegen.blas import load_blas
+
+        self._blas = load_blas()
+        library = self._blas.library
+        self.sgemm = _SGEMM_TYPE(self._blas.sgemm_address)
+        self._set_threads = ctypes.CFUNCTYPE(None, ctypes.c_int)(self._address("scipy_openblas_set_num_threads"))
+        self._get_threads = ctypes.CFUNCTYPE(ctypes.c_int)(self._address("scipy_openblas_get_num_threads"))
+        has_corename = hasattr(library, "scipy_openblas_get_corename")
+        self._corename = (
+            ctypes.CFUNCTYPE(ctypes.c_char_p)(self._address("scipy_openblas_get_corename")) if has_corename else None
+        )
+
+    def _address(self, name: str) -> int:
+        address = ctypes.cast(getattr(self._blas.library, name), ctypes.c_void_p).value
+        if not address:
+            raise RuntimeError(f"{name} not found in {self._blas.path}")
+        return int(address)
+
+    @property
+    def path(self) -> str:
+        return self._blas.path
+
+    def corename(self) -> str | None:
+        """The kernel family OpenBLAS picked at load time (DYNAMIC_ARCH builds choose per CPU)."""
+        return self._corename().decode() if self._corename else None
+
+    def threads(self) -> int:
+        return int(self._get_threads())
+
+    def set_threads(self, count: int) -> None:
+        self._set_threads(count)
+
+
+@dataclass(frozen=True)
+class SgemmRate:
+    """Large-sgemm throughput of rlx's OpenBLAS in GFLOP/s."""
+
+    n: int
+    threads: int
+    gflops_multi: float  # one n^3 sgemm on ``threads`` OpenBLAS threads (median)
+    gflops_single: float  # the same on one thread (median)
+    samples_multi: tuple[float, ...]
+    samples_single: tuple[float, ...]
+    foreign_load_cores: float | None  # cores other processes kept busy meanwhile
+
+    @property
+    def gflops_single_times_threads(self) -> float:
+        return self.gflops_single * self.threads
+
+
+def measure_sgemm(blas: RlxOpenBlas, n: int, threads: int, repeat: int, gap: float) -> SgemmRate:
+    """Time ``C = A @ B`` (n x n x n, float32, row major) on 1 and on ``threads`` OpenBLAS threads.
+
+    Both are kept: on a shared machine the multi-thread rate drops with other processes' load,
+    while one thread times x threads estimates what the cores could do if each were ours.
+
+    rlx pins its OpenBLAS to one thread (it parallelises over batch x heads itself), so the thread
+    count is raised only for this measurement and restored to the value found, in a ``finally``.
+    """
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
+    c = np.zeros((n, n), dtype=np.float32)
+
+    def run() -> float:
+        start = time.perf_counter()
+        blas.sgemm(101, 111, 111, n, n, n, 1.0, a.ctypes.data, n, b.ctypes.data, n, 0.0, c.ctypes.data, n)
+        return time.perf_counter() - start
+
+    previous = blas.threads()
+    flops = 2.0 * n**3
+    foreign = ForeignLoad()
+    rates: dict[int, list[float]] = {}
+    try:
+        for count in (1, threads):
+            blas.set_threads(count)
+            run()  # warm-up: first touch of the workspace, thread start-up
+            rates[count] = []
+            for _ in range(repeat):
+                time.sleep(gap)
+                rates[count].append(flops / run() / 1e9)
+    finally:
+        blas.set_threads(previous)
+    if not np.allclose(c[:2, :2], a[:2] @ b[:, :2], rtol=1e-3, atol=1e-2):
+        raise RuntimeError("sgemm through rlx's OpenBLAS returned a wrong product; the rate would be meaningless")
+    return SgemmRate(n, threads, statistics.median(rates[threads]), statistics.median(rates[1]),
+                     tuple(rates[threads]), tuple(rates[1]), foreign.cores())
+
+
+# ----------------------------------------------------------------------------- NumPy's own BLAS threads
+
+
+def numpy_blas_info() -> list[dict[str, object]]:
+    """NumPy's BLAS (threadpoolctl's view) or an empty list when threadpoolctl is not installed."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return []
+    numpy_dir = os.path.dirname(np.__file__)
+    return [info for info in threadpool_info() if _belongs_to(str(info.get("filepath", "")), numpy_dir)]
+
+
+def set_numpy_blas_threads(count: int) -> bool:
+    """Set the thread count of NumPy's bundled OpenBLAS only (never rlx's, which must stay at 1)."""
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:
+        return False
+    numpy_dir = os.path.dirname(np.__file__)
+    changed = False
+    for controller in ThreadpoolController().lib_controllers:
+        if controller.user_api == "blas" and _belongs_to(controller.filepath, numpy_dir):
+            controller.set_num_threads(count)
+            changed = True
+    return changed
+
+
+def _belongs_to(filepath: str, numpy_dir: str) -> bool:
+    """numpy wheels ship their BLAS in ``numpy.libs`` beside the package, or inside it."""
+    site = os.path.dirname(numpy_dir)
+    return filepath.startswith((numpy_dir, os.path.join(site, "numpy.libs")))
+
+
+# ----------------------------------------------------------------------------- text tables
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A fixed-width Markdown table: readable in a terminal and pasteable into a README."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=True)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(str(cell).rjust(width) for cell, width in zip(cells, widths, strict=True)) + " |"
+
+    rule = "|" + "|".join("-" * (width + 1) + ":" for width in widths) + "|"
+    return "\n".join([line(header), rule, *(line(row) for row in rows)])
