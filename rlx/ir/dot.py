@@ -24,8 +24,7 @@ def quote(text: str) -> str:
 
 def node_label(node: Node) -> str:
     """The op (or input name) on the first line, then one ``key = value`` line per attribute."""
-    if node.op is OpKind.INPUT:
-        assert isinstance(node.attrs, InputAttrs)
+    if node.op is OpKind.INPUT and isinstance(node.attrs, InputAttrs):
         return f"input {node.attrs.name}\n{node.types[0]}"
     attrs = [f"{f.name} = {format_attr_value(getattr(node.attrs, f.name))}" for f in dataclasses.fields(node.attrs)]
     return "\n".join([str(node.op), *attrs])

@@ -18,6 +18,7 @@ import networkx as nx
 
 from rlx.errors import RlxKeyError, RlxTypeError, RlxValueError
 from rlx.ir.ops import (
+    ATTRS_CLASS,
     SHAPE_RULES,
     AttentionAttrs,
     AttentionBwdAttrs,
@@ -66,7 +67,13 @@ class Value:
         return self.node.graph
 
     def __repr__(self) -> str:
-        return f"Value(node={self.node.id} {self.node.op}, index={self.index}, type={self.type})"
+        if not isinstance(self.node, Node):  # a hand-made Value must still show in error messages
+            return f"Value(node={self.node!r}, index={self.index!r})"
+        try:
+            ty = str(self.type)
+        except (IndexError, TypeError):
+            ty = "<no such output>"
+        return f"Value(node={self.node.id} {self.node.op}, index={self.index!r}, type={ty})"
 
 
 class Node:
@@ -159,6 +166,9 @@ class Graph:
         return MappingProxyType(dict(self._outputs))
 
     def node(self, node_id: int) -> Node:
+        """The node with id ``node_id`` (ids are stable; a copy keeps them)."""
+        if isinstance(node_id, bool) or not isinstance(node_id, numbers.Integral):
+            raise RlxTypeError(f"graph {self.name!r}: a node id is an int, got {type(node_id).__name__}")
         if node_id not in self._nodes:
             raise RlxKeyError(f"graph {self.name!r} has no node {node_id!r}")
         return self._nodes[node_id]
@@ -170,7 +180,7 @@ class Graph:
 
     def uses(self, value: Value) -> list[tuple[Node, int]]:
         """Every ``(consumer, input slot)`` that reads ``value``."""
-        self._check_owned(value.node)
+        self._check_value(value, "uses: value")
         found = []
         for consumer_id in sorted(set(self._store.successors(value.node.id))):
             consumer = self._nodes[consumer_id]
@@ -248,11 +258,21 @@ class Graph:
 
     def add_node(self, op: OpKind, inputs: Sequence[Value], attrs: Attrs) -> Node:
         """Add a node, inferring and checking its output types with the op's shape rule."""
+        if not isinstance(op, OpKind):
+            raise RlxTypeError(f"add_node: op must be an rlx.OpKind, got {type(op).__name__}")
         what = f"{op} (node {self._next_id})"
+        if op is OpKind.INPUT:
+            raise RlxValueError(f"add_node: {what}: declare graph inputs with Graph.input(name, shape, dtype)")
+        attrs_class = ATTRS_CLASS[op]
+        if not isinstance(attrs, attrs_class):
+            raise RlxTypeError(f"add_node: {what}: attrs must be {attrs_class.__name__}, got {type(attrs).__name__}")
+        if isinstance(inputs, (Value, str, bytes)) or not isinstance(inputs, (Sequence, Iterator)):
+            raise RlxTypeError(f"add_node: {what}: inputs must be a sequence of Values, got {type(inputs).__name__}")
+        inputs = tuple(inputs)
         for slot, value in enumerate(inputs):
             self._check_value(value, f"{what} operand {slot}")
         types = SHAPE_RULES[op](what, [v.type for v in inputs], attrs)
-        return self._add(op, attrs, tuple(inputs), types)
+        return self._add(op, attrs, inputs, types)
 
     # ----------------------------------------------------------------- mutation
 
@@ -309,8 +329,7 @@ class Graph:
         self._store.remove_node(node.id)
         del self._nodes[node.id]
         if node.op is OpKind.INPUT:
-            assert isinstance(node.attrs, InputAttrs)
-            del self._inputs[node.attrs.name]
+            self._inputs = {name: n for name, n in self._inputs.items() if n is not node}
             self._inputs_changed()
 
     def remove_output(self, name: str) -> None:
@@ -334,17 +353,23 @@ class Graph:
         clone = Graph(self.name)
         clone._next_id = self._next_id
         mapping: dict[int, Node] = {}
+
+        def copied_value(value: Value, what: str) -> Value:
+            if value not in self or value.node.id not in mapping:
+                raise RlxValueError(
+                    f"cannot copy graph {self.name!r}: {what} reads node {value.node.id}, which is not in the graph"
+                )
+            return Value(mapping[value.node.id], value.index)
+
         for node in self.nodes:
-            inputs = tuple(Value(mapping[v.node.id], v.index) for v in node.inputs)
+            where = f"node {node.id} ({node.op})"
+            inputs = tuple(copied_value(v, f"{where} operand {slot}") for slot, v in enumerate(node.inputs))
             copied = Node(clone, node.id, node.op, node.attrs, inputs, node.types)
             clone._insert(copied)
             mapping[node.id] = copied
-            if node.op is OpKind.INPUT:
-                assert isinstance(node.attrs, InputAttrs)
-                clone._inputs[node.attrs.name] = copied
-        clone._inputs = {name: clone._inputs[name] for name in self._inputs}
+        clone._inputs = {name: mapping[node.id] for name, node in self._inputs.items()}
         clone._inputs_changed()
-        clone._outputs = {name: Value(mapping[v.node.id], v.index) for name, v in self._outputs.items()}
+        clone._outputs = {name: copied_value(v, f"output {name!r}") for name, v in self._outputs.items()}
         return clone
 
     def __str__(self) -> str:
@@ -395,8 +420,10 @@ class Graph:
             raise RlxValueError(f"node {node.id} ({node.op}) does not belong to graph {self.name!r}")
 
     def _check_value(self, value: object, what: str) -> None:
-        if not isinstance(value, Value):
+        if not isinstance(value, Value) or not isinstance(value.node, Node):
             raise RlxTypeError(f"{what} must be an rlx Value (from this graph's builder), got {type(value).__name__}")
+        if isinstance(value.index, bool) or not isinstance(value.index, numbers.Integral):
+            raise RlxTypeError(f"{what}: a Value's index must be an int, got {type(value.index).__name__}")
         if self._nodes.get(value.node.id) is not value.node:
             raise RlxValueError(
                 f"{what} belongs to graph {value.node.graph.name!r}, not to graph {self.name!r}"

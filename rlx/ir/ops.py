@@ -125,8 +125,14 @@ def _layout_names(layout: Layout) -> str:
     return "[B, S, H, D]" if layout is Layout.BSHD else "[B, H, S, D]"
 
 
+def _check_attrs(what: str, attrs: object, cls: type) -> None:
+    if not isinstance(attrs, cls):
+        raise RlxTypeError(f"{what}: attrs must be {cls.__name__}, got {type(attrs).__name__}")
+
+
 def _attention_shape(what: str, inputs: Sequence[TensorType], attrs: Attrs) -> tuple[TensorType, ...]:
-    assert isinstance(attrs, AttentionAttrs)
+    _check_attrs(what, attrs, AttentionAttrs)
+    assert isinstance(attrs, AttentionAttrs)  # for the type checker
     if len(inputs) not in (3, 4):
         raise RlxValueError(f"{what}: attention takes q, k, v and an optional mask tensor, got {len(inputs)} inputs")
     q, k, v = inputs[:3]
@@ -135,7 +141,8 @@ def _attention_shape(what: str, inputs: Sequence[TensorType], attrs: Attrs) -> t
 
 
 def _attention_bwd_shape(what: str, inputs: Sequence[TensorType], attrs: Attrs) -> tuple[TensorType, ...]:
-    assert isinstance(attrs, AttentionBwdAttrs)
+    _check_attrs(what, attrs, AttentionBwdAttrs)
+    assert isinstance(attrs, AttentionBwdAttrs)  # for the type checker
     if len(inputs) not in (4, 5):
         raise RlxValueError(
             f"{what}: attention_bwd takes q, k, v, dy and an optional mask tensor, got {len(inputs)} inputs"
@@ -147,7 +154,7 @@ def _attention_bwd_shape(what: str, inputs: Sequence[TensorType], attrs: Attrs) 
 
 
 def _input_shape(what: str, inputs: Sequence[TensorType], attrs: Attrs) -> tuple[TensorType, ...]:
-    raise AssertionError("input nodes carry their type; they have no shape rule")
+    raise RlxValueError(f"{what}: input nodes carry their own type; declare them with Graph.input(name, shape)")
 
 
 SHAPE_RULES: dict[OpKind, ShapeRule] = {

@@ -94,6 +94,8 @@ class Layout(enum.Enum):
 
     def split(self, shape: tuple[int, ...]) -> tuple[int, int, int, int]:
         """Return ``(B, S, H, D)`` from a rank-4 shape in this layout."""
+        if len(shape) != 4:
+            raise RlxValueError(f"layout {self} needs a rank-4 shape, got {tuple(shape)}")
         if self is Layout.BSHD:
             b, s, h, d = shape
         else:
@@ -126,6 +128,9 @@ class Wrt(enum.Flag):
 
     @staticmethod
     def parse(text: str) -> Wrt:
+        """Read ``q``, ``k|v``, ... as printed by ``str(wrt)``."""
+        if not isinstance(text, str):
+            raise RlxTypeError(f"Wrt.parse: expected a str, got {type(text).__name__}")
         flags = Wrt(0)
         for part in text.split("|"):
             if part not in _WRT_LONG:
@@ -199,6 +204,9 @@ class MaskKind:
 
     @staticmethod
     def parse(text: str) -> MaskKind:
+        """Read a mask as printed by ``str(mask)``: ``causal``, ``sliding_window(4)``, ..."""
+        if not isinstance(text, str):
+            raise RlxTypeError(f"MaskKind.parse: expected a str, got {type(text).__name__}")
         text = text.strip()
         if text.startswith("sliding_window(") and text.endswith(")"):
             inner = text[len("sliding_window(") : -1].strip()

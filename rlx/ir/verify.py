@@ -22,9 +22,7 @@ def verify(graph: Graph) -> None:
             printed = str(graph)
         except Exception as exc:  # a graph broken enough not to print still gets its message
             printed = f"<graph could not be printed: {exc}>"
-        raise RlxValueError(
-            f"graph {graph.name!r} failed verification:\n  " + "\n  ".join(problems) + "\n\n" + printed
-        )
+        raise RlxValueError(f"graph {graph.name!r} failed verification:\n  " + "\n  ".join(problems) + "\n\n" + printed)
 
 
 def _problems(graph: Graph) -> list[str]:
@@ -93,6 +91,8 @@ def _edge_problems(graph: Graph) -> list[str]:
 
 def _node_problems(graph: Graph, node: Node) -> list[str]:
     where = f"node {node.id} ({node.op})"
+    if node.op not in ATTRS_CLASS:
+        return [f"{where}: op must be an OpKind, got {node.op!r}"]
     if not isinstance(node.attrs, ATTRS_CLASS[node.op]):
         return [f"{where}: attrs must be {ATTRS_CLASS[node.op].__name__}, got {type(node.attrs).__name__}"]
     for slot, value in enumerate(node.inputs):

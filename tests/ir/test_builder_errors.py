@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import rlx
-from rlx import Graph, Layout, MaskKind, TensorType, Value, Wrt
+from rlx import Graph, Layout, MaskKind, OpKind, TensorType, Value, Wrt
+from rlx.ir import AttentionAttrs, AttentionBwdAttrs, InputAttrs
 
 B, SQ, SK, H, D = 2, 5, 3, 2, 4
 
@@ -316,6 +317,66 @@ CASES: list[tuple[str, Case, type[Exception], str]] = [
     ("unknown output removed", lambda e: e.g.remove_output("nope"), KeyError, "has no output named 'nope'"),
     ("output removed by a non-str", lambda e: e.g.remove_output(0), TypeError, "output name must be a str, got int"),
     ("unknown node id", lambda e: e.g.node(99), KeyError, "graph 'build' has no node 99"),
+    ("node id not an int", lambda e: e.g.node([1]), TypeError, "graph 'build': a node id is an int, got list"),
+    # --- the generic builder add_node (used by passes and the parser)
+    (
+        "add_node attrs of another op",
+        lambda e: e.g.add_node(OpKind.ATTENTION, [e.q, e.k, e.v], AttentionBwdAttrs(Wrt.QUERY)),
+        TypeError,
+        r"add_node: attention \(node 6\): attrs must be AttentionAttrs, got AttentionBwdAttrs",
+    ),
+    (
+        "add_node attrs None",
+        lambda e: e.g.add_node(OpKind.ATTENTION_BWD, [e.q, e.k, e.v, e.dy], None),
+        TypeError,
+        r"add_node: attention_bwd \(node 6\): attrs must be AttentionBwdAttrs, got NoneType",
+    ),
+    (
+        "add_node of an input",
+        lambda e: e.g.add_node(OpKind.INPUT, [], InputAttrs("x")),
+        ValueError,
+        r"add_node: input \(node 6\): declare graph inputs with Graph.input",
+    ),
+    (
+        "add_node op a str",
+        lambda e: e.g.add_node("attention", [], AttentionAttrs()),
+        TypeError,
+        "op must be an rlx.OpKind",
+    ),
+    (
+        "add_node one Value as inputs",
+        lambda e: e.g.add_node(OpKind.ATTENTION, e.q, AttentionAttrs()),
+        TypeError,
+        r"attention \(node 6\): inputs must be a sequence of Values, got Value",
+    ),
+    (
+        "add_node too few inputs",
+        lambda e: e.g.add_node(OpKind.ATTENTION, (e.q, e.k), AttentionAttrs()),
+        ValueError,
+        r"attention \(node 6\): attention takes q, k, v and an optional mask tensor, got 2 inputs",
+    ),
+    # --- hand-made Values and bad arguments of the query methods
+    (
+        "value with a str index",
+        lambda e: e.g.attention(Value(e.q.node, "0"), e.k, e.v),
+        TypeError,
+        r"operand 0: a Value's index must be an int, got str",
+    ),
+    (
+        "value past the last output",
+        lambda e: e.g.attention(Value(e.q.node, 1), e.k, e.v),
+        ValueError,
+        r"operand 0: node 0 has no output 1",
+    ),
+    ("value of a non-node", lambda e: e.g.output(o=Value(3, 0)), TypeError, "output 'o' must be an rlx Value"),
+    ("uses of a Node", lambda e: e.g.uses(e.q.node), TypeError, "uses: value must be an rlx Value"),
+    ("users of a Value", lambda e: e.g.users(e.q), TypeError, "expected an rlx Node, got Value"),
+    ("set_input of a Value", lambda e: e.g.set_input(e.q, 0, e.k), TypeError, "expected an rlx Node, got Value"),
+    ("erase a Value", lambda e: e.g.erase(e.q), TypeError, "expected an rlx Node, got Value"),
+    # --- text helpers and layouts
+    ("MaskKind.parse of None", lambda e: MaskKind.parse(None), TypeError, "MaskKind.parse: expected a str, got None"),
+    ("Wrt.parse of a flag", lambda e: Wrt.parse(Wrt.KEY), TypeError, "Wrt.parse: expected a str, got Wrt"),
+    ("layout split rank 3", lambda e: Layout.BHSD.split((1, 2, 3)), ValueError, r"layout bhsd needs a rank-4 shape"),
 ]
 
 

@@ -474,6 +474,37 @@ def test_printer_names_values_of_another_graph_or_missing_outputs() -> None:
     assert last.endswith("foreign = %<node 4 of graph 'attn'>, past_end = %<node 4 has no output 5>")
 
 
+def test_copy_of_a_graph_with_a_dangling_output_is_an_rlx_error() -> None:
+    """rlx.compile copies first: a dangling output must not surface as a bare KeyError."""
+    g = spec_graph()
+    stale = g.attention(*_qkv(g)[:3])
+    g.erase(stale.node)
+    g._outputs["stale"] = stale
+    with pytest.raises(
+        rlx.RlxValueError, match=rf"cannot copy graph 'attn': output 'stale' reads node {stale.node.id}"
+    ):
+        g.copy()
+    del g._outputs["stale"]
+    g.outputs["o"].node._inputs = (stale, *g.outputs["o"].node.inputs[1:])
+    with pytest.raises(rlx.RlxValueError, match=r"cannot copy graph 'attn': node 4 \(attention\) operand 0 reads"):
+        g.copy()
+
+
+def test_verify_reports_a_node_whose_op_is_not_an_op_kind() -> None:
+    g = spec_graph()
+    g.outputs["o"].node.op = "attention"  # type: ignore[assignment]
+    with pytest.raises(rlx.RlxValueError, match=r"node 4 \(attention\): op must be an OpKind, got 'attention'"):
+        g.verify()
+
+
+def test_value_repr_survives_hand_made_values() -> None:
+    g = spec_graph()
+    node = g.outputs["o"].node
+    assert repr(Value(node, 0)) == "Value(node=4 attention, index=0, type=f32[2,5,2,4])"
+    assert repr(Value(node, 3)) == "Value(node=4 attention, index=3, type=<no such output>)"
+    assert repr(Value(None, 0)) == "Value(node=None, index=0)"  # type: ignore[arg-type]
+
+
 def test_verify_catches_a_node_added_to_the_store_behind_the_api() -> None:
     g = spec_graph()
     g._store.add_node(99)
