@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -61,7 +62,8 @@ class TensorType:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        """Exact size in bytes (Python ints: ``np.prod`` in int64 wraps around for huge shapes)."""
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def __str__(self) -> str:
         return f"{self.dtype_name}[{','.join(str(d) for d in self.shape)}]"

@@ -591,6 +591,13 @@ def test_tensor_type_normalises_shape_and_dtype() -> None:
     assert TensorType(()).dtype == np.dtype(np.float32) and str(TensorType(())) == "f32[]"
 
 
+def test_tensor_type_nbytes_is_exact_for_huge_shapes() -> None:
+    """Regression: np.prod in int64 wrapped to 0 for 2**40 x 2**40 and overflowed beyond int64."""
+    assert TensorType((2, 3)).nbytes == 24 and TensorType(()).nbytes == 4
+    assert TensorType((2**40, 2**40)).nbytes == 2**82
+    assert TensorType((10**30,), "f16").nbytes == 2 * 10**30
+
+
 def test_tensor_type_with_a_str_dtype_verifies_and_prints() -> None:
     g = spec_graph()
     g.inputs["k"].node.types = (TensorType((B, SK, H, D), "float64"),)
