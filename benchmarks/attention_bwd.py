@@ -532,6 +532,18 @@ def memory_ratio(result: dict[str, Any], impl: str = "rlx_fused") -> float | Non
     return extra / result["seven_tensor_bytes"] if extra is not None else None
 
 
+def derived(result: dict[str, Any], sgemm_gflops: float, sgemm_multi_gflops: float) -> dict[str, Any]:
+    """The per-case numbers the tables print, stored beside the raw samples for convenience."""
+    fused_rate = gflops(result, "rlx_fused")
+    return {
+        "gflops": {impl: gflops(result, impl) for impl in IMPLS},
+        "speedup_of_fused_over": {impl: ratio(result, impl) for impl in IMPLS if impl != "rlx_fused"},
+        "fused_fraction_of_sgemm": fused_rate / sgemm_gflops if fused_rate else None,
+        "fused_fraction_of_measured_multi_sgemm": fused_rate / sgemm_multi_gflops if fused_rate else None,
+        "extra_peak_over_seven_tensors": {impl: memory_ratio(result, impl) for impl in result.get("memory", {})},
+    }
+
+
 def summarize(results: list[dict[str, Any]], sgemm_gflops: float, sgemm_multi_gflops: float,
               demo: dict[str, Any] | None, torch_present: bool) -> dict[str, Any]:
     """Headline numbers over the first five cases, the long case's memory, compile times; targets."""
@@ -811,6 +823,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     measured_multi = max(s.gflops_multi for s in sgemm)
 
     summary = summarize(results, reference, measured_multi, demo, torch is not None)
+    for result in results:
+        result["derived"] = derived(result, reference, measured_multi)
     print("\n### Time per backward call, median (min) over interleaved rounds\n")
     print(timing_table(results))
     print(f"\n### Effective rate (10·B·H·S²·D flops, half for causal); sgemm yardstick {reference:.1f} GFLOP/s "
