@@ -1,0 +1,192 @@
+"""Thread count never changes a bit of the result; concurrent calls and compiles are safe.
+
+The parallel-for hands out (batch, head) items to native threads; every item is computed by one
+thread with the same code, so any thread count, the serial override and repeated calls must give
+bit-identical outputs. ``RLX_NUM_THREADS`` and ``RLX_ATTN_BWD_SERIAL`` are read at compile time.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from codegen_helpers import assert_outputs_close, case_inputs, multi_graph
+from helpers import Case
+
+import rlx
+from rlx import Graph, Layout, MaskKind, RuntimeConfig, Wrt
+from rlx.codegen import Executable
+
+CASE = Case(40, 48, head_dim=16, batch=2, heads=3, mask=MaskKind.sliding_window(9), layout=Layout.BSHD)
+WRTS = (Wrt.ALL, Wrt.VALUE, Wrt.QUERY | Wrt.KEY)
+
+
+@pytest.fixture(autouse=True)
+def _clean_thread_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Start every test without the thread overrides, whatever the outer environment says."""
+    monkeypatch.delenv("RLX_NUM_THREADS", raising=False)
+    monkeypatch.delenv("RLX_ATTN_BWD_SERIAL", raising=False)
+
+
+@pytest.fixture(scope="module")
+def graph() -> Graph:
+    return multi_graph(CASE, wrts=WRTS, name="threads")
+
+
+def _three_calls(exe: Executable, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Call three times; the calls must agree bit for bit. Returns the first result."""
+    first = exe(**arrays)
+    for _ in range(2):
+        again = exe(**arrays)
+        for name, value in first.items():
+            assert np.array_equal(again[name], value), f"{name} differs between calls"
+    return first
+
+
+def _assert_identical(got: dict[str, np.ndarray], want: dict[str, np.ndarray], what: str) -> None:
+    assert list(got) == list(want)
+    for name, value in want.items():
+        assert np.array_equal(got[name], value), f"{name}: {what} is not bit-identical to one thread"
+
+
+def test_thread_counts_and_overrides_are_bit_identical(
+    graph: Graph, monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator
+) -> None:
+    """num_threads 1, 2, 3, RLX_ATTN_BWD_SERIAL=1 and RLX_NUM_THREADS=2: same bits; exe.threads says which."""
+    arrays = case_inputs(CASE, rng)
+    serial = rlx.compile(graph, config=RuntimeConfig(num_threads=1))
+    assert serial.threads == 1
+    want = _three_calls(serial, arrays)
+    assert_outputs_close(want, rlx.reference.run(graph, **arrays))
+
+    for threads in (2, 3):
+        exe = rlx.compile(graph, config=RuntimeConfig(num_threads=threads))
+        assert exe.threads == threads
+        _assert_identical(_three_calls(exe, arrays), want, f"num_threads={threads}")
+
+    with monkeypatch.context() as env:
+        env.setenv("RLX_ATTN_BWD_SERIAL", "1")
+        forced = rlx.compile(graph, config=RuntimeConfig(num_threads=3))
+    assert forced.threads == 1  # the override wins over the config, and sticks after the env is gone
+    _assert_identical(_three_calls(forced, arrays), want, "RLX_ATTN_BWD_SERIAL=1")
+
+    with monkeypatch.context() as env:
+        env.setenv("RLX_NUM_THREADS", "2")
+        from_env = rlx.compile(graph)
+    assert from_env.threads == 2
+    _assert_identical(_three_calls(from_env, arrays), want, "RLX_NUM_THREADS=2")
+
+
+def test_config_beats_rlx_num_threads(graph: Graph, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RLX_NUM_THREADS", "2")
+    assert rlx.compile(graph, config=RuntimeConfig(num_threads=3)).threads == 3
+
+
+def test_serial_override_off_values(graph: Graph, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``RLX_ATTN_BWD_SERIAL`` empty or 0 does not force one thread."""
+    for value in ("", "0"):
+        monkeypatch.setenv("RLX_ATTN_BWD_SERIAL", value)
+        assert rlx.compile(graph, config=RuntimeConfig(num_threads=2)).threads == 2
+
+
+def test_default_uses_every_available_core(graph: Graph) -> None:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert rlx.compile(graph).threads == cores
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5"])
+def test_bad_rlx_num_threads(value: str, graph: Graph, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad ``RLX_NUM_THREADS`` is a ValueError at compile time that names the variable."""
+    monkeypatch.setenv("RLX_NUM_THREADS", value)
+    with pytest.raises(rlx.RlxValueError) as info:
+        rlx.compile(graph)
+    assert isinstance(info.value, ValueError)
+    assert "RLX_NUM_THREADS" in str(info.value)
+
+
+def test_more_threads_than_work_items(rng: np.random.Generator) -> None:
+    """Eight threads for two (batch, head) items: the spare threads are never started; same bits."""
+    case = Case(9, 11, head_dim=4, batch=1, heads=2, mask=MaskKind.CAUSAL, layout=Layout.BHSD)
+    g = multi_graph(case, wrts=(Wrt.ALL,))
+    arrays = case_inputs(case, rng)
+    want = rlx.compile(g, config=RuntimeConfig(num_threads=1))(**arrays)
+    wide = rlx.compile(g, config=RuntimeConfig(num_threads=8))
+    assert wide.threads == 8
+    _assert_identical(_three_calls(wide, arrays), want, "num_threads=8")
+
+
+def _run_in_threads(count: int, work: Callable[[int], None]) -> None:
+    """Start ``count`` threads together on ``work(index)``; re-raise the first failure."""
+    barrier = threading.Barrier(count)
+    errors: list[BaseException] = []
+
+    def body(index: int) -> None:
+        try:
+            barrier.wait()
+            work(index)
+        except BaseException as exc:  # collected and re-raised in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "a thread hung"
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("native_threads", [1, 2])
+def test_one_executable_called_from_four_threads(native_threads: int, graph: Graph) -> None:
+    """Four Python threads call the same executable at once, each with its own inputs, many times."""
+    exe = rlx.compile(graph, config=RuntimeConfig(num_threads=native_threads))
+    inputs = [case_inputs(CASE, np.random.default_rng(seed)) for seed in range(4)]
+    expected = [rlx.reference.run(graph, **arrays) for arrays in inputs]
+    serial = [exe(**arrays) for arrays in inputs]  # what each thread must reproduce bit for bit
+
+    def work(index: int) -> None:
+        for _ in range(6):
+            got = exe(**inputs[index])
+            _assert_identical(got, serial[index], f"thread {index}")
+            assert_outputs_close(got, expected[index], context=f"thread {index}")
+
+    _run_in_threads(4, work)
+
+
+def test_executables_sharing_a_program_called_concurrently(graph: Graph) -> None:
+    """Two Executables from the compile cache share one program; concurrent calls stay independent."""
+    first, second = rlx.compile(graph), rlx.compile(graph)
+    assert first._program is second._program
+    inputs = [case_inputs(CASE, np.random.default_rng(100 + seed)) for seed in range(4)]
+    serial = [first(**arrays) for arrays in inputs]
+
+    def work(index: int) -> None:
+        exe = first if index % 2 else second
+        for _ in range(4):
+            _assert_identical(exe(**inputs[index]), serial[index], f"thread {index}")
+
+    _run_in_threads(4, work)
+
+
+def test_concurrent_compiles_and_calls() -> None:
+    """Four threads each compile a different graph and run it at the same time."""
+    cases = [
+        Case(7, 9, mask=MaskKind.CAUSAL),
+        Case(6, 6, mask=MaskKind.CUSTOM, layout=Layout.BHSD),
+        Case(5, 8, mask=MaskKind.BIAS),
+        Case(9, 4, mask=MaskKind.sliding_window(1), layout=Layout.BHSD),
+    ]
+    graphs = [multi_graph(case, wrts=(Wrt.ALL,), name=f"concurrent{i}") for i, case in enumerate(cases)]
+    inputs = [case_inputs(case, np.random.default_rng(i)) for i, case in enumerate(cases)]
+    expected = [rlx.reference.run(g, **arrays) for g, arrays in zip(graphs, inputs, strict=True)]
+
+    def work(index: int) -> None:
+        exe = rlx.compile(graphs[index], config=RuntimeConfig(num_threads=2))
+        for _ in range(3):
+            assert_outputs_close(exe(**inputs[index]), expected[index], context=f"graph {index}")
+
+    _run_in_threads(4, work)
