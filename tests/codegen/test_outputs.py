@@ -1,0 +1,124 @@
+"""What a call returns: new, dense, writable float32 arrays, one per output name, never aliases.
+
+Outputs that are graph inputs, the same value under two names, and intermediates that are both
+outputs and operands of later nodes all come back as arrays of their own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from codegen_helpers import assert_outputs_close, case_inputs, declare_inputs
+from helpers import Case
+
+import rlx
+from rlx import Graph, MaskKind, Wrt
+
+CASE = Case(6, 8, head_dim=4, batch=2, heads=2, mask=MaskKind.CAUSAL)
+
+
+def assert_fresh(result: dict[str, np.ndarray], *others: np.ndarray) -> None:
+    """Every array owns dense float32 memory shared with nothing in ``others`` nor with each other."""
+    arrays = list(result.values())
+    for name, array in result.items():
+        assert type(array) is np.ndarray, name
+        assert array.dtype == np.float32, name
+        assert array.flags.c_contiguous and array.flags.writeable and array.flags.owndata, name
+        for other in others:
+            assert not np.shares_memory(array, other), f"{name} shares memory with an input"
+    for i, a in enumerate(arrays):
+        for b in arrays[i + 1 :]:
+            assert not np.shares_memory(a, b), "two outputs share memory"
+
+
+def test_input_as_output_is_a_copy(rng: np.random.Generator) -> None:
+    """``g.output(x=q)`` returns an equal, separate array (mutating it leaves the input alone)."""
+    g = Graph("passthrough")
+    q, k, v, _, _ = declare_inputs(g, CASE)
+    g.output(x=q, out=g.attention(q, k, v, mask=CASE.mask))
+    arrays = case_inputs(CASE, rng)
+    exe = rlx.compile(g)
+    got = exe(**arrays)
+    assert np.array_equal(got["x"], arrays["q"])
+    assert got["x"] is not arrays["q"]
+    assert_fresh(got, *arrays.values())
+    got["x"][...] = 7.0
+    assert not np.any(arrays["q"] == 7.0)
+    assert_outputs_close(exe(**arrays), rlx.reference.run(g, **arrays))
+
+
+def test_graph_without_compute_nodes(rng: np.random.Generator) -> None:
+    """A graph that only forwards inputs compiles and returns copies (twice under two names)."""
+    g = Graph("identity")
+    q = g.input("q", CASE.q_shape)
+    g.output(a=q, b=q)
+    arrays = {"q": case_inputs(CASE, rng)["q"]}
+    got = rlx.compile(g)(**arrays)
+    assert list(got) == ["a", "b"]
+    assert np.array_equal(got["a"], arrays["q"]) and np.array_equal(got["b"], arrays["q"])
+    assert_fresh(got, arrays["q"])
+
+
+def test_same_value_under_two_names(rng: np.random.Generator) -> None:
+    """Two output names for one computed value: two distinct, equal arrays."""
+    g = Graph("twice")
+    q, k, v, dy, _ = declare_inputs(g, CASE)
+    out = g.attention(q, k, v, mask=CASE.mask)
+    dk = g.attention_bwd(q, k, v, dy, wrt=Wrt.KEY, mask=CASE.mask)
+    g.output(first=out, second=out, dk=dk, dk_again=dk)
+    arrays = case_inputs(CASE, rng)
+    for passes in ([], None):
+        got = rlx.compile(g, passes=passes)(**arrays)
+        assert list(got) == ["first", "second", "dk", "dk_again"]
+        assert np.array_equal(got["first"], got["second"])
+        assert np.array_equal(got["dk"], got["dk_again"])
+        assert_fresh(got, *arrays.values())
+        assert_outputs_close(got, rlx.reference.run(g, **arrays))
+
+
+def test_output_that_later_nodes_read(rng: np.random.Generator) -> None:
+    """An intermediate that is also an output is written once and read back correctly."""
+    g = Graph("reread")
+    q, k, v, _dy, _ = declare_inputs(g, CASE)
+    o1 = g.attention(q, k, v, mask=CASE.mask)
+    o2 = g.attention(o1, k, v)
+    d = g.attention_bwd(o1, k, v, o2, wrt=Wrt.QUERY | Wrt.VALUE)
+    g.output(o1=o1, o2=o2, d_q=d[0], d_v=d[1], again=o1)
+    arrays = case_inputs(CASE, rng)
+    got = rlx.compile(g, passes=[])(**arrays)
+    assert_fresh(got, *arrays.values())
+    assert_outputs_close(got, rlx.reference.run(g, **arrays))
+
+
+def test_calls_never_share_results(rng: np.random.Generator) -> None:
+    """Each call returns new arrays: results of an earlier call survive later calls untouched."""
+    g = Graph("calls")
+    q, k, v, dy, _ = declare_inputs(g, CASE)
+    dq, dk, dv = g.attention_bwd(q, k, v, dy, wrt=Wrt.ALL, mask=CASE.mask)
+    g.output(out=g.attention(q, k, v, mask=CASE.mask), dq=dq, dk=dk, dv=dv, x=q)
+    exe = rlx.compile(g)
+    first_inputs = case_inputs(CASE, rng)
+    second_inputs = case_inputs(CASE, rng)
+    first = exe(**first_inputs)
+    kept = {name: array.copy() for name, array in first.items()}
+    second = exe(**second_inputs)
+    for name in first:
+        assert not np.shares_memory(first[name], second[name]), name
+        assert np.array_equal(first[name], kept[name]), f"{name} of the first call was overwritten"
+        assert not np.array_equal(first[name], second[name]), name
+    first["dk"][...] = np.nan  # scribbling on a result does not leak into the next call
+    third = exe(**first_inputs)
+    for name in kept:
+        assert np.array_equal(third[name], kept[name]), name
+    assert_fresh(second, *second_inputs.values())
+
+
+def test_output_order_and_shapes_follow_the_graph(rng: np.random.Generator) -> None:
+    """Names come back in ``g.output`` order with each value's declared shape, also after fusion."""
+    g = Graph("order")
+    q, k, v, dy, _ = declare_inputs(g, CASE)
+    dv = g.attention_bwd(q, k, v, dy, wrt=Wrt.VALUE, mask=CASE.mask)
+    dq = g.attention_bwd(q, k, v, dy, wrt=Wrt.QUERY, mask=CASE.mask)
+    g.output(z_dv=dv, a_dq=dq)
+    got = rlx.compile(g)(**case_inputs(CASE, rng))
+    assert list(got) == ["z_dv", "a_dq"]
+    assert got["z_dv"].shape == CASE.kv_shape and got["a_dq"].shape == CASE.q_shape
