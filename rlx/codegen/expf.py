@@ -1,16 +1,17 @@
-"""A vectorisable float32 exp. LLVM's ``llvm.exp`` is scalarised to one libm call per lane.
+"""A vector float32 exp. LLVM's ``llvm.exp`` is scalarised to one libm call per lane.
 
 Cephes' expf: ``n = round(x·log2 e)``, ``r = x − n·ln 2`` (split in two constants), a degree-5
 polynomial for ``e^r`` and ``2^n`` built from the exponent bits. Only selects and arithmetic, so
-the loop vectoriser widens it. Accurate to ~1 ulp for ``x`` in [−87.3, 88]; below that the
-result is 0, above 88.72 it is +inf, NaN stays NaN. Softmax only feeds it ``x <= 0``.
+it is emitted at any width (``<16 x float>`` in the softmax loops). Accurate to ~1 ulp for ``x``
+in [−87.3, 88]; below that the result is 0, above 88.72 it is +inf, NaN stays NaN. Softmax only
+feeds it ``x <= 0``.
 """
 
 from __future__ import annotations
 
 from llvmlite import ir
 
-from rlx.codegen.irutil import CONTRACT, F32, I32, f32, i32, intrinsic
+from rlx.codegen.irutil import CONTRACT, F32, I32, intrinsic
 
 EXP_LOW = -87.33654  # below: result underflows to 0 (2^n would be subnormal)
 EXP_HIGH = 88.0  # clamp so that n <= 127; x > EXP_OVERFLOW is +inf
@@ -21,35 +22,47 @@ _LN2_LO = -2.12194440e-4
 _POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
 
 
-def define_expf(module: ir.Module) -> ir.Function:
-    """Define (once) ``float rlx_expf(float)``, internal and always inlined."""
-    existing = module.globals.get("rlx_expf")
+def define_expf(module: ir.Module, width: int = 1) -> ir.Function:
+    """Define (once per width) ``rlx_expf`` on float or ``<width x float>``, internal, inlined."""
+    name = "rlx_expf" if width == 1 else f"rlx_expf.v{width}"
+    existing = module.globals.get(name)
     if existing is not None:
         return existing  # type: ignore[return-value]
-    fn = ir.Function(module, ir.FunctionType(F32, [F32]), name="rlx_expf")
+    vector = width > 1
+    fty = ir.VectorType(F32, width) if vector else F32
+    ity = ir.VectorType(I32, width) if vector else I32
+    suffix = f"v{width}f32" if vector else "f32"
+
+    def c(value: float) -> ir.Constant:
+        return ir.Constant(fty, [value] * width if vector else value)
+
+    def ci(value: int) -> ir.Constant:
+        return ir.Constant(ity, [value] * width if vector else value)
+
+    fn = ir.Function(module, ir.FunctionType(fty, [fty]), name=name)
     fn.linkage = "internal"
     fn.attributes.add("alwaysinline")
     fn.attributes.add("nounwind")
     (x,) = fn.args
     x.name = "x"
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    floor = intrinsic(module, "llvm.floor.f32", F32, [F32])
+    floor = intrinsic(module, f"llvm.floor.{suffix}", fty, [fty])
 
-    clamped = b.select(b.fcmp_ordered("<", x, f32(EXP_LOW)), f32(EXP_LOW), x, name="lo")
-    clamped = b.select(b.fcmp_ordered(">", clamped, f32(EXP_HIGH)), f32(EXP_HIGH), clamped, name="xc")
-    n = b.call(floor, [b.fadd(b.fmul(clamped, f32(_LOG2E), flags=CONTRACT), f32(0.5), flags=CONTRACT)], name="n")
-    r = b.fsub(clamped, b.fmul(n, f32(_LN2_HI)), name="r.hi")
-    r = b.fsub(r, b.fmul(n, f32(_LN2_LO)), name="r")
-    poly = f32(_POLY[0])
+    clamped = b.select(b.fcmp_ordered("<", x, c(EXP_LOW)), c(EXP_LOW), x, name="lo")
+    clamped = b.select(b.fcmp_ordered(">", clamped, c(EXP_HIGH)), c(EXP_HIGH), clamped, name="xc")
+    n = b.call(floor, [b.fadd(b.fmul(clamped, c(_LOG2E), flags=CONTRACT), c(0.5), flags=CONTRACT)], name="n")
+    r = b.fsub(clamped, b.fmul(n, c(_LN2_HI)), name="r.hi")
+    r = b.fsub(r, b.fmul(n, c(_LN2_LO)), name="r")
+    poly = c(_POLY[0])
     for coefficient in _POLY[1:]:
-        poly = b.fadd(b.fmul(poly, r, flags=CONTRACT), f32(coefficient), flags=CONTRACT)
+        poly = b.fadd(b.fmul(poly, r, flags=CONTRACT), c(coefficient), flags=CONTRACT)
     r2 = b.fmul(r, r, name="r2")
-    e_r = b.fadd(b.fadd(b.fmul(poly, r2, flags=CONTRACT), r, flags=CONTRACT), f32(1.0), name="e.r")
-    exponent = b.shl(b.add(b.fptosi(n, I32), i32(127)), i32(23), name="bits")
-    two_n = b.bitcast(exponent, F32, name="two.n")
+    e_r = b.fadd(b.fadd(b.fmul(poly, r2, flags=CONTRACT), r, flags=CONTRACT), c(1.0), name="e.r")
+    exponent = b.shl(b.add(b.fptosi(n, ity), ci(127)), ci(23), name="bits")
+    two_n = b.bitcast(exponent, fty, name="two.n")
     result = b.fmul(e_r, two_n, name="exp")
-    result = b.select(b.fcmp_ordered("<", x, f32(EXP_LOW)), f32(0.0), result)
-    result = b.select(b.fcmp_ordered(">", x, f32(EXP_OVERFLOW)), f32(float("inf")), result)
+    result = b.select(b.fcmp_ordered("<", x, c(EXP_LOW)), c(0.0), result)
+    result = b.select(b.fcmp_ordered(">", x, c(EXP_OVERFLOW)), c(float("inf")), result)
     result = b.select(b.fcmp_unordered("uno", x, x), x, result, name="exp.nan")
     b.ret(result)
     return fn

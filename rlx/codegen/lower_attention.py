@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from rlx.codegen.blas import NO_TRANS, ROW_MAJOR, SGEMM, TRANS
-from rlx.codegen.expf import define_expf
 from rlx.codegen.irutil import (
     F32,
     I1,
@@ -39,13 +38,11 @@ from rlx.codegen.irutil import (
     I32,
     I64,
     PTR,
-    REDUCE,
     VOID,
     alloca_entry,
     clamp,
     declare,
     f32,
-    fill,
     for_range,
     gep,
     gep_f32,
@@ -55,6 +52,7 @@ from rlx.codegen.irutil import (
     smax,
     smin,
 )
+from rlx.codegen.vector import Lanes, vector_fill, vector_loop, vector_reduce
 from rlx.ir.ops import AttentionDims
 from rlx.ir.types import Layout, MaskKind, Wrt
 
@@ -125,8 +123,6 @@ class AttentionLowering:
         self.module = module
         self.spec = spec
         self.name = name
-        self.expf = define_expf(module)
-        self.maxnum = intrinsic(module, "llvm.maxnum.f32", F32, [F32, F32])
         self.memset = intrinsic(module, "llvm.memset.p0.i64", VOID, [PTR, I8, I64, I1])
         self.sgemm = declare(module, SGEMM, VOID, [I32] * 6 + [F32, PTR, I32, PTR, I32, F32, PTR, I32])
         self.neg = f32(spec.neg)
@@ -248,10 +244,10 @@ class AttentionLowering:
         lo = clamp(b, b.sub(b.sub(diagonal, i64(mask.window)), ks), i64(0), hi, name="lo")
         return lo, hi
 
-    def _key_padded(self, b: ir.IRBuilder, gj: ir.Value) -> ir.Value:
-        """Custom mask: is key ``gj`` hidden (``mask[b, gj] < threshold``)?"""
-        value = b.load(gep_f32(b, self.mask_base, gj), typ=F32, name="pad")
-        return b.fcmp_ordered("<", value, f32(self.spec.threshold), name="padded")
+    def _key_padded(self, b: ir.IRBuilder, gj: ir.Value, lanes: Lanes) -> ir.Value:
+        """Custom mask: are keys ``gj ..`` hidden (``mask[b, gj] < threshold``)?"""
+        value = lanes.load(b, self.mask_base, gj, name="pad")
+        return b.fcmp_ordered("<", value, lanes.const(self.spec.threshold), name="padded")
 
     # ------------------------------------------------------------------ softmax
 
@@ -290,91 +286,86 @@ class AttentionLowering:
         self, b: ir.IRBuilder, strip: ir.Value, i0: ir.Value, rows: ir.Value, ks: ir.Value, nk: ir.Value
     ) -> ir.Value:
         """Mask and softmax every row of the strip in place; true if a skipped key could matter."""
-        mask = self.spec.mask
+        mask, neg = self.spec.mask, self.spec.neg
         flag = alloca_entry(b, I1, "needs.all.keys")
         b.store(ir.Constant(I1, 0), flag)
-        row_max = alloca_entry(b, F32, "row.max")
-        row_sum = alloca_entry(b, F32, "row.sum")
         with for_range(b, 0, rows, "r") as r:
             gi = b.add(i0, r, name="gi")
             row = gep_f32(b, strip, b.mul(r, nk), name="row")
-            b.store(f32(-math.inf), row_max)
             if mask.is_causal_like:
                 lo, hi = self._row_keys(b, gi, ks, nk)
-                fill(b, row, i64(0), lo, self.neg, "fill.lo")
-                fill(b, row, hi, nk, self.neg, "fill.hi")
-                with for_range(b, lo, hi, "j") as j:
-                    self._max_into(b, row_max, b.load(gep_f32(b, row, j), typ=F32))
+                vector_fill(b, row, i64(0), lo, neg, "fill.lo")
+                vector_fill(b, row, hi, nk, neg, "fill.hi")
+                visible_max = vector_reduce(b, lo, hi, "vis.max", "max", lambda b, j, lanes: lanes.load(b, row, j))
                 hidden = b.or_(b.icmp_signed(">", lo, i64(0)), b.icmp_signed("<", hi, nk), name="has.hidden")
-                with b.if_then(hidden):
-                    self._max_into(b, row_max, self.neg)
+                m = b.select(hidden, Lanes(self.module, 1).maxnum(b, visible_max, self.neg), visible_max, name="m")
             else:
-                with for_range(b, 0, nk, "j") as j:
-                    ptr = gep_f32(b, row, j)
-                    score = b.load(ptr, typ=F32, name="s")
-                    gj = b.add(ks, j, name="gj")
-                    if mask == MaskKind.CUSTOM:
-                        score = b.select(self._key_padded(b, gj), self.neg, score, name="s.masked")
-                        b.store(score, ptr)
-                    elif mask == MaskKind.BIAS:
-                        bias_ptr = gep_f32(b, self.mask_base, b.add(b.mul(gi, i64(self.spec.dims.seq_k)), gj))
-                        score = b.fadd(score, b.load(bias_ptr, typ=F32, name="bias"), name="s.biased")
-                        b.store(score, ptr)
-                    self._max_into(b, row_max, score)
-            m = b.load(row_max, typ=F32, name="m")
-            if mask.is_causal_like and math.isfinite(self.spec.neg):
+                m = vector_reduce(b, i64(0), nk, "m", "max", lambda b, j, lanes: self._masked_score(b, row, gi, ks, j,
+                                                                                                     lanes))
+            if mask.is_causal_like and math.isfinite(neg):
                 matters = b.fcmp_ordered(">", b.fsub(self.neg, m), f32(SKIP_MARGIN), name="hidden.matters")
                 b.store(b.or_(b.load(flag, typ=I1), matters), flag)
-            self._exp_normalise(b, row, nk, m, row_sum)
+            self._exp_normalise(b, row, nk, m)
         return b.load(flag, typ=I1, name="needs.all")
 
-    def _max_into(self, b: ir.IRBuilder, acc: ir.Value, value: ir.Value) -> None:
-        b.store(b.call(self.maxnum, [b.load(acc, typ=F32), value], fastmath=()), acc)
+    def _masked_score(self, b: ir.IRBuilder, row: ir.Value, gi: ir.Value, ks: ir.Value, j: ir.Value,
+                      lanes: Lanes) -> ir.Value:
+        """Score ``row[j]`` after a custom or bias mask, stored back; returned for the row max."""
+        mask = self.spec.mask
+        score = lanes.load(b, row, j, name="s")
+        gj = b.add(ks, j, name="gj")
+        if mask == MaskKind.CUSTOM:
+            score = b.select(self._key_padded(b, gj, lanes), lanes.const(self.spec.neg), score, name="s.masked")
+            lanes.store(b, score, row, j)
+        elif mask == MaskKind.BIAS:
+            bias = lanes.load(b, self.mask_base, b.add(b.mul(gi, i64(self.spec.dims.seq_k)), gj), name="bias")
+            score = b.fadd(score, bias, name="s.biased")
+            lanes.store(b, score, row, j)
+        return score
 
-    def _exp_normalise(self, b: ir.IRBuilder, row: ir.Value, nk: ir.Value, m: ir.Value, row_sum: ir.Value) -> None:
+    def _exp_normalise(self, b: ir.IRBuilder, row: ir.Value, nk: ir.Value, m: ir.Value) -> None:
         """``row = exp(row - m) / sum``; a row whose max is -inf (all hidden by -inf) becomes 0."""
         with b.if_else(b.fcmp_ordered("==", m, f32(-math.inf), name="all.hidden")) as (empty, normal):
             with empty:
-                fill(b, row, i64(0), nk, f32(0.0), "zero.row")
+                vector_fill(b, row, i64(0), nk, 0.0, "zero.row")
             with normal:
-                b.store(f32(0.0), row_sum)
-                with for_range(b, 0, nk, "e") as j:
-                    ptr = gep_f32(b, row, j)
-                    e = b.call(self.expf, [b.fsub(b.load(ptr, typ=F32), m)], name="e")
-                    b.store(e, ptr)
-                    b.store(b.fadd(b.load(row_sum, typ=F32), e, flags=REDUCE), row_sum)
-                inv = b.fdiv(f32(1.0), b.load(row_sum, typ=F32), name="inv.sum")
-                with for_range(b, 0, nk, "n") as j:
-                    ptr = gep_f32(b, row, j)
-                    b.store(b.fmul(b.load(ptr, typ=F32), inv), ptr)
+
+                def exp_term(b: ir.IRBuilder, j: ir.Value, lanes: Lanes) -> ir.Value:
+                    e = lanes.exp(b, b.fsub(lanes.load(b, row, j), lanes.splat(b, m)), name="e")
+                    lanes.store(b, e, row, j)
+                    return e
+
+                total = vector_reduce(b, i64(0), nk, "row.sum", "add", exp_term)
+                inv = b.fdiv(f32(1.0), total, name="inv.sum")
+                vector_loop(b, i64(0), nk, "normalise",
+                            lambda b, j, lanes: lanes.store(b, b.fmul(lanes.load(b, row, j), lanes.splat(b, inv)),
+                                                            row, j))
 
     def _softmax_backward_rows(
         self, b: ir.IRBuilder, p: ir.Value, dp: ir.Value, i0: ir.Value, rows: ir.Value, ks: ir.Value, nk: ir.Value
     ) -> None:
         """``dS = P ∘ (dP − rowsum(P ∘ dP))`` into ``dp``; exactly 0 where the mask hid the score."""
         mask = self.spec.mask
-        dot = alloca_entry(b, F32, "row.dot")
         with for_range(b, 0, rows, "r.bwd") as r:
             offset = b.mul(r, nk)
             p_row = gep_f32(b, p, offset, name="p.row")
             dp_row = gep_f32(b, dp, offset, name="dp.row")
-            b.store(f32(0.0), dot)
-            with for_range(b, 0, nk, "d") as j:
-                product = b.fmul(b.load(gep_f32(b, p_row, j), typ=F32), b.load(gep_f32(b, dp_row, j), typ=F32))
-                b.store(b.fadd(b.load(dot, typ=F32), product, flags=REDUCE), dot)
-            total = b.load(dot, typ=F32, name="dot")
+            dot = vector_reduce(b, i64(0), nk, "dot", "add",
+                                lambda b, j, lanes: b.fmul(lanes.load(b, p_row, j), lanes.load(b, dp_row, j)))
             lo, hi = (i64(0), nk)
             if mask.is_causal_like:
                 lo, hi = self._row_keys(b, b.add(i0, r), ks, nk)
-                fill(b, dp_row, i64(0), lo, f32(0.0), "ds.lo")
-                fill(b, dp_row, hi, nk, f32(0.0), "ds.hi")
-            with for_range(b, lo, hi, "g") as j:
-                dp_ptr = gep_f32(b, dp_row, j)
-                centred = b.fsub(b.load(dp_ptr, typ=F32), total)
-                ds = b.fmul(b.load(gep_f32(b, p_row, j), typ=F32), centred, name="ds")
+                vector_fill(b, dp_row, i64(0), lo, 0.0, "ds.lo")
+                vector_fill(b, dp_row, hi, nk, 0.0, "ds.hi")
+
+            def grad_term(b: ir.IRBuilder, j: ir.Value, lanes: Lanes) -> None:
+                centred = b.fsub(lanes.load(b, dp_row, j), lanes.splat(b, dot))
+                ds = b.fmul(lanes.load(b, p_row, j), centred, name="ds")
                 if mask == MaskKind.CUSTOM:
-                    ds = b.select(self._key_padded(b, b.add(ks, j)), f32(0.0), ds, name="ds.masked")
-                b.store(ds, dp_ptr)
+                    ds = b.select(self._key_padded(b, b.add(ks, j), lanes), lanes.const(0.0), ds, name="ds.masked")
+                lanes.store(b, ds, dp_row, j)
+
+            vector_loop(b, lo, hi, "ds", grad_term)
 
     # ------------------------------------------------------------------ GEMMs
 
