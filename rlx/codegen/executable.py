@@ -116,6 +116,7 @@ def _build(graph: Graph, pass_names: tuple[str, ...] | None, config: RuntimeConf
     library = compile_ir(llvm_ir)
     times["llvm_optimize"] = library.times["llvm_optimize"]
     times["machine_code"] = library.times["machine_code"] + library.times["link"]
+    times["disk_cache_hit"] = library.times["disk_cache_hit"]
     entry = _ENTRY_TYPE(library.entry_address)
     output_types = {name: (v.type.shape, v.type.dtype) for name, v in working.outputs.items()}
     return Program(working, plan, llvm_ir, library, entry, times, config, threads, output_types)

@@ -9,6 +9,7 @@ without bound.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -27,7 +28,7 @@ from rlx.errors import RlxError
 ENTRY = "rlx_entry"
 _IMPORTED_LIBC = ("pthread_create", "pthread_join")
 _library_ids = itertools.count()
-_lock = threading.Lock()
+_lock = threading.RLock()
 
 
 @dataclass
@@ -58,14 +59,23 @@ class CompiledLibrary:
 
     entry_address: int
     tracker: object
-    optimized_ir: str
+    llvm_ir: str
     object_code: bytes
     times: dict[str, float] = field(default_factory=dict)
+    _optimized_ir: str | None = None
+
+    @property
+    def optimized_ir(self) -> str:
+        """The IR after the pipeline; a disk-cache hit skipped it, so it is redone on demand."""
+        if self._optimized_ir is None:
+            with _lock:
+                self._optimized_ir = str(_optimized_module(self.llvm_ir))
+        return self._optimized_ir
 
     @functools.cached_property
     def asm(self) -> str:
-        module = llvm.parse_assembly(self.optimized_ir)
-        return jit_state().target_machine.emit_assembly(module)
+        with _lock:
+            return jit_state().target_machine.emit_assembly(llvm.parse_assembly(self.optimized_ir))
 
 
 def optimize(module: llvm.ModuleRef, machine: llvm.TargetMachine) -> None:
@@ -112,60 +122,90 @@ def disk_cache_dir() -> Path | None:
     return None
 
 
+def _optimized_module(llvm_ir: str) -> llvm.ModuleRef:
+    """Parse, target and optimise; the caller holds ``_lock``."""
+    state = jit_state()
+    module = llvm.parse_assembly(llvm_ir)
+    module.triple = llvm.get_process_triple()
+    module.data_layout = str(state.target_machine.target_data)
+    module.verify()
+    optimize(module, state.target_machine)
+    return module
+
+
 def compile_ir(llvm_ir: str) -> CompiledLibrary:
     """Optimise and compile ``llvm_ir`` for this CPU and link it; times each stage."""
-    state = jit_state()
-    times: dict[str, float] = {}
     key = cache_key(llvm_ir)
     cache_dir = disk_cache_dir()
     cached = _read_cache(cache_dir, key)
+    if cached is not None:
+        try:
+            return _load(cached, llvm_ir, None, {"llvm_optimize": 0.0, "machine_code": 0.0, "disk_cache_hit": 1.0})
+        except RlxError:
+            pass  # an entry that passed its checksum but does not link: compile afresh, overwrite it
+    times: dict[str, float] = {"disk_cache_hit": 0.0}
     with _lock:  # llvmlite serialises compilation; keep module handling on one thread at a time
         start = time.perf_counter()
-        module = llvm.parse_assembly(llvm_ir)
-        module.triple = llvm.get_process_triple()
-        module.data_layout = str(state.target_machine.target_data)
-        module.verify()
-        if cached is None:
-            optimize(module, state.target_machine)
+        module = _optimized_module(llvm_ir)
         times["llvm_optimize"] = time.perf_counter() - start
+        optimized_ir = str(module)  # before code generation, which rewrites the module in place
         start = time.perf_counter()
-        optimized_ir = str(module)
-        object_code = cached if cached is not None else state.target_machine.emit_object(module)
+        object_code = jit_state().target_machine.emit_object(module)
         times["machine_code"] = time.perf_counter() - start
-        start = time.perf_counter()
-        library = llvm.JITLibraryBuilder().add_object_img(object_code).add_current_process()
-        library.import_symbol(SGEMM, load_blas().sgemm_address)
-        for name in _IMPORTED_LIBC:
-            library.import_symbol(name, libc_symbol(name))
-        library.export_symbol(ENTRY)
+    library = _load(object_code, llvm_ir, optimized_ir, times)
+    _write_cache(cache_dir, key, object_code)
+    return library
+
+
+def _load(object_code: bytes, llvm_ir: str, optimized_ir: str | None, times: dict[str, float]) -> CompiledLibrary:
+    """Link object code into the JIT with BLAS and pthread symbols imported by address."""
+    state = jit_state()
+    start = time.perf_counter()
+    library = llvm.JITLibraryBuilder().add_object_img(object_code).add_current_process()
+    library.import_symbol(SGEMM, load_blas().sgemm_address)
+    for name in _IMPORTED_LIBC:
+        library.import_symbol(name, libc_symbol(name))
+    library.export_symbol(ENTRY)
+    with _lock:
         try:
             tracker = library.link(state.lljit, f"rlx_lib_{next(_library_ids)}")
         except RuntimeError as exc:
             raise RlxError(f"linking the generated code failed: {exc}") from exc
-        times["link"] = time.perf_counter() - start
-    if cached is None:
-        _write_cache(cache_dir, key, object_code)
-    times["disk_cache_hit"] = float(cached is not None)
-    return CompiledLibrary(tracker[ENTRY], tracker, optimized_ir if cached is None else llvm_ir, object_code, times)
+    times["link"] = time.perf_counter() - start
+    return CompiledLibrary(tracker[ENTRY], tracker, llvm_ir, object_code, times, optimized_ir)
+
+
+_MAGIC = b"rlx-object-v1\n"
 
 
 def _read_cache(cache_dir: Path | None, key: str) -> bytes | None:
+    """The cached object, or None when absent or damaged (a damaged entry is removed)."""
     if cache_dir is None:
         return None
+    path = cache_dir / f"{key}.o"
     try:
-        return (cache_dir / f"{key}.o").read_bytes()
+        data = path.read_bytes()
     except OSError:
         return None
+    header_end = len(_MAGIC) + 65  # magic, sha256 hex digest, newline
+    payload = data[header_end:]
+    digest = hashlib.sha256(payload).hexdigest().encode()
+    if data[: len(_MAGIC)] != _MAGIC or data[len(_MAGIC) : header_end - 1] != digest:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return None
+    return payload
 
 
 def _write_cache(cache_dir: Path | None, key: str, object_code: bytes) -> None:
-    """Write atomically (temp file + rename) so a concurrent reader never sees half a file."""
+    """Write atomically (temp file + rename) with a checksum, so a reader never trusts half a file."""
     if cache_dir is None:
         return
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         temporary = cache_dir / f"{key}.{os.getpid()}.{threading.get_ident()}.tmp"
-        temporary.write_bytes(object_code)
+        digest = hashlib.sha256(object_code).hexdigest().encode()
+        temporary.write_bytes(_MAGIC + digest + b"\n" + object_code)
         os.replace(temporary, cache_dir / f"{key}.o")
     except OSError:
         pass  # the disk cache is an optimisation; a read-only home must not break compilation

@@ -298,7 +298,7 @@ class AttentionLowering:
                 vector_fill(b, row, hi, nk, neg, "fill.hi")
                 visible_max = vector_reduce(b, lo, hi, "vis.max", "max", lambda b, j, lanes: lanes.load(b, row, j))
                 hidden = b.or_(b.icmp_signed(">", lo, i64(0)), b.icmp_signed("<", hi, nk), name="has.hidden")
-                m = b.select(hidden, Lanes(self.module, 1).maxnum(b, visible_max, self.neg), visible_max, name="m")
+                m = b.select(hidden, Lanes(self.module, 1).maximum(b, visible_max, self.neg), visible_max, name="m")
             else:
                 m = vector_reduce(b, i64(0), nk, "m", "max", lambda b, j, lanes: self._masked_score(b, row, gi, ks, j,
                                                                                                      lanes))

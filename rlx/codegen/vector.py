@@ -52,9 +52,9 @@ class Lanes:
     def store(self, b: ir.IRBuilder, value: ir.Value, base: ir.Value, index: ir.Value) -> None:
         b.store(value, gep_f32(b, base, index), align=4)
 
-    def maxnum(self, b: ir.IRBuilder, x: ir.Value, y: ir.Value) -> ir.Value:
-        """IEEE maxNum: ignores a NaN operand (a NaN score still reaches the output via exp)."""
-        fn = intrinsic(self.module, f"llvm.maxnum.{self.suffix}", self.type, [self.type, self.type])
+    def maximum(self, b: ir.IRBuilder, x: ir.Value, y: ir.Value) -> ir.Value:
+        """IEEE 754-2019 maximum: NaN if either operand is NaN, so a NaN row stays NaN (as in NumPy)."""
+        fn = intrinsic(self.module, f"llvm.maximum.{self.suffix}", self.type, [self.type, self.type])
         return b.call(fn, [x, y])
 
     def exp(self, b: ir.IRBuilder, x: ir.Value, name: str = "") -> ir.Value:
@@ -89,7 +89,7 @@ def vector_reduce(b: ir.IRBuilder, start: ir.Value, stop: ir.Value, name: str, k
     identity = 0.0 if kind == "add" else float("-inf")
 
     def combine(lanes: Lanes, acc: ir.Value, value: ir.Value) -> ir.Value:
-        return b.fadd(acc, value, flags=REDUCE) if kind == "add" else lanes.maxnum(b, acc, value)
+        return b.fadd(acc, value, flags=REDUCE) if kind == "add" else lanes.maximum(b, acc, value)
 
     middle = _split(b, start, stop)
     vector_acc = alloca_entry(b, vec.type, f"{name}.vacc")
@@ -101,7 +101,7 @@ def vector_reduce(b: ir.IRBuilder, start: ir.Value, stop: ir.Value, name: str, k
         reduce = intrinsic(module, f"llvm.vector.reduce.fadd.{vec.suffix}", F32, [F32, vec.type])
         folded = b.call(reduce, [one.const(0.0), partial], fastmath=REDUCE)
     else:
-        reduce = intrinsic(module, f"llvm.vector.reduce.fmax.{vec.suffix}", F32, [vec.type])
+        reduce = intrinsic(module, f"llvm.vector.reduce.fmaximum.{vec.suffix}", F32, [vec.type])
         folded = b.call(reduce, [partial])
     scalar_acc = alloca_entry(b, F32, f"{name}.acc")
     b.store(folded, scalar_acc)
