@@ -134,10 +134,10 @@ def _check_differentiable(graph: Graph, order: list[Node], active: set[Value]) -
                     f"grad: mask tensors get no gradient, but {_describe(graph, value)} reaches y through {where}"
                 )
             readers.setdefault(value, []).append(where)
-    for value, where in readers.items():
-        if len(where) > 1:
+    for value, places in readers.items():
+        if len(places) > 1:
             raise RlxValueError(
-                f"grad: {_describe(graph, value)} is read {len(where)} times on the way to y ({'; '.join(where)}); "
+                f"grad: {_describe(graph, value)} is read {len(places)} times on the way to y ({'; '.join(places)}); "
                 "summing its gradient contributions needs an add op, which the IR does not have yet"
             )
 

@@ -8,6 +8,7 @@ Errors print one line on stderr and exit with status 1, never a traceback.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -157,8 +158,8 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> int:
     expected = evaluate(graph, arrays)  # the oracle: the unfused graph on the float64 reference
     reference_time = time.perf_counter() - start
     results = {"rlx fused": fused(**arrays), "rlx unfused": unfused(**arrays)}
-    times = _median_times({name: (lambda exe=exe: exe(**arrays)) for name, exe in
-                           (("rlx fused", fused), ("rlx unfused", unfused))}, args.repeat)
+    times = _median_times({"rlx fused": functools.partial(fused, **arrays),
+                           "rlx unfused": functools.partial(unfused, **arrays)}, args.repeat)
     errors = {name: max_abs_diff(got, expected) for name, got in results.items()}
     fd_error = finite_difference_error(arrays, results["rlx fused"], args.samples, args.seed)
 

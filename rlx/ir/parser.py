@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import types
 import typing
@@ -264,8 +265,9 @@ def _convert(tp: object, tokens: list[Token]) -> object:
             if text in (str(member.value), member.name, str(member)):
                 return member
         raise ValueError(f"no {tp.__name__} spelled {text!r}")
-    if callable(getattr(tp, "parse", None)):
-        return tp.parse(text)  # type: ignore[union-attr]
+    parse_method = getattr(tp, "parse", None)
+    if callable(parse_method):
+        return parse_method(text)
     raise ValueError(f"the parser does not know how to read a {tp}")
 
 
@@ -341,7 +343,7 @@ class _Parser:
             name = cursor.expect_kind("name", "an output name")
             cursor.expect("=", f" after output name {name.text!r}")
             value = self._use(cursor)
-            self._build(name, lambda g, n=name.text, v=value: g.output(**{n: v}))
+            self._build(name, functools.partial(_add_output, name=name.text, value=value))
             if not cursor.accept(","):
                 break
         cursor.expect_end()
@@ -518,3 +520,7 @@ def parse(text: str) -> Graph:
     if not isinstance(text, str):
         raise RlxTypeError(f"parse: expected the IR text as a str, got {type(text).__name__}")
     return _Parser(text).parse()
+
+
+def _add_output(graph: Graph, name: str, value: Value) -> None:
+    graph.output(**{name: value})
