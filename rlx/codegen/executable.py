@@ -96,11 +96,11 @@ def compile_graph(
     return Executable(program, times)
 
 
-def _build(graph: Graph, pass_names: tuple[str, ...] | None, config: RuntimeConfig, threads: int,
-           options: CodegenOptions) -> Program:
+def _lower(graph: Graph, pass_names: tuple[str, ...] | None, config: RuntimeConfig, threads: int,
+           options: CodegenOptions, times: dict[str, float]) -> tuple[Graph, MemoryPlan, str]:
+    """Copy the graph, run the passes, plan memory and render LLVM IR (no machine code yet)."""
     from rlx.passes import run as run_passes
 
-    times: dict[str, float] = {}
     start = time.perf_counter()
     working = graph.copy()
     working.verify()
@@ -112,7 +112,13 @@ def _build(graph: Graph, pass_names: tuple[str, ...] | None, config: RuntimeConf
     plan = plan_memory(working, lambda node: scratch_bytes(node, config, options), threads, order)
     llvm_ir = lower_graph(working, plan, config, options)
     times["lowering"] = time.perf_counter() - start
+    return working, plan, llvm_ir
 
+
+def _build(graph: Graph, pass_names: tuple[str, ...] | None, config: RuntimeConfig, threads: int,
+           options: CodegenOptions) -> Program:
+    times: dict[str, float] = {}
+    working, plan, llvm_ir = _lower(graph, pass_names, config, threads, options, times)
     library = compile_ir(llvm_ir)
     times["llvm_optimize"] = library.times["llvm_optimize"]
     times["machine_code"] = library.times["machine_code"] + library.times["link"]
@@ -196,7 +202,9 @@ class Executable:
 
 
 def emit_llvm_ir(graph: Graph, passes: Sequence[str] | None = None, config: RuntimeConfig | None = None) -> str:
-    """The LLVM IR ``rlx.compile`` would generate for ``graph`` (compiles it, cached)."""
-    return compile_graph(graph, passes=passes, config=config).llvm_ir
-
-
+    """The LLVM IR ``rlx.compile`` would generate for ``graph``, without making machine code."""
+    if not isinstance(graph, Graph):
+        raise RlxTypeError(f"emit_llvm_ir expects an rlx.Graph, got {type(graph).__name__}")
+    config = resolve_config(config)
+    _, _, llvm_ir = _lower(graph, _check_passes(passes), config, resolve_num_threads(config), CodegenOptions(), {})
+    return llvm_ir
