@@ -6,12 +6,16 @@ outputs and operands of later nodes all come back as arrays of their own.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
-from codegen_helpers import assert_outputs_close, case_inputs, declare_inputs
+import pytest
+from codegen_helpers import assert_outputs_close, case_inputs, declare_inputs, multi_graph
 from helpers import Case
 
 import rlx
-from rlx import Graph, MaskKind, Wrt
+from rlx import Graph, Layout, MaskKind, RuntimeConfig, Wrt
+from rlx.codegen import executable as executable_module
 
 CASE = Case(6, 8, head_dim=4, batch=2, heads=2, mask=MaskKind.CAUSAL)
 
@@ -122,3 +126,65 @@ def test_output_order_and_shapes_follow_the_graph(rng: np.random.Generator) -> N
     got = rlx.compile(g)(**case_inputs(CASE, rng))
     assert list(got) == ["z_dv", "a_dq"]
     assert got["z_dv"].shape == CASE.kv_shape and got["a_dq"].shape == CASE.q_shape
+
+
+class _PoisonedNumpy:
+    """NumPy, except that ``empty`` returns memory filled with 0xFF bytes (NaN as float32)."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(np, name)
+
+    @staticmethod
+    def empty(*args: object, **kwargs: object) -> np.ndarray:
+        array = np.empty(*args, **kwargs)  # type: ignore[call-overload]
+        array.view(np.uint8)[...] = 0xFF
+        return array
+
+
+@pytest.mark.parametrize(
+    ("case", "config"),
+    [
+        (Case(5, 11, head_dim=4, mask=MaskKind.sliding_window(1), layout=Layout.BHSD), None),  # keys nobody sees
+        (Case(9, 4, head_dim=3, mask=MaskKind.sliding_window(0)), RuntimeConfig(attn_mask_neg_inf=-math.inf)),
+        (Case(6, 7, head_dim=4, mask=MaskKind.CUSTOM), RuntimeConfig(attn_mask_neg_inf=-math.inf)),
+        (Case(7, 7, head_dim=5, heads=3, mask=MaskKind.CAUSAL), RuntimeConfig(num_threads=3)),
+    ],
+    ids=["unseen_keys", "dead_rows_neg_inf", "padded_batch_neg_inf", "threads"],
+)
+def test_every_output_and_arena_byte_is_written(
+    case: Case, config: RuntimeConfig | None, monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator
+) -> None:
+    """With output arrays and the arena poisoned with NaN, no NaN survives: the kernels write every
+    element they return (zero dK/dV rows for keys no query sees, zero rows for dead queries) and
+    never read an intermediate before writing it."""
+    monkeypatch.setattr(executable_module, "np", _PoisonedNumpy())
+    g = multi_graph(case, wrts=(Wrt.ALL, Wrt.VALUE, Wrt.QUERY | Wrt.KEY))
+    arrays = case_inputs(case, rng)
+    exe = rlx.compile(g, passes=[], config=config)
+    assert np.isnan(executable_module.np.empty(3, np.float32)).all()  # the poison is in place
+    got = exe(**arrays)
+    for name, value in got.items():
+        assert not np.isnan(value).any(), f"{name}: elements left unwritten"
+    assert_outputs_close(got, rlx.reference.run(g, config=config, **arrays))
+
+    # An intermediate read by later nodes lives in the (poisoned) arena.
+    chain = Graph("poisoned_chain")
+    q, k, v, dy, mask = declare_inputs(chain, case)
+    o1 = chain.attention(q, k, v, mask=case.mask, layout=case.layout, mask_input=mask)
+    o2 = chain.attention(o1, k, v, layout=case.layout)
+    chain.output(o2=o2, dv=chain.attention_bwd(o1, k, v, dy, wrt=Wrt.VALUE, layout=case.layout))
+    got = rlx.compile(chain, passes=[], config=config)(**arrays)
+    assert_outputs_close(got, rlx.reference.run(chain, config=config, **arrays))
+
+
+def test_one_array_passed_as_several_inputs(rng: np.random.Generator) -> None:
+    """Self-attention from the caller's side: the same array object as q, k, v and dy."""
+    case = Case(6, 6, head_dim=4, mask=MaskKind.CAUSAL)
+    g = multi_graph(case, wrts=(Wrt.ALL,))
+    x = case_inputs(case, rng)["q"]
+    arrays = {"q": x, "k": x, "v": x, "dy": x}
+    saved = x.copy()
+    got = rlx.compile(g)(**arrays)
+    assert np.array_equal(x, saved)
+    assert_fresh(got, x)
+    assert_outputs_close(got, rlx.reference.run(g, **arrays))

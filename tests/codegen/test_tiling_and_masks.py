@@ -44,7 +44,11 @@ def _tiled_inputs(cases: dict[str, Case], rng: np.random.Generator, scale: float
 CAUSAL_LIKE = [MaskKind.CAUSAL, MaskKind.sliding_window(0), MaskKind.sliding_window(3)]
 STRIP_CASES = [(mask, block_q) for mask in CAUSAL_LIKE for block_q in (1, 5, 16)] + [
     (mask, 5) for mask in (MaskKind.NONE, MaskKind.CUSTOM, MaskKind.BIAS)
-] + [(MaskKind.CAUSAL, 37), (MaskKind.sliding_window(3), 500)]  # one strip: exactly Sq rows, or more than Sq
+] + [
+    (MaskKind.CAUSAL, 37),  # one strip of exactly Sq rows
+    (MaskKind.sliding_window(3), 500),  # a block taller than Sq
+    (MaskKind.sliding_window(100), 5),  # a window wider than Sk: the same as causal
+]
 
 
 @pytest.mark.parametrize(("mask", "block_q"), STRIP_CASES, ids=[f"{m}-{b}" for m, b in STRIP_CASES])
@@ -252,3 +256,33 @@ def test_huge_scores_stay_finite(mask: MaskKind, rng: np.random.Generator) -> No
     got = check_against_reference(g, arrays, rtol=1e-3, atol=1e-4)
     for name, value in got.items():
         assert np.all(np.isfinite(value)), name
+
+
+@pytest.mark.parametrize("threshold", [0.8, -0.5, 0.0])
+def test_custom_threshold_from_the_config(threshold: float, rng: np.random.Generator) -> None:
+    """``mask_binary_threshold`` decides which keys are padded (``mask < threshold``), as in the reference."""
+    config = RuntimeConfig(mask_binary_threshold=threshold)
+    case = Case(6, 9, head_dim=4, batch=2, heads=2, mask=MaskKind.CUSTOM)
+    g = multi_graph(case, wrts=(Wrt.ALL,))
+    arrays = case_inputs(case, rng)
+    arrays["mask"] = rng.uniform(-1.0, 1.0, size=case.mask_shape).astype(np.float32)
+    check_against_reference(g, arrays, config=config)
+
+
+def test_infinite_bias_entries_like_the_reference(rng: np.random.Generator) -> None:
+    """A bias row of all -inf gives zeros (as in the reference); -inf entries hide keys; +inf gives NaN."""
+    case = Case(5, 6, head_dim=4, batch=1, heads=2, mask=MaskKind.BIAS)
+    g = multi_graph(case, wrts=(Wrt.ALL,))
+    arrays = case_inputs(case, rng)
+    bias = arrays["mask"]
+    bias[0, 0, 1, :] = -np.inf  # a row that sees nothing
+    bias[0, 0, 2, ::2] = -np.inf  # a row that sees every other key
+    bias[0, 1, 3, 4] = np.inf  # an infinitely preferred key: inf - inf in the softmax
+    got = compile_graph(g, passes=[])(**arrays)
+    expected = rlx.reference.run(g, **arrays)
+    _assert_same_nan_pattern(got, expected)
+    assert np.all(got["out"][0, 1, 0] == 0.0)
+    finite = {name: np.where(np.isnan(value), 0.0, value) for name, value in expected.items()}
+    for name, value in got.items():
+        np.testing.assert_allclose(np.where(np.isnan(value), 0.0, value), finite[name], rtol=1e-4, atol=1e-5,
+                                   err_msg=name)
