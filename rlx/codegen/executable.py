@@ -19,7 +19,7 @@ import numpy as np
 
 from rlx.bind import bind_inputs
 from rlx.codegen.jit import CompiledLibrary, compile_ir
-from rlx.codegen.lower import CodegenOptions, lower_graph, scratch_bytes
+from rlx.codegen.lower import CodegenOptions, lower_graph, scratch_bytes, work_items
 from rlx.codegen.memory_plan import MemoryPlan, plan_memory, random_topological_order
 from rlx.config import RuntimeConfig, resolve_config, resolve_num_threads
 from rlx.errors import RlxTypeError
@@ -109,7 +109,10 @@ def _lower(graph: Graph, pass_names: tuple[str, ...] | None, config: RuntimeConf
 
     start = time.perf_counter()
     order = None if options.order_seed is None else random_topological_order(working, options.order_seed)
-    plan = plan_memory(working, lambda node: scratch_bytes(node, config, options), threads, order)
+    # No region runs more threads than it has items, so scratch is needed for at most that many.
+    busiest = max((work_items(node) for node in working.nodes), default=1)
+    plan = plan_memory(working, lambda node: scratch_bytes(node, config, options), max(1, min(threads, busiest)),
+                       order)
     llvm_ir = lower_graph(working, plan, config, options)
     times["lowering"] = time.perf_counter() - start
     return working, plan, llvm_ir

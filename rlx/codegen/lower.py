@@ -62,8 +62,17 @@ def _check_blas_limits(node: Node, spec: AttentionKernelSpec) -> None:
 
 
 def scratch_bytes(node: Node, config: RuntimeConfig, options: CodegenOptions) -> int:
+    """Bytes of per-thread scratch the node's kernel needs."""
     if node.op in (OpKind.ATTENTION, OpKind.ATTENTION_BWD):
         return kernel_spec(node, config, options).scratch_bytes()
+    return 0
+
+
+def work_items(node: Node) -> int:
+    """Independent items of the node's parallel loop (batch x heads for attention)."""
+    if node.op in (OpKind.ATTENTION, OpKind.ATTENTION_BWD):
+        b, _, h, _ = node.attrs.layout.split(node.inputs[0].shape)  # type: ignore[union-attr]
+        return b * h
     return 0
 
 

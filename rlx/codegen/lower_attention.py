@@ -155,7 +155,6 @@ class AttentionLowering:
         }
         batch = b.sdiv(item, i64(dims.heads), name="b")
         head = b.srem(item, i64(dims.heads), name="h")
-        self.batch = batch
         heads = {}
         for slot, ptr in base.items():
             if slot == "mask":
