@@ -161,7 +161,7 @@ class AttentionLowering:
                 continue
             seq = dims.seq_q if slot in ("q", "dy", "out", "dq") else dims.seq_k
             heads[slot] = gep_f32(b, ptr, self._head_offset(b, batch, head, seq), name=f"{slot}.head")
-        self.mask_base = self._mask_base(b, base.get("mask"), batch, head)
+        mask_base = self._mask_base(b, base.get("mask"), batch, head)
         strip_s = scratch
         strip_dp = gep_f32(b, scratch, spec.strip_floats(), name="dp.strip") if spec.needs_dp else None
 
@@ -173,11 +173,12 @@ class AttentionLowering:
         with for_range(b, 0, n_strips, "strip") as strip:
             i0 = b.mul(strip, i64(spec.block_q), name="i0")
             rows = smin(b, i64(spec.block_q), b.sub(i64(dims.seq_q), i0), name="rows")
-            ks, nk = self._scores_and_softmax(b, heads, i0, rows, strip_s)
+            keys = b.call(self._softmax_function(), [heads["q"], heads["k"], mask_base, strip_s, i0, rows], name="keys")
+            ks, nk = b.extract_value(keys, 0, name="ks"), b.extract_value(keys, 1, name="nk")
             if spec.grads is None:
                 self._forward_gemm(b, heads, i0, rows, ks, nk, strip_s)
             else:
-                self._backward_gemms(b, heads, i0, rows, ks, nk, strip_s, strip_dp)
+                self._backward_gemms(b, heads, i0, rows, ks, nk, strip_s, strip_dp, mask_base)
         b.ret_void()
         return fn
 
@@ -195,11 +196,11 @@ class AttentionLowering:
             return b.add(b.mul(batch, i64(seq * dims.heads * d)), b.mul(head, i64(d)))
         return b.mul(b.add(b.mul(batch, i64(dims.heads)), head), i64(seq * d))  # ((b*H + h)*S + s)*D
 
-    def _mask_base(self, b: ir.IRBuilder, mask: ir.Value | None, batch: ir.Value, head: ir.Value) -> ir.Value | None:
-        """Key-padding row ``mask[b, :]`` (custom) or bias plane ``bias[b, h, :, :]`` (bias)."""
+    def _mask_base(self, b: ir.IRBuilder, mask: ir.Value | None, batch: ir.Value, head: ir.Value) -> ir.Value:
+        """Key-padding row ``mask[b, :]`` (custom), bias plane ``bias[b, h, :, :]`` (bias), else null."""
         dims = self.spec.dims
         if mask is None:
-            return None
+            return ir.Constant(PTR, None)
         if self.spec.mask == MaskKind.CUSTOM:
             return gep_f32(b, mask, b.mul(batch, i64(dims.seq_k)), name="pad.row")
         plane = b.add(b.mul(batch, i64(dims.heads)), head)
@@ -243,17 +244,43 @@ class AttentionLowering:
         lo = clamp(b, b.sub(b.sub(diagonal, i64(mask.window)), ks), i64(0), hi, name="lo")
         return lo, hi
 
-    def _key_padded(self, b: ir.IRBuilder, gj: ir.Value, lanes: Lanes) -> ir.Value:
+    def _key_padded(self, b: ir.IRBuilder, mask_base: ir.Value, gj: ir.Value, lanes: Lanes) -> ir.Value:
         """Custom mask: are keys ``gj ..`` hidden (``mask[b, gj] < threshold``)?"""
-        value = lanes.load(b, self.mask_base, gj, name="pad")
+        value = lanes.load(b, mask_base, gj, name="pad")
         return b.fcmp_ordered("<", value, lanes.const(self.spec.threshold), name="padded")
 
     # ------------------------------------------------------------------ softmax
 
+    def _softmax_function(self) -> ir.Function:
+        """``{ks, nk} = scores_softmax(q_head, k_head, mask_base, strip, i0, rows)``: GEMM 1, mask and
+        softmax of one strip, returning the keys ``[ks, ks + nk)`` it used.
+
+        Defined once per module for all nodes of the same shapes, layout and mask, so a forward
+        node and its backward share one copy (less code to compile).
+        """
+        dims = self.spec.dims
+        mask_name = str(self.spec.mask).replace("(", "").replace(")", "")
+        shape = f"q{dims.seq_q}.k{dims.seq_k}.h{dims.heads}.d{dims.head_dim}"
+        name = f"scores_softmax.{mask_name}.{self.spec.layout}.{shape}"
+        existing = self.module.globals.get(name)
+        if existing is not None:
+            return existing  # type: ignore[return-value]
+        keys_type = ir.LiteralStructType([I64, I64])
+        fn = ir.Function(self.module, ir.FunctionType(keys_type, [PTR, PTR, PTR, PTR, I64, I64]), name=name)
+        fn.linkage = "internal"
+        q_head, k_head, mask_base, strip, i0, rows = fn.args
+        for arg, arg_name in zip(fn.args, ("q.head", "k.head", "mask.base", "strip", "i0", "rows"), strict=True):
+            arg.name = arg_name
+        b = ir.IRBuilder(fn.append_basic_block("entry"))
+        ks, nk = self._scores_and_softmax(b, q_head, k_head, mask_base, strip, i0, rows)
+        keys = b.insert_value(ir.Constant(keys_type, ir.Undefined), ks, 0)
+        b.ret(b.insert_value(keys, nk, 1))
+        return fn
+
     def _scores_and_softmax(
-        self, b: ir.IRBuilder, heads: dict[str, ir.Value], i0: ir.Value, rows: ir.Value, strip: ir.Value
+        self, b: ir.IRBuilder, q_head: ir.Value, k_head: ir.Value, mask_base: ir.Value, strip: ir.Value,
+        i0: ir.Value, rows: ir.Value,
     ) -> tuple[ir.Value, ir.Value]:
-        """GEMM 1, mask and softmax of one strip; returns the keys ``(ks, nk)`` it used."""
         spec, dims = self.spec, self.spec.dims
         ld = self._row_stride()
         ks0, nk0 = self._strip_keys(b, i0, rows)
@@ -269,11 +296,11 @@ class AttentionLowering:
         nk.add_incoming(nk0, before)
         ks.add_incoming(i64(0), retry)
         nk.add_incoming(i64(dims.seq_k), retry)
-        q_strip = gep_f32(b, heads["q"], b.mul(i0, i64(ld)), name="q.strip")
-        k_vis = gep_f32(b, heads["k"], b.mul(ks, i64(ld)), name="k.vis")
+        q_strip = gep_f32(b, q_head, b.mul(i0, i64(ld)), name="q.strip")
+        k_vis = gep_f32(b, k_head, b.mul(ks, i64(ld)), name="k.vis")
         self._sgemm(b, NO_TRANS, TRANS, rows, nk, i64(dims.head_dim), spec.scale, q_strip, ld, k_vis, ld, 0.0,
                     strip, nk)
-        needs_all_keys = self._mask_softmax_rows(b, strip, i0, rows, ks, nk)
+        needs_all_keys = self._mask_softmax_rows(b, strip, i0, rows, ks, nk, mask_base)
         partial = b.icmp_signed("<", nk, i64(dims.seq_k), name="partial")
         b.cbranch(b.and_(partial, needs_all_keys, name="redo"), retry, after)
         b.position_at_end(retry)
@@ -282,7 +309,8 @@ class AttentionLowering:
         return ks, nk
 
     def _mask_softmax_rows(
-        self, b: ir.IRBuilder, strip: ir.Value, i0: ir.Value, rows: ir.Value, ks: ir.Value, nk: ir.Value
+        self, b: ir.IRBuilder, strip: ir.Value, i0: ir.Value, rows: ir.Value, ks: ir.Value, nk: ir.Value,
+        mask_base: ir.Value,
     ) -> ir.Value:
         """Mask and softmax every row of the strip in place; true if a skipped key could matter."""
         mask, neg = self.spec.mask, self.spec.neg
@@ -300,7 +328,7 @@ class AttentionLowering:
                 m = b.select(hidden, Lanes(self.module, 1).maximum(b, visible_max, self.neg), visible_max, name="m")
             else:
                 m = vector_reduce(b, i64(0), nk, "m", "max", lambda b, j, lanes: self._masked_score(b, row, gi, ks, j,
-                                                                                                     lanes))
+                                                                                                     lanes, mask_base))
             if mask.is_causal_like and math.isfinite(neg):
                 matters = b.fcmp_ordered(">", b.fsub(self.neg, m), f32(SKIP_MARGIN), name="hidden.matters")
                 b.store(b.or_(b.load(flag, typ=I1), matters), flag)
@@ -308,16 +336,17 @@ class AttentionLowering:
         return b.load(flag, typ=I1, name="needs.all")
 
     def _masked_score(self, b: ir.IRBuilder, row: ir.Value, gi: ir.Value, ks: ir.Value, j: ir.Value,
-                      lanes: Lanes) -> ir.Value:
+                      lanes: Lanes, mask_base: ir.Value) -> ir.Value:
         """Score ``row[j]`` after a custom or bias mask, stored back; returned for the row max."""
         mask = self.spec.mask
         score = lanes.load(b, row, j, name="s")
         gj = b.add(ks, j, name="gj")
         if mask == MaskKind.CUSTOM:
-            score = b.select(self._key_padded(b, gj, lanes), lanes.const(self.spec.neg), score, name="s.masked")
+            score = b.select(self._key_padded(b, mask_base, gj, lanes), lanes.const(self.spec.neg), score,
+                             name="s.masked")
             lanes.store(b, score, row, j)
         elif mask == MaskKind.BIAS:
-            bias = lanes.load(b, self.mask_base, b.add(b.mul(gi, i64(self.spec.dims.seq_k)), gj), name="bias")
+            bias = lanes.load(b, mask_base, b.add(b.mul(gi, i64(self.spec.dims.seq_k)), gj), name="bias")
             score = b.fadd(score, bias, name="s.biased")
             lanes.store(b, score, row, j)
         return score
@@ -341,7 +370,8 @@ class AttentionLowering:
                                                             row, j))
 
     def _softmax_backward_rows(
-        self, b: ir.IRBuilder, p: ir.Value, dp: ir.Value, i0: ir.Value, rows: ir.Value, ks: ir.Value, nk: ir.Value
+        self, b: ir.IRBuilder, p: ir.Value, dp: ir.Value, i0: ir.Value, rows: ir.Value, ks: ir.Value, nk: ir.Value,
+        mask_base: ir.Value,
     ) -> None:
         """``dS = P ∘ (dP − rowsum(P ∘ dP))`` into ``dp``; exactly 0 where the mask hid the score."""
         mask = self.spec.mask
@@ -361,7 +391,8 @@ class AttentionLowering:
                 centred = b.fsub(lanes.load(b, dp_row, j), lanes.splat(b, dot))
                 ds = b.fmul(lanes.load(b, p_row, j), centred, name="ds")
                 if mask == MaskKind.CUSTOM:
-                    ds = b.select(self._key_padded(b, b.add(ks, j), lanes), lanes.const(0.0), ds, name="ds.masked")
+                    padded = self._key_padded(b, mask_base, b.add(ks, j), lanes)
+                    ds = b.select(padded, lanes.const(0.0), ds, name="ds.masked")
                 lanes.store(b, ds, dp_row, j)
 
             vector_loop(b, lo, hi, "ds", grad_term)
@@ -376,7 +407,7 @@ class AttentionLowering:
         self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(d), nk, 1.0, p, nk, v_vis, ld, 0.0, out, ld)
 
     def _backward_gemms(self, b: ir.IRBuilder, heads: dict[str, ir.Value], i0: ir.Value, rows: ir.Value,
-                        ks: ir.Value, nk: ir.Value, p: ir.Value, dp: ir.Value | None) -> None:
+                        ks: ir.Value, nk: ir.Value, p: ir.Value, dp: ir.Value | None, mask_base: ir.Value) -> None:
         spec, ld, d = self.spec, self._row_stride(), self.spec.dims.head_dim
         grads = spec.grads
         assert grads is not None
@@ -391,7 +422,7 @@ class AttentionLowering:
             return
         # dP = dY_strip V_vis^T, then dS in place
         self._sgemm(b, NO_TRANS, TRANS, rows, nk, i64(d), 1.0, dy_strip, ld, v_vis, ld, 0.0, dp, nk)
-        self._softmax_backward_rows(b, p, dp, i0, rows, ks, nk)
+        self._softmax_backward_rows(b, p, dp, i0, rows, ks, nk, mask_base)
         if grads & Wrt.QUERY:  # dQ_strip = scale · dS K_vis
             dq = gep_f32(b, heads["dq"], b.mul(i0, i64(ld)), name="dq.strip")
             self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(d), nk, spec.scale, dp, nk, k_vis, ld, 0.0, dq, ld)

@@ -189,3 +189,14 @@ def function_bodies(llvm_ir: str) -> dict[str, tuple[str, str]]:
 def sgemm_calls(body: str) -> int:
     """Number of ``scipy_cblas_sgemm`` call sites in one function body."""
     return len(_SGEMM_CALL.findall(body))
+
+
+_CALL = re.compile(r'call [^@]*@"?([A-Za-z0-9_.]+)"?\(')
+
+
+def sgemm_calls_reached(bodies: dict[str, tuple[str, str]], name: str) -> int:
+    """``scipy_cblas_sgemm`` call sites in function ``name`` and, per call site, in the module's own
+    functions it calls (a kernel calls the shared ``scores_softmax`` function once per strip)."""
+    body = bodies[name][1]
+    callees = [callee for callee in _CALL.findall(body) if callee in bodies and callee != name]
+    return sgemm_calls(body) + sum(sgemm_calls_reached(bodies, callee) for callee in callees)
