@@ -63,6 +63,7 @@ MIB = 1024.0**2
 # Targets from the issue.
 TARGET_TORCH_OVER_FUSED = 1.5
 TARGET_UNFUSED_OVER_FUSED = 1.4
+SGEMM_LOAD_LIMIT = 0.25  # cores of foreign load above which the measured sgemm rate is suspect
 TARGET_SGEMM_FRACTION = 0.5
 TARGET_LONG_MEMORY_RATIO = 3.0
 TARGET_COLD_COMPILE_S = 0.200
@@ -545,7 +546,7 @@ def derived(result: dict[str, Any], sgemm_gflops: float, sgemm_multi_gflops: flo
 
 
 def summarize(results: list[dict[str, Any]], sgemm_gflops: float, sgemm_multi_gflops: float,
-              demo: dict[str, Any] | None, torch_present: bool) -> dict[str, Any]:
+              demo: dict[str, Any] | None, torch_present: bool, threads: int, sgemm_load: float) -> dict[str, Any]:
     """Headline numbers over the first five cases, the long case's memory, compile times; targets."""
     headline = [r for r in results if r["index"] in HEADLINE_CASES and "stats" in r]
     partial = len(headline) < len(HEADLINE_CASES)
@@ -569,9 +570,14 @@ def summarize(results: list[dict[str, Any]], sgemm_gflops: float, sgemm_multi_gf
         "unfused_over_fused_geomean": {
             "value": fusion_speedup, "target": f">= {TARGET_UNFUSED_OVER_FUSED}",
             "status": verdict(fusion_speedup, (fusion_speedup or 0) >= TARGET_UNFUSED_OVER_FUSED)},
+        # The issue's target is a fraction of the sgemm rate measured in the same run on the
+        # threads used. A loaded machine depresses that rate and flatters rlx, so the verdict is
+        # marked unreliable then; the stricter 1-thread x N yardstick is reported beside it.
         "fused_sgemm_fraction_median": {
-            "value": sgemm_fraction, "target": f">= {TARGET_SGEMM_FRACTION}",
-            "status": verdict(sgemm_fraction, (sgemm_fraction or 0) >= TARGET_SGEMM_FRACTION)},
+            "value": multi_fraction, "target": f">= {TARGET_SGEMM_FRACTION} of the measured {threads}-thread rate",
+            "status": verdict(multi_fraction, (multi_fraction or 0) >= TARGET_SGEMM_FRACTION)
+            + (f" (unreliable: other processes kept {sgemm_load:.2f} cores busy during the sgemm run)"
+               if sgemm_load > SGEMM_LOAD_LIMIT else "")},
         "long_case_extra_memory_ratio": {
             "value": long_memory, "target": f"<= {TARGET_LONG_MEMORY_RATIO}",
             "status": verdict(long_memory, (long_memory or math.inf) <= TARGET_LONG_MEMORY_RATIO, False)},
@@ -584,7 +590,8 @@ def summarize(results: list[dict[str, Any]], sgemm_gflops: float, sgemm_multi_gf
             "status": "met" if ok else "MISSED"}
     return {"headline_cases": [r["index"] for r in headline], "sgemm_gflops_reference": sgemm_gflops,
             "sgemm_gflops_measured_multi": sgemm_multi_gflops,
-            "fused_fraction_of_measured_multi_sgemm_median": multi_fraction, "targets": targets}
+            "fused_fraction_of_measured_multi_sgemm_median": multi_fraction,
+            "fused_fraction_of_single_times_threads_median": sgemm_fraction, "targets": targets}
 
 
 # ----------------------------------------------------------------------------- printing
@@ -663,11 +670,11 @@ def summary_lines(summary: dict[str, Any], sgemm: list[SgemmRate], demo: dict[st
         f"[target >= {TARGET_TORCH_OVER_FUSED}x: {t['torch_over_fused_geomean']['status']}]",
         f"unfused/fused geomean over cases {cases}: {fmt(t['unfused_over_fused_geomean']['value'], '.2f', 'x')}  "
         f"[target >= {TARGET_UNFUSED_OVER_FUSED}x: {t['unfused_over_fused_geomean']['status']}]",
-        f"fused GFLOP/s / sgemm GFLOP/s, median over cases {cases}: "
-        f"{fmt(_percent(t['fused_sgemm_fraction_median']['value']), '.0f', '%')}  "
+        f"fused GFLOP/s / measured {s0.threads}-thread sgemm GFLOP/s, median over cases {cases}: "
+        f"{fmt(_percent(t['fused_sgemm_fraction_median']['value']), '.1f', '%')}  "
         f"[target >= {TARGET_SGEMM_FRACTION:.0%}: {t['fused_sgemm_fraction_median']['status']}]; "
-        f"vs the measured {s0.threads}-thread rate: "
-        f"{fmt(_percent(summary['fused_fraction_of_measured_multi_sgemm_median']), '.0f', '%')}",
+        f"vs the stricter best 1-thread rate x {s0.threads}: "
+        f"{fmt(_percent(summary['fused_fraction_of_single_times_threads_median']), '.1f', '%')}",
     ]
     long = next((r for r in results if r["index"] == LONG_CASE), None)
     long_extra = long and long.get("memory", {}).get("rlx_fused", {}).get("extra_peak_bytes")
@@ -816,13 +823,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         indices = [i for i in indices if i != LONG_CASE]
     results = [run_case(index, CASES[index], args, torch) for index in indices]
     sgemm.append(measure_sgemm(blas, 2048, args.threads, sgemm_repeat, args.gap))
-    # The yardstick is one thread's rate times the threads used (best of the start and end runs):
-    # on this shared machine the multi-thread rate sinks with other users' load, which would flatter
-    # rlx. The fraction of the measured multi-thread rate is reported beside it.
+    # Two yardsticks: the measured multi-thread rate (the issue's target; best of the start and end
+    # runs) and one thread's rate times the threads used, which other users' load cannot depress.
     reference = max(s.gflops_single_times_threads for s in sgemm)
     measured_multi = max(s.gflops_multi for s in sgemm)
 
-    summary = summarize(results, reference, measured_multi, demo, torch is not None)
+    sgemm_load = max((s.foreign_load_cores or 0.0) for s in sgemm)
+    summary = summarize(results, reference, measured_multi, demo, torch is not None, args.threads, sgemm_load)
     for result in results:
         result["derived"] = derived(result, reference, measured_multi)
     print("\n### Time per backward call, median (min) over interleaved rounds\n")
