@@ -1,0 +1,17 @@
+"""The README's tutorial runs as written: its Python blocks are executed in order, in one namespace."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_readme_tutorial_runs() -> None:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S)
+    assert len(blocks) >= 3, "the README tutorial lost its code blocks"
+    namespace: dict[str, object] = {}
+    for block in blocks:
+        exec(compile(block, str(README), "exec"), namespace)
+    assert "exe" in namespace and "expected" in namespace
