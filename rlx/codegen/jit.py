@@ -41,16 +41,24 @@ class JitState:
     features: str
 
 
-@functools.cache
+_state: JitState | None = None
+
+
 def jit_state() -> JitState:
-    llvm.initialize_native_target()
-    llvm.initialize_native_asmprinter()
-    load_blas()
-    cpu = llvm.get_host_cpu_name()
-    features = llvm.get_host_cpu_features().flatten()
-    target = llvm.Target.from_triple(llvm.get_process_triple())
-    machine = target.create_target_machine(cpu=cpu, features=features, opt=3, codemodel="jitdefault")
-    return JitState(machine, llvm.create_lljit_compiler(machine), cpu, features)
+    """The process's LLVM objects, made on first use under the lock: two threads compiling at once
+    must not make two LLJITs (the one not kept would free code that is still linked into it)."""
+    global _state
+    with _lock:
+        if _state is None:
+            llvm.initialize_native_target()
+            llvm.initialize_native_asmprinter()
+            load_blas()
+            cpu = llvm.get_host_cpu_name()
+            features = llvm.get_host_cpu_features().flatten()
+            target = llvm.Target.from_triple(llvm.get_process_triple())
+            machine = target.create_target_machine(cpu=cpu, features=features, opt=3, codemodel="jitdefault")
+            _state = JitState(machine, llvm.create_lljit_compiler(machine), cpu, features)
+        return _state
 
 
 @dataclass
