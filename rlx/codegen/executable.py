@@ -170,25 +170,19 @@ class Executable:
         program = self._program
         bound = bind_inputs(program.graph, arrays)
         plan = program.plan
-        results: dict[str, np.ndarray] = {}
-        pointers = (ctypes.c_void_p * max(1, len(plan.buffer_names)))()
-        for index, name in enumerate(plan.buffer_names):
-            if name in bound:
-                array = bound[name]
-            else:
-                shape, dtype = program.output_types[name]
-                array = results[name] = np.empty(shape, dtype=dtype)
-            pointers[index] = array.ctypes.data
+        # Buffer slots in entry order: the inputs (bind_inputs keeps declaration order), then a
+        # fresh array per output slot.
+        buffers = list(bound.values())
+        for name in plan.buffer_names[len(buffers) :]:
+            shape, dtype = program.output_types[name]
+            buffers.append(np.empty(shape, dtype=dtype))
+        pointers = (ctypes.c_void_p * max(1, len(buffers)))(*(array.ctypes.data for array in buffers))
         arena = self._arena(plan.arena_bytes)
         program.entry(ctypes.addressof(pointers), arena.ctypes.data)
-        outputs: dict[str, np.ndarray] = {}
-        for name in program.output_types:
-            if name in results:
-                outputs[name] = results[name]
-            else:
-                source = plan.aliases[name]
-                outputs[name] = (results[source] if source in results else bound[source]).copy()
-        return outputs
+        return {
+            name: buffers[slot] if name in plan.owned_outputs else buffers[slot].copy()
+            for name, slot in plan.output_slots.items()
+        }
 
     def _arena(self, nbytes: int) -> np.ndarray:
         """A per-Python-thread arena, reused across calls: concurrent calls never share one."""

@@ -42,7 +42,11 @@ class MemoryPlan:
     scratch_stride: int
     threads: int
     live: dict[Value, tuple[int, int]] = field(default_factory=dict)
-    aliases: dict[str, str] = field(default_factory=dict)  # output name -> input or output it copies
+    # Every graph output name -> the buffer slot holding its value, and the names that own their
+    # slot (the rest are copied: an input passed through, or a value under a second name). Slots,
+    # not names: an output may share its name with an input.
+    output_slots: dict[str, int] = field(default_factory=dict)
+    owned_outputs: frozenset[str] = frozenset()
 
 
 def _align(n: int) -> int:
@@ -80,13 +84,14 @@ def plan_memory(
     for name, value in graph.inputs.items():
         locations[value] = Location("input", len(buffer_names))
         buffer_names.append(name)
-    aliases: dict[str, str] = {}
+    output_slots: dict[str, int] = {}
+    owned: set[str] = set()
     for name, value in graph.outputs.items():
-        if value in locations:  # an input, or a value already written to an earlier output
-            aliases[name] = buffer_names[locations[value].index]
-            continue
-        locations[value] = Location("output", len(buffer_names))
-        buffer_names.append(name)
+        if value not in locations:  # else an input, or a value already written to an earlier output
+            locations[value] = Location("output", len(buffer_names))
+            buffer_names.append(name)
+            owned.add(name)
+        output_slots[name] = locations[value].index
 
     step = {node: i for i, node in enumerate(order)}
     live: dict[Value, tuple[int, int]] = {}
@@ -119,7 +124,8 @@ def plan_memory(
         scratch_stride=stride,
         threads=threads,
         live=live,
-        aliases=aliases,
+        output_slots=output_slots,
+        owned_outputs=frozenset(owned),
     )
     check_plan(plan)
     return plan

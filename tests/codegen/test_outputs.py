@@ -188,3 +188,21 @@ def test_one_array_passed_as_several_inputs(rng: np.random.Generator) -> None:
     assert np.array_equal(x, saved)
     assert_fresh(got, x)
     assert_outputs_close(got, rlx.reference.run(g, **arrays))
+
+
+def test_output_named_like_an_input_never_writes_the_input() -> None:
+    """Input and output names are separate namespaces: ``g.output(q=dq)`` beside input ``q`` gets its
+    own fresh array, and the caller's ``q`` is left untouched (buffers are slots, not names)."""
+    g = Graph("shadow")
+    shape = (1, 5, 2, 3)
+    q, k, v, dy = (g.input(name, shape) for name in ("q", "k", "v", "dy"))
+    g.output(q=g.attention_bwd(q, k, v, dy, wrt=Wrt.QUERY), k=k)
+    rng = np.random.default_rng(7)
+    arrays = {name: rng.standard_normal(shape).astype(np.float32) for name in ("q", "k", "v", "dy")}
+    before = {name: array.copy() for name, array in arrays.items()}
+    got = rlx.compile(g)(**arrays)
+    for name, array in arrays.items():
+        assert np.array_equal(array, before[name]), f"input {name!r} was written"
+    expected = rlx.reference.run(g, **arrays)
+    np.testing.assert_allclose(got["q"], expected["q"], rtol=1e-4, atol=1e-5)
+    assert np.array_equal(got["k"], arrays["k"]) and got["k"] is not arrays["k"]
