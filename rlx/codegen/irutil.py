@@ -108,9 +108,3 @@ def declare(module: ir.Module, name: str, ret: ir.Type, args: list[ir.Type]) -> 
 
 def intrinsic(module: ir.Module, name: str, ret: ir.Type, args: list[ir.Type]) -> ir.Function:
     return declare(module, name, ret, args)
-
-
-def fill(builder: ir.IRBuilder, base: ir.Value, start: ir.Value, stop: ir.Value, value: ir.Value, name: str) -> None:
-    """``base[start:stop] = value`` as a loop LLVM turns into vector stores."""
-    with for_range(builder, start, stop, name) as j:
-        builder.store(value, gep_f32(builder, base, j))
