@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from rlx.codegen.executable import Executable
 
 
-def grad(graph: Graph, y: Value, xs: Sequence[Value], dy: Value) -> list[Value]:
-    """Reverse-mode gradients of ``y`` w.r.t. each of ``xs`` given the cotangent ``dy`` of ``y``."""
+def grad(graph: Graph, y: Value, xs: Sequence[Value], dy: Value | None = None) -> list[Value]:
+    """Reverse-mode gradients of ``y`` w.r.t. each of ``xs``; ``dy`` may be left out for a scalar ``y``."""
     from rlx.autodiff import grad as _grad
 
     return _grad(graph, y, xs, dy)

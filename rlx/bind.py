@@ -15,7 +15,7 @@ import numpy as np
 from rlx.errors import RlxKeyError, RlxTypeError, RlxValueError
 
 if TYPE_CHECKING:
-    from rlx.ir.graph import Graph
+    from rlx.ir.graph import Graph, Value
     from rlx.ir.types import TensorType
 
 
@@ -93,3 +93,49 @@ def _native_byte_order(name: str, array: np.ndarray, expected: TensorType) -> np
         f"input {name!r}: expected dtype {expected.dtype} ({expected}), got {array.dtype}; "
         f"convert explicitly, e.g. arr.astype(np.{expected.dtype})"
     )
+
+
+def index_bounds(graph: Graph) -> list[tuple[Value, int, str]]:
+    """``(source, limit, description)`` for every integer index operand of the graph.
+
+    An index operand (``embedding`` ids, ``cross_entropy`` targets, ...) is traced back through
+    view ops (reshape, transpose, ...) to the graph input or constant it comes from: its entries
+    must be in ``[0, limit)``. An index computed by anything else is refused, since it could not
+    be checked before native code reads memory with it.
+    """
+    from rlx.ir.ops import OpKind
+
+    bounds: list[tuple[Value, int, str]] = []
+    for node in graph.nodes:
+        definition = node.op.definition
+        for index in definition.index_operands:
+            operand = node.inputs[definition.slot_of(index.operand)]
+            limit = index.limit(node)
+            what = f"{index.meaning}s of {node.op} (node {node.id}) operand {index.operand!r}"
+            pending = [operand]
+            while pending:
+                value = pending.pop()
+                if value.node.op in (OpKind.INPUT, OpKind.CONSTANT):
+                    bounds.append((value, limit, what))
+                elif value.node.op.definition.view:
+                    pending.extend(value.node.inputs)
+                else:
+                    raise RlxValueError(
+                        f"{what} come from {value.node.op} (node {value.node.id}); index operands must be graph "
+                        "inputs or constants (reshaped, transposed, split, concatenated or broadcast)"
+                    )
+    return bounds
+
+
+def check_index_inputs(graph: Graph, bound: Mapping[str, np.ndarray]) -> None:
+    """``RlxValueError`` naming the input unless every index in it is in range (see :func:`index_bounds`)."""
+    for source, limit, what in index_bounds(graph):
+        node = source.node
+        if node.op.value == "input":
+            name = node.attrs.name
+            array, label = bound[name], f"input {name!r}"
+        else:
+            array, label = node.attrs.value.array, f"constant (node {node.id})"
+        if array.size and (int(array.min()) < 0 or int(array.max()) >= limit):
+            bad = int(array.min()) if int(array.min()) < 0 else int(array.max())
+            raise RlxValueError(f"{label}: {bad} is out of range [0, {limit}) for the {what}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -10,7 +11,8 @@ from helpers import Case, build_graph, central_differences, make_inputs, naive_a
 
 import rlx
 from rlx import Graph, Layout, MaskKind, OpKind, RuntimeConfig, Wrt
-from rlx.reference import REFERENCE_IMPLS, attention_backward, attention_forward, evaluate, run
+from rlx.ir.opdef import REGISTRY
+from rlx.reference import attention_backward, attention_forward, evaluate, run
 
 NEG_INF = RuntimeConfig(attn_mask_neg_inf=float("-inf"))
 OUTPUTS = ("out", "dq", "dk", "dv")
@@ -274,7 +276,8 @@ def test_masking_alone_never_creates_nan(
 
 
 def test_every_op_kind_has_a_reference_impl() -> None:
-    assert set(REFERENCE_IMPLS) == set(OpKind)
+    assert {op.value for op in OpKind} == set(REGISTRY)
+    assert all(callable(op.definition.reference) for op in OpKind)
 
 
 def test_run_returns_new_float32_arrays_and_leaves_inputs_alone(rng: np.random.Generator) -> None:
@@ -317,10 +320,10 @@ def test_failing_node_is_reraised_with_its_ir_line(monkeypatch: pytest.MonkeyPat
     case = Case(2, 2, 2, mask=MaskKind.CAUSAL)
     g = build_graph(case)
 
-    def boom(node, args, ctx):
+    def boom(args, attrs, ctx):
         raise rlx.RlxValueError("boom")
 
-    monkeypatch.setitem(REFERENCE_IMPLS, OpKind.ATTENTION_BWD, boom)
+    monkeypatch.setitem(REGISTRY, "attention_bwd", dataclasses.replace(REGISTRY["attention_bwd"], reference=boom))
     with pytest.raises(rlx.RlxValueError) as info:
         run(g, **make_inputs(case, rng))
     message = str(info.value)
@@ -331,7 +334,9 @@ def test_failing_node_is_reraised_with_its_ir_line(monkeypatch: pytest.MonkeyPat
 
 def test_builtin_error_keeps_its_kind(monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> None:
     case = Case(2, 2, 2)
-    monkeypatch.setitem(REFERENCE_IMPLS, OpKind.ATTENTION, lambda node, args, ctx: 1 / 0)
+    monkeypatch.setitem(
+        REGISTRY, "attention", dataclasses.replace(REGISTRY["attention"], reference=lambda a, b, c: 1 / 0)
+    )
     with pytest.raises(ZeroDivisionError, match=r"= attention %q, %k, %v"):
         run(build_graph(case), **make_inputs(case, rng))
 

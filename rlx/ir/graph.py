@@ -13,23 +13,16 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 
 from rlx.errors import RlxKeyError, RlxTypeError, RlxValueError
-from rlx.ir.ops import (
-    ATTRS_CLASS,
-    SHAPE_RULES,
-    AttentionAttrs,
-    AttentionBwdAttrs,
-    Attrs,
-    InputAttrs,
-    OpKind,
-    check_layout,
-    check_mask,
-    check_wrt,
-)
-from rlx.ir.types import Layout, MaskKind, TensorType, Wrt, as_dtype, check_shape
+from rlx.ir.opdef import REGISTRY
+from rlx.ir.ops import InputAttrs, OpKind
+from rlx.ir.types import TensorType, as_dtype, check_shape
+
+Attrs = Any
 
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
 
@@ -66,6 +59,69 @@ class Value:
     def graph(self) -> Graph:
         return self.node.graph
 
+    # Operators build nodes in the Value's graph; Python numbers on either side become constants.
+    def __add__(self, other: object) -> Value:
+        return self.graph.add(self, other)
+
+    def __radd__(self, other: object) -> Value:
+        return self.graph.add(other, self)
+
+    def __sub__(self, other: object) -> Value:
+        return self.graph.sub(self, other)
+
+    def __rsub__(self, other: object) -> Value:
+        return self.graph.sub(other, self)
+
+    def __mul__(self, other: object) -> Value:
+        return self.graph.mul(self, other)
+
+    def __rmul__(self, other: object) -> Value:
+        return self.graph.mul(other, self)
+
+    def __truediv__(self, other: object) -> Value:
+        return self.graph.div(self, other)
+
+    def __rtruediv__(self, other: object) -> Value:
+        return self.graph.div(other, self)
+
+    def __pow__(self, other: object) -> Value:
+        return self.graph.pow(self, other)
+
+    def __rpow__(self, other: object) -> Value:
+        return self.graph.pow(other, self)
+
+    def __matmul__(self, other: object) -> Value:
+        return self.graph.matmul(self, other)
+
+    def __rmatmul__(self, other: object) -> Value:
+        return self.graph.matmul(other, self)
+
+    def __neg__(self) -> Value:
+        return self.graph.neg(self)
+
+    # Ordering comparisons build bool values, as on torch tensors. ``==`` stays identity (Values
+    # are dict keys); use ``g.equal`` for the elementwise comparison.
+    def __lt__(self, other: object) -> Value:
+        return self.graph.less(self, other)
+
+    def __le__(self, other: object) -> Value:
+        return self.graph.less_equal(self, other)
+
+    def __gt__(self, other: object) -> Value:
+        return self.graph.greater(self, other)
+
+    def __ge__(self, other: object) -> Value:
+        return self.graph.greater_equal(self, other)
+
+    def __and__(self, other: object) -> Value:
+        return self.graph.logical_and(self, other)
+
+    def __or__(self, other: object) -> Value:
+        return self.graph.logical_or(self, other)
+
+    def __invert__(self) -> Value:
+        return self.graph.logical_not(self)
+
     def __repr__(self) -> str:
         if not isinstance(self.node, Node):  # a hand-made Value must still show in error messages
             return f"Value(node={self.node!r}, index={self.index!r})"
@@ -80,6 +136,7 @@ class Node:
     """One operation. ``inputs`` are Values of earlier nodes; ``types`` one per output."""
 
     __slots__ = ("_inputs", "attrs", "graph", "id", "op", "types")
+    attrs: Any  # the op's attrs dataclass (``op.definition.attrs``)
 
     def __init__(
         self,
@@ -115,11 +172,16 @@ class Node:
 
 
 class Graph:
-    """A dataflow graph of attention ops with named inputs and named outputs.
+    """A dataflow graph of ops with named inputs and named outputs.
 
-    Build it with :meth:`input`, :meth:`attention`, :meth:`attention_bwd` and :meth:`output`.
-    ``print(g)`` shows one line per node; :meth:`verify` checks the whole graph.
+    Build it with :meth:`input`, one method per registered op (``g.matmul``, ``g.softmax``,
+    ``g.attention``, ...: see :mod:`rlx.ops`) and :meth:`output`. ``print(g)`` shows one line
+    per node; :meth:`verify` checks the whole graph.
     """
+
+    if TYPE_CHECKING:  # the op builders are attached from the registry below the class
+
+        def __getattr__(self, name: str) -> Any: ...
 
     def __init__(self, name: str = "graph") -> None:
         self.name = check_name(name, "graph name")
@@ -203,42 +265,6 @@ class Graph:
         self._inputs_changed()
         return node.outputs[0]
 
-    def attention(
-        self,
-        q: Value,
-        k: Value,
-        v: Value,
-        mask: MaskKind = MaskKind.NONE,
-        layout: Layout = Layout.BSHD,
-        mask_input: Value | None = None,
-    ) -> Value:
-        """Forward attention ``softmax(mask(Q K^T / sqrt(D))) V``; returns ``out`` shaped like q."""
-        attrs = AttentionAttrs(check_mask(mask, "attention"), check_layout(layout, "attention"))
-        inputs = (q, k, v) + ((mask_input,) if mask_input is not None else ())
-        return self.add_node(OpKind.ATTENTION, inputs, attrs).outputs[0]
-
-    def attention_bwd(
-        self,
-        q: Value,
-        k: Value,
-        v: Value,
-        dy: Value,
-        wrt: Wrt = Wrt.ALL,
-        mask: MaskKind = MaskKind.NONE,
-        layout: Layout = Layout.BSHD,
-        mask_input: Value | None = None,
-    ) -> Value | tuple[Value, ...]:
-        """Gradients of attention w.r.t. the ``wrt`` operands, given the output cotangent ``dy``.
-
-        One flag returns one Value; several return a tuple in Q, K, V order.
-        """
-        attrs = AttentionBwdAttrs(
-            check_wrt(wrt, "attention_bwd"), check_mask(mask, "attention_bwd"), check_layout(layout, "attention_bwd")
-        )
-        inputs = (q, k, v, dy) + ((mask_input,) if mask_input is not None else ())
-        outputs = self.add_node(OpKind.ATTENTION_BWD, inputs, attrs).outputs
-        return outputs[0] if len(outputs) == 1 else outputs
-
     def output(self, *values: Value, **named: Value) -> None:
         """Mark graph outputs. Keywords name them; positional ones get the lowest free ``out0``, ``out1``…
 
@@ -263,16 +289,19 @@ class Graph:
         what = f"{op} (node {self._next_id})"
         if op is OpKind.INPUT:
             raise RlxValueError(f"add_node: {what}: declare graph inputs with Graph.input(name, shape, dtype)")
-        attrs_class = ATTRS_CLASS[op]
-        if not isinstance(attrs, attrs_class):
-            raise RlxTypeError(f"add_node: {what}: attrs must be {attrs_class.__name__}, got {type(attrs).__name__}")
+        definition = op.definition
+        if not isinstance(attrs, definition.attrs):
+            raise RlxTypeError(
+                f"add_node: {what}: attrs must be {definition.attrs.__name__}, got {type(attrs).__name__}"
+            )
         if isinstance(inputs, (Value, str, bytes)) or not isinstance(inputs, (Sequence, Iterator)):
             raise RlxTypeError(f"add_node: {what}: inputs must be a sequence of Values, got {type(inputs).__name__}")
         inputs = tuple(inputs)
         for slot, value in enumerate(inputs):
             self._check_value(value, f"{what} operand {slot}")
-        types = SHAPE_RULES[op](what, [v.type for v in inputs], attrs)
-        return self._add(op, attrs, inputs, types)
+        definition.check_arity(what, len(inputs))
+        types = definition.infer(what, [v.type for v in inputs], attrs)
+        return self._add(op, attrs, inputs, tuple(types))
 
     # ----------------------------------------------------------------- mutation
 
@@ -432,3 +461,13 @@ class Graph:
             )
         if not 0 <= value.index < len(value.node.types):
             raise RlxValueError(f"{what}: node {value.node.id} has no output {value.index}")
+
+
+def _install_builders() -> None:
+    """Attach each registered op's builder as a ``Graph`` method (``g.matmul(a, b)``)."""
+    for definition in REGISTRY.values():
+        if definition.builder is not None:
+            setattr(Graph, definition.name, definition.builder)
+
+
+_install_builders()

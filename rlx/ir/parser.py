@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from rlx.errors import RlxError, RlxTypeError, RlxValueError
 from rlx.ir.graph import Graph, Value
-from rlx.ir.ops import ATTRS_CLASS, Attrs, OpKind
+from rlx.ir.ops import OpKind
 from rlx.ir.types import DTYPE_NAMES, Layout, MaskKind, TensorType, Wrt
 
 _PUNCTUATION = "=,:{}[]()|-+"
@@ -258,6 +258,8 @@ def _convert(tp: object, tokens: list[Token]) -> object:
         if len(tokens) != 1 or tokens[0].kind not in ("name", "string"):
             raise ValueError("expected a name or a quoted string")
         return tokens[0].string_value if tokens[0].kind == "string" else text
+    if typing.get_origin(tp) is tuple:
+        return _convert_int_tuple(tp, tokens, text)
     if tp in _CONVERTERS:
         return _CONVERTERS[tp](text)  # type: ignore[index]
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
@@ -269,6 +271,18 @@ def _convert(tp: object, tokens: list[Token]) -> object:
     if callable(parse_method):
         return parse_method(text)
     raise ValueError(f"the parser does not know how to read a {tp}")
+
+
+def _convert_int_tuple(tp: object, tokens: list[Token], text: str) -> tuple[int, ...]:
+    """``(1, 2)``, ``(3,)`` or ``()`` for a ``tuple[int, ...]`` field."""
+    if typing.get_args(tp) not in ((int, Ellipsis),):
+        raise ValueError(f"the parser reads tuples of ints only, not {tp}")
+    if not (text.startswith("(") and text.endswith(")")):
+        raise ValueError("expected a tuple like (1, 2)")
+    inner = [token for token in tokens[1:-1] if token.text != ","]
+    if any(token.kind != "number" for token in inner):
+        raise ValueError("expected ints between the parentheses")
+    return tuple(_parse_int(token.text) for token in inner)
 
 
 def _convert_union(options: tuple[object, ...], tokens: list[Token], text: str) -> object:
@@ -446,9 +460,9 @@ class _Parser:
             raise cursor.error(f"a value for attribute {key.text!r}")
         return tokens
 
-    def _make_attrs(self, op: OpKind, op_token: Token, raw: dict[str, tuple[Token, list[Token]]]) -> Attrs:
+    def _make_attrs(self, op: OpKind, op_token: Token, raw: dict[str, tuple[Token, list[Token]]]) -> object:
         """Fill the op's attrs dataclass by field name, converting by each field's annotated type."""
-        cls = ATTRS_CLASS[op]
+        cls = op.definition.attrs
         fields = {field.name: field for field in dataclasses.fields(cls)}
         hints = typing.get_type_hints(cls)
         values: dict[str, object] = {}

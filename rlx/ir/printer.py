@@ -85,8 +85,12 @@ def format_node(node: Node, names: dict[Value, str]) -> str:
     if node.op is OpKind.INPUT and isinstance(node.attrs, InputAttrs):
         return f"{names[node.outputs[0]]} = input {quote(node.attrs.name)} : {types}"
     results = ", ".join(names[v] for v in node.outputs)
-    operands = ", ".join(names[v] for v in node.inputs)
-    return f"{results} = {node.op} {operands} {format_attrs(node)} : {types}"
+    parts = [f"{results} = {node.op}"]
+    if node.inputs:
+        parts.append(", ".join(names[v] for v in node.inputs))
+    if dataclasses.fields(node.attrs):  # ops without attributes print none
+        parts.append(format_attrs(node))
+    return f"{' '.join(parts)} : {types}"
 
 
 def format_graph(graph: Graph) -> str:

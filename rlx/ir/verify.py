@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import networkx as nx
 
 from rlx.errors import RlxError, RlxValueError
-from rlx.ir.ops import ATTRS_CLASS, SHAPE_RULES, InputAttrs, OpKind
+from rlx.ir.ops import InputAttrs, OpKind
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Node
@@ -91,10 +91,11 @@ def _edge_problems(graph: Graph) -> list[str]:
 
 def _node_problems(graph: Graph, node: Node) -> list[str]:
     where = f"node {node.id} ({node.op})"
-    if node.op not in ATTRS_CLASS:
+    if not isinstance(node.op, OpKind):
         return [f"{where}: op must be an OpKind, got {node.op!r}"]
-    if not isinstance(node.attrs, ATTRS_CLASS[node.op]):
-        return [f"{where}: attrs must be {ATTRS_CLASS[node.op].__name__}, got {type(node.attrs).__name__}"]
+    definition = node.op.definition
+    if not isinstance(node.attrs, definition.attrs):
+        return [f"{where}: attrs must be {definition.attrs.__name__}, got {type(node.attrs).__name__}"]
     for slot, value in enumerate(node.inputs):
         if value not in graph:
             return [f"{where}: operand {slot} reads node {value.node.id}, which is not in the graph"]
@@ -103,7 +104,8 @@ def _node_problems(graph: Graph, node: Node) -> list[str]:
     if node.op is OpKind.INPUT:
         return [] if not node.inputs and len(node.types) == 1 else [f"{where}: an input has no operands, one result"]
     try:
-        expected = SHAPE_RULES[node.op](where, [v.type for v in node.inputs], node.attrs)
+        definition.check_arity(where, len(node.inputs))
+        expected = definition.infer(where, [v.type for v in node.inputs], node.attrs)
     except RlxError as exc:
         return [str(exc)]
     except Exception as exc:  # e.g. an attrs field of the wrong type: report it, do not crash

@@ -1,19 +1,19 @@
-"""Dead-code elimination: drop what no graph output reads; narrow half-used attention_bwd nodes.
+"""Dead-code elimination: drop what no graph output reads; narrow half-used multi-output nodes.
 
-Graph inputs are the graph's signature and always stay. A multi-output ``attention_bwd`` whose
-outputs are only partly read is rebuilt with just the used ``wrt`` flags (wrt=ALL of which only
-dV is read becomes wrt=v), so fusing a dead sibling never costs GEMMs.
+Graph inputs are the graph's signature and always stay. A multi-output node whose outputs are
+only partly read is rebuilt by its op's ``narrow`` hook when it has one (an ``attention_bwd`` with
+wrt=ALL of which only dV is read becomes wrt=v), so fusing a dead sibling never costs GEMMs.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rlx.ir import AttentionBwdAttrs, OpKind, Wrt
+from rlx.ir import OpKind
 from rlx.passes.base import Pass, register
 
 if TYPE_CHECKING:
-    from rlx.ir import Graph, Node, Value
+    from rlx.ir import Graph, Value
 
 
 def dce(graph: Graph) -> bool:
@@ -27,8 +27,8 @@ def dce(graph: Graph) -> bool:
         if not used:
             graph.erase(node)
             changed = True
-        elif len(used) < len(node.outputs) and node.op is OpKind.ATTENTION_BWD:
-            _narrow_attention_bwd(graph, node, used)
+        elif len(used) < len(node.outputs) and node.op.definition.narrow is not None:
+            node.op.definition.narrow(graph, node, used)
             changed = True
     return changed
 
@@ -37,19 +37,4 @@ def _is_used(graph: Graph, value: Value) -> bool:
     return bool(graph.uses(value)) or bool(graph.output_names_of(value))
 
 
-def _narrow_attention_bwd(graph: Graph, node: Node, used: list[Value]) -> None:
-    attrs = node.attrs
-    assert isinstance(attrs, AttentionBwdAttrs)
-    flags = attrs.wrt.members
-    wrt = Wrt(0)
-    for value in used:
-        wrt |= flags[value.index]
-    narrow = graph.add_node(
-        OpKind.ATTENTION_BWD, node.inputs, AttentionBwdAttrs(wrt=wrt, mask=attrs.mask, layout=attrs.layout)
-    )
-    for value, new in zip(used, narrow.outputs, strict=True):
-        graph.replace_all_uses_with(value, new)
-    graph.erase(node)
-
-
-DCE = register(Pass("dce", dce, "erase nodes no output reads; narrow attention_bwd to the gradients read"))
+DCE = register(Pass("dce", dce, "erase nodes no output reads; narrow multi-output nodes to the outputs read"))

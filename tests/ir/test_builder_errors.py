@@ -353,7 +353,7 @@ CASES: list[tuple[str, Case, type[Exception], str]] = [
         "add_node too few inputs",
         lambda e: e.g.add_node(OpKind.ATTENTION, (e.q, e.k), AttentionAttrs()),
         ValueError,
-        r"attention \(node 6\): attention takes q, k, v and an optional mask tensor, got 2 inputs",
+        r"attention \(node 6\): attention takes operands \(q, k, v, mask_input\?\), got 2",
     ),
     # --- hand-made Values and bad arguments of the query methods
     (

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 import rlx
 from rlx import Graph, Layout, MaskKind, OpKind, TensorType, Value, Wrt
-from rlx.ir import ops as ir_ops
 from rlx.ir import parse
+from rlx.ir.opdef import REGISTRY
 
 MASKS = st.one_of(
     st.sampled_from([MaskKind.NONE, MaskKind.CAUSAL, MaskKind.CUSTOM, MaskKind.BIAS]),
@@ -150,8 +150,11 @@ def _same_as_first(what: str, inputs: Sequence[TensorType], attrs: object) -> tu
 def test_any_str_attribute_round_trips(labels: list[str]) -> None:
     """Whatever a str attribute holds (quotes, commas, newlines, any code point) prints on one line and parses back."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(ir_ops.ATTRS_CLASS, OpKind.ATTENTION, _LabelAttrs)
-        patch.setitem(ir_ops.SHAPE_RULES, OpKind.ATTENTION, _same_as_first)
+        patch.setitem(
+            REGISTRY,
+            "attention",
+            dataclasses.replace(REGISTRY["attention"], attrs=_LabelAttrs, infer=_same_as_first, operands=("x",)),
+        )
         g = Graph("labels")
         x = g.input("x", (2,))
         for label in labels:

@@ -10,8 +10,8 @@ import pytest
 
 import rlx
 from rlx import Graph, Layout, MaskKind, OpKind, TensorType, Wrt
-from rlx.ir import ops as ir_ops
 from rlx.ir import parse
+from rlx.ir.opdef import REGISTRY
 
 from .graphs import HAND_WRITTEN, spec_graph
 
@@ -140,7 +140,7 @@ def test_attrs_default_when_left_out() -> None:
     text = GOLDEN_SPEC.replace(" {mask = causal, layout = bshd}", "").replace(", mask = causal, layout = bshd", "")
     parsed = parse(text)
     attention, attention_bwd = (n for n in parsed.nodes if n.op is not OpKind.INPUT)
-    assert attention.attrs == ir_ops.AttentionAttrs(MaskKind.NONE, Layout.BSHD)
+    assert attention.attrs == rlx.ir.AttentionAttrs(MaskKind.NONE, Layout.BSHD)
     assert attention_bwd.attrs.wrt == Wrt.ALL
     assert attention_bwd.attrs.mask == MaskKind.NONE
 
@@ -175,8 +175,11 @@ def _same_as_first(what: str, inputs: Sequence[TensorType], attrs: object) -> tu
 
 def test_new_attrs_class_parses_without_parser_changes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Attribute values are read by the dataclass field's type, so new ops need no parser work."""
-    monkeypatch.setitem(ir_ops.ATTRS_CLASS, OpKind.ATTENTION, _RichAttrs)
-    monkeypatch.setitem(ir_ops.SHAPE_RULES, OpKind.ATTENTION, _same_as_first)
+    monkeypatch.setitem(
+        REGISTRY,
+        "attention",
+        dataclasses.replace(REGISTRY["attention"], attrs=_RichAttrs, infer=_same_as_first, operands=("x",)),
+    )
     g = Graph("future")
     x = g.input("x", (3,))
     for attrs in (
@@ -220,8 +223,11 @@ TRICKY_STRINGS = [
 @pytest.mark.parametrize("label", TRICKY_STRINGS, ids=range(len(TRICKY_STRINGS)))
 def test_str_attrs_are_quoted_and_round_trip(monkeypatch: pytest.MonkeyPatch, label: str) -> None:
     """Regression: str attribute values were printed bare, so spaces, commas or quotes broke parsing."""
-    monkeypatch.setitem(ir_ops.ATTRS_CLASS, OpKind.ATTENTION, _TextAttrs)
-    monkeypatch.setitem(ir_ops.SHAPE_RULES, OpKind.ATTENTION, _same_as_first)
+    monkeypatch.setitem(
+        REGISTRY,
+        "attention",
+        dataclasses.replace(REGISTRY["attention"], attrs=_TextAttrs, infer=_same_as_first, operands=("x",)),
+    )
     g = Graph("text")
     x = g.input("x", (3,))
     g.add_node(OpKind.ATTENTION, [x], _TextAttrs(label))
@@ -238,8 +244,11 @@ def test_str_attrs_are_quoted_and_round_trip(monkeypatch: pytest.MonkeyPatch, la
 
 def test_str_attrs_read_bare_names_and_json_escapes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Hand-written text may leave a simple name unquoted; quoted strings use JSON escapes."""
-    monkeypatch.setitem(ir_ops.ATTRS_CLASS, OpKind.ATTENTION, _TextAttrs)
-    monkeypatch.setitem(ir_ops.SHAPE_RULES, OpKind.ATTENTION, _same_as_first)
+    monkeypatch.setitem(
+        REGISTRY,
+        "attention",
+        dataclasses.replace(REGISTRY["attention"], attrs=_TextAttrs, infer=_same_as_first, operands=("x",)),
+    )
     head = 'graph @g {\n  %x = input "x" : f32[3]\n'
     parsed = parse(head + '  %0 = attention %x {label = tag.x, note = "a\\tb \\"c\\" \\u00e9\\/"} : f32[3]\n}')
     assert parsed.nodes[1].attrs == _TextAttrs("tag.x", note='a\tb "c" \u00e9/')
@@ -250,8 +259,11 @@ def test_str_attrs_read_bare_names_and_json_escapes(monkeypatch: pytest.MonkeyPa
 
 
 def test_new_attrs_class_reports_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(ir_ops.ATTRS_CLASS, OpKind.ATTENTION, _RichAttrs)
-    monkeypatch.setitem(ir_ops.SHAPE_RULES, OpKind.ATTENTION, _same_as_first)
+    monkeypatch.setitem(
+        REGISTRY,
+        "attention",
+        dataclasses.replace(REGISTRY["attention"], attrs=_RichAttrs, infer=_same_as_first, operands=("x",)),
+    )
     text = (
         'graph @g {\n  %x = input "x" : f32[3]\n'
         "  %0 = attention %x {count = 1.5, scale = 1.0, label = a, flag = True, wrt = q} : f32[3]\n}"

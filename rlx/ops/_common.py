@@ -1,0 +1,138 @@
+"""Helpers the op definitions share: operand checks, broadcasting, axes, and gradient plumbing."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from rlx.errors import RlxTypeError, RlxValueError
+from rlx.ir.types import TensorType
+
+if TYPE_CHECKING:
+    from rlx.ir.graph import Graph, Value
+
+F32 = np.dtype(np.float32)
+BOOL = np.dtype(np.bool_)
+INT_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+
+
+def op_kind(name: str) -> Any:
+    """The ``OpKind`` member called ``name``, looked up late: ``OpKind`` is built from the registry."""
+    from rlx.ir.ops import OpKind
+
+    return OpKind(name)
+
+
+def is_number(x: object) -> bool:
+    """A Python or NumPy real number (bools excluded: ``True`` is not a float operand)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def as_value(graph: Graph, x: object, what: str) -> Value:
+    """A Value of ``graph`` as is; a Python number becomes a float32 scalar constant."""
+    from rlx.ir.graph import Value
+
+    if isinstance(x, Value):
+        return x
+    if is_number(x):
+        return graph.constant(float(x))  # type: ignore[arg-type]
+    if isinstance(x, np.ndarray):
+        raise RlxTypeError(f"{what}: got a NumPy array; wrap it with g.constant(array) or declare it with g.input")
+    raise RlxTypeError(f"{what}: expected an rlx Value or a Python number, got {type(x).__name__}")
+
+
+def require_float(what: str, label: str, ty: TensorType) -> None:
+    if ty.dtype != F32:
+        raise RlxTypeError(f"{what}: {label} must be f32, got {ty.dtype_name} ({ty})")
+
+
+def require_bool(what: str, label: str, ty: TensorType) -> None:
+    if ty.dtype != BOOL:
+        raise RlxTypeError(f"{what}: {label} must be bool, got {ty.dtype_name} ({ty})")
+
+
+def require_int(what: str, label: str, ty: TensorType) -> None:
+    if ty.dtype not in INT_DTYPES:
+        raise RlxTypeError(f"{what}: {label} must be int32 or int64, got {ty.dtype_name} ({ty})")
+
+
+def broadcast_shapes(what: str, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+    """NumPy broadcasting of ``shapes``; ``RlxValueError`` naming ``what`` if they do not broadcast."""
+    rank = max(len(shape) for shape in shapes)
+    result = []
+    for axis in range(-rank, 0):
+        sizes = {shape[axis] for shape in shapes if len(shape) >= -axis} - {1}
+        if len(sizes) > 1:
+            listed = " and ".join(str(list(shape)) for shape in shapes)
+            raise RlxValueError(f"{what}: shapes {listed} do not broadcast (axis {axis}: sizes {sorted(sizes)})")
+        result.append(sizes.pop() if sizes else 1)
+    return tuple(result)
+
+
+def normalize_axis(what: str, axis: object, rank: int) -> int:
+    """One axis in ``[-rank, rank)`` as a non-negative int."""
+    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
+        raise RlxTypeError(f"{what}: axis must be an int, got {type(axis).__name__}")
+    if not -rank <= axis < rank:
+        raise RlxValueError(f"{what}: axis {axis} is out of range for rank {rank}")
+    return int(axis) % rank
+
+
+def normalize_axes(what: str, axis: object, rank: int) -> tuple[int, ...]:
+    """``None`` (every axis), an int or a sequence of ints -> sorted distinct non-negative axes."""
+    if axis is None:
+        return tuple(range(rank))
+    if isinstance(axis, (int, np.integer)) and not isinstance(axis, (bool, np.bool_)):
+        return (normalize_axis(what, axis, rank),)
+    if isinstance(axis, (str, bytes)) or not isinstance(axis, Sequence):
+        raise RlxTypeError(f"{what}: axis must be None, an int or a tuple of ints, got {type(axis).__name__}")
+    axes = [normalize_axis(what, a, rank) for a in axis]
+    if len(set(axes)) != len(axes):
+        raise RlxValueError(f"{what}: axis {tuple(axis)} repeats an axis")
+    return tuple(sorted(axes))
+
+
+def int_tuple(what: str, label: str, values: object) -> tuple[int, ...]:
+    """A tuple of Python ints from a user sequence (NumPy ints accepted)."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise RlxTypeError(f"{what}: {label} must be a tuple of ints, got {type(values).__name__}")
+    out = []
+    for v in values:
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            raise RlxTypeError(f"{what}: {label} entries must be ints, got {v!r}")
+        out.append(int(v))
+    return tuple(out)
+
+
+def to_f64(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64)
+
+
+# ----------------------------------------------------------------------------- gradient helpers
+
+
+def sum_to_shape(graph: Graph, grad: Value, shape: tuple[int, ...]) -> Value:
+    """Undo broadcasting: sum ``grad`` over the axes that broadcasting added or stretched."""
+    if grad.shape == shape:
+        return grad
+    lead = len(grad.shape) - len(shape)
+    axes = tuple(range(lead)) + tuple(
+        lead + i for i, size in enumerate(shape) if size == 1 and grad.shape[lead + i] != 1
+    )
+    summed = graph.sum(grad, axis=axes, keepdims=False) if axes else grad
+    return summed if summed.shape == shape else graph.reshape(summed, shape)
+
+
+def zeros(graph: Graph, shape: tuple[int, ...]) -> Value:
+    """A float32 zero tensor of ``shape`` (a broadcast scalar: no buffer)."""
+    zero = graph.constant(0.0)
+    return zero if shape == () else graph.broadcast_to(zero, shape)
+
+
+def keep_axes(graph: Graph, reduced: Value, full: tuple[int, ...], axes: tuple[int, ...]) -> Value:
+    """Reshape a reduction without keepdims back to rank ``len(full)`` (size 1 on ``axes``)."""
+    shape = tuple(1 if i in axes else size for i, size in enumerate(full))
+    return reduced if reduced.shape == shape else graph.reshape(reduced, shape)

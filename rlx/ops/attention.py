@@ -1,0 +1,408 @@
+"""Scaled-dot-product attention and its backward: SPEC section 1, defined once.
+
+``attention`` is the forward; ``attention_bwd`` recomputes scores and softmax and produces the
+gradients its ``wrt`` flags name, in Q, K, V order. Reverse mode emits one single-``wrt``
+backward node per operand; ``rlx.passes.fuse_attention_bwd`` merges siblings, and ``dce`` narrows
+a half-used one (:func:`_narrow_attention_bwd`). The lowering is ``rlx/codegen/lower_attention.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from rlx.config import RuntimeConfig, resolve_config
+from rlx.errors import RlxTypeError, RlxValueError
+from rlx.ir.opdef import EvalContext, OpDef, not_differentiable, register_op
+from rlx.ir.types import Layout, MaskKind, TensorType, Wrt
+from rlx.ops._common import F32, op_kind
+
+if TYPE_CHECKING:
+    from rlx.ir.graph import Graph, Node, Value
+
+
+@dataclass(frozen=True)
+class AttentionAttrs:
+    """Forward scaled-dot-product attention: ``softmax(mask(Q K^T / sqrt(D))) V``."""
+
+    mask: MaskKind = MaskKind.NONE
+    layout: Layout = Layout.BSHD
+
+
+@dataclass(frozen=True)
+class AttentionBwdAttrs:
+    """Attention backward that recomputes scores and softmax; one output per ``wrt`` flag."""
+
+    wrt: Wrt
+    mask: MaskKind = MaskKind.NONE
+    layout: Layout = Layout.BSHD
+
+
+@dataclass(frozen=True)
+class AttentionDims:
+    """The sizes an attention node works on, read from its operand types."""
+
+    batch: int
+    heads: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+
+
+def attention_dims(
+    what: str,
+    q: TensorType,
+    k: TensorType,
+    v: TensorType,
+    layout: Layout,
+    dy: TensorType | None = None,
+    mask: MaskKind = MaskKind.NONE,
+    mask_tensor: TensorType | None = None,
+) -> AttentionDims:
+    """Check the operands of an attention (or attention backward) node and return its sizes.
+
+    Raises ``RlxTypeError`` for a dtype other than float32 and ``RlxValueError`` for a wrong
+    rank, a size mismatch, or a missing / extra / misshapen mask tensor. Messages name ``what``.
+    """
+    tensors = [("q", q), ("k", k), ("v", v)] + ([("dy", dy)] if dy is not None else [])
+    operands = tensors + ([("mask_input", mask_tensor)] if mask_tensor is not None else [])
+    for label, ty in operands:
+        if ty.dtype != F32:
+            raise RlxTypeError(f"{what}: {label} must be f32, got {ty.dtype_name} ({ty})")
+    # Only q, k, v and dy are rank 4; the mask tensor's shape is checked below.
+    for label, ty in tensors:
+        if ty.rank != 4:
+            raise RlxValueError(f"{what}: {label} must have rank 4 ({_layout_names(layout)}), got {ty}")
+    b, sq, h, d = layout.split(q.shape)
+    _, sk, _, _ = layout.split(k.shape)
+    want_q = layout.join(b, sq, h, d)
+    want_kv = layout.join(b, sk, h, d)
+    if k.shape != want_kv:
+        raise RlxValueError(
+            f"{what}: k must have batch {b}, heads {h} and head_dim {d} like q {q} "
+            f"(layout {layout}: {_layout_names(layout)}), got {k}"
+        )
+    if v.shape != want_kv:
+        raise RlxValueError(f"{what}: v must be f32{list(want_kv)} to match q {q} and k {k}, got {v}")
+    if dy is not None and dy.shape != want_q:
+        raise RlxValueError(f"{what}: dy must be f32{list(want_q)} (the shape of the output), got {dy}")
+    if mask.needs_tensor:
+        if mask_tensor is None:
+            raise RlxValueError(f"{what}: mask {mask} needs a mask_input tensor")
+        want_mask = (b, sk) if mask == MaskKind.CUSTOM else (b, h, sq, sk)
+        if mask_tensor.shape != want_mask:
+            meaning = "[B, Sk] key padding" if mask == MaskKind.CUSTOM else "[B, H, Sq, Sk] additive bias"
+            raise RlxValueError(
+                f"{what}: mask_input for mask {mask} must be f32{list(want_mask)} ({meaning}), got {mask_tensor}"
+            )
+    elif mask_tensor is not None:
+        raise RlxValueError(f"{what}: mask {mask} takes no mask_input tensor (only custom and bias do)")
+    return AttentionDims(batch=b, heads=h, seq_q=sq, seq_k=sk, head_dim=d)
+
+
+def _layout_names(layout: Layout) -> str:
+    return "[B, S, H, D]" if layout is Layout.BSHD else "[B, H, S, D]"
+
+
+def _attention_shape(what: str, inputs: Sequence[TensorType], attrs: AttentionAttrs) -> tuple[TensorType, ...]:
+    if len(inputs) not in (3, 4):
+        raise RlxValueError(f"{what}: attention takes q, k, v and an optional mask tensor, got {len(inputs)} inputs")
+    q, k, v = inputs[:3]
+    attention_dims(what, q, k, v, attrs.layout, None, attrs.mask, inputs[3] if len(inputs) == 4 else None)
+    return (TensorType(q.shape, F32),)
+
+
+def _attention_bwd_shape(what: str, inputs: Sequence[TensorType], attrs: AttentionBwdAttrs) -> tuple[TensorType, ...]:
+    if len(inputs) not in (4, 5):
+        raise RlxValueError(
+            f"{what}: attention_bwd takes q, k, v, dy and an optional mask tensor, got {len(inputs)} inputs"
+        )
+    q, k, v, dy = inputs[:4]
+    attention_dims(what, q, k, v, attrs.layout, dy, attrs.mask, inputs[4] if len(inputs) == 5 else None)
+    by_flag = {Wrt.QUERY: q, Wrt.KEY: k, Wrt.VALUE: v}
+    return tuple(TensorType(by_flag[flag].shape, F32) for flag in attrs.wrt.members)
+
+
+def check_wrt(wrt: object, what: str) -> Wrt:
+    """Validate a user ``wrt`` argument: a non-empty ``Wrt`` flag set."""
+    if not isinstance(wrt, Wrt):
+        raise RlxTypeError(f"{what}: wrt must be an rlx.Wrt flag, got {type(wrt).__name__}")
+    if not wrt:
+        raise RlxValueError(f"{what}: wrt must name at least one of Wrt.QUERY, Wrt.KEY, Wrt.VALUE")
+    return wrt
+
+
+def check_mask(mask: object, what: str) -> MaskKind:
+    if not isinstance(mask, MaskKind):
+        raise RlxTypeError(f"{what}: mask must be an rlx.MaskKind, got {type(mask).__name__}")
+    return mask
+
+
+def check_layout(layout: object, what: str) -> Layout:
+    if not isinstance(layout, Layout):
+        raise RlxTypeError(f"{what}: layout must be an rlx.Layout, got {type(layout).__name__}")
+    return layout
+
+
+# ----------------------------------------------------------------------------- float64 reference
+
+
+def attention_forward(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    *,
+    mask: MaskKind = MaskKind.NONE,
+    layout: Layout = Layout.BSHD,
+    mask_tensor: np.ndarray | None = None,
+    config: RuntimeConfig | None = None,
+) -> np.ndarray:
+    """``out = softmax(mask(Q K^T / sqrt(D))) V`` in float64 (a new array in ``layout``)."""
+    config = resolve_config(config)
+    _check_shapes("attention_forward", q, k, v, None, mask, layout, mask_tensor)
+    with np.errstate(all="ignore"):  # NaN/Inf in the inputs propagate by design; no warnings
+        qh, kh, vh = (_to_heads(x, layout) for x in (q, k, v))
+        probs, _ = _probabilities(qh, kh, mask, mask_tensor, config)
+        return _from_heads(probs @ vh, layout)
+
+
+def attention_backward(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    dy: np.ndarray,
+    *,
+    wrt: Wrt = Wrt.ALL,
+    mask: MaskKind = MaskKind.NONE,
+    layout: Layout = Layout.BSHD,
+    mask_tensor: np.ndarray | None = None,
+    config: RuntimeConfig | None = None,
+) -> tuple[np.ndarray, ...]:
+    """The gradients selected by ``wrt``, in Q, K, V order, in float64 (new arrays in ``layout``).
+
+    ``dS`` is zero wherever the mask replaced a score: those scores are constants, so no
+    gradient may reach Q or K through them (even though a fully masked row has a uniform P).
+    """
+    config = resolve_config(config)
+    _check_shapes("attention_backward", q, k, v, dy, mask, layout, mask_tensor)
+    with np.errstate(all="ignore"):
+        qh, kh, vh, dyh = (_to_heads(x, layout) for x in (q, k, v, dy))
+        probs, replaced = _probabilities(qh, kh, mask, mask_tensor, config)
+        grads: dict[Wrt, np.ndarray] = {}
+        if wrt & Wrt.VALUE:
+            grads[Wrt.VALUE] = _transpose(probs) @ dyh
+        if wrt & (Wrt.QUERY | Wrt.KEY):
+            dprobs = dyh @ _transpose(vh)
+            dscores = probs * (dprobs - np.sum(probs * dprobs, axis=-1, keepdims=True)) / math.sqrt(qh.shape[-1])
+            if replaced is not None:
+                dscores = np.where(replaced, 0.0, dscores)
+            grads[Wrt.QUERY] = dscores @ kh
+            grads[Wrt.KEY] = _transpose(dscores) @ qh
+        return tuple(_from_heads(grads[flag], layout) for flag in wrt.members)
+
+
+def masked_positions(
+    mask: MaskKind, mask_tensor: np.ndarray | None, seq_q: int, seq_k: int, threshold: float
+) -> np.ndarray | None:
+    """Where the mask REPLACES scores by ``neg``, broadcastable to ``[B, H, Sq, Sk]``.
+
+    ``None`` when nothing is replaced (NONE, and BIAS, which adds instead of replacing).
+    """
+    if mask == MaskKind.CUSTOM:
+        assert mask_tensor is not None
+        return (np.asarray(mask_tensor) < threshold)[:, None, None, :]
+    if mask.is_causal_like:
+        offset = max(seq_k - seq_q, 0)  # bottom-right alignment: the last query sees the last key
+        rows = np.arange(seq_q)[:, None]
+        cols = np.arange(seq_k)[None, :]
+        hidden = cols > offset + rows
+        if mask.window is not None:
+            hidden |= cols < offset + rows - mask.window
+        return hidden
+    return None
+
+
+def safe_softmax(scores: np.ndarray) -> np.ndarray:
+    """Max-subtracted softmax over the last axis; a row that is entirely ``-inf`` gives zeros, not NaN."""
+    row_max = np.max(scores, axis=-1, keepdims=True)
+    row_max = np.where(np.isneginf(row_max), 0.0, row_max)
+    exps = np.exp(scores - row_max)
+    total = np.sum(exps, axis=-1, keepdims=True)
+    return exps / np.where(total == 0.0, 1.0, total)  # total is 0 only for all -inf rows
+
+
+def _probabilities(
+    qh: np.ndarray, kh: np.ndarray, mask: MaskKind, mask_tensor: np.ndarray | None, config: RuntimeConfig
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Softmax probabilities ``[B, H, Sq, Sk]`` and the positions whose scores the mask replaced."""
+    scores = (qh @ _transpose(kh)) / math.sqrt(qh.shape[-1])
+    if mask == MaskKind.BIAS:
+        scores = scores + np.asarray(mask_tensor, dtype=np.float64)
+    replaced = masked_positions(mask, mask_tensor, qh.shape[-2], kh.shape[-2], config.mask_binary_threshold)
+    if replaced is not None:
+        scores = np.where(replaced, config.attn_mask_neg_inf, scores)  # assignment, not addition
+    return safe_softmax(scores), replaced
+
+
+def _to_heads(x: np.ndarray, layout: Layout) -> np.ndarray:
+    """float64 view in ``[B, H, S, D]`` so that each head is a trailing ``[S, D]`` matrix."""
+    x = np.asarray(x, dtype=np.float64)
+    return x if layout is Layout.BHSD else x.transpose(0, 2, 1, 3)
+
+
+def _from_heads(x: np.ndarray, layout: Layout) -> np.ndarray:
+    """Inverse of :func:`_to_heads` (the BSHD swap is its own inverse), as a new dense array."""
+    return np.ascontiguousarray(x if layout is Layout.BHSD else x.transpose(0, 2, 1, 3))
+
+
+def _transpose(x: np.ndarray) -> np.ndarray:
+    return x.swapaxes(-1, -2)
+
+
+def _check_shapes(
+    what: str,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    dy: np.ndarray | None,
+    mask: MaskKind,
+    layout: Layout,
+    mask_tensor: np.ndarray | None,
+) -> None:
+    """Reuse the IR's shape rule so direct callers get the same messages as graph builders."""
+
+    def shape_of(x: np.ndarray) -> TensorType:
+        return TensorType(tuple(np.shape(x)))
+
+    attention_dims(
+        what,
+        shape_of(q),
+        shape_of(k),
+        shape_of(v),
+        layout,
+        None if dy is None else shape_of(dy),
+        mask,
+        None if mask_tensor is None else shape_of(mask_tensor),
+    )
+
+
+# ----------------------------------------------------------------------------- the op definitions
+
+
+def _attention_reference(args: Sequence[np.ndarray], attrs: AttentionAttrs, ctx: EvalContext) -> np.ndarray:
+    mask_tensor = args[3] if len(args) > 3 else None
+    return attention_forward(
+        *args[:3], mask=attrs.mask, layout=attrs.layout, mask_tensor=mask_tensor, config=ctx.config
+    )
+
+
+def _attention_bwd_reference(
+    args: Sequence[np.ndarray], attrs: AttentionBwdAttrs, ctx: EvalContext
+) -> tuple[np.ndarray, ...]:
+    mask_tensor = args[4] if len(args) > 4 else None
+    return attention_backward(
+        *args[:4], wrt=attrs.wrt, mask=attrs.mask, layout=attrs.layout, mask_tensor=mask_tensor, config=ctx.config
+    )
+
+
+def _attention_grad(
+    graph: Graph, node: Node, cotangents: Sequence[Value | None], needed: Sequence[bool]
+) -> list[Value | None]:
+    """dQ, dK, dV as separate single-``wrt`` nodes sharing the forward's mask, layout and mask tensor."""
+    attrs = node.attrs
+    (dy,) = cotangents
+    assert dy is not None
+    q, k, v = node.inputs[:3]
+    mask_input = node.inputs[3:]
+    grads: list[Value | None] = [None] * len(node.inputs)
+    for slot, flag in enumerate((Wrt.QUERY, Wrt.KEY, Wrt.VALUE)):
+        if needed[slot]:
+            bwd_attrs = AttentionBwdAttrs(wrt=flag, mask=attrs.mask, layout=attrs.layout)
+            grads[slot] = graph.add_node(op_kind("attention_bwd"), (q, k, v, dy, *mask_input), bwd_attrs).outputs[0]
+    return grads
+
+
+def _narrow_attention_bwd(graph: Graph, node: Node, used: list[Value]) -> None:
+    """Rebuild a multi-output backward with just the flags that are read (dce calls this)."""
+    attrs = node.attrs
+    flags = attrs.wrt.members
+    wrt = Wrt(0)
+    for value in used:
+        wrt |= flags[value.index]
+    narrow = graph.add_node(
+        op_kind("attention_bwd"), node.inputs, AttentionBwdAttrs(wrt=wrt, mask=attrs.mask, layout=attrs.layout)
+    )
+    for value, new in zip(used, narrow.outputs, strict=True):
+        graph.replace_all_uses_with(value, new)
+    graph.erase(node)
+
+
+def attention(
+    graph: Graph,
+    q: Value,
+    k: Value,
+    v: Value,
+    mask: MaskKind = MaskKind.NONE,
+    layout: Layout = Layout.BSHD,
+    mask_input: Value | None = None,
+) -> Value:
+    """Forward attention ``softmax(mask(Q K^T / sqrt(D))) V``; returns ``out`` shaped like q."""
+    attrs = AttentionAttrs(check_mask(mask, "attention"), check_layout(layout, "attention"))
+    inputs = (q, k, v) + ((mask_input,) if mask_input is not None else ())
+    return graph.add_node(op_kind("attention"), inputs, attrs).outputs[0]
+
+
+def attention_bwd(
+    graph: Graph,
+    q: Value,
+    k: Value,
+    v: Value,
+    dy: Value,
+    wrt: Wrt = Wrt.ALL,
+    mask: MaskKind = MaskKind.NONE,
+    layout: Layout = Layout.BSHD,
+    mask_input: Value | None = None,
+) -> Value | tuple[Value, ...]:
+    """Gradients of attention w.r.t. the ``wrt`` operands, given the output cotangent ``dy``.
+
+    One flag returns one Value; several return a tuple in Q, K, V order.
+    """
+    attrs = AttentionBwdAttrs(
+        check_wrt(wrt, "attention_bwd"), check_mask(mask, "attention_bwd"), check_layout(layout, "attention_bwd")
+    )
+    inputs = (q, k, v, dy) + ((mask_input,) if mask_input is not None else ())
+    outputs = graph.add_node(op_kind("attention_bwd"), inputs, attrs).outputs
+    return outputs[0] if len(outputs) == 1 else outputs
+
+
+ATTENTION = register_op(
+    OpDef(
+        "attention",
+        ("q", "k", "v", "mask_input?"),
+        AttentionAttrs,
+        _attention_shape,
+        _attention_reference,
+        _attention_grad,
+        builder=attention,
+        no_grad=frozenset({"mask_input"}),
+        summary="scaled-dot-product attention",
+    )
+)
+ATTENTION_BWD = register_op(
+    OpDef(
+        "attention_bwd",
+        ("q", "k", "v", "dy", "mask_input?"),
+        AttentionBwdAttrs,
+        _attention_bwd_shape,
+        _attention_bwd_reference,
+        not_differentiable,
+        builder=attention_bwd,
+        no_grad=frozenset({"mask_input"}),
+        narrow=_narrow_attention_bwd,
+        summary="attention gradients w.r.t. the wrt operands, recomputing the softmax",
+    )
+)

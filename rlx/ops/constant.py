@@ -1,0 +1,152 @@
+"""Graph inputs and constants: the two ops without operands."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from rlx.errors import RlxTypeError, RlxValueError
+from rlx.ir.opdef import EvalContext, OpDef, no_gradient, register_op
+from rlx.ir.types import DTYPE_NAMES, TensorType, as_dtype
+from rlx.ops._common import op_kind
+
+if TYPE_CHECKING:
+    from rlx.ir.graph import Graph, Value
+
+
+@dataclass(frozen=True)
+class InputAttrs:
+    """A graph input: its name (unique in the graph); shape and dtype are the node's type."""
+
+    name: str
+
+
+def _input_infer(what: str, inputs: Sequence[TensorType], attrs: InputAttrs) -> tuple[TensorType, ...]:
+    raise RlxValueError(f"{what}: input nodes carry their own type; declare them with Graph.input(name, shape)")
+
+
+def _input_reference(args: Sequence[np.ndarray], attrs: InputAttrs, ctx: EvalContext) -> np.ndarray:
+    return ctx.inputs[attrs.name]
+
+
+INPUT = register_op(
+    OpDef("input", (), InputAttrs, _input_infer, _input_reference, no_gradient, summary="a named graph input")
+)
+
+
+@dataclass(frozen=True, eq=False)
+class ConstantData:
+    """An immutable array baked into the graph. Equal data compares and hashes equal.
+
+    Printed as a plain float for a float32 scalar (``2.0``), else as ``"f32[2,3]:<base64>"``,
+    which :meth:`parse` reads back bit for bit.
+    """
+
+    array: np.ndarray
+
+    def __post_init__(self) -> None:
+        array = np.array(self.array, copy=True, order="C")
+        array.flags.writeable = False
+        object.__setattr__(self, "array", array)
+
+    @property
+    def type(self) -> TensorType:
+        return TensorType(self.array.shape, self.array.dtype)
+
+    def _key(self) -> tuple[object, ...]:
+        return (self.array.shape, self.array.dtype.str, self.array.tobytes())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ConstantData) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __str__(self) -> str:
+        if self.array.shape == () and self.array.dtype == np.float32:
+            return repr(float(self.array))
+        data = base64.b64encode(self.array.tobytes()).decode("ascii")
+        return f'"{self.type}:{data}"'
+
+    def __repr__(self) -> str:
+        return f"ConstantData({self})"
+
+    @staticmethod
+    def parse(text: str) -> ConstantData:
+        """Read what ``str()`` printed: a float, or a quoted ``"<type>:<base64>"``."""
+        if not (text.startswith('"') and text.endswith('"')):
+            return ConstantData(np.array(float(text), dtype=np.float32))
+        head, sep, data = text[1:-1].partition(":")
+        dtype_name, _, dims = head.partition("[")
+        if not sep or dtype_name not in DTYPE_NAMES or not dims.endswith("]"):
+            raise ValueError(f'expected a constant like "f32[2,3]:<base64>", got {text[:40]}')
+        shape = tuple(int(d) for d in dims[:-1].split(",") if d)
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except binascii.Error as exc:
+            raise ValueError(f"bad base64 in constant: {exc}") from None
+        dtype = DTYPE_NAMES[dtype_name]
+        if len(raw) != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+            raise ValueError(f"constant data holds {len(raw)} bytes, not the {head} its type says")
+        return ConstantData(np.frombuffer(raw, dtype=dtype).reshape(shape))
+
+
+@dataclass(frozen=True)
+class ConstantAttrs:
+    value: ConstantData
+
+
+def _constant_infer(what: str, inputs: Sequence[TensorType], attrs: ConstantAttrs) -> tuple[TensorType, ...]:
+    if not isinstance(attrs.value, ConstantData):
+        raise RlxTypeError(f"{what}: value must be ConstantData, got {type(attrs.value).__name__}")
+    return (attrs.value.type,)
+
+
+def _constant_reference(args: Sequence[np.ndarray], attrs: ConstantAttrs, ctx: EvalContext) -> np.ndarray:
+    return attrs.value.array
+
+
+def constant(graph: Graph, value: object, dtype: object = None) -> Value:
+    """A constant baked into the graph: a Python number (float32 scalar) or an array.
+
+    Arrays keep their dtype unless ``dtype`` is given; float64 arrays become float32 (rlx
+    computes in float32), as ``torch.tensor`` does with its default dtype.
+    """
+    if isinstance(value, (bool, np.bool_)) and dtype is None:
+        array = np.array(value, dtype=np.bool_)
+    elif isinstance(value, (int, float, np.integer, np.floating)) and dtype is None:
+        array = np.array(value, dtype=np.float32)
+    else:
+        try:
+            array = np.asarray(value)
+        except Exception as exc:
+            raise RlxTypeError(f"constant: cannot make an array of {type(value).__name__}: {exc}") from None
+        if array.dtype == object:
+            raise RlxTypeError(f"constant: expected numbers or an array, got {type(value).__name__}")
+        if dtype is not None:
+            array = array.astype(as_dtype(dtype))
+        elif array.dtype == np.float64:
+            array = array.astype(np.float32)
+        as_dtype(array.dtype)  # refuse complex, strings, ...
+    if 0 in array.shape:
+        raise RlxValueError(f"constant: every dimension must be >= 1, got shape {array.shape}")
+    return graph.add_node(op_kind("constant"), (), ConstantAttrs(ConstantData(array))).outputs[0]
+
+
+CONSTANT = register_op(
+    OpDef(
+        "constant",
+        (),
+        ConstantAttrs,
+        _constant_infer,
+        _constant_reference,
+        no_gradient,
+        builder=constant,
+        summary="an array baked into the graph",
+    )
+)

@@ -1,0 +1,379 @@
+"""Elementwise ops: broadcasting binary arithmetic, unary math, comparisons, logic and ``where``.
+
+Each op is one row of a table below: its NumPy reference (computed in float64) and its gradient,
+written with other graph ops so that second derivatives and fusion come for free.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from rlx.errors import RlxTypeError, RlxValueError
+from rlx.ir.opdef import EvalContext, GradFn, OpDef, no_gradient, register_op
+from rlx.ir.types import TensorType
+from rlx.ops._common import (
+    BOOL,
+    F32,
+    as_value,
+    broadcast_shapes,
+    op_kind,
+    require_bool,
+    require_float,
+    sum_to_shape,
+)
+
+if TYPE_CHECKING:
+    from rlx.ir.graph import Graph, Node, Value
+
+
+@dataclass(frozen=True)
+class NoAttrs:
+    """Attributes of an op that has none (printed as nothing)."""
+
+
+@dataclass(frozen=True)
+class GeluAttrs:
+    approximate: str = "none"  # "none" (erf) or "tanh", as torch.nn.functional.gelu
+
+    def __post_init__(self) -> None:
+        if self.approximate not in ("none", "tanh"):
+            raise RlxValueError(f"gelu: approximate must be 'none' or 'tanh', got {self.approximate!r}")
+
+
+# ----------------------------------------------------------------------------- shape rules
+
+
+def _float_unary(what: str, inputs: Sequence[TensorType], attrs: object) -> tuple[TensorType, ...]:
+    require_float(what, "x", inputs[0])
+    return (inputs[0],)
+
+
+def _float_binary(what: str, inputs: Sequence[TensorType], attrs: object) -> tuple[TensorType, ...]:
+    require_float(what, "a", inputs[0])
+    require_float(what, "b", inputs[1])
+    return (TensorType(broadcast_shapes(what, inputs[0].shape, inputs[1].shape), F32),)
+
+
+def _compare(what: str, inputs: Sequence[TensorType], attrs: object) -> tuple[TensorType, ...]:
+    a, b = inputs
+    if a.dtype != b.dtype:
+        raise RlxTypeError(
+            f"{what}: a and b must have the same dtype, got {a.dtype_name} ({a}) and {b.dtype_name} ({b})"
+        )
+    return (TensorType(broadcast_shapes(what, a.shape, b.shape), BOOL),)
+
+
+def _logical_binary(what: str, inputs: Sequence[TensorType], attrs: object) -> tuple[TensorType, ...]:
+    require_bool(what, "a", inputs[0])
+    require_bool(what, "b", inputs[1])
+    return (TensorType(broadcast_shapes(what, inputs[0].shape, inputs[1].shape), BOOL),)
+
+
+def _logical_unary(what: str, inputs: Sequence[TensorType], attrs: object) -> tuple[TensorType, ...]:
+    require_bool(what, "x", inputs[0])
+    return (inputs[0],)
+
+
+def _where(what: str, inputs: Sequence[TensorType], attrs: object) -> tuple[TensorType, ...]:
+    cond, a, b = inputs
+    require_bool(what, "cond", cond)
+    if a.dtype != b.dtype:
+        raise RlxTypeError(
+            f"{what}: a and b must have the same dtype, got {a.dtype_name} ({a}) and {b.dtype_name} ({b})"
+        )
+    return (TensorType(broadcast_shapes(what, cond.shape, a.shape, b.shape), a.dtype),)
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    return np.vectorize(math.erf, otypes=[np.float64])(x) if np.size(x) else np.asarray(x, dtype=np.float64)
+
+
+def _gelu(x: np.ndarray, attrs: GeluAttrs) -> np.ndarray:
+    if attrs.approximate == "tanh":
+        return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+    return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    # Two branches so that neither overflows: exp of a non-positive number only.
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+UNARY_REFERENCE: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "neg": np.negative,
+    "exp": np.exp,
+    "log": np.log,
+    "sqrt": np.sqrt,
+    "rsqrt": lambda x: 1.0 / np.sqrt(x),
+    "abs": np.abs,
+    "sign": np.sign,
+    "tanh": np.tanh,
+    "sigmoid": _sigmoid,
+    "relu": lambda x: np.maximum(x, 0.0),
+    "silu": lambda x: x * _sigmoid(x),
+    "erf": _erf,
+}
+
+BINARY_REFERENCE: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+    "add": np.add,
+    "sub": np.subtract,
+    "mul": np.multiply,
+    "div": np.divide,
+    "pow": np.power,
+    "maximum": np.maximum,
+    "minimum": np.minimum,
+}
+
+COMPARE_REFERENCE: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+    "less": np.less,
+    "less_equal": np.less_equal,
+    "greater": np.greater,
+    "greater_equal": np.greater_equal,
+    "equal": np.equal,
+    "not_equal": np.not_equal,
+}
+
+LOGICAL_REFERENCE: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+    "logical_and": np.logical_and,
+    "logical_or": np.logical_or,
+}
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+def _unary_grad(rule: Callable[[Graph, Value, Value, Value], Value]) -> GradFn:
+    """Adapt ``rule(graph, x, y, dy) -> dx`` to the generic signature."""
+
+    def grad(
+        graph: Graph, node: Node, cotangents: Sequence[Value | None], needed: Sequence[bool]
+    ) -> list[Value | None]:
+        (dy,) = cotangents
+        assert dy is not None
+        return [rule(graph, node.inputs[0], node.outputs[0], dy)]
+
+    return grad
+
+
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+def _gelu_dx(graph: Graph, x: Value, y: Value, dy: Value, approximate: str) -> Value:
+    if approximate == "tanh":  # torch's GeluBackward formula for approximate="tanh"
+        kappa = 0.044715
+        inner = SQRT_2_OVER_PI * (x + kappa * x * x * x)
+        t = graph.tanh(inner)
+        d_inner = SQRT_2_OVER_PI * (1.0 + 3.0 * kappa * x * x)
+        return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner)
+    cdf = 0.5 * (1.0 + graph.erf(x * (1.0 / math.sqrt(2.0))))
+    pdf = INV_SQRT_2PI * graph.exp(-0.5 * x * x)
+    return dy * (cdf + x * pdf)
+
+
+def _gelu_grad(
+    graph: Graph, node: Node, cotangents: Sequence[Value | None], needed: Sequence[bool]
+) -> list[Value | None]:
+    (dy,) = cotangents
+    assert dy is not None
+    return [_gelu_dx(graph, node.inputs[0], node.outputs[0], dy, node.attrs.approximate)]
+
+
+def _silu_dx(graph: Graph, x: Value, y: Value, dy: Value) -> Value:
+    s = graph.sigmoid(x)
+    return dy * (s * (1.0 + x * (1.0 - s)))
+
+
+UNARY_GRAD: dict[str, GradFn] = {
+    "neg": _unary_grad(lambda g, x, y, dy: -dy),
+    "exp": _unary_grad(lambda g, x, y, dy: dy * y),
+    "log": _unary_grad(lambda g, x, y, dy: dy / x),
+    "sqrt": _unary_grad(lambda g, x, y, dy: dy * 0.5 / y),
+    "rsqrt": _unary_grad(lambda g, x, y, dy: dy * -0.5 * y * y * y),
+    "abs": _unary_grad(lambda g, x, y, dy: dy * g.sign(x)),
+    "sign": no_gradient,
+    "tanh": _unary_grad(lambda g, x, y, dy: dy * (1.0 - y * y)),
+    "sigmoid": _unary_grad(lambda g, x, y, dy: dy * y * (1.0 - y)),
+    "relu": _unary_grad(lambda g, x, y, dy: g.where(g.greater(x, 0.0), dy, 0.0)),
+    "silu": _unary_grad(_silu_dx),
+    "erf": _unary_grad(lambda g, x, y, dy: dy * (2.0 / math.sqrt(math.pi)) * g.exp(-(x * x))),
+}
+
+
+def _binary_grad(rule: Callable[[Graph, Value, Value, Value, Value], tuple[Value | None, Value | None]]) -> GradFn:
+    """Adapt ``rule(graph, a, b, out, dy) -> (da, db)`` and undo broadcasting of each operand."""
+
+    def grad(
+        graph: Graph, node: Node, cotangents: Sequence[Value | None], needed: Sequence[bool]
+    ) -> list[Value | None]:
+        (dy,) = cotangents
+        assert dy is not None
+        a, b = node.inputs
+        da, db = rule(graph, a, b, node.outputs[0], dy)
+        return [
+            sum_to_shape(graph, da, a.shape) if needed[0] and da is not None else None,
+            sum_to_shape(graph, db, b.shape) if needed[1] and db is not None else None,
+        ]
+
+    return grad
+
+
+def _pow_grads(g: Graph, a: Value, b: Value, out: Value, dy: Value) -> tuple[Value, Value]:
+    da = dy * b * g.pow(a, b - 1.0)
+    # d/db a^b = a^b log(a); taken as 0 where a == 0 and b >= 0 (the limit), as torch does.
+    safe = g.logical_and(g.equal(a, 0.0), g.greater_equal(b, 0.0))
+    db = g.where(safe, 0.0, dy * out * g.log(g.where(safe, 1.0, a)))
+    return da, db
+
+
+def _extremum_grads(g: Graph, a: Value, b: Value, out: Value, dy: Value, a_wins: Value) -> tuple[Value, Value]:
+    """Ties split the gradient evenly between a and b (torch's rule for maximum and minimum)."""
+    tie = g.equal(a, b)
+    share = g.where(tie, dy * 0.5, dy)
+    return g.where(g.logical_or(a_wins, tie), share, 0.0), g.where(g.logical_not(a_wins), share, 0.0)
+
+
+BINARY_GRAD: dict[str, GradFn] = {
+    "add": _binary_grad(lambda g, a, b, out, dy: (dy, dy)),
+    "sub": _binary_grad(lambda g, a, b, out, dy: (dy, -dy)),
+    "mul": _binary_grad(lambda g, a, b, out, dy: (dy * b, dy * a)),
+    "div": _binary_grad(lambda g, a, b, out, dy: (dy / b, -(dy * out) / b)),
+    "pow": _binary_grad(_pow_grads),
+    "maximum": _binary_grad(lambda g, a, b, out, dy: _extremum_grads(g, a, b, out, dy, g.greater(a, b))),
+    "minimum": _binary_grad(lambda g, a, b, out, dy: _extremum_grads(g, a, b, out, dy, g.less(a, b))),
+}
+
+
+def _where_grad(
+    graph: Graph, node: Node, cotangents: Sequence[Value | None], needed: Sequence[bool]
+) -> list[Value | None]:
+    (dy,) = cotangents
+    assert dy is not None
+    cond, a, b = node.inputs
+    if a.dtype != F32:
+        return [None, None, None]
+    da = sum_to_shape(graph, graph.where(cond, dy, 0.0), a.shape) if needed[1] else None
+    db = sum_to_shape(graph, graph.where(cond, 0.0, dy), b.shape) if needed[2] else None
+    return [None, da, db]
+
+
+# ----------------------------------------------------------------------------- builders
+
+
+def _elementwise(graph: Graph, name: str, operands: Sequence[object], attrs: object = None) -> Value:
+    what = f"{name}"
+    values = [as_value(graph, x, f"{what} operand {i}") for i, x in enumerate(operands)]
+    return graph.add_node(op_kind(name), values, attrs if attrs is not None else NoAttrs()).outputs[0]
+
+
+def _make_builder(name: str, arity: int) -> Callable[..., Value]:
+    if arity == 1:
+
+        def unary(graph: Graph, x: object) -> Value:
+            return _elementwise(graph, name, [x])
+
+        builder: Callable[..., Value] = unary
+    elif arity == 2:
+
+        def binary(graph: Graph, a: object, b: object) -> Value:
+            return _elementwise(graph, name, [a, b])
+
+        builder = binary
+    else:
+
+        def ternary(graph: Graph, cond: Value, a: object, b: object) -> Value:
+            return _elementwise(graph, name, [cond, a, b])
+
+        builder = ternary
+    builder.__name__ = builder.__qualname__ = name
+    builder.__doc__ = f"Elementwise ``{name}`` with NumPy broadcasting; Python numbers become constants."
+    return builder
+
+
+def gelu(graph: Graph, x: object, approximate: str = "none") -> Value:
+    """GELU as ``torch.nn.functional.gelu``: exact (erf) or ``approximate="tanh"``."""
+    if not isinstance(approximate, str):
+        raise RlxTypeError(f"gelu: approximate must be a str, got {type(approximate).__name__}")
+    return _elementwise(graph, "gelu", [x], GeluAttrs(approximate))
+
+
+def _unary_ref(
+    fn: Callable[[np.ndarray], np.ndarray],
+) -> Callable[[Sequence[np.ndarray], object, EvalContext], np.ndarray]:
+    return lambda args, attrs, ctx: fn(args[0])
+
+
+def _binary_ref(
+    fn: Callable[[np.ndarray, np.ndarray], np.ndarray],
+) -> Callable[[Sequence[np.ndarray], object, EvalContext], np.ndarray]:
+    return lambda args, attrs, ctx: fn(args[0], args[1])
+
+
+for _name, _fn in UNARY_REFERENCE.items():
+    register_op(
+        OpDef(_name, ("x",), NoAttrs, _float_unary, _unary_ref(_fn), UNARY_GRAD[_name], builder=_make_builder(_name, 1))
+    )
+register_op(
+    OpDef(
+        "gelu",
+        ("x",),
+        GeluAttrs,
+        _float_unary,
+        lambda args, attrs, ctx: _gelu(args[0], attrs),
+        _gelu_grad,
+        builder=gelu,
+    )
+)
+for _name, _fn2 in BINARY_REFERENCE.items():
+    register_op(
+        OpDef(
+            _name,
+            ("a", "b"),
+            NoAttrs,
+            _float_binary,
+            _binary_ref(_fn2),
+            BINARY_GRAD[_name],
+            builder=_make_builder(_name, 2),
+        )
+    )
+for _name, _fn2 in COMPARE_REFERENCE.items():
+    register_op(
+        OpDef(_name, ("a", "b"), NoAttrs, _compare, _binary_ref(_fn2), no_gradient, builder=_make_builder(_name, 2))
+    )
+for _name, _fn2 in LOGICAL_REFERENCE.items():
+    register_op(
+        OpDef(
+            _name, ("a", "b"), NoAttrs, _logical_binary, _binary_ref(_fn2), no_gradient, builder=_make_builder(_name, 2)
+        )
+    )
+register_op(
+    OpDef(
+        "logical_not",
+        ("x",),
+        NoAttrs,
+        _logical_unary,
+        _unary_ref(np.logical_not),
+        no_gradient,
+        builder=_make_builder("logical_not", 1),
+    )
+)
+register_op(
+    OpDef(
+        "where",
+        ("cond", "a", "b"),
+        NoAttrs,
+        _where,
+        lambda args, attrs, ctx: np.where(args[0], args[1], args[2]),
+        _where_grad,
+        builder=_make_builder("where", 3),
+    )
+)

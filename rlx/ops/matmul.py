@@ -1,0 +1,79 @@
+"""``matmul``: ``numpy.matmul`` for operands of rank >= 2, leading (batch) dims broadcast."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from rlx.errors import RlxValueError
+from rlx.ir.opdef import EvalContext, OpDef, register_op
+from rlx.ir.types import TensorType
+from rlx.ops._common import F32, as_value, broadcast_shapes, op_kind, require_float, sum_to_shape
+from rlx.ops.elementwise import NoAttrs
+
+if TYPE_CHECKING:
+    from rlx.ir.graph import Graph, Node, Value
+
+
+def _infer(what: str, inputs: Sequence[TensorType], attrs: NoAttrs) -> tuple[TensorType, ...]:
+    a, b = inputs
+    require_float(what, "a", a)
+    require_float(what, "b", b)
+    if a.rank < 2 or b.rank < 2:
+        raise RlxValueError(f"{what}: both operands need rank >= 2 (a matrix or a batch of them), got {a} and {b}")
+    if a.shape[-1] != b.shape[-2]:
+        raise RlxValueError(
+            f"{what}: inner dimensions differ: a {a} has {a.shape[-1]} columns, b {b} has {b.shape[-2]} rows"
+        )
+    batch = broadcast_shapes(f"{what} (batch dims)", a.shape[:-2], b.shape[:-2])
+    return (TensorType((*batch, a.shape[-2], b.shape[-1]), F32),)
+
+
+def _reference(args: Sequence[np.ndarray], attrs: NoAttrs, ctx: EvalContext) -> np.ndarray:
+    return np.matmul(args[0], args[1])
+
+
+def swap_last(graph: Graph, x: Value) -> Value:
+    """``x`` with its last two axes swapped (a view)."""
+    perm = (*range(len(x.shape) - 2), len(x.shape) - 1, len(x.shape) - 2)
+    return graph.transpose(x, perm)
+
+
+def _flatten_rows(graph: Graph, x: Value) -> Value:
+    """``[..., m, n] -> [prod(...) * m, n]`` (a view of a dense tensor)."""
+    return graph.reshape(x, (-1, x.shape[-1]))
+
+
+def _grad(graph: Graph, node: Node, cts: Sequence[Value | None], needed: Sequence[bool]) -> list[Value | None]:
+    """``dA = dY B^T`` and ``dB = A^T dY``, summed over broadcast batch dims.
+
+    A weight shared by a batch (``x [B, S, E] @ w [E, F]``) gets ``dW = X^T dY`` with the batch
+    folded into the rows: one large GEMM instead of a batch of small ones and a reduction.
+    """
+    dy = cts[0]
+    assert dy is not None
+    a, b = node.inputs
+    da = db = None
+    if needed[0]:
+        if len(a.shape) == 2 and len(dy.shape) > 2:  # a shared by the batch of b
+            rows_dy = _flatten_rows(graph, swap_last(graph, dy))  # [batch * N, M]
+            da = graph.matmul(swap_last(graph, rows_dy), _flatten_rows(graph, swap_last(graph, b)))
+        else:
+            da = sum_to_shape(graph, graph.matmul(dy, swap_last(graph, b)), a.shape)
+    if needed[1]:
+        if len(b.shape) == 2 and len(dy.shape) > 2:
+            db = graph.matmul(swap_last(graph, _flatten_rows(graph, a)), _flatten_rows(graph, dy))
+        else:
+            db = sum_to_shape(graph, graph.matmul(swap_last(graph, a), dy), b.shape)
+    return [da, db]
+
+
+def matmul(graph: Graph, a: object, b: object) -> Value:
+    """Batched matrix product as ``numpy.matmul`` (rank >= 2; leading dims broadcast)."""
+    operands = [as_value(graph, a, "matmul: a"), as_value(graph, b, "matmul: b")]
+    return graph.add_node(op_kind("matmul"), operands, NoAttrs()).outputs[0]
+
+
+register_op(OpDef("matmul", ("a", "b"), NoAttrs, _infer, _reference, _grad, builder=matmul))

@@ -1,0 +1,282 @@
+"""Ops that only move elements: ``reshape``, ``transpose``, ``split``, ``concat``, ``broadcast_to``.
+
+They work on any dtype. In compiled code they are strided views wherever the strides allow.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from rlx.errors import RlxTypeError, RlxValueError
+from rlx.ir.opdef import EvalContext, OpDef, register_op
+from rlx.ir.types import TensorType
+from rlx.ops._common import as_value, int_tuple, normalize_axis, op_kind, sum_to_shape, zeros
+
+if TYPE_CHECKING:
+    from rlx.ir.graph import Graph, Node, Value
+
+
+@dataclass(frozen=True)
+class ShapeAttrs:
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PermAttrs:
+    perm: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SplitAttrs:
+    axis: int  # non-negative
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ConcatAttrs:
+    axis: int  # non-negative
+
+
+# ----------------------------------------------------------------------------- reshape
+
+
+def _reshape_infer(what: str, inputs: Sequence[TensorType], attrs: ShapeAttrs) -> tuple[TensorType, ...]:
+    (x,) = inputs
+    shape = int_tuple(what, "shape", attrs.shape)
+    if any(d < 1 for d in shape):
+        raise RlxValueError(f"{what}: every dimension must be >= 1, got shape {shape}")
+    if math.prod(shape) != math.prod(x.shape):
+        raise RlxValueError(
+            f"{what}: cannot reshape {x} ({math.prod(x.shape)} elements) to {list(shape)} ({math.prod(shape)} elements)"
+        )
+    return (TensorType(shape, x.dtype),)
+
+
+def reshape(graph: Graph, x: object, shape: Sequence[int]) -> Value:
+    """As ``numpy.reshape`` (row-major); one entry may be -1."""
+    value = as_value(graph, x, "reshape: x")
+    dims = list(int_tuple("reshape", "shape", shape))
+    total = math.prod(value.shape)
+    if dims.count(-1) > 1:
+        raise RlxValueError(f"reshape: at most one -1 is allowed, got {tuple(dims)}")
+    if -1 in dims:
+        known = math.prod(d for d in dims if d != -1)
+        if known <= 0 or total % known:
+            raise RlxValueError(f"reshape: cannot reshape {value.type} ({total} elements) to {tuple(dims)}")
+        dims[dims.index(-1)] = total // known
+    return graph.add_node(op_kind("reshape"), [value], ShapeAttrs(tuple(dims))).outputs[0]
+
+
+def _reshape_grad(graph: Graph, node: Node, cts: Sequence[Value | None], needed: Sequence[bool]) -> list[Value | None]:
+    assert cts[0] is not None
+    return [graph.reshape(cts[0], node.inputs[0].shape)]
+
+
+# ----------------------------------------------------------------------------- transpose
+
+
+def _transpose_infer(what: str, inputs: Sequence[TensorType], attrs: PermAttrs) -> tuple[TensorType, ...]:
+    (x,) = inputs
+    perm = int_tuple(what, "axes", attrs.perm)
+    if sorted(perm) != list(range(x.rank)):
+        raise RlxValueError(f"{what}: axes {perm} is not a permutation of the {x.rank} axes of {x}")
+    return (TensorType(tuple(x.shape[a] for a in perm), x.dtype),)
+
+
+def transpose(graph: Graph, x: object, axes: Sequence[int] | None = None) -> Value:
+    """As ``numpy.transpose``: ``axes`` a permutation (negative entries allowed); None reverses."""
+    value = as_value(graph, x, "transpose: x")
+    rank = len(value.shape)
+    perm = tuple(reversed(range(rank))) if axes is None else int_tuple("transpose", "axes", axes)
+    perm = tuple(a % rank if -rank <= a < rank else a for a in perm) if rank else perm
+    return graph.add_node(op_kind("transpose"), [value], PermAttrs(perm)).outputs[0]
+
+
+def _transpose_grad(
+    graph: Graph, node: Node, cts: Sequence[Value | None], needed: Sequence[bool]
+) -> list[Value | None]:
+    assert cts[0] is not None
+    return [graph.transpose(cts[0], tuple(int(a) for a in np.argsort(node.attrs.perm)))]
+
+
+# ----------------------------------------------------------------------------- split / concat
+
+
+def _split_infer(what: str, inputs: Sequence[TensorType], attrs: SplitAttrs) -> tuple[TensorType, ...]:
+    (x,) = inputs
+    if x.rank == 0 or not 0 <= attrs.axis < x.rank:
+        raise RlxValueError(f"{what}: axis {attrs.axis} is out of range for {x}")
+    sizes = int_tuple(what, "sizes", attrs.sizes)
+    if not sizes or any(s < 1 for s in sizes) or sum(sizes) != x.shape[attrs.axis]:
+        raise RlxValueError(
+            f"{what}: sizes {sizes} must be >= 1 and add up to {x.shape[attrs.axis]} (axis {attrs.axis} of {x})"
+        )
+    shape = list(x.shape)
+    types = []
+    for size in sizes:
+        shape[attrs.axis] = size
+        types.append(TensorType(tuple(shape), x.dtype))
+    return tuple(types)
+
+
+def split(graph: Graph, x: object, n: int | Sequence[int], axis: int = -1) -> tuple[Value, ...]:
+    """``n`` equal parts along ``axis`` (or parts of the given sizes); always a tuple."""
+    value = as_value(graph, x, "split: x")
+    if value.shape == ():
+        raise RlxValueError("split: x must have at least one axis, got a scalar")
+    ax = normalize_axis("split", axis, len(value.shape))
+    length = value.shape[ax]
+    if isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_)):
+        if n < 1 or length % n:
+            raise RlxValueError(
+                f"split: axis {axis} of {value.type} has size {length}, which {n} parts cannot share equally"
+            )
+        sizes = (length // int(n),) * int(n)
+    elif isinstance(n, Sequence) and not isinstance(n, (str, bytes)):
+        sizes = int_tuple("split", "sizes", n)
+    else:
+        raise RlxTypeError(f"split: n must be an int or a sequence of sizes, got {type(n).__name__}")
+    return graph.add_node(op_kind("split"), [value], SplitAttrs(ax, sizes)).outputs
+
+
+def _split_reference(args: Sequence[np.ndarray], attrs: SplitAttrs, ctx: EvalContext) -> tuple[np.ndarray, ...]:
+    return tuple(np.split(args[0], np.cumsum(attrs.sizes)[:-1], axis=attrs.axis))
+
+
+def _split_grad(graph: Graph, node: Node, cts: Sequence[Value | None], needed: Sequence[bool]) -> list[Value | None]:
+    parts = [ct if ct is not None else zeros(graph, out.shape) for ct, out in zip(cts, node.outputs, strict=True)]
+    return [parts[0] if len(parts) == 1 else graph.concat(parts, axis=node.attrs.axis)]
+
+
+def _concat_infer(what: str, inputs: Sequence[TensorType], attrs: ConcatAttrs) -> tuple[TensorType, ...]:
+    first = inputs[0]
+    if first.rank == 0 or not 0 <= attrs.axis < first.rank:
+        raise RlxValueError(f"{what}: axis {attrs.axis} is out of range for {first}")
+    for i, ty in enumerate(inputs[1:], start=1):
+        if ty.dtype != first.dtype:
+            raise RlxTypeError(f"{what}: part {i} is {ty}, but part 0 is {first}: the dtypes differ")
+        others = [d for a, d in enumerate(ty.shape) if a != attrs.axis]
+        if ty.rank != first.rank or others != [d for a, d in enumerate(first.shape) if a != attrs.axis]:
+            raise RlxValueError(f"{what}: part {i} {ty} does not match part 0 {first} except along axis {attrs.axis}")
+    shape = list(first.shape)
+    shape[attrs.axis] = sum(ty.shape[attrs.axis] for ty in inputs)
+    return (TensorType(tuple(shape), first.dtype),)
+
+
+def concat(graph: Graph, parts: Sequence[object], axis: int = 0) -> Value:
+    """As ``numpy.concatenate``: parts agree except along ``axis``."""
+    if isinstance(parts, (str, bytes)) or not isinstance(parts, Sequence) or not parts:
+        raise RlxTypeError("concat: parts must be a non-empty list of Values")
+    values = [as_value(graph, p, f"concat: part {i}") for i, p in enumerate(parts)]
+    if values[0].shape == ():
+        raise RlxValueError("concat: parts must have at least one axis, got a scalar")
+    ax = normalize_axis("concat", axis, len(values[0].shape))
+    return graph.add_node(op_kind("concat"), values, ConcatAttrs(ax)).outputs[0]
+
+
+def _concat_grad(graph: Graph, node: Node, cts: Sequence[Value | None], needed: Sequence[bool]) -> list[Value | None]:
+    assert cts[0] is not None
+    sizes = [v.shape[node.attrs.axis] for v in node.inputs]
+    if len(sizes) == 1:
+        return [cts[0]]
+    return list(graph.split(cts[0], sizes, axis=node.attrs.axis))
+
+
+# ----------------------------------------------------------------------------- broadcast_to
+
+
+def _broadcast_infer(what: str, inputs: Sequence[TensorType], attrs: ShapeAttrs) -> tuple[TensorType, ...]:
+    (x,) = inputs
+    shape = int_tuple(what, "shape", attrs.shape)
+    lead = len(shape) - x.rank
+    if lead < 0 or any(d < 1 for d in shape) or any(size not in (1, shape[lead + i]) for i, size in enumerate(x.shape)):
+        raise RlxValueError(f"{what}: cannot broadcast {x} to {list(shape)}")
+    return (TensorType(shape, x.dtype),)
+
+
+def broadcast_to(graph: Graph, x: object, shape: Sequence[int]) -> Value:
+    """As ``numpy.broadcast_to``."""
+    value = as_value(graph, x, "broadcast_to: x")
+    return graph.add_node(
+        op_kind("broadcast_to"), [value], ShapeAttrs(int_tuple("broadcast_to", "shape", shape))
+    ).outputs[0]
+
+
+def _broadcast_grad(
+    graph: Graph, node: Node, cts: Sequence[Value | None], needed: Sequence[bool]
+) -> list[Value | None]:
+    assert cts[0] is not None
+    if node.inputs[0].dtype != np.float32:
+        return [None]
+    return [sum_to_shape(graph, cts[0], node.inputs[0].shape)]
+
+
+def _float_only(grad):  # type: ignore[no-untyped-def]
+    """Int and bool tensors move through these ops too; only float ones carry gradients."""
+
+    def rule(graph: Graph, node: Node, cts: Sequence[Value | None], needed: Sequence[bool]) -> Sequence[Value | None]:
+        if node.inputs[0].dtype != np.float32:
+            return [None] * len(node.inputs)
+        return grad(graph, node, cts, needed)
+
+    return rule
+
+
+register_op(
+    OpDef(
+        "reshape",
+        ("x",),
+        ShapeAttrs,
+        _reshape_infer,
+        lambda args, attrs, ctx: np.reshape(args[0], attrs.shape),
+        _float_only(_reshape_grad),
+        builder=reshape,
+        view=True,
+    )
+)
+register_op(
+    OpDef(
+        "transpose",
+        ("x",),
+        PermAttrs,
+        _transpose_infer,
+        lambda args, attrs, ctx: np.transpose(args[0], attrs.perm),
+        _float_only(_transpose_grad),
+        builder=transpose,
+        view=True,
+    )
+)
+register_op(
+    OpDef(
+        "split", ("x",), SplitAttrs, _split_infer, _split_reference, _float_only(_split_grad), builder=split, view=True
+    )
+)
+register_op(
+    OpDef(
+        "concat",
+        ("parts*",),
+        ConcatAttrs,
+        _concat_infer,
+        lambda args, attrs, ctx: np.concatenate(args, axis=attrs.axis),
+        _float_only(_concat_grad),
+        builder=concat,
+        view=True,
+    )
+)
+register_op(
+    OpDef(
+        "broadcast_to",
+        ("x",),
+        ShapeAttrs,
+        _broadcast_infer,
+        lambda args, attrs, ctx: np.broadcast_to(args[0], attrs.shape),
+        _broadcast_grad,
+        builder=broadcast_to,
+        view=True,
+    )
+)

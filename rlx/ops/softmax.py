@@ -1,0 +1,206 @@
+"""``softmax`` and ``log_softmax`` over one axis, and the ``rms_norm`` / ``layer_norm`` of the last axis.
+
+They are ops of their own, not compositions, so the printed IR reads like the model and the
+reference is the numerically safe textbook form; their gradients are compositions of primitives,
+which the fusion pass turns back into one loop nest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from rlx.errors import RlxTypeError, RlxValueError
+from rlx.ir.opdef import EvalContext, OpDef, register_op
+from rlx.ir.types import TensorType
+from rlx.ops._common import as_value, normalize_axis, op_kind, require_float, sum_to_shape
+
+if TYPE_CHECKING:
+    from rlx.ir.graph import Graph, Node, Value
+
+
+@dataclass(frozen=True)
+class AxisAttrs:
+    axis: int  # non-negative
+
+
+def _softmax_infer(what: str, inputs: Sequence[TensorType], attrs: AxisAttrs) -> tuple[TensorType, ...]:
+    (x,) = inputs
+    require_float(what, "x", x)
+    if x.rank == 0 or not 0 <= attrs.axis < x.rank:
+        raise RlxValueError(f"{what}: axis {attrs.axis} is out of range for {x}")
+    return (x,)
+
+
+def _softmax_reference(args: Sequence[np.ndarray], attrs: AxisAttrs, ctx: EvalContext) -> np.ndarray:
+    x = args[0]
+    e = np.exp(x - np.max(x, axis=attrs.axis, keepdims=True))
+    return e / np.sum(e, axis=attrs.axis, keepdims=True)
+
+
+def _log_softmax_reference(args: Sequence[np.ndarray], attrs: AxisAttrs, ctx: EvalContext) -> np.ndarray:
+    x = args[0]
+    shifted = x - np.max(x, axis=attrs.axis, keepdims=True)
+    return shifted - np.log(np.sum(np.exp(shifted), axis=attrs.axis, keepdims=True))
+
+
+def _softmax_grad(graph: Graph, node: Node, cts: Sequence[Value | None], needed: Sequence[bool]) -> list[Value | None]:
+    dy, y, axis = cts[0], node.outputs[0], node.attrs.axis
+    assert dy is not None
+    return [y * (dy - graph.sum(dy * y, axis=axis, keepdims=True))]
+
+
+def _log_softmax_grad(
+    graph: Graph, node: Node, cts: Sequence[Value | None], needed: Sequence[bool]
+) -> list[Value | None]:
+    dy, y, axis = cts[0], node.outputs[0], node.attrs.axis
+    assert dy is not None
+    return [dy - graph.exp(y) * graph.sum(dy, axis=axis, keepdims=True)]
+
+
+def _axis_builder(name: str):  # type: ignore[no-untyped-def]
+    def build(graph: Graph, x: object, axis: int = -1) -> Value:
+        value = as_value(graph, x, f"{name}: x")
+        if value.shape == ():
+            raise RlxValueError(f"{name}: x must have at least one axis, got a scalar")
+        return graph.add_node(op_kind(name), [value], AxisAttrs(normalize_axis(name, axis, len(value.shape)))).outputs[
+            0
+        ]
+
+    build.__name__ = build.__qualname__ = name
+    build.__doc__ = f"``{name}`` over ``axis`` (default the last), max-subtracted as torch's."
+    return build
+
+
+register_op(
+    OpDef(
+        "softmax",
+        ("x",),
+        AxisAttrs,
+        _softmax_infer,
+        _softmax_reference,
+        _softmax_grad,
+        builder=_axis_builder("softmax"),
+    )
+)
+register_op(
+    OpDef(
+        "log_softmax",
+        ("x",),
+        AxisAttrs,
+        _softmax_infer,
+        _log_softmax_reference,
+        _log_softmax_grad,
+        builder=_axis_builder("log_softmax"),
+    )
+)
+
+
+# ----------------------------------------------------------------------------- norms
+
+
+@dataclass(frozen=True)
+class NormAttrs:
+    eps: float
+
+
+def _norm_infer(what: str, inputs: Sequence[TensorType], attrs: NormAttrs) -> tuple[TensorType, ...]:
+    x = inputs[0]
+    require_float(what, "x", x)
+    if x.rank == 0:
+        raise RlxValueError(f"{what}: x must have at least one axis, got a scalar")
+    for label, ty in zip(("weight", "bias"), inputs[1:], strict=False):
+        require_float(what, label, ty)
+        if ty.shape != (x.shape[-1],):
+            raise RlxValueError(f"{what}: {label} must be f32[{x.shape[-1]}] (the last axis of x {x}), got {ty}")
+    if not isinstance(attrs.eps, float) or not attrs.eps >= 0:
+        raise RlxValueError(f"{what}: eps must be a float >= 0, got {attrs.eps!r}")
+    return (x,)
+
+
+def _rms_norm_reference(args: Sequence[np.ndarray], attrs: NormAttrs, ctx: EvalContext) -> np.ndarray:
+    x, weight = args
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + attrs.eps) * weight
+
+
+def _layer_norm_reference(args: Sequence[np.ndarray], attrs: NormAttrs, ctx: EvalContext) -> np.ndarray:
+    x, weight = args[0], args[1]
+    centred = x - np.mean(x, axis=-1, keepdims=True)
+    out = centred / np.sqrt(np.mean(centred * centred, axis=-1, keepdims=True) + attrs.eps) * weight
+    return out + args[2] if len(args) > 2 else out
+
+
+def _rms_norm_grad(graph: Graph, node: Node, cts: Sequence[Value | None], needed: Sequence[bool]) -> list[Value | None]:
+    dy = cts[0]
+    assert dy is not None
+    x, weight = node.inputs
+    r = graph.rsqrt(graph.mean(x * x, axis=-1, keepdims=True) + node.attrs.eps)
+    xhat = x * r
+    dxhat = dy * weight
+    dx = r * (dxhat - xhat * graph.mean(dxhat * xhat, axis=-1, keepdims=True)) if needed[0] else None
+    dw = sum_to_shape(graph, dy * xhat, weight.shape) if needed[1] else None
+    return [dx, dw]
+
+
+def _layer_norm_grad(
+    graph: Graph, node: Node, cts: Sequence[Value | None], needed: Sequence[bool]
+) -> list[Value | None]:
+    dy = cts[0]
+    assert dy is not None
+    x, weight = node.inputs[0], node.inputs[1]
+    centred = x - graph.mean(x, axis=-1, keepdims=True)
+    r = graph.rsqrt(graph.mean(centred * centred, axis=-1, keepdims=True) + node.attrs.eps)
+    xhat = centred * r
+    dxhat = dy * weight
+    dx = None
+    if needed[0]:
+        mean_dxhat = graph.mean(dxhat, axis=-1, keepdims=True)
+        dx = r * (dxhat - mean_dxhat - xhat * graph.mean(dxhat * xhat, axis=-1, keepdims=True))
+    grads: list[Value | None] = [dx, sum_to_shape(graph, dy * xhat, weight.shape) if needed[1] else None]
+    if len(node.inputs) > 2:
+        grads.append(sum_to_shape(graph, dy, node.inputs[2].shape) if needed[2] else None)
+    return grads
+
+
+def _check_eps(name: str, eps: object) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.integer, np.floating)):
+        raise RlxTypeError(f"{name}: eps must be a float, got {type(eps).__name__}")
+    return float(eps)
+
+
+def _ones_like_last(graph: Graph, x: Value) -> Value:
+    return graph.constant(np.ones(x.shape[-1], np.float32))
+
+
+def rms_norm(graph: Graph, x: object, weight: object = None, eps: float = 1e-6) -> Value:
+    """``x * rsqrt(mean(x*x, -1) + eps) * weight`` over the last axis (weight None: ones)."""
+    xv = as_value(graph, x, "rms_norm: x")
+    wv = _ones_like_last(graph, xv) if weight is None and xv.shape else as_value(graph, weight, "rms_norm: weight")
+    return graph.add_node(op_kind("rms_norm"), [xv, wv], NormAttrs(_check_eps("rms_norm", eps))).outputs[0]
+
+
+def layer_norm(graph: Graph, x: object, weight: object = None, bias: object = None, eps: float = 1e-5) -> Value:
+    """As ``torch.nn.functional.layer_norm`` over the last axis: biased variance, optional bias."""
+    xv = as_value(graph, x, "layer_norm: x")
+    wv = _ones_like_last(graph, xv) if weight is None and xv.shape else as_value(graph, weight, "layer_norm: weight")
+    operands = [xv, wv] + ([as_value(graph, bias, "layer_norm: bias")] if bias is not None else [])
+    return graph.add_node(op_kind("layer_norm"), operands, NormAttrs(_check_eps("layer_norm", eps))).outputs[0]
+
+
+register_op(
+    OpDef("rms_norm", ("x", "weight"), NormAttrs, _norm_infer, _rms_norm_reference, _rms_norm_grad, builder=rms_norm)
+)
+register_op(
+    OpDef(
+        "layer_norm",
+        ("x", "weight", "bias?"),
+        NormAttrs,
+        _norm_infer,
+        _layer_norm_reference,
+        _layer_norm_grad,
+        builder=layer_norm,
+    )
+)

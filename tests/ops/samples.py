@@ -1,0 +1,150 @@
+"""One small graph per registered op, so that every op is checked the same generic ways.
+
+``tests/ops/test_registry.py`` fails when a registered op has no sample here: a new op cannot
+land without its gradient being checked against finite differences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rlx import Graph, MaskKind, Value, Wrt
+
+Built = Value | tuple[Value, ...]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """``build(g)`` declares its inputs and returns the op's result(s)."""
+
+    op: str
+    build: Callable[[Graph], Built]
+    label: str = ""
+    int_high: dict[str, int] = field(default_factory=dict)  # int inputs: entries drawn from [0, high)
+    positive: frozenset[str] = frozenset()  # float inputs drawn away from 0 and > 0 (log, sqrt, pow)
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}-{self.label}" if self.label else self.op
+
+
+def _unary(op: str, positive: bool = False, **kwargs: object) -> Sample:
+    def build(g: Graph) -> Built:
+        return getattr(g, op)(g.input("x", (3, 4)), **kwargs)
+
+    return Sample(
+        op,
+        build,
+        label="-".join(f"{k}={v}" for k, v in kwargs.items()),
+        positive=frozenset({"x"}) if positive else frozenset(),
+    )
+
+
+def _binary(op: str, positive_a: bool = False) -> Sample:
+    def build(g: Graph) -> Built:
+        return getattr(g, op)(g.input("a", (3, 4)), g.input("b", (4,)))  # b broadcasts over rows
+
+    return Sample(op, build, positive=frozenset({"a"}) if positive_a else frozenset())
+
+
+def _compare(op: str) -> Sample:
+    return Sample(op, lambda g: getattr(g, op)(g.input("a", (3, 4)), g.input("b", (3, 1))))
+
+
+def _attention(g: Graph) -> Built:
+    q, k, v = (g.input(name, (1, 3, 2, 4)) for name in "qkv")
+    return g.attention(q, k, v, mask=MaskKind.CAUSAL)
+
+
+def _attention_bwd(g: Graph) -> Built:
+    q, k, v, dy = (g.input(name, (1, 3, 2, 4)) for name in ("q", "k", "v", "dy"))
+    return g.attention_bwd(q, k, v, dy, wrt=Wrt.ALL)
+
+
+SAMPLES: list[Sample] = [
+    Sample("input", lambda g: g.input("x", (2, 3))),
+    Sample("constant", lambda g: g.input("x", (2, 3)) * g.constant(np.arange(6, dtype=np.float32).reshape(2, 3))),
+    _unary("neg"),
+    _unary("exp"),
+    _unary("log", positive=True),
+    _unary("sqrt", positive=True),
+    _unary("rsqrt", positive=True),
+    _unary("abs"),
+    _unary("sign"),
+    _unary("tanh"),
+    _unary("sigmoid"),
+    _unary("relu"),
+    _unary("silu"),
+    _unary("erf"),
+    _unary("gelu", approximate="none"),
+    _unary("gelu", approximate="tanh"),
+    _binary("add"),
+    _binary("sub"),
+    _binary("mul"),
+    _binary("div"),
+    _binary("pow", positive_a=True),
+    _binary("maximum"),
+    _binary("minimum"),
+    *(_compare(op) for op in ("less", "less_equal", "greater", "greater_equal", "equal", "not_equal")),
+    Sample("logical_and", lambda g: g.logical_and(g.input("a", (3, 4)) > 0.0, g.input("b", (4,)) > 0.0)),
+    Sample("logical_or", lambda g: g.logical_or(g.input("a", (3, 4)) > 0.0, g.input("b", (4,)) > 0.0)),
+    Sample("logical_not", lambda g: g.logical_not(g.input("a", (3, 4)) > 0.0)),
+    Sample("where", lambda g: g.where(g.input("c", (3, 1)) > 0.0, g.input("a", (3, 4)), g.input("b", (4,)))),
+    Sample(
+        "embedding",
+        lambda g: g.embedding(g.input("table", (5, 3)), g.input("ids", (2, 4), "int64")),
+        int_high={"ids": 5},
+    ),
+    Sample(
+        "embedding_grad",
+        lambda g: g.embedding_grad(g.input("dy", (2, 4, 3)), g.input("ids", (2, 4), "int32"), 5),
+        int_high={"ids": 5},
+    ),
+    Sample(
+        "one_hot",
+        lambda g: g.one_hot(g.input("ids", (2, 3), "int32"), 4) * g.input("x", (2, 3, 4)),
+        int_high={"ids": 4},
+    ),
+    Sample(
+        "cross_entropy",
+        lambda g: g.cross_entropy(g.input("logits", (2, 3, 5)), g.input("t", (2, 3), "int64")),
+        int_high={"t": 5},
+    ),
+    Sample("matmul", lambda g: g.matmul(g.input("a", (2, 3, 4)), g.input("b", (4, 5))), label="shared-weight"),
+    Sample("matmul", lambda g: g.input("a", (3, 4)) @ g.input("b", (2, 4, 5)), label="shared-lhs"),
+    Sample("matmul", lambda g: g.matmul(g.input("a", (2, 1, 3, 4)), g.input("b", (3, 4, 2))), label="broadcast"),
+    Sample("reshape", lambda g: g.reshape(g.input("x", (2, 6)), (3, -1))),
+    Sample("transpose", lambda g: g.transpose(g.input("x", (2, 3, 4)), (2, 0, 1))),
+    Sample("split", lambda g: g.split(g.input("x", (2, 6)), 3, axis=-1)),
+    Sample("split", lambda g: g.split(g.input("x", (5, 2)), [1, 4], axis=0)[1], label="sizes-one-used"),
+    Sample("concat", lambda g: g.concat([g.input("a", (2, 3)), g.input("b", (2, 2))], axis=1)),
+    Sample("broadcast_to", lambda g: g.broadcast_to(g.input("x", (3, 1)), (2, 3, 4))),
+    Sample("sum", lambda g: g.sum(g.input("x", (2, 3, 4)), axis=(0, 2))),
+    Sample("sum", lambda g: g.sum(g.input("x", (2, 3)), keepdims=True), label="all-keepdims"),
+    Sample("mean", lambda g: g.mean(g.input("x", (2, 3, 4)), axis=-1, keepdims=True)),
+    Sample("max", lambda g: g.max(g.input("x", (2, 3, 4)), axis=1)),
+    Sample("softmax", lambda g: g.softmax(g.input("x", (2, 3, 4)), axis=1)),
+    Sample("log_softmax", lambda g: g.log_softmax(g.input("x", (2, 3, 4)))),
+    Sample("rms_norm", lambda g: g.rms_norm(g.input("x", (2, 3, 4)), g.input("w", (4,)), eps=1e-6)),
+    Sample("layer_norm", lambda g: g.layer_norm(g.input("x", (3, 5)), g.input("w", (5,)), g.input("b", (5,)))),
+    Sample("layer_norm", lambda g: g.layer_norm(g.input("x", (3, 5)), g.input("w", (5,))), label="no-bias"),
+    Sample("attention", _attention),
+    Sample("attention_bwd", _attention_bwd),
+]
+
+
+def sample_inputs(graph: Graph, sample: Sample, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """float64 arrays for float inputs (exact reference), ints in range for index inputs."""
+    arrays: dict[str, np.ndarray] = {}
+    for name, value in graph.inputs.items():
+        if value.dtype.kind == "i":
+            arrays[name] = rng.integers(0, sample.int_high[name], value.shape).astype(value.dtype)
+        elif name in sample.positive:
+            arrays[name] = rng.uniform(0.5, 2.0, value.shape)
+        else:
+            # Away from 0 and from each other, so kinks (abs, relu, max ties) are never hit.
+            arrays[name] = rng.choice([-1.0, 1.0], value.shape) * rng.uniform(0.2, 1.5, value.shape)
+    return arrays
