@@ -75,6 +75,12 @@ class OpDef:
     ``operands`` names the operands in slot order; a trailing ``?`` marks an optional operand
     (given or not; only trailing ones may be optional) and a ``*`` a variadic list (``concat``).
     ``no_grad`` names operands that never receive a gradient (mask tensors, indices).
+
+    How an op is compiled is one of three things: an elementwise op has a ``scalar`` formula
+    (``scalar(emitter, *operands, attrs)``, the emitter being codegen's lane arithmetic); a
+    composite op has a ``decompose`` rule that rebuilds it from other ops (softmax from exp, max
+    and sum), which the ``decompose`` pass applies so that the fusing codegen sees primitives and
+    puts them back into one loop nest; every other op has a lowering in ``rlx.codegen``.
     """
 
     name: str
@@ -87,6 +93,7 @@ class OpDef:
     no_grad: frozenset[str] = frozenset()
     narrow: Callable[[Graph, Node, list[Value]], None] | None = None
     scalar: Callable[..., Any] | None = None
+    decompose: Callable[[Graph, Node], tuple[Value, ...]] | None = None
     index_operands: tuple[IndexOperand, ...] = ()
     view: bool = False  # results only rearrange operand elements (reshape, transpose, ...)
     summary: str = field(default="", repr=False)

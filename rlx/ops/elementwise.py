@@ -318,9 +318,74 @@ def _binary_ref(
     return lambda args, attrs, ctx: fn(args[0], args[1])
 
 
+# ----------------------------------------------------------------------------- scalar formulas
+# ``scalar(e, *operands, attrs)``: how codegen computes one element (or one vector of lanes).
+# ``e`` is the code emitter: arithmetic on lanes of f32, bool (i1) or int (i64) values.
+
+SCALAR = {
+    "neg": lambda e, x, attrs: e.neg(x),
+    "exp": lambda e, x, attrs: e.exp(x),
+    "log": lambda e, x, attrs: e.call("log", x),
+    "sqrt": lambda e, x, attrs: e.sqrt(x),
+    "rsqrt": lambda e, x, attrs: e.div(e.const(1.0, x), e.sqrt(x)),
+    "abs": lambda e, x, attrs: e.abs(x),
+    # sign(NaN) is NaN and sign(0) is 0: x * 0 gives both.
+    "sign": lambda e, x, attrs: e.select(
+        e.compare(">", x, e.const(0.0, x)),
+        e.const(1.0, x),
+        e.select(e.compare("<", x, e.const(0.0, x)), e.const(-1.0, x), e.mul(x, e.const(0.0, x))),
+    ),
+    "tanh": lambda e, x, attrs: e.call("tanh", x),
+    "sigmoid": lambda e, x, attrs: e.div(e.const(1.0, x), e.add(e.const(1.0, x), e.exp(e.neg(x)))),
+    "relu": lambda e, x, attrs: e.maximum(x, e.const(0.0, x)),
+    "erf": lambda e, x, attrs: e.call("erf", x),
+    "add": lambda e, a, b, attrs: e.add(a, b),
+    "sub": lambda e, a, b, attrs: e.sub(a, b),
+    "mul": lambda e, a, b, attrs: e.mul(a, b),
+    "div": lambda e, a, b, attrs: e.div(a, b),
+    "pow": lambda e, a, b, attrs: e.call("pow", a, b),
+    "maximum": lambda e, a, b, attrs: e.maximum(a, b),
+    "minimum": lambda e, a, b, attrs: e.minimum(a, b),
+    "less": lambda e, a, b, attrs: e.compare("<", a, b),
+    "less_equal": lambda e, a, b, attrs: e.compare("<=", a, b),
+    "greater": lambda e, a, b, attrs: e.compare(">", a, b),
+    "greater_equal": lambda e, a, b, attrs: e.compare(">=", a, b),
+    "equal": lambda e, a, b, attrs: e.compare("==", a, b),
+    "not_equal": lambda e, a, b, attrs: e.compare("!=", a, b),
+    "logical_and": lambda e, a, b, attrs: e.logical("and", a, b),
+    "logical_or": lambda e, a, b, attrs: e.logical("or", a, b),
+    "logical_not": lambda e, x, attrs: e.logical("not", x),
+    "where": lambda e, c, a, b, attrs: e.select(c, a, b),
+}
+
+
+def _decompose_gelu(graph: Graph, node: Node) -> tuple[Value, ...]:
+    x = node.inputs[0]
+    if node.attrs.approximate == "tanh":
+        return (0.5 * x * (1.0 + graph.tanh(SQRT_2_OVER_PI * (x + 0.044715 * (x * x * x)))),)
+    return (0.5 * x * (1.0 + graph.erf(x * (1.0 / math.sqrt(2.0)))),)
+
+
+def _decompose_silu(graph: Graph, node: Node) -> tuple[Value, ...]:
+    x = node.inputs[0]
+    return (x * graph.sigmoid(x),)
+
+
+DECOMPOSE = {"silu": _decompose_silu}
+
 for _name, _fn in UNARY_REFERENCE.items():
     register_op(
-        OpDef(_name, ("x",), NoAttrs, _float_unary, _unary_ref(_fn), UNARY_GRAD[_name], builder=_make_builder(_name, 1))
+        OpDef(
+            _name,
+            ("x",),
+            NoAttrs,
+            _float_unary,
+            _unary_ref(_fn),
+            UNARY_GRAD[_name],
+            scalar=SCALAR.get(_name),
+            decompose=DECOMPOSE.get(_name),
+            builder=_make_builder(_name, 1),
+        )
     )
 register_op(
     OpDef(
@@ -330,6 +395,7 @@ register_op(
         _float_unary,
         lambda args, attrs, ctx: _gelu(args[0], attrs),
         _gelu_grad,
+        decompose=_decompose_gelu,
         builder=gelu,
     )
 )
@@ -342,17 +408,34 @@ for _name, _fn2 in BINARY_REFERENCE.items():
             _float_binary,
             _binary_ref(_fn2),
             BINARY_GRAD[_name],
+            scalar=SCALAR[_name],
             builder=_make_builder(_name, 2),
         )
     )
 for _name, _fn2 in COMPARE_REFERENCE.items():
     register_op(
-        OpDef(_name, ("a", "b"), NoAttrs, _compare, _binary_ref(_fn2), no_gradient, builder=_make_builder(_name, 2))
+        OpDef(
+            _name,
+            ("a", "b"),
+            NoAttrs,
+            _compare,
+            _binary_ref(_fn2),
+            no_gradient,
+            scalar=SCALAR[_name],
+            builder=_make_builder(_name, 2),
+        )
     )
 for _name, _fn2 in LOGICAL_REFERENCE.items():
     register_op(
         OpDef(
-            _name, ("a", "b"), NoAttrs, _logical_binary, _binary_ref(_fn2), no_gradient, builder=_make_builder(_name, 2)
+            _name,
+            ("a", "b"),
+            NoAttrs,
+            _logical_binary,
+            _binary_ref(_fn2),
+            no_gradient,
+            scalar=SCALAR[_name],
+            builder=_make_builder(_name, 2),
         )
     )
 register_op(
@@ -363,6 +446,7 @@ register_op(
         _logical_unary,
         _unary_ref(np.logical_not),
         no_gradient,
+        scalar=SCALAR["logical_not"],
         builder=_make_builder("logical_not", 1),
     )
 )
@@ -374,6 +458,7 @@ register_op(
         _where,
         lambda args, attrs, ctx: np.where(args[0], args[1], args[2]),
         _where_grad,
+        scalar=SCALAR["where"],
         builder=_make_builder("where", 3),
     )
 )

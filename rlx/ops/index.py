@@ -166,6 +166,23 @@ def cross_entropy(graph: Graph, logits: object, targets: object) -> Value:
     return graph.add_node(op_kind("cross_entropy"), operands, NoAttrs()).outputs[0]
 
 
+def _decompose_one_hot(graph: Graph, node: Node) -> tuple[Value, ...]:
+    """``ids[..., None] == arange(C)``, as 1.0 / 0.0."""
+    ids = node.inputs[0]
+    classes = graph.constant(np.arange(node.attrs.count, dtype=ids.dtype))
+    hit = graph.equal(graph.reshape(ids, (*ids.shape, 1)), classes)
+    return (graph.where(hit, 1.0, 0.0),)
+
+
+def _decompose_cross_entropy(graph: Graph, node: Node) -> tuple[Value, ...]:
+    """``mean(logsumexp(logits) - logits[target])``, the target's logit picked with a one-hot mask."""
+    logits, targets = node.inputs
+    peak = graph.max(logits, axis=-1, keepdims=True)
+    log_sum = graph.log(graph.sum(graph.exp(logits - peak), axis=-1, keepdims=True)) + peak
+    picked = graph.sum(logits * graph.one_hot(targets, logits.shape[-1]), axis=-1, keepdims=True)
+    return (graph.mean(log_sum - picked),)
+
+
 def _rows(node: Node) -> int:
     return int(node.inputs[0].shape[0])
 
@@ -205,6 +222,7 @@ register_op(
         _one_hot_reference,
         no_gradient,
         builder=one_hot,
+        decompose=_decompose_one_hot,
         no_grad=frozenset({"ids"}),
         index_operands=(IndexOperand("ids", lambda node: int(node.attrs.count), "class index"),),
     )
@@ -218,6 +236,7 @@ register_op(
         _cross_entropy_reference,
         _cross_entropy_grad,
         builder=cross_entropy,
+        decompose=_decompose_cross_entropy,
         no_grad=frozenset({"targets"}),
         index_operands=(IndexOperand("targets", lambda node: int(node.inputs[0].shape[-1]), "class index"),),
     )

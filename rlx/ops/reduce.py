@@ -93,6 +93,23 @@ def _max_reference(args: Sequence[np.ndarray], attrs: ReduceAttrs, ctx: EvalCont
     return np.max(args[0], axis=attrs.axes, keepdims=attrs.keepdims)
 
 
+def _decompose_mean(graph: Graph, node: Node) -> tuple[Value, ...]:
+    x, attrs = node.inputs[0], node.attrs
+    count = math.prod(x.shape[a] for a in attrs.axes)
+    return (graph.sum(x, axis=attrs.axes, keepdims=attrs.keepdims) * (1.0 / count),)
+
+
 register_op(OpDef("sum", ("x",), ReduceAttrs, _infer, _reference(np.sum), _sum_grad, builder=_builder("sum")))
-register_op(OpDef("mean", ("x",), ReduceAttrs, _infer, _reference(np.mean), _mean_grad, builder=_builder("mean")))
+register_op(
+    OpDef(
+        "mean",
+        ("x",),
+        ReduceAttrs,
+        _infer,
+        _reference(np.mean),
+        _mean_grad,
+        builder=_builder("mean"),
+        decompose=_decompose_mean,
+    )
+)
 register_op(OpDef("max", ("x",), ReduceAttrs, _infer, _max_reference, _max_grad, builder=_builder("max")))

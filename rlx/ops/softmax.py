@@ -75,6 +75,18 @@ def _axis_builder(name: str):  # type: ignore[no-untyped-def]
     return build
 
 
+def _decompose_softmax(graph: Graph, node: Node) -> tuple[Value, ...]:
+    x, axis = node.inputs[0], node.attrs.axis
+    e = graph.exp(x - graph.max(x, axis=axis, keepdims=True))
+    return (e / graph.sum(e, axis=axis, keepdims=True),)
+
+
+def _decompose_log_softmax(graph: Graph, node: Node) -> tuple[Value, ...]:
+    x, axis = node.inputs[0], node.attrs.axis
+    shifted = x - graph.max(x, axis=axis, keepdims=True)
+    return (shifted - graph.log(graph.sum(graph.exp(shifted), axis=axis, keepdims=True)),)
+
+
 register_op(
     OpDef(
         "softmax",
@@ -84,6 +96,7 @@ register_op(
         _softmax_reference,
         _softmax_grad,
         builder=_axis_builder("softmax"),
+        decompose=_decompose_softmax,
     )
 )
 register_op(
@@ -95,6 +108,7 @@ register_op(
         _log_softmax_reference,
         _log_softmax_grad,
         builder=_axis_builder("log_softmax"),
+        decompose=_decompose_log_softmax,
     )
 )
 
@@ -190,8 +204,32 @@ def layer_norm(graph: Graph, x: object, weight: object = None, bias: object = No
     return graph.add_node(op_kind("layer_norm"), operands, NormAttrs(_check_eps("layer_norm", eps))).outputs[0]
 
 
+def _decompose_rms_norm(graph: Graph, node: Node) -> tuple[Value, ...]:
+    """The same builder calls as the gradient rule, so cse shares ``rsqrt(mean(x*x) + eps)`` with it."""
+    x, weight = node.inputs
+    r = graph.rsqrt(graph.mean(x * x, axis=-1, keepdims=True) + node.attrs.eps)
+    return (x * r * weight,)
+
+
+def _decompose_layer_norm(graph: Graph, node: Node) -> tuple[Value, ...]:
+    x, weight = node.inputs[0], node.inputs[1]
+    centred = x - graph.mean(x, axis=-1, keepdims=True)
+    r = graph.rsqrt(graph.mean(centred * centred, axis=-1, keepdims=True) + node.attrs.eps)
+    out = centred * r * weight
+    return (out + node.inputs[2] if len(node.inputs) > 2 else out,)
+
+
 register_op(
-    OpDef("rms_norm", ("x", "weight"), NormAttrs, _norm_infer, _rms_norm_reference, _rms_norm_grad, builder=rms_norm)
+    OpDef(
+        "rms_norm",
+        ("x", "weight"),
+        NormAttrs,
+        _norm_infer,
+        _rms_norm_reference,
+        _rms_norm_grad,
+        builder=rms_norm,
+        decompose=_decompose_rms_norm,
+    )
 )
 register_op(
     OpDef(
@@ -202,5 +240,6 @@ register_op(
         _layer_norm_reference,
         _layer_norm_grad,
         builder=layer_norm,
+        decompose=_decompose_layer_norm,
     )
 )

@@ -9,10 +9,13 @@ from __future__ import annotations
 from rlx.passes.base import PASSES, Pass, register
 from rlx.passes.cse import cse
 from rlx.passes.dce import dce
+from rlx.passes.decompose import decompose
 from rlx.passes.fuse_attention_bwd import fuse_attention_bwd
 from rlx.passes.manager import resolve, run
 
-DEFAULT_PIPELINE: tuple[str, ...] = ("cse", "fuse-attention-bwd", "dce")
-"""What ``rlx.compile`` runs when ``passes`` is None: dedupe, fuse siblings, then drop the dead."""
+DEFAULT_PIPELINE: tuple[str, ...] = ("cse", "fuse-attention-bwd", "decompose", "cse", "dce")
+"""What ``rlx.compile`` runs when ``passes`` is None: dedupe, fuse attention siblings, rebuild
+composite ops from primitives (so a norm's forward and gradient share their row statistics),
+dedupe again, then drop the dead. Codegen fuses elementwise chains and reductions into loop nests."""
 
-__all__ = ["DEFAULT_PIPELINE", "PASSES", "Pass", "cse", "dce", "fuse_attention_bwd", "register", "resolve", "run"]
+__all__ = ["DEFAULT_PIPELINE", "PASSES", "Pass", "cse", "dce", "decompose", "fuse_attention_bwd", "register", "resolve", "run"]
