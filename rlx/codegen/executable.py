@@ -17,16 +17,29 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rlx.bind import bind_inputs
+from rlx.bind import bind_inputs, check_index_inputs, index_bounds
 from rlx.codegen.jit import CompiledLibrary, compile_ir
 from rlx.codegen.lower import CodegenOptions, lower_graph, scratch_bytes, work_items
 from rlx.codegen.memory_plan import MemoryPlan, plan_memory, random_topological_order
+from rlx.codegen.schedule import Schedule, build_schedule
 from rlx.config import RuntimeConfig, resolve_config, resolve_num_threads
-from rlx.errors import RlxTypeError
+from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.graph import Graph
+from rlx.ir.printer import value_names
 
 _ENTRY_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
 _CACHE_SIZE = 64
+
+
+@dataclass(frozen=True)
+class KernelInfo:
+    """One kernel a call runs: its name and the printed names of the values it computes."""
+
+    name: str
+    nodes: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"{self.name}: {', '.join(self.nodes)}"
 
 
 @dataclass
@@ -35,6 +48,7 @@ class Program:
 
     graph: Graph
     plan: MemoryPlan
+    kernels: tuple[KernelInfo, ...]
     llvm_ir: str
     library: CompiledLibrary
     entry: ctypes._CFuncPtr  # type: ignore[name-defined]
@@ -96,39 +110,79 @@ def compile_graph(
     return Executable(program, times)
 
 
-def _lower(graph: Graph, pass_names: tuple[str, ...] | None, config: RuntimeConfig, threads: int,
-           options: CodegenOptions, times: dict[str, float]) -> tuple[Graph, MemoryPlan, str]:
-    """Copy the graph, run the passes, plan memory and render LLVM IR (no machine code yet)."""
+def _lower(
+    graph: Graph,
+    pass_names: tuple[str, ...] | None,
+    config: RuntimeConfig,
+    threads: int,
+    options: CodegenOptions,
+    times: dict[str, float],
+) -> tuple[Graph, MemoryPlan, Schedule, str]:
+    """Copy the graph, run the passes, schedule, plan memory and render LLVM IR (no machine code yet)."""
+    from rlx.passes import decompose
     from rlx.passes import run as run_passes
 
     start = time.perf_counter()
     working = graph.copy()
     working.verify()
+    if not working.outputs:
+        raise RlxValueError(f"rlx.compile: graph {graph.name!r} has no outputs; mark some with g.output(...)")
     run_passes(working, list(pass_names) if pass_names is not None else default_pipeline())
+    decompose(working)  # codegen sees primitives only, whatever the passes were
+    index_bounds(working)  # refuse index operands that cannot be checked before a call
     times["passes"] = time.perf_counter() - start
 
     start = time.perf_counter()
     order = None if options.order_seed is None else random_topological_order(working, options.order_seed)
-    # No region runs more threads than it has items, so scratch is needed for at most that many.
+    schedule = build_schedule(working, order)
+    accesses = [(kernel.node, kernel.computes, kernel.reads) for kernel in schedule.kernels]
+    # No attention region runs more threads than it has items, so scratch is needed for at most that many.
     busiest = max((work_items(node) for node in working.nodes), default=1)
-    plan = plan_memory(working, lambda node: scratch_bytes(node, config, options), max(1, min(threads, busiest)),
-                       order)
-    llvm_ir = lower_graph(working, plan, config, options)
+    plan = plan_memory(
+        working,
+        lambda node: scratch_bytes(node, config, options),
+        max(1, min(threads, busiest)),
+        schedule.order,
+        accesses,
+    )
+    llvm_ir = lower_graph(working, plan, schedule, config, options, threads)
     times["lowering"] = time.perf_counter() - start
-    return working, plan, llvm_ir
+    return working, plan, schedule, llvm_ir
 
 
-def _build(graph: Graph, pass_names: tuple[str, ...] | None, config: RuntimeConfig, threads: int,
-           options: CodegenOptions) -> Program:
+def _kernel_infos(graph: Graph, schedule: Schedule) -> tuple[KernelInfo, ...]:
+    names = value_names(graph)
+    infos = []
+    for kernel in schedule.kernels:
+        if kernel.root is None:
+            infos.append(KernelInfo(str(kernel.node.op), tuple(names[v] for v in kernel.node.outputs)))
+            continue
+        inline: list[str] = []
+        pending, seen = [kernel.root], set()
+        while pending:
+            value = pending.pop()
+            if value in seen or (value is not kernel.root and schedule.view(value) is not None):
+                continue
+            seen.add(value)
+            inline.append(names[value])
+            pending.extend(value.node.inputs)
+        infos.append(KernelInfo(f"fused.{kernel.node.op}", tuple(reversed(inline))))
+    return tuple(infos)
+
+
+def _build(
+    graph: Graph, pass_names: tuple[str, ...] | None, config: RuntimeConfig, threads: int, options: CodegenOptions
+) -> Program:
     times: dict[str, float] = {}
-    working, plan, llvm_ir = _lower(graph, pass_names, config, threads, options, times)
+    working, plan, schedule, llvm_ir = _lower(graph, pass_names, config, threads, options, times)
     library = compile_ir(llvm_ir)
     times["llvm_optimize"] = library.times["llvm_optimize"]
     times["machine_code"] = library.times["machine_code"] + library.times["link"]
     times["disk_cache_hit"] = library.times["disk_cache_hit"]
     entry = _ENTRY_TYPE(library.entry_address)
     output_types = {name: (v.type.shape, v.type.dtype) for name, v in working.outputs.items()}
-    return Program(working, plan, llvm_ir, library, entry, times, config, threads, output_types)
+    kernels = _kernel_infos(working, schedule)
+    return Program(working, plan, kernels, llvm_ir, library, entry, times, config, threads, output_types)
 
 
 class Executable:
@@ -166,9 +220,15 @@ class Executable:
     def memory_plan(self) -> MemoryPlan:
         return self._program.plan
 
+    @property
+    def kernels(self) -> list[KernelInfo]:
+        """The kernels one call runs, in order; each has ``.name`` and ``.nodes`` (values it computes)."""
+        return list(self._program.kernels)
+
     def __call__(self, **arrays: object) -> dict[str, np.ndarray]:
         program = self._program
         bound = bind_inputs(program.graph, arrays)
+        check_index_inputs(program.graph, bound)  # ids are checked before native code reads with them
         plan = program.plan
         # Buffer slots in entry order: the inputs (bind_inputs keeps declaration order), then a
         # fresh array per output slot.
@@ -197,11 +257,16 @@ class Executable:
         outputs = ", ".join(self._program.output_types)
         return f"<rlx.Executable {self._program.graph.name!r} -> {outputs}; {self.threads} threads>"
 
+    def __str__(self) -> str:
+        lines = [f"{self!r}", f"  {len(self._program.kernels)} kernels for {len(self.graph)} nodes:"]
+        lines += [f"  {i:3d}  {info}" for i, info in enumerate(self._program.kernels)]
+        return "\n".join(lines)
+
 
 def emit_llvm_ir(graph: Graph, passes: Sequence[str] | None = None, config: RuntimeConfig | None = None) -> str:
     """The LLVM IR ``rlx.compile`` would generate for ``graph``, without making machine code."""
     if not isinstance(graph, Graph):
         raise RlxTypeError(f"emit_llvm_ir expects an rlx.Graph, got {type(graph).__name__}")
     config = resolve_config(config)
-    _, _, llvm_ir = _lower(graph, _check_passes(passes), config, resolve_num_threads(config), CodegenOptions(), {})
+    _, _, _, llvm_ir = _lower(graph, _check_passes(passes), config, resolve_num_threads(config), CodegenOptions(), {})
     return llvm_ir

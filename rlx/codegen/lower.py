@@ -1,25 +1,32 @@
 """Graph -> one LLVM module with one entry function ``void rlx_entry(ptr buffers, ptr arena)``.
 
 ``buffers`` holds the graph inputs then the output arrays, in ``MemoryPlan.buffer_names`` order;
-intermediates and per-thread scratch live in ``arena``. Each node becomes a per-item function run
-by a native parallel-for over batch x heads. A new op adds one entry to ``LOWERINGS``.
+intermediates and per-thread scratch live in ``arena``; constants are data in the module. The
+schedule (:mod:`rlx.codegen.schedule`) lists the kernels of one call; each becomes an item
+function run by a native parallel-for: fused loop nests (:mod:`rlx.codegen.fused`), BLAS
+matmuls (:mod:`rlx.codegen.lower_gemm`), attention (:mod:`rlx.codegen.lower_attention`) and the
+embedding scatter-add (:mod:`rlx.codegen.lower_scatter`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 from llvmlite import ir
 
-from rlx.codegen.irutil import I8, PTR, VOID, alloca_entry, gep, i64
+from rlx.codegen.fused import FusedEmitter, plan_chunking
+from rlx.codegen.irutil import I8, I64, PTR, VOID, alloca_entry, gep, i64
 from rlx.codegen.jit import ENTRY
 from rlx.codegen.lower_attention import AttentionKernelSpec, AttentionLowering, choose_block_q
+from rlx.codegen.lower_gemm import emit_gemm_item, gemm_spec
+from rlx.codegen.lower_scatter import emit_scatter_item
 from rlx.codegen.memory_plan import MemoryPlan
 from rlx.codegen.parallel import emit_parallel_for
+from rlx.codegen.schedule import Kernel, Schedule
 from rlx.config import RuntimeConfig
 from rlx.errors import RlxValueError
-from rlx.ir.graph import Graph, Node
+from rlx.ir.graph import Graph, Node, Value
 from rlx.ir.ops import AttentionAttrs, AttentionBwdAttrs, OpKind, attention_dims
 from rlx.ir.types import Wrt
 
@@ -41,13 +48,28 @@ def kernel_spec(node: Node, config: RuntimeConfig, options: CodegenOptions) -> A
     types = [v.type for v in node.inputs]
     is_bwd = node.op is OpKind.ATTENTION_BWD
     mask_type = types[4 if is_bwd else 3] if attrs.mask.needs_tensor else None
-    dims = attention_dims(f"node {node.id}", types[0], types[1], types[2], attrs.layout,
-                          types[3] if is_bwd else None, attrs.mask, mask_type)
+    dims = attention_dims(
+        f"node {node.id}",
+        types[0],
+        types[1],
+        types[2],
+        attrs.layout,
+        types[3] if is_bwd else None,
+        attrs.mask,
+        mask_type,
+    )
     grads = attrs.wrt if isinstance(attrs, AttentionBwdAttrs) else None
     needs_dp = grads is not None and bool(grads & (Wrt.QUERY | Wrt.KEY))
     block_q = options.block_q or choose_block_q(dims.seq_q, dims.seq_k, needs_dp, attrs.mask.is_causal_like)
-    spec = AttentionKernelSpec(dims, attrs.layout, attrs.mask, config.attn_mask_neg_inf,
-                               config.mask_binary_threshold, grads, max(1, min(block_q, dims.seq_q)))
+    spec = AttentionKernelSpec(
+        dims,
+        attrs.layout,
+        attrs.mask,
+        config.attn_mask_neg_inf,
+        config.mask_binary_threshold,
+        grads,
+        max(1, min(block_q, dims.seq_q)),
+    )
     _check_blas_limits(node, spec)
     return spec
 
@@ -69,49 +91,135 @@ def scratch_bytes(node: Node, config: RuntimeConfig, options: CodegenOptions) ->
 
 
 def work_items(node: Node) -> int:
-    """Independent items of the node's parallel loop (batch x heads for attention)."""
+    """Independent items of an attention node's parallel loop (batch x heads); 0 for other nodes."""
     if node.op in (OpKind.ATTENTION, OpKind.ATTENTION_BWD):
-        b, _, h, _ = node.attrs.layout.split(node.inputs[0].shape)  # type: ignore[union-attr]
+        b, _, h, _ = node.attrs.layout.split(node.inputs[0].shape)
         return b * h
     return 0
 
 
-def _lower_attention(module: ir.Module, node: Node, config: RuntimeConfig, options: CodegenOptions,
-                     threads: int) -> tuple[ir.Function, int]:
-    spec = kernel_spec(node, config, options)
-    item_fn = AttentionLowering(module, spec, f"{node.op}.{node.id}").emit()
-    return emit_parallel_for(module, item_fn, threads), spec.work_items
+@dataclass
+class _Lowering:
+    """State while one graph is lowered: the module, the entry builder and where buffers are."""
+
+    graph: Graph
+    plan: MemoryPlan
+    schedule: Schedule
+    config: RuntimeConfig
+    options: CodegenOptions
+    threads: int
+    module: ir.Module
+    b: ir.IRBuilder
+    buffers: ir.Value
+    arena: ir.Value
+    constants: dict[Value, ir.GlobalVariable]
+
+    def base_pointer(self, value: Value) -> ir.Value:
+        """The address of a materialised value's first element, in the entry function."""
+        b = self.b
+        location = self.plan.locations.get(value)
+        if value.node.op is OpKind.CONSTANT and (location is None or location.kind == "constant"):
+            return b.bitcast(self.constants[value], PTR)
+        assert location is not None, f"no location for {value}"
+        if location.kind == "arena":
+            return gep(b, self.arena, [i64(location.index)], I8, f"v{value.node.id}.{value.index}")
+        name = self.plan.buffer_names[location.index]
+        return b.load(gep(b, self.buffers, [i64(location.index)], PTR, f"{name}.slot"), typ=PTR, name=name)
+
+    def view_pointer(self, value: Value) -> ir.Value:
+        """The address of a value read through its view: base plus the view's offset."""
+        view = self.schedule.view(value)
+        assert view is not None
+        base = self.base_pointer(view.base)
+        if view.offset == 0:
+            return base
+        return gep(self.b, base, [i64(view.offset * view.base.dtype.itemsize)], I8)
+
+    def call(self, item_fn: ir.Function, pointers: list[ir.Value], items: int, threads: int, tag: str) -> None:
+        b = self.b
+        args = alloca_entry(b, PTR, f"args.{tag}", max(1, len(pointers)))
+        for slot, ptr in enumerate(pointers):
+            b.store(ptr, gep(b, args, [i64(slot)], PTR))
+        parallel_for = emit_parallel_for(self.module, item_fn, threads)
+        scratch = gep(b, self.arena, [i64(self.plan.scratch_offset)], I8, "scratch")
+        b.call(parallel_for, [args, i64(items), scratch, i64(self.plan.scratch_stride)])
+
+    # ------------------------------------------------------------------ kernels
+
+    def lower(self, index: int, kernel: Kernel) -> None:
+        if kernel.root is not None:
+            self.lower_fused(index, kernel)
+            return
+        node = kernel.node
+        op = node.op.value
+        if op in ("attention", "attention_bwd"):
+            spec = kernel_spec(node, self.config, self.options)
+            item_fn = AttentionLowering(self.module, spec, f"{node.op}.{node.id}").emit()
+            pointers = [self.view_pointer(v) for v in node.inputs] + [self.base_pointer(v) for v in node.outputs]
+            self.call(item_fn, pointers, spec.work_items, self.plan.threads, str(node.id))
+        elif op == "matmul":
+            a, bm = (self.schedule.view(v) for v in node.inputs)
+            assert a is not None and bm is not None
+            gemm = gemm_spec(a, bm, node.outputs[0].shape)
+            item_fn = emit_gemm_item(self.module, gemm, f"matmul.{node.id}")
+            pointers = [self.base_pointer(a.base), self.base_pointer(bm.base), self.base_pointer(node.outputs[0])]
+            self.call(item_fn, pointers, gemm.items, self.threads, str(node.id))
+        elif op == "embedding_grad":
+            dy, ids = (self.schedule.view(v) for v in node.inputs)
+            assert dy is not None and ids is not None
+            out = node.outputs[0]
+            rows, width = out.shape
+            item_fn = emit_scatter_item(
+                self.module, dy, ids, (rows, width), ids.base.dtype.itemsize, f"embedding_grad.{node.id}"
+            )
+            pointers = [self.base_pointer(dy.base), self.base_pointer(ids.base), self.base_pointer(out)]
+            self.call(item_fn, pointers, 1, 1, str(node.id))
+        else:
+            raise AssertionError(f"no lowering for {op}")
+
+    def lower_fused(self, index: int, kernel: Kernel) -> None:
+        assert kernel.out is not None
+        bases = list(dict.fromkeys([*kernel.reads, kernel.out.base]))
+        chunking = plan_chunking(kernel, self.schedule, self.threads)
+        fn = ir.Function(self.module, ir.FunctionType(VOID, [PTR, I64, PTR]), name=f"fused.{index}")
+        fn.linkage = "internal"
+        args, item, _ = fn.args
+        args.name, item.name = "args", "item"
+        builder = ir.IRBuilder(fn.append_basic_block("entry"))
+        pointers: dict[Value, ir.Value] = {}
+        for slot, value in enumerate(bases):
+            pointers[value] = builder.load(gep(builder, args, [i64(slot)], PTR), typ=PTR, name=f"buf{slot}")
+
+        emitter = FusedEmitter(self.module, builder, self.schedule, kernel, pointers.__getitem__)
+        emitter.emit_item(item, chunking)
+        builder.ret_void()
+        self.call(fn, [self.base_pointer(v) for v in bases], chunking.items, self.threads, f"k{index}")
 
 
-Lowering = Callable[[ir.Module, Node, RuntimeConfig, CodegenOptions, int], tuple[ir.Function, int]]
-LOWERINGS: dict[OpKind, Lowering] = {
-    OpKind.ATTENTION: _lower_attention,
-    OpKind.ATTENTION_BWD: _lower_attention,
-}
-
-
-def lower_graph(graph: Graph, plan: MemoryPlan, config: RuntimeConfig, options: CodegenOptions) -> str:
+def lower_graph(
+    graph: Graph, plan: MemoryPlan, schedule: Schedule, config: RuntimeConfig, options: CodegenOptions, threads: int
+) -> str:
     """Render the whole graph as LLVM IR text."""
     module = ir.Module(name=f"rlx.{graph.name}")
     entry = ir.Function(module, ir.FunctionType(VOID, [PTR, PTR]), name=ENTRY)
     buffers, arena = entry.args
     buffers.name, arena.name = "buffers", "arena"
     b = ir.IRBuilder(entry.append_basic_block("entry"))
-    scratch = gep(b, arena, [i64(plan.scratch_offset)], I8, "scratch")
-    for node in plan.order:
-        if node.op is OpKind.INPUT:
-            continue
-        parallel_for, items = LOWERINGS[node.op](module, node, config, options, plan.threads)
-        values = list(node.inputs) + list(node.outputs)
-        args = alloca_entry(b, PTR, f"args.{node.id}", len(values))
-        for slot, value in enumerate(values):
-            location = plan.locations[value]
-            if location.kind == "arena":
-                ptr = gep(b, arena, [i64(location.index)], I8, f"node{value.node.id}.{value.index}")
-            else:
-                name = plan.buffer_names[location.index]
-                ptr = b.load(gep(b, buffers, [i64(location.index)], PTR, f"{name}.slot"), typ=PTR, name=name)
-            b.store(ptr, gep(b, args, [i64(slot)], PTR, f"args.{node.id}.{slot}"))
-        b.call(parallel_for, [args, i64(items), scratch, i64(plan.scratch_stride)])
+    constants = {node.outputs[0]: _constant_global(module, node) for node in plan.order if node.op is OpKind.CONSTANT}
+    state = _Lowering(graph, plan, schedule, config, options, threads, module, b, buffers, arena, constants)
+    for index, kernel in enumerate(schedule.kernels):
+        state.lower(index, kernel)
     b.ret_void()
     return str(module)
+
+
+def _constant_global(module: ir.Module, node: Node) -> ir.GlobalVariable:
+    data = np.ascontiguousarray(node.attrs.value.array)
+    raw = bytearray(data.tobytes())
+    ty = ir.ArrayType(I8, max(1, len(raw)))
+    var = ir.GlobalVariable(module, ty, name=f"const.{node.id}")
+    var.global_constant = True
+    var.linkage = "internal"
+    var.align = 64
+    var.initializer = ir.Constant(ty, raw if raw else bytearray(1))
+    return var

@@ -26,7 +26,8 @@ ALIGN = 64
 
 @dataclass(frozen=True)
 class Location:
-    """``kind`` is ``"input"`` / ``"output"`` (index into the entry's buffer list) or ``"arena"`` (byte offset)."""
+    """``kind`` is ``"input"`` / ``"output"`` (index into the entry's buffer list), ``"arena"`` (byte
+    offset) or ``"constant"`` (data in the module; index is the constant's node id)."""
 
     kind: str
     index: int
@@ -47,6 +48,9 @@ class MemoryPlan:
     # not names: an output may share its name with an input.
     output_slots: dict[str, int] = field(default_factory=dict)
     owned_outputs: frozenset[str] = frozenset()
+    # What each step writes and reads (a node's outputs and operands, or a kernel's): the
+    # writes of a step never overlap its reads.
+    accesses: list[tuple[Node, tuple[Value, ...], tuple[Value, ...]]] = field(default_factory=list)
 
 
 def _align(n: int) -> int:
@@ -75,10 +79,19 @@ def plan_memory(
     scratch_per_thread: Callable[[Node], int],
     threads: int,
     order: Sequence[Node] | None = None,
+    accesses: Sequence[tuple[Node, tuple[Value, ...], tuple[Value, ...]]] | None = None,
 ) -> MemoryPlan:
-    """Assign every value a location; ``order`` defaults to ``graph.nodes``."""
+    """Assign every materialised value a location; ``order`` defaults to ``graph.nodes``.
+
+    ``accesses`` lists, in run order, each step's node with the values it writes and reads
+    (from the kernel schedule); by default every node writes its outputs and reads its operands.
+    Only written values get memory, constants excepted (they live in the module).
+    """
     order = list(graph.nodes if order is None else order)
     _check_order(graph, order)
+    if accesses is None:
+        accesses = [(node, node.outputs, node.inputs) for node in order if node.op is not OpKind.INPUT]
+    accesses = list(accesses)
     locations: dict[Value, Location] = {}
     buffer_names: list[str] = []
     for name, value in graph.inputs.items():
@@ -95,13 +108,21 @@ def plan_memory(
 
     step = {node: i for i, node in enumerate(order)}
     live: dict[Value, tuple[int, int]] = {}
+    for node, writes, _ in accesses:
+        for value in writes:
+            live[value] = (step[node], step[node])
+    for node, _, reads in accesses:
+        for value in reads:
+            if value in live:
+                first, last = live[value]
+                live[value] = (first, max(last, step[node]))
     for node in order:
-        for value in node.outputs:
-            uses = [step[consumer] for consumer, _ in graph.uses(value)]
-            live[value] = (step[node], max(uses, default=step[node]))
+        if node.op is OpKind.CONSTANT and node.outputs[0] not in locations:
+            locations[node.outputs[0]] = Location("constant", node.id)
 
     placed: list[tuple[int, int, int, int]] = []  # (offset, end, first, last)
-    intermediates = [v for n in order if n.op is not OpKind.INPUT for v in n.outputs if v not in locations]
+    written = dict.fromkeys(value for _, writes, _ in accesses for value in writes)
+    intermediates = [v for v in written if v not in locations]
     intermediates.sort(key=lambda v: (-v.type.nbytes, live[v][0]))
     for value in intermediates:
         first, last = live[value]
@@ -126,6 +147,7 @@ def plan_memory(
         live=live,
         output_slots=output_slots,
         owned_outputs=frozenset(owned),
+        accesses=accesses,
     )
     check_plan(plan)
     return plan
@@ -141,10 +163,10 @@ def check_plan(plan: MemoryPlan) -> None:
             (a_first, a_last), (b_first, b_last) = plan.live[a], plan.live[b]
             if a_start < b_end and b_start < a_end and not (a_last < b_first or b_last < a_first):
                 raise RlxError(f"memory plan bug: {a} and {b} are live together and overlap")
-    for node in plan.order:
-        for out in node.outputs:
-            for operand in node.inputs:
-                if _overlap(plan, out, operand):
+    for node, writes, reads in plan.accesses:
+        for out in writes:
+            for operand in reads:
+                if out != operand and _overlap(plan, out, operand):
                     raise RlxError(f"memory plan bug: node {node.id} ({node.op}) writes {out} over its input {operand}")
 
 
@@ -165,5 +187,3 @@ def _check_order(graph: Graph, order: Sequence[Node]) -> None:
         for value in node.inputs:
             if position[value.node.id] >= position[node.id]:
                 raise RlxError(f"memory plan: node {node.id} comes before its operand node {value.node.id}")
-
-

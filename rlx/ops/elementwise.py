@@ -322,7 +322,7 @@ def _binary_ref(
 # ``scalar(e, *operands, attrs)``: how codegen computes one element (or one vector of lanes).
 # ``e`` is the code emitter: arithmetic on lanes of f32, bool (i1) or int (i64) values.
 
-SCALAR = {
+SCALAR: dict[str, Callable[..., object]] = {
     "neg": lambda e, x, attrs: e.neg(x),
     "exp": lambda e, x, attrs: e.exp(x),
     "log": lambda e, x, attrs: e.call("log", x),

@@ -18,4 +18,15 @@ DEFAULT_PIPELINE: tuple[str, ...] = ("cse", "fuse-attention-bwd", "decompose", "
 composite ops from primitives (so a norm's forward and gradient share their row statistics),
 dedupe again, then drop the dead. Codegen fuses elementwise chains and reductions into loop nests."""
 
-__all__ = ["DEFAULT_PIPELINE", "PASSES", "Pass", "cse", "dce", "decompose", "fuse_attention_bwd", "register", "resolve", "run"]
+__all__ = [
+    "DEFAULT_PIPELINE",
+    "PASSES",
+    "Pass",
+    "cse",
+    "dce",
+    "decompose",
+    "fuse_attention_bwd",
+    "register",
+    "resolve",
+    "run",
+]

@@ -1,0 +1,661 @@
+"""One fused loop nest per materialised value: elementwise chains and reductions, no buffers between.
+
+A kernel evaluates its root value at every index of its output view. Evaluation is recursive over
+the graph, at an *index*: one entry per dimension of the value, each ``var + add`` where ``var``
+is an open loop (or none) and ``add`` an integer. Broadcasting, transposes, splits and unit
+reshapes only rewrite the index, so they are free; a value with a buffer is loaded through its
+strided view; a reduction opens loops of its own over the reduced dimensions.
+
+Loop-invariant code is hoisted by construction: a value is emitted in the innermost loop whose
+variable its index uses, into that loop's *pre-chain* (a block before the loop that stays open
+while the loop body is emitted). So a softmax over rows becomes: per row, a loop for the max,
+a loop for the sum of exponentials (both hoisted out of the store loop because their index has
+no column variable), then the store loop. The innermost loop of a nest runs 16 lanes at a time
+with a scalar remainder, like the attention kernels' row loops (:mod:`rlx.codegen.vector`);
+loads whose lanes are not contiguous gather lane by lane.
+
+The kernel body is run by the parallel-for over chunks of rows (or of columns when rows are
+few); every output element is computed by one thread with the same code, so results do not
+depend on the thread count.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+from llvmlite import ir
+
+from rlx.codegen.expf import define_expf
+from rlx.codegen.irutil import CONTRACT, F32, I1, I8, I32, I64, REDUCE, alloca_entry, declare, gep, i64, intrinsic
+from rlx.codegen.schedule import Kernel, Schedule, is_unit_reshape
+from rlx.codegen.vector import WIDTH
+from rlx.codegen.views import View
+from rlx.ir.graph import Value
+
+LIBM = {"log": "logf", "tanh": "tanhf", "erf": "erff", "pow": "powf"}
+MIN_ITEM_ELEMENTS = 1 << 14  # elements per parallel work item at least: thread overhead pays off
+
+
+# ----------------------------------------------------------------------------- loops and indices
+
+
+@dataclass(eq=False)
+class Loop:
+    """An open loop: its variable, whether it runs ``WIDTH`` lanes at once, and its pre-chain tail."""
+
+    var: ir.Value
+    level: int
+    vector: bool
+    tail: ir.Block  # the open end of the pre-chain: hoisted code goes here
+
+
+@dataclass(frozen=True, eq=False)
+class Ix:
+    """One dimension's index: ``loop.var + add`` (or just ``add``); ``add`` is an int or an i64 value."""
+
+    loop: Loop | None
+    add: ir.Value | int
+    level: int  # the deepest loop this index depends on (0: the row)
+
+    def key(self) -> tuple[object, ...]:
+        return (id(self.loop) if self.loop else None, self.add if isinstance(self.add, int) else id(self.add))
+
+
+ZERO = Ix(None, 0, 0)
+
+
+def _shift(ix: Ix, amount: int) -> Ix:
+    if isinstance(ix.add, int):
+        return Ix(ix.loop, ix.add + amount, ix.level)
+    return Ix(ix.loop, _AddLater(ix.add, amount), ix.level)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class _AddLater:
+    """``value + amount``, folded when the address is built."""
+
+    value: ir.Value
+    amount: int
+
+
+@dataclass(frozen=True)
+class Lane:
+    """An emitted value: its IR value, lanes (1 or WIDTH) and kind ('f' float, 'b' bool, 'i' int64)."""
+
+    value: ir.Value
+    width: int
+    kind: str
+
+
+# ----------------------------------------------------------------------------- the emitter
+
+
+@dataclass
+class FusedEmitter:
+    """Emits the loop nest of one fused kernel into ``fn`` (an item function of the parallel-for)."""
+
+    module: ir.Module
+    b: ir.IRBuilder
+    schedule: Schedule
+    kernel: Kernel
+    pointer: Callable[[Value], ir.Value]  # base pointer of a materialised value's buffer
+    stack: list[Loop] = field(default_factory=list)
+    memo: dict[tuple[object, ...], Lane] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ loops
+
+    @contextmanager
+    def at_level(self, level: int) -> Iterator[None]:
+        """Emit into the pre-chain of the open loop at ``level`` (so before that loop starts)."""
+        if level >= len(self.stack):
+            yield
+            return
+        target = self.stack[level]
+        saved_block, saved_stack = self.b.block, self.stack
+        self.stack = saved_stack[:level]
+        self.b.position_at_end(target.tail)
+        try:
+            yield
+        finally:
+            target.tail = self.b.block
+            self.stack = saved_stack
+            self.b.position_at_end(saved_block)
+
+    def loop(self, start: ir.Value, stop: ir.Value, name: str, vector: bool, body: Callable[[Loop], None]) -> None:
+        """``for var in range(start, stop, WIDTH if vector else 1): body`` with an open pre-chain."""
+        b = self.b
+        pre = b.append_basic_block(f"{name}.pre")
+        b.branch(pre)
+        cond = b.append_basic_block(f"{name}.cond")
+        body_block = b.append_basic_block(f"{name}.body")
+        end = b.append_basic_block(f"{name}.end")
+        b.position_at_end(cond)
+        var = b.phi(I64, name=name)
+        step = WIDTH if vector else 1
+        limit = b.sub(stop, i64(step - 1)) if vector else stop
+        b.cbranch(b.icmp_signed("<", var, limit), body_block, end)
+        loop = Loop(var, len(self.stack) + 1, vector, pre)
+        b.position_at_end(body_block)
+        self.stack.append(loop)
+        body(loop)
+        self.stack.pop()
+        var.add_incoming(b.add(var, i64(step), name=f"{name}.next"), b.block)
+        b.branch(cond)
+        b.position_at_end(loop.tail)
+        b.branch(cond)
+        var.add_incoming(start, loop.tail)
+        b.position_at_end(end)
+
+    def vector_and_rest(self, start: ir.Value, stop: ir.Value, name: str, body: Callable[[Loop], None]) -> None:
+        """The vector loop over ``[start, stop)`` where no vector loop is open, then its scalar rest."""
+        if any(loop.vector for loop in self.stack):
+            self.loop(start, stop, name, False, body)
+            return
+        counter = alloca_entry(self.b, I64, f"{name}.at")
+        self.b.store(start, counter)
+
+        def vector_body(loop: Loop) -> None:
+            body(loop)
+            self.b.store(self.b.add(loop.var, i64(WIDTH)), counter)
+
+        self.loop(start, stop, f"{name}.v", True, vector_body)
+        middle = self.b.load(counter, typ=I64, name=f"{name}.rest")
+        self.loop(middle, stop, f"{name}.s", False, body)
+
+    # ------------------------------------------------------------------ evaluation
+
+    def eval(self, value: Value, idx: tuple[Ix, ...]) -> Lane:
+        key = (value, tuple(ix.key() for ix in idx))
+        found = self.memo.get(key)
+        if found is not None:
+            return found
+        level = max((ix.level for ix in idx), default=0)
+        with self.at_level(level):
+            result = self._compute(value, idx)
+        self.memo[key] = result
+        return result
+
+    def _compute(self, value: Value, idx: tuple[Ix, ...]) -> Lane:
+        node = value.node
+        op = node.op.value
+        own = self.kernel.root is value and self.kernel.out is not None and self.kernel.out.base is value
+        if op == "constant" or (not own and self.schedule.view(value) is not None):
+            view = View.dense(value) if op == "constant" else self.schedule.view(value)
+            assert view is not None
+            return self.load(view, idx, value.dtype)
+        if op == "broadcast_to":
+            return self.eval(node.inputs[0], self._broadcast_index(idx, node.inputs[0].shape))
+        if op == "transpose":
+            inner = [ZERO] * len(idx)
+            for out_dim, in_dim in enumerate(node.attrs.perm):
+                inner[in_dim] = idx[out_dim]
+            return self.eval(node.inputs[0], tuple(inner))
+        if op == "split":
+            axis, start = node.attrs.axis, sum(node.attrs.sizes[: value.index])
+            shifted = list(idx)
+            shifted[axis] = _shift(idx[axis], start)
+            return self.eval(node.inputs[0], tuple(shifted))
+        if op == "reshape":
+            assert is_unit_reshape(node), "general reshapes are read as views"
+            return self.eval(node.inputs[0], _unit_reshape_index(idx, value.shape, node.inputs[0].shape))
+        if op in ("sum", "max"):
+            return self.reduce(value, idx)
+        if op == "embedding":
+            return self.embedding(value, idx)
+        definition = node.op.definition
+        assert definition.scalar is not None, f"no scalar formula for {op}"
+        operands = [self.eval(v, self._broadcast_index(idx, v.shape)) for v in node.inputs]
+        width = max(lane.width for lane in operands)
+        math_ = LaneMath(self, width)
+        args = [math_.widen(lane) for lane in operands]
+        result = definition.scalar(math_, *args, node.attrs)
+        kind = "b" if value.dtype == np.bool_ else ("i" if value.dtype.kind == "i" else "f")
+        return Lane(result, width, kind)
+
+    @staticmethod
+    def _broadcast_index(idx: tuple[Ix, ...], shape: tuple[int, ...]) -> tuple[Ix, ...]:
+        """The index of an operand of ``shape`` that broadcasts to the current one (right-aligned)."""
+        lead = len(idx) - len(shape)
+        return tuple(ZERO if size == 1 else idx[lead + i] for i, size in enumerate(shape))
+
+    def reduce(self, value: Value, idx: tuple[Ix, ...]) -> Lane:
+        """``sum`` / ``max`` over the reduced axes: nested loops, the innermost one vectorised."""
+        node = value.node
+        operand, axes, keepdims = node.inputs[0], node.attrs.axes, node.attrs.keepdims
+        kept = iter(idx)
+        template: list[Ix | None] = []
+        for dim in range(len(operand.shape)):
+            if dim in axes:
+                template.append(None)
+                if keepdims:
+                    next(kept)
+            else:
+                template.append(next(kept))
+        kind = node.op.value
+        identity = 0.0 if kind == "sum" else float("-inf")
+        width = WIDTH if any(loop.vector for loop in self.stack) else 1
+        outer_vector = width > 1
+        acc_type = ir.VectorType(F32, WIDTH) if outer_vector else F32
+        acc = alloca_entry(self.b, acc_type, f"{kind}.acc")
+        self.b.store(LaneMath(self, width).const(identity), acc)
+        lanes_acc = alloca_entry(self.b, ir.VectorType(F32, WIDTH), f"{kind}.vacc") if not outer_vector else None
+        if lanes_acc is not None:
+            self.b.store(LaneMath(self, WIDTH).const(identity), lanes_acc)
+
+        def combine(math_: LaneMath, a: ir.Value, x: ir.Value) -> ir.Value:
+            return math_.b.fadd(a, x, flags=REDUCE) if kind == "sum" else math_.maximum(a, x)
+
+        def nest(position: int, index: list[Ix | None], in_vector_body: bool) -> None:
+            reduced = [d for d in range(len(template)) if template[d] is None]
+            if position == len(reduced):
+                full = tuple(ix for ix in index if ix is not None)
+                term = self.eval(operand, full)
+                if in_vector_body:  # this iteration covers WIDTH reduced elements, one per lane
+                    assert lanes_acc is not None
+                    math_ = LaneMath(self, WIDTH)
+                    x = math_.widen(term)
+                    self.b.store(combine(math_, self.b.load(lanes_acc, typ=lanes_acc.allocated_type), x), lanes_acc)
+                else:
+                    math_ = LaneMath(self, width)
+                    x = math_.widen(term)
+                    self.b.store(combine(math_, self.b.load(acc, typ=acc_type), x), acc)
+                return
+            dim = reduced[position]
+            innermost = position == len(reduced) - 1
+
+            def body(loop: Loop) -> None:
+                nested = list(index)
+                nested[dim] = Ix(loop, 0, loop.level)
+                nest(position + 1, nested, loop.vector)
+
+            size = i64(operand.shape[dim])
+            if innermost:
+                self.vector_and_rest(i64(0), size, f"{kind}.{dim}", body)
+            else:
+                self.loop(i64(0), size, f"{kind}.{dim}", False, body)
+
+        nest(0, list(template), False)
+        total = self.b.load(acc, typ=acc_type)
+        if lanes_acc is not None:
+            partial = self.b.load(lanes_acc, typ=lanes_acc.allocated_type)
+            vec = ir.VectorType(F32, WIDTH)
+            if kind == "sum":
+                fold = intrinsic(self.module, f"llvm.vector.reduce.fadd.v{WIDTH}f32", F32, [F32, vec])
+                total = self.b.fadd(
+                    self.b.call(fold, [ir.Constant(F32, 0.0), partial], fastmath=REDUCE), total, flags=REDUCE
+                )
+            else:
+                fold = intrinsic(self.module, f"llvm.vector.reduce.fmaximum.v{WIDTH}f32", F32, [vec])
+                total = LaneMath(self, 1).maximum(self.b.call(fold, [partial]), total)
+        return Lane(total, width, "f")
+
+    def embedding(self, value: Value, idx: tuple[Ix, ...]) -> Lane:
+        table, ids = value.node.inputs
+        row = self.eval(ids, idx[:-1])
+        view = self.schedule.view(table)
+        assert view is not None
+        if row.width == 1:
+            return self.load(
+                view, (Ix(None, row.value, max((ix.level for ix in idx[:-1]), default=0)), idx[-1]), table.dtype
+            )
+        # Several rows at once (ids vary along the vector loop): gather lane by lane.
+        lanes = []
+        for lane in range(WIDTH):
+            scalar_row = self.b.extract_element(row.value, ir.Constant(I32, lane))
+            col = idx[-1]
+            lanes.append(self.load(view, (Ix(None, scalar_row, 0), _lane_of(self.b, col, lane)), table.dtype).value)
+        return Lane(_pack(self.b, lanes, F32), WIDTH, "f")
+
+    # ------------------------------------------------------------------ memory
+
+    def address(self, view: View, idx: tuple[Ix, ...]) -> tuple[ir.Value, int, Loop | None]:
+        """Scalar element offset for lane 0, the lane stride, and the vector loop the lanes follow."""
+        b = self.b
+        offset: ir.Value = i64(view.offset)
+        vector_loop: Loop | None = None
+        lane_stride = 0
+        for ix, size, stride in zip(idx, view.shape, view.strides, strict=True):
+            if stride == 0 or size == 1:
+                continue
+            add = ix.add
+            if isinstance(add, _AddLater):
+                term = b.add(add.value, i64(add.amount))
+            elif isinstance(add, int):
+                term = None if add == 0 else i64(add)
+            else:
+                term = add
+            if ix.loop is not None:
+                term = ix.loop.var if term is None else b.add(ix.loop.var, term)
+                if ix.loop.vector:
+                    vector_loop = ix.loop
+                    lane_stride += stride
+            if term is not None:
+                offset = b.add(offset, b.mul(term, i64(stride)))
+        return offset, lane_stride, vector_loop
+
+    def load(self, view: View, idx: tuple[Ix, ...], dtype: np.dtype) -> Lane:
+        b = self.b
+        element, kind = _element_type(dtype)
+        base = self.pointer(view.base)
+        offset, lane_stride, vector_loop = self.address(view, idx)
+        if vector_loop is None or lane_stride == 0:
+            loaded = b.load(gep(b, base, [offset], element), typ=element)
+            return Lane(_widen_scalar(b, loaded, kind), 1, kind)
+        if lane_stride == 1:
+            vec = ir.VectorType(element, WIDTH)
+            loaded = b.load(gep(b, base, [offset], element), typ=vec, align=element.width // 8 if element != F32 else 4)
+        else:
+            lanes = [
+                b.load(gep(b, base, [b.add(offset, i64(lane * lane_stride))], element), typ=element)
+                for lane in range(WIDTH)
+            ]
+            loaded = _pack(b, lanes, element)
+        return Lane(_widen_vector(b, loaded, kind), WIDTH, kind)
+
+    def store(self, view: View, idx: tuple[Ix, ...], lane: Lane, dtype: np.dtype) -> None:
+        b = self.b
+        element, kind = _element_type(dtype)
+        base = self.pointer(view.base)
+        offset, lane_stride, vector_loop = self.address(view, idx)
+        if lane.width == 1 and vector_loop is not None and lane_stride != 0:
+            lane = Lane(LaneMath(self, WIDTH).widen(lane), WIDTH, lane.kind)  # one value for every lane
+        value = _narrow(b, lane.value, element, kind)
+        if vector_loop is None or lane.width == 1:
+            b.store(value, gep(b, base, [offset], element))
+        elif lane_stride == 1:
+            b.store(value, gep(b, base, [offset], element), align=4 if element == F32 else 1)
+        else:
+            for i in range(WIDTH):
+                scalar = b.extract_element(value, ir.Constant(I32, i))
+                b.store(scalar, gep(b, base, [b.add(offset, i64(i * lane_stride))], element))
+
+    # ------------------------------------------------------------------ the kernel
+
+    def emit_item(self, item: ir.Value, chunking: Chunking) -> None:
+        """The body of one work item: its rows (and column range), evaluating and storing the root."""
+        kernel, b = self.kernel, self.b
+        assert kernel.root is not None and kernel.out is not None
+        shape = kernel.out.shape
+        row_dims = shape if chunking.row_mode else shape[:-1]
+        columns = 1 if chunking.row_mode else shape[-1]
+        if chunking.column_chunk:
+            per_row = -(-columns // chunking.column_chunk)
+            row = b.sdiv(item, i64(per_row), name="row")
+            chunk = b.srem(item, i64(per_row))
+            col0 = b.mul(chunk, i64(chunking.column_chunk), name="col0")
+            col1 = _min(b, b.add(col0, i64(chunking.column_chunk)), i64(columns))
+            self.emit_row(row, row_dims, col0, col1)
+            return
+        first = b.mul(item, i64(chunking.rows_per_item), name="row0")
+        last = _min(b, b.add(first, i64(chunking.rows_per_item)), i64(math.prod(row_dims)))
+
+        def row_body(loop: Loop) -> None:
+            self.stack.remove(loop)  # rows are not part of the nest the expressions see
+            saved = self.memo
+            self.memo = {}
+            self.emit_row(loop.var, row_dims, i64(0), i64(columns))
+            self.memo = saved
+            self.stack.append(loop)
+
+        self.loop(first, last, "row", False, row_body)
+
+    def emit_row(self, row: ir.Value, row_dims: tuple[int, ...], col0: ir.Value, col1: ir.Value) -> None:
+        kernel, b = self.kernel, self.b
+        assert kernel.root is not None and kernel.out is not None
+        indices: list[Ix] = []
+        rest = row
+        for size in reversed(row_dims):
+            indices.append(Ix(None, b.srem(rest, i64(size)) if size > 1 else 0, 0))
+            rest = b.sdiv(rest, i64(size)) if size > 1 else rest
+        row_idx = tuple(reversed(indices))
+        out_dtype = kernel.out.base.dtype
+        if len(row_dims) == len(kernel.out.shape):  # row mode: one element per row
+            self.store(kernel.out, row_idx, self.eval(kernel.root, row_idx), out_dtype)
+            return
+
+        root, out = kernel.root, kernel.out
+
+        def body(loop: Loop) -> None:
+            idx = (*row_idx, Ix(loop, 0, loop.level))
+            self.store(out, idx, self.eval(root, idx), out_dtype)
+
+        self.vector_and_rest(col0, col1, "col", body)
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """How a fused kernel's index space is split into parallel work items."""
+
+    row_mode: bool  # one output element per row (reductions over the last axis)
+    rows: int
+    rows_per_item: int
+    column_chunk: int  # 0: whole rows per item
+    items: int
+
+
+def plan_chunking(kernel: Kernel, schedule: Schedule, threads: int) -> Chunking:
+    assert kernel.root is not None and kernel.out is not None
+    shape = kernel.out.shape
+    row_mode = not shape or shape[-1] == 1 or _reduces_last_axis(kernel.root)
+    rows = math.prod(shape if row_mode else shape[:-1])
+    columns = 1 if row_mode else shape[-1]
+    work = max(1, _work_per_element(kernel, schedule) * columns)
+    if not row_mode and rows < 2 * threads and columns >= 4 * WIDTH and threads > 1:
+        chunk = max(WIDTH, -(-columns // (4 * threads)) // WIDTH * WIDTH)
+        return Chunking(row_mode, rows, 1, chunk, rows * -(-columns // chunk))
+    rows_per_item = max(1, min(rows, max(MIN_ITEM_ELEMENTS // work, -(-rows // (8 * max(threads, 1))))))
+    return Chunking(row_mode, rows, rows_per_item, 0, -(-rows // rows_per_item))
+
+
+def _reduces_last_axis(value: Value) -> bool:
+    """True for a value that is (a unit reshape of) a reduction over its operand's last axis."""
+    node = value.node
+    while node.op.value == "reshape" and is_unit_reshape(node):
+        node = node.inputs[0].node
+    return node.op.value in ("sum", "max") and len(node.inputs[0].shape) - 1 in node.attrs.axes
+
+
+def _work_per_element(kernel: Kernel, schedule: Schedule) -> int:
+    """A rough count of loop iterations per output element: 4, plus what inline reductions loop over."""
+    assert kernel.root is not None
+    work = 4
+    pending, seen = [kernel.root], set()
+    while pending:
+        value = pending.pop()
+        if value in seen or (value is not kernel.root and schedule.view(value) is not None):
+            continue
+        seen.add(value)
+        node = value.node
+        if node.op.value in ("sum", "max"):
+            work += math.prod(node.inputs[0].shape[a] for a in node.attrs.axes)
+        pending.extend(node.inputs)
+    return work
+
+
+def _unit_reshape_index(idx: tuple[Ix, ...], shape: tuple[int, ...], source: tuple[int, ...]) -> tuple[Ix, ...]:
+    """Map an index through a reshape that only adds or drops size-1 dimensions."""
+    entries = [ix for ix, size in zip(idx, shape, strict=True) if size != 1]
+    it = iter(entries)
+    return tuple(ZERO if size == 1 else next(it) for size in source)
+
+
+# ----------------------------------------------------------------------------- lane arithmetic
+
+
+class LaneMath:
+    """The emitter the ops' scalar formulas are written against (``OpDef.scalar``)."""
+
+    def __init__(self, emitter: FusedEmitter, width: int) -> None:
+        self.e = emitter
+        self.b = emitter.b
+        self.module = emitter.module
+        self.width = width
+
+    def _ty(self, element: ir.Type) -> ir.Type:
+        return element if self.width == 1 else ir.VectorType(element, self.width)
+
+    def widen(self, lane: Lane) -> ir.Value:
+        if lane.width == self.width:
+            return lane.value
+        element = lane.value.type
+        vector = self.b.insert_element(
+            ir.Constant(ir.VectorType(element, self.width), ir.Undefined), lane.value, ir.Constant(I32, 0)
+        )
+        zeros = ir.Constant(ir.VectorType(I32, self.width), [0] * self.width)
+        return self.b.shuffle_vector(vector, ir.Constant(ir.VectorType(element, self.width), ir.Undefined), zeros)
+
+    def const(self, x: float, like: ir.Value | None = None) -> ir.Constant:
+        element = F32 if like is None else _scalar_type(like.type)
+        value = float(x) if element == F32 else int(x)
+        return ir.Constant(self._ty(element), value if self.width == 1 else [value] * self.width)
+
+    def _suffix(self) -> str:
+        return "f32" if self.width == 1 else f"v{self.width}f32"
+
+    def _intrinsic(self, name: str, arity: int = 1) -> ir.Function:
+        ty = self._ty(F32)
+        return intrinsic(self.module, f"llvm.{name}.{self._suffix()}", ty, [ty] * arity)
+
+    def add(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        return self.b.fadd(a, b, flags=CONTRACT) if _is_float(a) else self.b.add(a, b)
+
+    def sub(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        return self.b.fsub(a, b, flags=CONTRACT) if _is_float(a) else self.b.sub(a, b)
+
+    def mul(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        return self.b.fmul(a, b, flags=CONTRACT) if _is_float(a) else self.b.mul(a, b)
+
+    def div(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        return self.b.fdiv(a, b)
+
+    def neg(self, x: ir.Value) -> ir.Value:
+        return self.b.fneg(x)
+
+    def exp(self, x: ir.Value) -> ir.Value:
+        return self.b.call(define_expf(self.module, self.width), [x])
+
+    def sqrt(self, x: ir.Value) -> ir.Value:
+        return self.b.call(self._intrinsic("sqrt"), [x])
+
+    def abs(self, x: ir.Value) -> ir.Value:
+        return self.b.call(self._intrinsic("fabs"), [x])
+
+    def maximum(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        if _is_float(a):
+            return self.b.call(self._intrinsic("maximum", 2), [a, b])
+        return self.b.select(self.b.icmp_signed(">", a, b), a, b)
+
+    def minimum(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        if _is_float(a):
+            return self.b.call(self._intrinsic("minimum", 2), [a, b])
+        return self.b.select(self.b.icmp_signed("<", a, b), a, b)
+
+    def compare(self, predicate: str, a: ir.Value, b: ir.Value) -> ir.Value:
+        if _is_float(a):
+            if predicate == "!=":
+                return self.b.fcmp_unordered("!=", a, b)  # NaN != NaN, as in NumPy
+            return self.b.fcmp_ordered(predicate, a, b)
+        if _scalar_type(a.type) == I1:
+            return self.b.icmp_unsigned(predicate, a, b)
+        return self.b.icmp_signed(predicate, a, b)
+
+    def logical(self, kind: str, a: ir.Value, b: ir.Value | None = None) -> ir.Value:
+        if kind == "not":
+            return self.b.xor(a, ir.Constant(a.type, 1 if self.width == 1 else [1] * self.width))
+        assert b is not None
+        return self.b.and_(a, b) if kind == "and" else self.b.or_(a, b)
+
+    def select(self, cond: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
+        return self.b.select(cond, a, b)
+
+    def call(self, name: str, *args: ir.Value) -> ir.Value:
+        """A C math library function, lane by lane (log, tanh, erf and pow are off the hot paths)."""
+        fn = declare(self.module, LIBM[name], F32, [F32] * len(args))
+        if self.width == 1:
+            return self.b.call(fn, list(args))
+        lanes = []
+        for i in range(self.width):
+            lane = ir.Constant(I32, i)
+            lanes.append(self.b.call(fn, [self.b.extract_element(a, lane) for a in args]))
+        return _pack(self.b, lanes, F32)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _is_float(value: ir.Value) -> bool:
+    return _scalar_type(value.type) == F32
+
+
+def _scalar_type(ty: ir.Type) -> ir.Type:
+    return ty.element if isinstance(ty, ir.VectorType) else ty
+
+
+def _element_type(dtype: np.dtype) -> tuple[ir.Type, str]:
+    if dtype == np.float32:
+        return F32, "f"
+    if dtype == np.bool_:
+        return I8, "b"
+    if dtype == np.int32:
+        return I32, "i"
+    if dtype == np.int64:
+        return I64, "i"
+    raise AssertionError(f"no loop-nest type for {dtype}")
+
+
+def _widen_scalar(b: ir.IRBuilder, loaded: ir.Value, kind: str) -> ir.Value:
+    if kind == "b":
+        return b.icmp_unsigned("!=", loaded, ir.Constant(I8, 0))
+    if kind == "i" and loaded.type != I64:
+        return b.sext(loaded, I64)
+    return loaded
+
+
+def _widen_vector(b: ir.IRBuilder, loaded: ir.Value, kind: str) -> ir.Value:
+    if kind == "b":
+        return b.icmp_unsigned("!=", loaded, ir.Constant(loaded.type, [0] * WIDTH))
+    if kind == "i" and loaded.type.element != I64:
+        return b.sext(loaded, ir.VectorType(I64, WIDTH))
+    return loaded
+
+
+def _narrow(b: ir.IRBuilder, value: ir.Value, element: ir.Type, kind: str) -> ir.Value:
+    if kind == "f":
+        return value
+    vector = isinstance(value.type, ir.VectorType)
+    target = ir.VectorType(element, WIDTH) if vector else element
+    if kind == "b":
+        return b.zext(value, target)
+    return value if value.type == target else b.trunc(value, target)
+
+
+def _pack(b: ir.IRBuilder, lanes: list[ir.Value], element: ir.Type) -> ir.Value:
+    vector: ir.Value = ir.Constant(ir.VectorType(element, len(lanes)), ir.Undefined)
+    for i, lane in enumerate(lanes):
+        vector = b.insert_element(vector, lane, ir.Constant(I32, i))
+    return vector
+
+
+def _lane_of(b: ir.IRBuilder, ix: Ix, lane: int) -> Ix:
+    """One lane of a vector index as a scalar index (the loop variable is lane 0's position)."""
+    if ix.loop is None or not ix.loop.vector:
+        return ix
+    position = b.add(ix.loop.var, i64(lane))
+    if isinstance(ix.add, _AddLater):
+        position = b.add(position, b.add(ix.add.value, i64(ix.add.amount)))
+    elif isinstance(ix.add, int):
+        position = b.add(position, i64(ix.add))
+    else:
+        position = b.add(position, ix.add)
+    return Ix(None, position, ix.level)
+
+
+def _min(b: ir.IRBuilder, a: ir.Value, c: ir.Value) -> ir.Value:
+    return b.select(b.icmp_signed("<", a, c), a, c)
+
+
+__all__ = ["Chunking", "FusedEmitter", "LaneMath", "plan_chunking"]

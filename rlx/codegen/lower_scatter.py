@@ -1,0 +1,45 @@
+"""``embedding_grad``: rows of ``dy`` added into a zeroed ``[V, E]`` table at their ids.
+
+Serial on purpose: the rows are added in index order, so repeated ids sum in the same order on
+every run and for every thread count (a parallel scatter-add would need atomics and lose that).
+The ids were checked against ``V`` before the call (``rlx.bind.check_index_inputs``).
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+
+from rlx.codegen.irutil import I32, I64, PTR, VOID, for_range, gep, gep_f32, i64
+from rlx.codegen.vector import Lanes, vector_fill, vector_loop
+from rlx.codegen.views import View
+
+
+def emit_scatter_item(
+    module: ir.Module, dy: View, ids: View, out_shape: tuple[int, int], ids_itemsize: int, name: str
+) -> ir.Function:
+    """``void item(ptr args, i64 item, ptr scratch)``; args = [dy, ids, out]; one item."""
+    fn = ir.Function(module, ir.FunctionType(VOID, [PTR, I64, PTR]), name=name)
+    fn.linkage = "internal"
+    args = fn.args[0]
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    dy_ptr = gep_f32(b, b.load(gep(b, args, [i64(0)], PTR), typ=PTR), dy.offset, "dy")
+    id_type = I32 if ids_itemsize == 4 else I64
+    ids_ptr = gep(b, b.load(gep(b, args, [i64(1)], PTR), typ=PTR), [i64(ids.offset)], id_type, "ids")
+    out_ptr = b.load(gep(b, args, [i64(2)], PTR), typ=PTR, name="out")
+    rows, width = out_shape
+    count = 1
+    for size in ids.shape:
+        count *= size
+    vector_fill(b, out_ptr, i64(0), i64(rows * width), 0.0, "zero")
+    with for_range(b, 0, count, "r") as r:
+        row_id = b.load(gep(b, ids_ptr, [r], id_type), typ=id_type)
+        row_id = b.sext(row_id, I64) if id_type == I32 else row_id
+        target = gep_f32(b, out_ptr, b.mul(row_id, i64(width)), "target")
+        source = gep_f32(b, dy_ptr, b.mul(r, i64(width)), "source")
+
+        def add(b: ir.IRBuilder, j: ir.Value, lanes: Lanes) -> None:
+            lanes.store(b, b.fadd(lanes.load(b, target, j), lanes.load(b, source, j)), target, j)
+
+        vector_loop(b, i64(0), i64(width), "col", add)
+    b.ret_void()
+    return fn

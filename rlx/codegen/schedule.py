@@ -1,0 +1,215 @@
+"""Which values get memory, and which kernels one call runs, in what order.
+
+The rule is the one of inductor and tinygrad schedulers: a value is *materialised* (gets a
+buffer) only where something needs memory: a graph input or output, a constant, the operands and
+results of ops that call out of the loop nest (``matmul`` via BLAS, attention, scatter-adds,
+``concat``). Everything else, elementwise ops, broadcasts, reductions, and the view ops over
+them, is computed inline inside the loop nest of the materialised value that reads it
+(:mod:`rlx.codegen.fused`), so its intermediates live in registers. View ops over a buffer
+(reshape, transpose, split, broadcast_to) are strided views of it (:mod:`rlx.codegen.views`):
+they cost nothing unless strides cannot express them, in which case the view is copied once.
+
+One kernel per materialised value (or per node for the ops with their own lowering), in the
+graph's topological order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from rlx.codegen.views import View
+from rlx.errors import RlxValueError
+from rlx.ir.graph import Graph, Node, Value
+from rlx.ir.ops import OpKind
+
+# Ops lowered by a kernel of their own; their results and operands are buffers.
+CALL_OUT_OPS = frozenset({"matmul", "attention", "attention_bwd", "embedding_grad"})
+VIEW_OPS = frozenset({"reshape", "transpose", "split", "broadcast_to"})
+REDUCE_OPS = frozenset({"sum", "max"})
+LEAF_OPS = frozenset({"input", "constant"})
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One step of a call.
+
+    A fused kernel evaluates ``root`` at every index of ``out`` (a view of a buffer: the root's
+    own, or a slice of a ``concat``'s) as one loop nest. Otherwise (``root`` None) it is the
+    node's own lowering (BLAS matmul, attention, scatter-add).
+    """
+
+    node: Node
+    root: Value | None
+    out: View | None
+    reads: tuple[Value, ...]  # the materialised values whose buffers it reads
+
+    @property
+    def computes(self) -> tuple[Value, ...]:
+        """The values this kernel writes (for ``exe.kernels``)."""
+        if self.root is None:
+            return self.node.outputs
+        assert self.out is not None
+        return (self.out.base,)
+
+
+@dataclass
+class Schedule:
+    order: list[Node]
+    materialised: set[Value]
+    kernels: list[Kernel]
+    views: dict[Value, View | None] = field(default_factory=dict)
+
+    def view(self, value: Value) -> View | None:
+        """The strided view of a buffer that holds ``value``, or None if it is computed inline."""
+        if value in self.views:
+            return self.views[value]
+        node = value.node
+        result: View | None
+        if value in self.materialised or node.op.value in LEAF_OPS:
+            result = View.dense(value)
+        elif node.op.value in VIEW_OPS:
+            source = self.view(node.inputs[0])
+            result = None if source is None else apply_view_op(node, value.index, source)
+        else:
+            result = None
+        self.views[value] = result
+        return result
+
+
+def apply_view_op(node: Node, index: int, source: View) -> View | None:
+    """The view ``node`` (a view op) makes of ``source``; None if strides cannot express it."""
+    op, attrs = node.op.value, node.attrs
+    if op == "transpose":
+        return source.transpose(attrs.perm)
+    if op == "broadcast_to":
+        return source.broadcast_to(attrs.shape)
+    if op == "split":
+        start = sum(attrs.sizes[:index])
+        return source.slice(attrs.axis, start, attrs.sizes[index])
+    if op == "reshape":
+        return source.reshape(attrs.shape)
+    raise AssertionError(op)
+
+
+def is_unit_reshape(node: Node) -> bool:
+    """A reshape that only inserts or removes size-1 dimensions (index mapping without division)."""
+    before = [d for d in node.inputs[0].shape if d != 1]
+    after = [d for d in node.attrs.shape if d != 1]
+    return before == after
+
+
+def build_schedule(graph: Graph, order: Sequence[Node] | None = None) -> Schedule:
+    """Decide the buffers and the kernels of ``graph`` (already decomposed into primitives)."""
+    order = list(graph.nodes if order is None else order)
+    for node in order:
+        if node.op.definition.decompose is not None:
+            raise RlxValueError(
+                f"codegen: {node.op} (node {node.id}) must be decomposed first (run the decompose pass)"
+            )
+    schedule = Schedule(order, set(), [])
+    materialised = schedule.materialised
+
+    def materialise(value: Value) -> None:
+        materialised.add(value)
+        schedule.views.clear()  # views cached as None may now exist
+
+    def needs_buffer(value: Value) -> None:
+        """Make ``value`` readable as a strided view of some buffer."""
+        if schedule.view(value) is not None:
+            return
+        node = value.node
+        if node.op.value in VIEW_OPS:
+            needs_buffer(node.inputs[0])
+            schedule.views.clear()
+            if schedule.view(value) is not None:
+                return
+        materialise(value)
+
+    for node in order:
+        op = node.op.value
+        if op in CALL_OUT_OPS:
+            materialised.update(node.outputs)
+            for operand in node.inputs:
+                needs_buffer(operand)
+                view = schedule.view(operand)
+                assert view is not None
+                if not operand_fits(op, view):
+                    materialise(operand)  # copied once into a dense buffer
+        elif op == "concat":
+            materialise(node.outputs[0])
+        elif op == "embedding":
+            needs_buffer(node.inputs[0])  # table rows are loaded at ids computed inline
+        elif op == "reshape" and not is_unit_reshape(node):
+            needs_buffer(node.inputs[0])  # a general reshape divides indices: read it as a view
+    for value in graph.outputs.values():
+        if value.node.op is not OpKind.INPUT:
+            materialise(value)
+
+    for node in order:
+        op = node.op.value
+        if op == "input":
+            continue
+        if op in CALL_OUT_OPS:
+            reads = tuple(dict.fromkeys(_base(schedule, v) for v in node.inputs))
+            schedule.kernels.append(Kernel(node, None, None, reads))
+        elif op == "concat" and node.outputs[0] in materialised:
+            whole = View.dense(node.outputs[0])
+            start = 0
+            for part in node.inputs:
+                out = whole.slice(node.attrs.axis, start, part.shape[node.attrs.axis])
+                start += part.shape[node.attrs.axis]
+                schedule.kernels.append(Kernel(node, part, out, tuple(dict.fromkeys(inline_reads(schedule, part)))))
+        else:
+            for value in node.outputs:
+                if value in materialised:
+                    reads = tuple(dict.fromkeys(inline_reads(schedule, value, own=True)))
+                    schedule.kernels.append(Kernel(node, value, View.dense(value), reads))
+    return schedule
+
+
+def _base(schedule: Schedule, value: Value) -> Value:
+    view = schedule.view(value)
+    assert view is not None, value
+    return view.base
+
+
+def operand_fits(op: str, view: View) -> bool:
+    """Whether the lowering of ``op`` reads this operand view in place."""
+    if op == "matmul":
+        return matmul_operand_fits(view)
+    return view.is_dense  # attention and scatter-add index dense rows
+
+
+def matmul_operand_fits(view: View) -> bool:
+    """BLAS reads a matrix with one unit stride and the other at least the row length."""
+    rows, cols = view.shape[-2], view.shape[-1]
+    row_stride, col_stride = view.strides[-2], view.strides[-1]
+    if col_stride == 1 or cols == 1:
+        return row_stride >= max(cols, 1) or rows == 1
+    if row_stride == 1 or rows == 1:
+        return col_stride >= max(rows, 1) or cols == 1
+    return False
+
+
+def inline_reads(schedule: Schedule, root: Value, own: bool = False) -> list[Value]:
+    """The buffers the loop nest of ``root`` reads: the bases where its inline expression stops.
+
+    ``own``: the kernel writes ``root``'s own buffer, so ``root`` itself is computed, not read.
+    """
+    found: list[Value] = []
+    seen: set[Value] = set()
+    pending = list(root.node.inputs) if own else [root]
+    if own and root.node.op.value == "constant":
+        found.append(root)  # a constant returned as an output is copied from its data
+    while pending:
+        value = pending.pop()
+        if value in seen:
+            continue
+        seen.add(value)
+        view = schedule.view(value)
+        if view is not None:
+            found.append(view.base)
+            continue
+        pending.extend(value.node.inputs)
+    return found
