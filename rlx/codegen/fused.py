@@ -200,8 +200,13 @@ class FusedEmitter:
             shifted[axis] = _shift(idx[axis], start)
             return self.eval(node.inputs[0], tuple(shifted))
         if op == "reshape":
-            assert is_unit_reshape(node), "general reshapes are read as views"
-            return self.eval(node.inputs[0], _unit_reshape_index(idx, value.shape, node.inputs[0].shape))
+            if is_unit_reshape(node):
+                return self.eval(node.inputs[0], _unit_reshape_index(idx, value.shape, node.inputs[0].shape))
+            source = self.schedule.view(node.inputs[0])  # the scheduler made sure this view exists
+            assert source is not None
+            reshaped = source.reshape(node.attrs.shape)
+            assert reshaped is not None
+            return self.load(reshaped, idx, value.dtype)
         if op in ("sum", "max"):
             return self.reduce(value, idx)
         if op == "embedding":

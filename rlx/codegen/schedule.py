@@ -141,7 +141,12 @@ def build_schedule(graph: Graph, order: Sequence[Node] | None = None) -> Schedul
         elif op == "embedding":
             needs_buffer(node.inputs[0])  # table rows are loaded at ids computed inline
         elif op == "reshape" and not is_unit_reshape(node):
-            needs_buffer(node.inputs[0])  # a general reshape divides indices: read it as a view
+            # A general reshape would divide indices: read it as a view of a buffer instead,
+            # copying the operand densely first if strides cannot express the reshape.
+            needs_buffer(node.inputs[0])
+            source = schedule.view(node.inputs[0])
+            if source is None or source.reshape(node.attrs.shape) is None:
+                materialise(node.inputs[0])
     for value in graph.outputs.values():
         if value.node.op is not OpKind.INPUT:
             materialise(value)

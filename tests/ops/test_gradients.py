@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from samples import SAMPLES, Sample, sample_inputs
+from op_samples import SAMPLES, Sample, sample_inputs
 
 import rlx
 from rlx import Graph, Value

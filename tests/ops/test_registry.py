@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from samples import SAMPLES
+from op_samples import SAMPLES
 
 from rlx import Graph, OpKind
 from rlx.ir.opdef import REGISTRY, no_gradient, not_differentiable
@@ -41,7 +41,7 @@ def test_definition_is_complete(name: str) -> None:
 
 @pytest.mark.parametrize("name", OPS)
 def test_every_op_has_a_sample(name: str) -> None:
-    assert any(sample.op == name for sample in SAMPLES), f"add a sample for {name} to tests/ops/samples.py"
+    assert any(sample.op == name for sample in SAMPLES), f"add a sample for {name} to tests/op_samples.py"
 
 
 def test_gradient_sentinels_are_used_on_purpose() -> None:
