@@ -19,7 +19,7 @@ import numpy as np
 
 from rlx.bind import bind_inputs, check_index_inputs, index_bounds
 from rlx.codegen.jit import CompiledLibrary, compile_ir
-from rlx.codegen.lower import CodegenOptions, lower_graph, scratch_bytes, work_items
+from rlx.codegen.lower import CodegenOptions, lower_graph, profile_offset, scratch_bytes, work_items
 from rlx.codegen.memory_plan import MemoryPlan, plan_memory, random_topological_order
 from rlx.codegen.schedule import Schedule, build_schedule
 from rlx.config import RuntimeConfig, resolve_config, resolve_num_threads
@@ -56,6 +56,7 @@ class Program:
     config: RuntimeConfig
     threads: int
     output_types: dict[str, tuple[tuple[int, ...], np.dtype]] = field(default_factory=dict)
+    profile: int | None = None  # arena offset of the per-kernel timings in a profiling build
 
 
 _cache: OrderedDict[tuple, Program] = OrderedDict()
@@ -182,7 +183,8 @@ def _build(
     entry = _ENTRY_TYPE(library.entry_address)
     output_types = {name: (v.type.shape, v.type.dtype) for name, v in working.outputs.items()}
     kernels = _kernel_infos(working, schedule)
-    return Program(working, plan, kernels, llvm_ir, library, entry, times, config, threads, output_types)
+    profile = profile_offset(plan) if options.profile else None
+    return Program(working, plan, kernels, llvm_ir, library, entry, times, config, threads, output_types, profile)
 
 
 class Executable:
@@ -225,6 +227,17 @@ class Executable:
         """The kernels one call runs, in order; each has ``.name`` and ``.nodes`` (values it computes)."""
         return list(self._program.kernels)
 
+    def profile(self, **arrays: object) -> list[tuple[KernelInfo, float]]:
+        """Run one call and return each kernel with its seconds (compile with ``CodegenOptions(profile=True)``)."""
+        program = self._program
+        if program.profile is None:
+            raise RlxValueError("this executable was not compiled for profiling: pass CodegenOptions(profile=True)")
+        self(**arrays)
+        arena = self._arenas.buffer
+        offset = (-arena.ctypes.data) % 64 + program.profile
+        nanoseconds = np.frombuffer(arena, dtype=np.int64, count=len(program.kernels), offset=offset)
+        return [(info, float(ns) * 1e-9) for info, ns in zip(program.kernels, nanoseconds, strict=True)]
+
     def __call__(self, **arrays: object) -> dict[str, np.ndarray]:
         program = self._program
         bound = bind_inputs(program.graph, arrays)
@@ -237,7 +250,7 @@ class Executable:
             shape, dtype = program.output_types[name]
             buffers.append(np.empty(shape, dtype=dtype))
         pointers = (ctypes.c_void_p * max(1, len(buffers)))(*(array.ctypes.data for array in buffers))
-        arena = self._arena(plan.arena_bytes)
+        arena = self._arena(plan.arena_bytes if program.profile is None else program.profile + 8 * len(program.kernels))
         program.entry(ctypes.addressof(pointers), arena.ctypes.data)
         return {
             name: buffers[slot] if name in plan.owned_outputs else buffers[slot].copy()

@@ -26,7 +26,7 @@ from rlx.codegen.blas import SGEMM, libc_symbol, load_blas
 from rlx.errors import RlxError
 
 ENTRY = "rlx_entry"
-_IMPORTED_LIBC = ("pthread_create", "pthread_join", "logf", "tanhf", "erff", "powf")
+_IMPORTED_LIBC = ("pthread_create", "pthread_join", "logf", "tanhf", "erff", "powf", "clock_gettime")
 _library_ids = itertools.count()
 _lock = threading.RLock()
 

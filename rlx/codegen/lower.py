@@ -16,7 +16,7 @@ import numpy as np
 from llvmlite import ir
 
 from rlx.codegen.fused import FusedEmitter, plan_chunking
-from rlx.codegen.irutil import I8, I64, PTR, VOID, alloca_entry, gep, i64
+from rlx.codegen.irutil import I8, I64, PTR, VOID, alloca_entry, declare, gep, i64
 from rlx.codegen.jit import ENTRY
 from rlx.codegen.lower_attention import AttentionKernelSpec, AttentionLowering, choose_block_q
 from rlx.codegen.lower_gemm import emit_gemm_item, gemm_spec
@@ -39,6 +39,7 @@ class CodegenOptions:
 
     block_q: int | None = None  # query rows per strip; None: chosen from the shapes
     order_seed: int | None = None  # plan a random topological order (planner fuzzing)
+    profile: bool = False  # time every kernel of a call (``Executable.profile``)
 
 
 def kernel_spec(node: Node, config: RuntimeConfig, options: CodegenOptions) -> AttentionKernelSpec:
@@ -207,10 +208,40 @@ def lower_graph(
     b = ir.IRBuilder(entry.append_basic_block("entry"))
     constants = {node.outputs[0]: _constant_global(module, node) for node in plan.order if node.op is OpKind.CONSTANT}
     state = _Lowering(graph, plan, schedule, config, options, threads, module, b, buffers, arena, constants)
+    clock = _Clock(module, b, arena, profile_offset(plan)) if options.profile else None
     for index, kernel in enumerate(schedule.kernels):
+        start = clock.now() if clock else None
         state.lower(index, kernel)
+        if clock and start is not None:
+            clock.record(index, start)
     b.ret_void()
     return str(module)
+
+
+def profile_offset(plan: MemoryPlan) -> int:
+    """Where a profiling build keeps its per-kernel nanoseconds: after the arena proper."""
+    return -(-plan.arena_bytes // 64) * 64
+
+
+class _Clock:
+    """``clock_gettime(CLOCK_MONOTONIC)`` around each kernel; durations (ns, i64) into the arena tail."""
+
+    def __init__(self, module: ir.Module, b: ir.IRBuilder, arena: ir.Value, offset: int) -> None:
+        self.b = b
+        self.fn = declare(module, "clock_gettime", ir.IntType(32), [ir.IntType(32), PTR])
+        self.spec = alloca_entry(b, ir.ArrayType(I64, 2), "timespec")
+        self.slots = gep(b, arena, [i64(offset)], I8, "profile")
+
+    def now(self) -> ir.Value:
+        b = self.b
+        b.call(self.fn, [ir.Constant(ir.IntType(32), 1), self.spec])
+        sec = b.load(gep(b, self.spec, [i64(0), i64(0)], ir.ArrayType(I64, 2)), typ=I64)
+        nsec = b.load(gep(b, self.spec, [i64(0), i64(1)], ir.ArrayType(I64, 2)), typ=I64)
+        return b.add(b.mul(sec, i64(1_000_000_000)), nsec)
+
+    def record(self, index: int, start: ir.Value) -> None:
+        b = self.b
+        b.store(b.sub(self.now(), start), gep(b, self.slots, [i64(index)], I64))
 
 
 def _constant_global(module: ir.Module, node: Node) -> ir.GlobalVariable:
