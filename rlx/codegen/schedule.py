@@ -150,6 +150,7 @@ def build_schedule(graph: Graph, order: Sequence[Node] | None = None) -> Schedul
     for value in graph.outputs.values():
         if value.node.op is not OpKind.INPUT:
             materialise(value)
+    _materialise_row_statistics_of_column_reductions(schedule, materialise)
 
     for node in order:
         op = node.op.value
@@ -171,6 +172,46 @@ def build_schedule(graph: Graph, order: Sequence[Node] | None = None) -> Schedul
                     reads = tuple(dict.fromkeys(inline_reads(schedule, value, own=True)))
                     schedule.kernels.append(Kernel(node, value, View.dense(value), reads))
     return schedule
+
+
+def _reduction_of(value: Value) -> Node | None:
+    """The sum/max node ``value`` is (through unit reshapes), or None."""
+    node = value.node
+    while node.op.value == "reshape" and is_unit_reshape(node):
+        node = node.inputs[0].node
+    return node if node.op.value in REDUCE_OPS else None
+
+
+def _reduces_last_axis(node: Node) -> bool:
+    return len(node.inputs[0].shape) - 1 in node.attrs.axes
+
+
+def _materialise_row_statistics_of_column_reductions(schedule: Schedule, materialise) -> None:  # type: ignore[no-untyped-def]
+    """Give a buffer to each row reduction read inside a column reduction.
+
+    A column reduction (a norm weight's gradient: a sum over every axis but the last) loops over
+    rows inside each block of columns; a row statistic computed inline there would be recomputed
+    for every block. Materialised once, it is a load.
+    """
+    changed = True
+    while changed:
+        changed = False
+        for root in list(schedule.materialised):
+            outer = _reduction_of(root)
+            if outer is None or _reduces_last_axis(outer) or root.node.op.value in LEAF_OPS:
+                continue
+            pending, seen = list(outer.inputs), set()
+            while pending:
+                value = pending.pop()
+                if value in seen or schedule.view(value) is not None:
+                    continue
+                seen.add(value)
+                inner = _reduction_of(value)
+                if inner is not None and _reduces_last_axis(inner):
+                    materialise(value)
+                    changed = True
+                    continue
+                pending.extend(value.node.inputs)
 
 
 def _base(schedule: Schedule, value: Value) -> Value:
