@@ -127,9 +127,14 @@ def index_bounds(graph: Graph) -> list[tuple[Value, int, str]]:
     return bounds
 
 
-def check_index_inputs(graph: Graph, bound: Mapping[str, np.ndarray]) -> None:
-    """``RlxValueError`` naming the input unless every index in it is in range (see :func:`index_bounds`)."""
-    for source, limit, what in index_bounds(graph):
+def check_index_inputs(
+    graph: Graph, bound: Mapping[str, np.ndarray], bounds: list[tuple[Value, int, str]] | None = None
+) -> None:
+    """``RlxValueError`` naming the input unless every index in it is in range (see :func:`index_bounds`).
+
+    ``bounds`` is :func:`index_bounds` computed once, for callers that check many calls.
+    """
+    for source, limit, what in index_bounds(graph) if bounds is None else bounds:
         node = source.node
         if node.op.value == "input":
             name = node.attrs.name

@@ -1,7 +1,9 @@
 """The BLAS rlx calls: OpenBLAS from the ``scipy-openblas32`` wheel (CBLAS names prefixed ``scipy_``).
 
 Loaded once per process. BLAS runs single-threaded because rlx parallelises over batch x heads
-itself; nested BLAS threads would oversubscribe the cores.
+itself; nested BLAS threads would oversubscribe the cores. The one exception is a single large
+matmul, which OpenBLAS splits over threads better than rlx can (it shares the packed panels):
+its kernel raises the BLAS thread count around the call and sets it back to one.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 from dataclasses import dataclass
 
 SGEMM = "scipy_cblas_sgemm"
-_SET_THREADS = "scipy_openblas_set_num_threads"
+SET_THREADS = "scipy_openblas_set_num_threads"
 
 # CBLAS enum values (cblas.h).
 ROW_MAJOR = 101
@@ -25,6 +27,7 @@ class Blas:
     path: str
     library: ctypes.CDLL
     sgemm_address: int
+    set_threads_address: int
 
 
 @functools.cache
@@ -34,12 +37,14 @@ def load_blas() -> Blas:
 
     path = os.path.join(scipy_openblas32.get_lib_dir(), f"lib{scipy_openblas32.get_library()}.so")
     library = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-    set_threads = getattr(library, _SET_THREADS)
+    set_threads = getattr(library, SET_THREADS)
     set_threads.argtypes = [ctypes.c_int]
     set_threads(1)
     address = ctypes.cast(getattr(library, SGEMM), ctypes.c_void_p).value
     assert address, f"{SGEMM} not found in {path}"
-    return Blas(path=path, library=library, sgemm_address=int(address))
+    threads_address = ctypes.cast(set_threads, ctypes.c_void_p).value
+    assert threads_address, f"{SET_THREADS} not found in {path}"
+    return Blas(path=path, library=library, sgemm_address=int(address), set_threads_address=int(threads_address))
 
 
 @functools.cache

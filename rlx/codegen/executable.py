@@ -57,6 +57,7 @@ class Program:
     threads: int
     output_types: dict[str, tuple[tuple[int, ...], np.dtype]] = field(default_factory=dict)
     profile: int | None = None  # arena offset of the per-kernel timings in a profiling build
+    index_bounds: list = field(default_factory=list)  # (source, limit, what) of every index operand
 
 
 _cache: OrderedDict[tuple, Program] = OrderedDict()
@@ -184,7 +185,20 @@ def _build(
     output_types = {name: (v.type.shape, v.type.dtype) for name, v in working.outputs.items()}
     kernels = _kernel_infos(working, schedule)
     profile = profile_offset(plan) if options.profile else None
-    return Program(working, plan, kernels, llvm_ir, library, entry, times, config, threads, output_types, profile)
+    return Program(
+        working,
+        plan,
+        kernels,
+        llvm_ir,
+        library,
+        entry,
+        times,
+        config,
+        threads,
+        output_types,
+        profile,
+        index_bounds(working),
+    )
 
 
 class Executable:
@@ -241,7 +255,7 @@ class Executable:
     def __call__(self, **arrays: object) -> dict[str, np.ndarray]:
         program = self._program
         bound = bind_inputs(program.graph, arrays)
-        check_index_inputs(program.graph, bound)  # ids are checked before native code reads with them
+        check_index_inputs(program.graph, bound, program.index_bounds)  # before native code reads with ids
         plan = program.plan
         # Buffer slots in entry order: the inputs (bind_inputs keeps declaration order), then a
         # fresh array per output slot.

@@ -22,7 +22,7 @@ from pathlib import Path
 import llvmlite
 import llvmlite.binding as llvm
 
-from rlx.codegen.blas import SGEMM, libc_symbol, load_blas
+from rlx.codegen.blas import SET_THREADS, SGEMM, libc_symbol, load_blas
 from rlx.errors import RlxError
 
 ENTRY = "rlx_entry"
@@ -114,8 +114,14 @@ def cache_key(llvm_ir: str) -> str:
     from rlx import __version__
 
     state = jit_state()
-    parts = [llvm_ir, llvmlite.__version__, ".".join(map(str, llvm.llvm_version_info)), state.cpu, state.features,
-             __version__]
+    parts = [
+        llvm_ir,
+        llvmlite.__version__,
+        ".".join(map(str, llvm.llvm_version_info)),
+        state.cpu,
+        state.features,
+        __version__,
+    ]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
@@ -171,6 +177,7 @@ def _load(object_code: bytes, llvm_ir: str, optimized_ir: str | None, times: dic
     start = time.perf_counter()
     library = llvm.JITLibraryBuilder().add_object_img(object_code).add_current_process()
     library.import_symbol(SGEMM, load_blas().sgemm_address)
+    library.import_symbol(SET_THREADS, load_blas().set_threads_address)
     for name in _IMPORTED_LIBC:
         library.import_symbol(name, libc_symbol(name))
     library.export_symbol(ENTRY)

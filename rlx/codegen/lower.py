@@ -161,7 +161,7 @@ class _Lowering:
         elif op == "matmul":
             a, bm = (self.schedule.view(v) for v in node.inputs)
             assert a is not None and bm is not None
-            gemm = gemm_spec(a, bm, node.outputs[0].shape)
+            gemm = gemm_spec(a, bm, node.outputs[0].shape, self.threads)
             item_fn = emit_gemm_item(self.module, gemm, f"matmul.{node.id}")
             pointers = [self.base_pointer(a.base), self.base_pointer(bm.base), self.base_pointer(node.outputs[0])]
             self.call(item_fn, pointers, gemm.items, self.threads, str(node.id))

@@ -278,8 +278,14 @@ class AttentionLowering:
         return fn
 
     def _scores_and_softmax(
-        self, b: ir.IRBuilder, q_head: ir.Value, k_head: ir.Value, mask_base: ir.Value, strip: ir.Value,
-        i0: ir.Value, rows: ir.Value,
+        self,
+        b: ir.IRBuilder,
+        q_head: ir.Value,
+        k_head: ir.Value,
+        mask_base: ir.Value,
+        strip: ir.Value,
+        i0: ir.Value,
+        rows: ir.Value,
     ) -> tuple[ir.Value, ir.Value]:
         spec, dims = self.spec, self.spec.dims
         ld = self._row_stride()
@@ -298,8 +304,9 @@ class AttentionLowering:
         nk.add_incoming(i64(dims.seq_k), retry)
         q_strip = gep_f32(b, q_head, b.mul(i0, i64(ld)), name="q.strip")
         k_vis = gep_f32(b, k_head, b.mul(ks, i64(ld)), name="k.vis")
-        self._sgemm(b, NO_TRANS, TRANS, rows, nk, i64(dims.head_dim), spec.scale, q_strip, ld, k_vis, ld, 0.0,
-                    strip, nk)
+        self._sgemm(
+            b, NO_TRANS, TRANS, rows, nk, i64(dims.head_dim), spec.scale, q_strip, ld, k_vis, ld, 0.0, strip, nk
+        )
         needs_all_keys = self._mask_softmax_rows(b, strip, i0, rows, ks, nk, mask_base)
         partial = b.icmp_signed("<", nk, i64(dims.seq_k), name="partial")
         b.cbranch(b.and_(partial, needs_all_keys, name="redo"), retry, after)
@@ -309,7 +316,13 @@ class AttentionLowering:
         return ks, nk
 
     def _mask_softmax_rows(
-        self, b: ir.IRBuilder, strip: ir.Value, i0: ir.Value, rows: ir.Value, ks: ir.Value, nk: ir.Value,
+        self,
+        b: ir.IRBuilder,
+        strip: ir.Value,
+        i0: ir.Value,
+        rows: ir.Value,
+        ks: ir.Value,
+        nk: ir.Value,
         mask_base: ir.Value,
     ) -> ir.Value:
         """Mask and softmax every row of the strip in place; true if a skipped key could matter."""
@@ -327,23 +340,31 @@ class AttentionLowering:
                 hidden = b.or_(b.icmp_signed(">", lo, i64(0)), b.icmp_signed("<", hi, nk), name="has.hidden")
                 m = b.select(hidden, Lanes(self.module, 1).maximum(b, visible_max, self.neg), visible_max, name="m")
             else:
-                m = vector_reduce(b, i64(0), nk, "m", "max", lambda b, j, lanes: self._masked_score(b, row, gi, ks, j,
-                                                                                                     lanes, mask_base))
+                m = vector_reduce(
+                    b,
+                    i64(0),
+                    nk,
+                    "m",
+                    "max",
+                    lambda b, j, lanes: self._masked_score(b, row, gi, ks, j, lanes, mask_base),
+                )
             if mask.is_causal_like and math.isfinite(neg):
                 matters = b.fcmp_ordered(">", b.fsub(self.neg, m), f32(SKIP_MARGIN), name="hidden.matters")
                 b.store(b.or_(b.load(flag, typ=I1), matters), flag)
             self._exp_normalise(b, row, nk, m)
         return b.load(flag, typ=I1, name="needs.all")
 
-    def _masked_score(self, b: ir.IRBuilder, row: ir.Value, gi: ir.Value, ks: ir.Value, j: ir.Value,
-                      lanes: Lanes, mask_base: ir.Value) -> ir.Value:
+    def _masked_score(
+        self, b: ir.IRBuilder, row: ir.Value, gi: ir.Value, ks: ir.Value, j: ir.Value, lanes: Lanes, mask_base: ir.Value
+    ) -> ir.Value:
         """Score ``row[j]`` after a custom or bias mask, stored back; returned for the row max."""
         mask = self.spec.mask
         score = lanes.load(b, row, j, name="s")
         gj = b.add(ks, j, name="gj")
         if mask == MaskKind.CUSTOM:
-            score = b.select(self._key_padded(b, mask_base, gj, lanes), lanes.const(self.spec.neg), score,
-                             name="s.masked")
+            score = b.select(
+                self._key_padded(b, mask_base, gj, lanes), lanes.const(self.spec.neg), score, name="s.masked"
+            )
             lanes.store(b, score, row, j)
         elif mask == MaskKind.BIAS:
             bias = lanes.load(b, mask_base, b.add(b.mul(gi, i64(self.spec.dims.seq_k)), gj), name="bias")
@@ -365,12 +386,23 @@ class AttentionLowering:
 
                 total = vector_reduce(b, i64(0), nk, "row.sum", "add", exp_term)
                 inv = b.fdiv(f32(1.0), total, name="inv.sum")
-                vector_loop(b, i64(0), nk, "normalise",
-                            lambda b, j, lanes: lanes.store(b, b.fmul(lanes.load(b, row, j), lanes.splat(b, inv)),
-                                                            row, j))
+                vector_loop(
+                    b,
+                    i64(0),
+                    nk,
+                    "normalise",
+                    lambda b, j, lanes: lanes.store(b, b.fmul(lanes.load(b, row, j), lanes.splat(b, inv)), row, j),
+                )
 
     def _softmax_backward_rows(
-        self, b: ir.IRBuilder, p: ir.Value, dp: ir.Value, i0: ir.Value, rows: ir.Value, ks: ir.Value, nk: ir.Value,
+        self,
+        b: ir.IRBuilder,
+        p: ir.Value,
+        dp: ir.Value,
+        i0: ir.Value,
+        rows: ir.Value,
+        ks: ir.Value,
+        nk: ir.Value,
         mask_base: ir.Value,
     ) -> None:
         """``dS = P ∘ (dP − rowsum(P ∘ dP))`` into ``dp``; exactly 0 where the mask hid the score."""
@@ -379,8 +411,14 @@ class AttentionLowering:
             offset = b.mul(r, nk)
             p_row = gep_f32(b, p, offset, name="p.row")
             dp_row = gep_f32(b, dp, offset, name="dp.row")
-            dot = vector_reduce(b, i64(0), nk, "dot", "add",
-                                lambda b, j, lanes: b.fmul(lanes.load(b, p_row, j), lanes.load(b, dp_row, j)))
+            dot = vector_reduce(
+                b,
+                i64(0),
+                nk,
+                "dot",
+                "add",
+                lambda b, j, lanes: b.fmul(lanes.load(b, p_row, j), lanes.load(b, dp_row, j)),
+            )
             lo, hi = (i64(0), nk)
             if mask.is_causal_like:
                 lo, hi = self._row_keys(b, b.add(i0, r), ks, nk)
@@ -399,15 +437,33 @@ class AttentionLowering:
 
     # ------------------------------------------------------------------ GEMMs
 
-    def _forward_gemm(self, b: ir.IRBuilder, heads: dict[str, ir.Value], i0: ir.Value, rows: ir.Value,
-                      ks: ir.Value, nk: ir.Value, p: ir.Value) -> None:
+    def _forward_gemm(
+        self,
+        b: ir.IRBuilder,
+        heads: dict[str, ir.Value],
+        i0: ir.Value,
+        rows: ir.Value,
+        ks: ir.Value,
+        nk: ir.Value,
+        p: ir.Value,
+    ) -> None:
         ld, d = self._row_stride(), self.spec.dims.head_dim
         v_vis = gep_f32(b, heads["v"], b.mul(ks, i64(ld)), name="v.vis")
         out = gep_f32(b, heads["out"], b.mul(i0, i64(ld)), name="out.strip")
         self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(d), nk, 1.0, p, nk, v_vis, ld, 0.0, out, ld)
 
-    def _backward_gemms(self, b: ir.IRBuilder, heads: dict[str, ir.Value], i0: ir.Value, rows: ir.Value,
-                        ks: ir.Value, nk: ir.Value, p: ir.Value, dp: ir.Value | None, mask_base: ir.Value) -> None:
+    def _backward_gemms(
+        self,
+        b: ir.IRBuilder,
+        heads: dict[str, ir.Value],
+        i0: ir.Value,
+        rows: ir.Value,
+        ks: ir.Value,
+        nk: ir.Value,
+        p: ir.Value,
+        dp: ir.Value | None,
+        mask_base: ir.Value,
+    ) -> None:
         spec, ld, d = self.spec, self._row_stride(), self.spec.dims.head_dim
         grads = spec.grads
         assert grads is not None
@@ -430,15 +486,44 @@ class AttentionLowering:
             dk = gep_f32(b, heads["dk"], b.mul(ks, i64(ld)), name="dk.vis")
             self._sgemm(b, TRANS, NO_TRANS, nk, i64(d), rows, spec.scale, dp, nk, q_strip, ld, 1.0, dk, ld)
 
-    def _sgemm(self, b: ir.IRBuilder, trans_a: int, trans_b: int, m: ir.Value, n: ir.Value, k: ir.Value,
-               alpha: float, a: ir.Value, lda: int | ir.Value, b_mat: ir.Value, ldb: int | ir.Value, beta: float,
-               c: ir.Value, ldc: int | ir.Value) -> None:
+    def _sgemm(
+        self,
+        b: ir.IRBuilder,
+        trans_a: int,
+        trans_b: int,
+        m: ir.Value,
+        n: ir.Value,
+        k: ir.Value,
+        alpha: float,
+        a: ir.Value,
+        lda: int | ir.Value,
+        b_mat: ir.Value,
+        ldb: int | ir.Value,
+        beta: float,
+        c: ir.Value,
+        ldc: int | ir.Value,
+    ) -> None:
         """The one place a matrix product is emitted: row-major ``C = alpha op(A) op(B) + beta C``."""
 
         def as_i32(value: int | ir.Value) -> ir.Value:
             return i32(value) if isinstance(value, int) else b.trunc(value, I32)
 
-        b.call(self.sgemm, [
-            i32(ROW_MAJOR), i32(trans_a), i32(trans_b), as_i32(m), as_i32(n), as_i32(k), f32(alpha),
-            a, as_i32(lda), b_mat, as_i32(ldb), f32(beta), c, as_i32(ldc),
-        ])
+        b.call(
+            self.sgemm,
+            [
+                i32(ROW_MAJOR),
+                i32(trans_a),
+                i32(trans_b),
+                as_i32(m),
+                as_i32(n),
+                as_i32(k),
+                f32(alpha),
+                a,
+                as_i32(lda),
+                b_mat,
+                as_i32(ldb),
+                f32(beta),
+                c,
+                as_i32(ldc),
+            ],
+        )

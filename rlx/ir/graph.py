@@ -191,14 +191,17 @@ class Graph:
         self._inputs: dict[str, Node] = {}
         self._inputs_view: Mapping[str, Value] | None = None  # cache of `inputs`; reset when _inputs changes
         self._outputs: dict[str, Value] = {}
+        self._order: list[Node] | None = None  # cached topological order; every mutation resets it
 
     # ----------------------------------------------------------------- queries
 
     @property
     def nodes(self) -> list[Node]:
         """All nodes in a topological order; ties go to the node created first."""
-        order = nx.lexicographical_topological_sort(self._store, key=lambda node_id: node_id)
-        return [self._nodes[node_id] for node_id in order]
+        if self._order is None:
+            order = nx.lexicographical_topological_sort(self._store, key=lambda node_id: node_id)
+            self._order = [self._nodes[node_id] for node_id in order]
+        return list(self._order)
 
     def __iter__(self) -> Iterator[Node]:
         return iter(self.nodes)
@@ -338,6 +341,7 @@ class Graph:
         old = node.inputs[slot]
         if old.type != value.type:
             raise RlxValueError(f"set_input: slot {slot} of node {node.id} has type {old.type}, got {value.type}")
+        self._order = None
         self._store.remove_edge(old.node.id, node.id, key=slot)
         if nx.has_path(self._store, node.id, value.node.id):
             self._store.add_edge(old.node.id, node.id, key=slot)
@@ -355,6 +359,7 @@ class Graph:
         outs = [name for name, v in self._outputs.items() if v.node is node]
         if outs:
             raise RlxValueError(f"cannot erase node {node.id} ({node.op}): it is graph output {', '.join(outs)}")
+        self._order = None
         self._store.remove_node(node.id)
         del self._nodes[node.id]
         if node.op is OpKind.INPUT:
@@ -375,6 +380,7 @@ class Graph:
         """Check the whole graph; raises ``RlxValueError`` ending with the printed graph."""
         from rlx.ir.verify import verify
 
+        self._order = None  # the store may have been changed behind the API: recompute the order
         verify(self)
 
     def copy(self) -> Graph:
@@ -425,6 +431,7 @@ class Graph:
 
     def _insert(self, node: Node) -> None:
         self._nodes[node.id] = node
+        self._order = None
         self._store.add_node(node.id)
         for slot, value in enumerate(node.inputs):
             self._store.add_edge(value.node.id, node.id, key=slot)

@@ -1,0 +1,307 @@
+"""A pre-norm transformer block, forward and backward: rlx against torch eager and torch.compile.
+
+The loss is ``mean(y * y)`` of the block's output; every implementation computes it and its
+gradients w.r.t. x and all seven weights, in float32 on the same inputs, on the same threads.
+Calls are interleaved (``_harness.time_interleaved``) and medians compared in one run. Also
+measured: build + grad + cold compile of each rlx graph (the largest one in a fresh process), a
+cached compile, peak extra memory of one call, kernels against nodes, where rlx's time goes
+(a profiling build: BLAS, fused loops, attention) and the sgemm rate of rlx's OpenBLAS.
+
+    python benchmarks/block.py            # all shapes; writes benchmarks/results/block.json
+    python benchmarks/block.py --quick    # the smallest shape, few repetitions, no torch.compile
+
+torch is needed (``pip install torch``); torch.compile's first compile takes ~25 s a shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import _harness as h  # noqa: E402
+
+import rlx  # noqa: E402
+from rlx.codegen import CodegenOptions, compile_graph  # noqa: E402
+from rlx.models import BLOCK_WEIGHTS, block_weight_shapes, mlp_hidden, transformer_block  # noqa: E402
+
+SHAPES = [(8, 128, 256, 4), (4, 512, 512, 8), (2, 1024, 768, 12)]  # (B, S, E, H)
+DEFAULT_JSON = REPO / "benchmarks" / "results" / "block.json"
+NAMES = ["x", *BLOCK_WEIGHTS]
+
+
+def build_block(batch: int, seq: int, embed: int, heads: int) -> rlx.Graph:
+    g = rlx.Graph("block")
+    x = g.input("x", (batch, seq, embed))
+    y = transformer_block(g, x, heads)
+    loss = g.mean(y * y)
+    xs = [g.inputs[name] for name in NAMES]
+    grads = rlx.grad(g, loss, xs)
+    g.output(loss=loss, **{f"d_{name}": d for name, d in zip(NAMES, grads, strict=True)})
+    return g
+
+
+def block_arrays(batch: int, seq: int, embed: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    arrays = {"x": rng.standard_normal((batch, seq, embed), dtype=np.float32)}
+    for name, shape in block_weight_shapes(embed).items():
+        if name.endswith("norm"):
+            arrays[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            arrays[name] = (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32)
+    return arrays
+
+
+def torch_loss(torch: Any, t: dict[str, Any], heads: int) -> Any:
+    """The same block in torch: RMSNorm, fused QKV, SDPA (causal), output projection, SwiGLU."""
+
+    def rms(x: Any, weight: Any) -> Any:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+
+    x = t["x"]
+    batch, seq, embed = x.shape
+    q, k, v = (rms(x, t["attn_norm"]) @ t["wqkv"]).split(embed, dim=-1)
+    heads_view = [z.reshape(batch, seq, heads, embed // heads).transpose(1, 2) for z in (q, k, v)]
+    att = torch.nn.functional.scaled_dot_product_attention(*heads_view, is_causal=True)
+    h_ = x + att.transpose(1, 2).reshape(batch, seq, embed) @ t["wo"]
+    n = rms(h_, t["mlp_norm"])
+    y = h_ + (torch.nn.functional.silu(n @ t["w1"]) * (n @ t["w3"])) @ t["w2"]
+    return (y * y).mean()
+
+
+class Call:
+    """A ``_harness.Timeable``: ``run`` computes the loss and the eight gradients."""
+
+    def __init__(self, run: Callable[[], object]) -> None:
+        self.run = run
+
+    def setup(self) -> None:
+        pass
+
+
+def cold_compile_in_fresh_process(shape: tuple[int, int, int, int]) -> dict[str, float]:
+    """Build + grad + compile in a new interpreter (no in-process cache; disk cache off)."""
+    bench_dir = str(REPO / "benchmarks")
+    code = "\n".join(
+        [
+            f"import time, json, sys; sys.path.insert(0, {bench_dir!r})",
+            "t0 = time.perf_counter(); import rlx; from block import build_block",
+            f"t1 = time.perf_counter(); g = build_block(*{shape!r})",
+            "t2 = time.perf_counter(); exe = rlx.compile(g); t3 = time.perf_counter()",
+            "print(json.dumps({'import': t1 - t0, 'build_grad': t2 - t1, 'compile': t3 - t2, "
+            "'phases': dict(exe.compile_times)}))",
+        ]
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RLX_DISK_CACHE", "RLX_CACHE_DIR")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def profile_breakdown(graph: rlx.Graph, arrays: dict[str, np.ndarray], threads: int) -> dict[str, float]:
+    """Seconds per kernel kind (BLAS matmul, fused loops, attention) from a profiling build (best of 3)."""
+    exe = compile_graph(graph, config=rlx.RuntimeConfig(num_threads=threads), options=CodegenOptions(profile=True))
+    runs = [exe.profile(**arrays) for _ in range(3)]
+    kinds: dict[str, float] = {}
+    for index, (info, _) in enumerate(runs[0]):
+        seconds = min(run[index][1] for run in runs)
+        kind = (
+            "fused loops" if info.name.startswith("fused") else ("BLAS matmul" if info.name == "matmul" else info.name)
+        )
+        kinds[kind] = kinds.get(kind, 0.0) + seconds
+    return kinds
+
+
+def run_shape(shape: tuple[int, int, int, int], args: argparse.Namespace, torch: Any) -> dict[str, Any]:
+    batch, seq, embed, heads = shape
+    start = time.perf_counter()
+    graph = build_block(batch, seq, embed, heads)
+    build_s = time.perf_counter() - start
+    config = rlx.RuntimeConfig(num_threads=args.threads)
+    start = time.perf_counter()
+    exe = rlx.compile(graph, config=config)
+    compile_s = time.perf_counter() - start
+    start = time.perf_counter()
+    rlx.compile(graph, config=config)
+    cached_s = time.perf_counter() - start
+    arrays = block_arrays(batch, seq, embed)
+
+    tensors = {name: torch.from_numpy(a.copy()).requires_grad_(True) for name, a in arrays.items()}
+
+    def eager() -> object:
+        return torch.autograd.grad(torch_loss(torch, tensors, heads), [tensors[n] for n in NAMES])
+
+    calls: dict[str, Call] = {"rlx": Call(lambda: exe(**arrays)), "torch eager": Call(eager)}
+    compiled_warmup = None
+    if not args.no_compile:
+        compiled_fn = torch.compile(lambda t: torch_loss(torch, t, heads))
+
+        def compiled() -> object:
+            return torch.autograd.grad(compiled_fn(tensors), [tensors[n] for n in NAMES])
+
+        start = time.perf_counter()
+        compiled()
+        compiled_warmup = time.perf_counter() - start
+        calls["torch.compile"] = Call(compiled)
+
+    got = exe(**arrays)
+    want = eager()
+    errors = {}
+    for name, grad in zip(NAMES, want, strict=True):
+        ref = grad.numpy()
+        errors[name] = float(np.max(np.abs(got[f"d_{name}"] - ref)) / max(1e-30, float(np.max(np.abs(ref)))))
+    worst = max(errors.values())
+    if worst > 1e-3:
+        raise RuntimeError(f"rlx and torch disagree on {shape}: relative errors {errors}")
+    for call in calls.values():
+        call.run()  # warm-up
+    samples = h.time_interleaved(calls, args.repeat, args.gap)
+    stats = {name: h.Stats.of(s) for name, s in samples.items()}
+    memory = {}
+    if not args.no_memory:
+        for name in ("rlx", "torch eager"):
+            peak, _ = h.extra_peak_bytes(calls[name].run)
+            memory[name] = peak
+    breakdown = (
+        profile_breakdown(graph, arrays, args.threads)
+        if shape == max(SHAPES, key=lambda s: s[0] * s[1] * s[2]) or args.profile_all
+        else None
+    )
+    return {
+        "shape": {"B": batch, "S": seq, "E": embed, "H": heads, "hidden": mlp_hidden(embed)},
+        "build_grad_s": build_s,
+        "compile_s": compile_s,
+        "cached_compile_s": cached_s,
+        "kernels": len(exe.kernels),
+        "nodes": len(exe.graph),
+        "graph_nodes_built": len(graph),
+        "median_s": {name: s.median for name, s in stats.items()},
+        "min_s": {name: s.minimum for name, s in stats.items()},
+        "samples_s": {name: list(s.samples) for name, s in stats.items()},
+        "speedup_vs": {name: stats[name].median / stats["rlx"].median for name in stats if name != "rlx"},
+        "peak_extra_bytes": memory,
+        "torch_compile_first_call_s": compiled_warmup,
+        "max_rel_error_vs_torch": worst,
+        "breakdown_s": breakdown,
+    }
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smallest shape, 3 repetitions, no torch.compile")
+    parser.add_argument("--repeat", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--gap", type=float, default=0.05)
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (its first compile is slow)")
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--profile-all", action="store_true", help="time breakdown for every shape")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeat, args.no_compile = 3, True
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    blas = h.RlxOpenBlas()
+    sgemm = h.measure_sgemm(blas, 1024, args.threads, 3, 0.05)
+    print(
+        f"CPU: {h.cpu_model()}, {h.core_count()} cores; threads {args.threads}; torch {torch.__version__}; "
+        f"rlx OpenBLAS ({blas.corename()}) sgemm 1024^3: {sgemm.gflops_multi:.0f} GFLOP/s on {args.threads} threads"
+    )
+    results = [run_shape(shape, args, torch) for shape in shapes]
+    largest = max(shapes, key=lambda s: s[0] * s[1] * s[2])
+    cold = cold_compile_in_fresh_process(largest)
+
+    header = [
+        "B,S,E,H",
+        "rlx ms",
+        "eager ms",
+        "compile ms",
+        "eager/rlx",
+        "compile/rlx",
+        "kernels/nodes",
+        "rlx MiB",
+        "eager MiB",
+        "compile s",
+    ]
+    rows = []
+    for r in results:
+        s = r["shape"]
+        med = r["median_s"]
+        mem = r["peak_extra_bytes"]
+        rows.append(
+            [
+                f"{s['B']},{s['S']},{s['E']},{s['H']}",
+                f"{med['rlx'] * 1e3:.1f}",
+                f"{med['torch eager'] * 1e3:.1f}",
+                f"{med['torch.compile'] * 1e3:.1f}" if "torch.compile" in med else "-",
+                f"{r['speedup_vs']['torch eager']:.2f}x",
+                f"{r['speedup_vs']['torch.compile']:.2f}x" if "torch.compile" in r["speedup_vs"] else "-",
+                f"{r['kernels']}/{r['nodes']}",
+                f"{mem['rlx'] / 2**20:.0f}" if mem.get("rlx") is not None else "-",
+                f"{mem['torch eager'] / 2**20:.0f}" if mem.get("torch eager") is not None else "-",
+                f"{r['compile_s']:.2f}",
+            ]
+        )
+    print()
+    print(h.markdown_table(header, rows))
+    eager = h.geomean(r["speedup_vs"]["torch eager"] for r in results)
+    compiled = h.geomean(r["speedup_vs"].get("torch.compile", 0) for r in results)
+    print(
+        f"\ngeometric mean speed-up: vs torch eager {eager:.2f}x (target 1.5x)"
+        + (f", vs torch.compile {compiled:.2f}x (target 1.2x)" if compiled else "")
+    )
+    print(
+        f"largest shape {largest}: build + grad {cold['build_grad']:.2f} s + cold compile {cold['compile']:.2f} s "
+        f"in a fresh process (target under 2 s together; import {cold['import']:.2f} s); "
+        f"cached compile {results[-1]['cached_compile_s'] * 1e3:.2f} ms (target under 5 ms)"
+    )
+    for r in results:
+        if r["breakdown_s"]:
+            total = sum(r["breakdown_s"].values())
+            parts = ", ".join(
+                f"{k} {v * 1e3:.1f} ms ({v / total:.0%})"
+                for k, v in sorted(r["breakdown_s"].items(), key=lambda kv: -kv[1])
+            )
+            s = r["shape"]
+            print(f"where rlx's time goes at B={s['B']} S={s['S']} E={s['E']} H={s['H']}: {parts}")
+    report = {
+        "machine": {
+            "cpu": h.cpu_model(),
+            "cores": h.core_count(),
+            "threads": args.threads,
+            "openblas_core": blas.corename(),
+            "sgemm_gflops": sgemm.gflops_multi,
+            "env_openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
+        },
+        "versions": {"torch": torch.__version__, "numpy": np.__version__},
+        "git": h.git_revision(REPO),
+        "date": time.strftime("%Y-%m-%d"),
+        "results": results,
+        "cold_compile_largest": cold,
+        "geomean_speedup": {"torch eager": eager, "torch.compile": compiled},
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
