@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -158,27 +159,63 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> int:
     expected = evaluate(graph, arrays)  # the oracle: the unfused graph on the float64 reference
     reference_time = time.perf_counter() - start
     results = {"rlx fused": fused(**arrays), "rlx unfused": unfused(**arrays)}
-    times = _median_times({"rlx fused": functools.partial(fused, **arrays),
-                           "rlx unfused": functools.partial(unfused, **arrays)}, args.repeat)
+    times = _median_times(
+        {"rlx fused": functools.partial(fused, **arrays), "rlx unfused": functools.partial(unfused, **arrays)},
+        args.repeat,
+    )
     errors = {name: max_abs_diff(got, expected) for name, got in results.items()}
     fd_error = finite_difference_error(arrays, results["rlx fused"], args.samples, args.seed)
 
     scale = max(float(np.max(np.abs(array))) for array in expected.values())
     tolerance = 1e-4 * max(1.0, scale)
-    print(f"\n== results ({fused.threads} threads, median of {args.repeat} interleaved calls, seed {args.seed})",
-          file=out)
+    print(
+        f"\n== results ({fused.threads} threads, median of {args.repeat} interleaved calls, seed {args.seed})", file=out
+    )
     print(f"{'':<22}{'time (ms)':>11}{'max |err| vs reference':>26}", file=out)
     for name in ("rlx fused", "rlx unfused"):
         print(f"{name:<22}{times[name] * 1e3:>11.2f}{errors[name]:>26.2e}", file=out)
     print(f"{'reference (float64)':<22}{reference_time * 1e3:>11.2f}{'-':>26}", file=out)
-    print(f"fused speed-up over unfused: {times['rlx unfused'] / times['rlx fused']:.2f}x; "
-          f"compile: fused {compile_fused * 1e3:.0f} ms, unfused {compile_unfused * 1e3:.0f} ms", file=out)
+    print(
+        f"fused speed-up over unfused: {times['rlx unfused'] / times['rlx fused']:.2f}x; "
+        f"compile: fused {compile_fused * 1e3:.0f} ms, unfused {compile_unfused * 1e3:.0f} ms",
+        file=out,
+    )
     fd_ok = fd_error <= 1e-3
     errors_ok = all(error <= tolerance for error in errors.values())
-    print(f"gradients vs central differences ({3 * args.samples} entries): worst error {fd_error:.2e}  "
-          f"{'ok' if fd_ok else 'MISMATCH'}", file=out)
+    print(
+        f"gradients vs central differences ({3 * args.samples} entries): worst error {fd_error:.2e}  "
+        f"{'ok' if fd_ok else 'MISMATCH'}",
+        file=out,
+    )
     print(f"compiled vs reference (tolerance {tolerance:.1e}): {'ok' if errors_ok else 'MISMATCH'}", file=out)
     return 0 if errors_ok and fd_ok else 1
+
+
+def run_lm_demo(args: argparse.Namespace, out: TextIO) -> int:
+    """Train the tiny char LM; 0 when its loss fell below the uniform guess."""
+    from rlx.demo_lm import default_text, train
+
+    if args.data is not None:
+        text, source = _read(args.data), args.data
+    else:
+        text, source = default_text()
+    heads = args.heads or 4
+    if args.embed % heads:
+        raise CliError(f"--embed {args.embed} must be a multiple of --heads {heads}")
+    final = train(
+        text,
+        source,
+        args.steps,
+        args.batch or 16,
+        args.seq or 64,
+        args.embed,
+        heads,
+        args.layers,
+        args.lr,
+        args.seed,
+        out,
+    )
+    return 0 if final < math.log(len(set(text))) else 1
 
 
 def _count_bwd(graph: Graph) -> int:
@@ -209,12 +246,24 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--timings", action="store_true", help="print the time each pass took")
     opt.add_argument("--emit", choices=("ir", "llvm"), default="ir", help="print textual IR (default) or LLVM IR")
 
-    demo = commands.add_parser("demo", help="attention forward -> grad -> fuse -> run -> check")
-    demo.add_argument("--batch", type=_positive, default=4)
-    demo.add_argument("--heads", type=_positive, default=8)
-    demo.add_argument("--seq", type=_positive, default=512)
-    demo.add_argument("--dim", type=_positive, default=64)
-    demo.add_argument("--seed", type=int, default=0)
+    demo = commands.add_parser(
+        "demo",
+        help="attention forward -> grad -> fuse -> run -> check; with --lm, train a tiny char LM",
+        description="Without --lm: build causal attention, differentiate, fuse, compile, run, and check against "
+        "the reference and finite differences (defaults B=4 H=8 S=512 D=64). With --lm: train a 2-block "
+        "character-level transformer LM on a text file with AdamW (defaults batch 16, S=64, E=64, 4 heads).",
+    )
+    demo.add_argument("--lm", action="store_true", help="train the tiny character-level LM instead")
+    demo.add_argument("--data", metavar="PATH", help="text file to train the LM on (default: the project's README)")
+    demo.add_argument("--steps", type=_positive, default=300, help="LM training steps (default 300)")
+    demo.add_argument("--lr", type=float, default=3e-3, help="LM peak learning rate (default 3e-3)")
+    demo.add_argument("--layers", type=_positive, default=2, help="LM transformer blocks (default 2)")
+    demo.add_argument("--embed", type=_positive, default=64, help="LM embedding size (default 64)")
+    demo.add_argument("--batch", type=_positive, default=None, help="batch size (default 4; LM 16)")
+    demo.add_argument("--heads", type=_positive, default=None, help="attention heads (default 8; LM 4)")
+    demo.add_argument("--seq", type=_positive, default=None, help="sequence length (default 512; LM 64)")
+    demo.add_argument("--dim", type=_positive, default=64, help="attention head dim (default 64)")
+    demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     demo.add_argument("--samples", type=_positive, default=4, help="finite-difference entries per gradient")
     demo.add_argument("--repeat", type=_positive, default=9, help="timed calls of each executable")
     return parser
@@ -236,6 +285,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "opt":
             return run_opt(args, sys.stdout, sys.stderr)
+        if args.lm:
+            return run_lm_demo(args, sys.stdout)
+        args.batch, args.heads, args.seq = args.batch or 4, args.heads or 8, args.seq or 512
         return run_demo(args, sys.stdout)
     except RlxError as exc:
         print(f"rlx {args.command}: error: {exc}", file=sys.stderr)

@@ -66,20 +66,28 @@ class LMConfig:
     layers: int = 2
 
 
-def char_lm(config: LMConfig) -> tuple[Graph, Value, list[Value]]:
-    """Embedding, ``layers`` blocks, final norm, LM head and cross-entropy: ``(graph, loss, params)``.
+def char_lm_logits(config: LMConfig, batch: int | None = None) -> tuple[Graph, Value]:
+    """Embedding, ``layers`` blocks, final norm and LM head: ``(graph, logits [B, S, vocab])``.
 
-    Inputs: ``tokens`` and ``targets`` (int32 ``[B, S]``) and the parameters (float32).
+    Inputs: ``tokens`` (int32 ``[B, S]``) and the parameters (float32), named as
+    :func:`init_params` names them.
     """
+    batch = config.batch if batch is None else batch
     g = Graph("char_lm")
-    tokens = g.input("tokens", (config.batch, config.seq), "int32")
-    targets = g.input("targets", (config.batch, config.seq), "int32")
+    tokens = g.input("tokens", (batch, config.seq), "int32")
     table = g.input("embed", (config.vocab, config.embed))
     position = g.input("position", (config.seq, config.embed))
     x = g.embedding(table, tokens) + position
     for layer in range(config.layers):
         x = transformer_block(g, x, config.heads, prefix=f"l{layer}.")
     logits = g.rms_norm(x, g.input("final_norm", (config.embed,))) @ g.input("head", (config.embed, config.vocab))
+    return g, logits
+
+
+def char_lm(config: LMConfig) -> tuple[Graph, Value, list[Value]]:
+    """The LM with its mean cross-entropy against ``targets`` (int32 ``[B, S]``): ``(graph, loss, params)``."""
+    g, logits = char_lm_logits(config)
+    targets = g.input("targets", (config.batch, config.seq), "int32")
     loss = g.cross_entropy(logits, targets)
     params = [value for name, value in g.inputs.items() if name not in ("tokens", "targets")]
     return g, loss, params

@@ -183,3 +183,57 @@ def test_module_entry_point_exits_1_without_traceback(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert "cannot read" in result.stderr
+
+
+def test_lm_demo_trains_and_samples(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = tmp_path / "tiny.txt"
+    text.write_text("the cat sat on the mat. " * 40, encoding="utf-8")
+    argv = [
+        "demo",
+        "--lm",
+        "--data",
+        str(text),
+        "--steps",
+        "40",
+        "--batch",
+        "4",
+        "--seq",
+        "16",
+        "--embed",
+        "16",
+        "--heads",
+        "2",
+        "--layers",
+        "1",
+    ]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "tiny char LM on" in out and "tokens/s" in out and "== sample" in out
+    first, last = (float(x) for x in out.split("   loss ")[-1].split(" (")[0].split(" -> "))
+    assert last < first
+
+
+def test_lm_demo_defaults_to_the_readme(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "demo",
+        "--lm",
+        "--steps",
+        "5",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--embed",
+        "16",
+        "--heads",
+        "2",
+        "--layers",
+        "1",
+    ]
+    cli.main(argv)
+    assert "README" in capsys.readouterr().out
+
+
+def test_lm_demo_refuses_a_missing_file(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo", "--lm", "--data", "/no/such/file.txt"]) == 1
+    assert "cannot read /no/such/file.txt" in capsys.readouterr().err
