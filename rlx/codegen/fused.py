@@ -103,6 +103,7 @@ class FusedEmitter:
     schedule: Schedule
     kernel: Kernel
     pointer: Callable[[Value], ir.Value]  # base pointer of a materialised value's buffer
+    constant: Callable[[Value], ir.Value]  # the data of a constant (even one that is also a graph output)
     stack: list[Loop] = field(default_factory=list)
     memo: dict[tuple[object, ...], Lane] = field(default_factory=dict)
 
@@ -183,8 +184,10 @@ class FusedEmitter:
         node = value.node
         op = node.op.value
         own = self.kernel.root is value and self.kernel.out is not None and self.kernel.out.base is value
-        if op == "constant" or (not own and self.schedule.view(value) is not None):
-            view = View.dense(value) if op == "constant" else self.schedule.view(value)
+        if op == "constant":
+            return self.load(View.dense(value), idx, value.dtype, self.constant(value))
+        if not own and self.schedule.view(value) is not None:
+            view = self.schedule.view(value)
             assert view is not None
             return self.load(view, idx, value.dtype)
         if op == "broadcast_to":
@@ -342,10 +345,11 @@ class FusedEmitter:
                 offset = b.add(offset, b.mul(term, i64(stride)))
         return offset, lane_stride, vector_loop
 
-    def load(self, view: View, idx: tuple[Ix, ...], dtype: np.dtype) -> Lane:
+    def load(self, view: View, idx: tuple[Ix, ...], dtype: np.dtype, base: ir.Value | None = None) -> Lane:
         b = self.b
         element, kind = _element_type(dtype)
-        base = self.pointer(view.base)
+        if base is None:
+            base = self.constant(view.base) if view.base.node.op.value == "constant" else self.pointer(view.base)
         offset, lane_stride, vector_loop = self.address(view, idx)
         if vector_loop is None or lane_stride == 0:
             loaded = b.load(gep(b, base, [offset], element), typ=element)

@@ -120,7 +120,7 @@ class _Lowering:
         b = self.b
         location = self.plan.locations.get(value)
         if value.node.op is OpKind.CONSTANT and (location is None or location.kind == "constant"):
-            return b.bitcast(self.constants[value], PTR)
+            return opaque(b, self.constants[value])
         assert location is not None, f"no location for {value}"
         if location.kind == "arena":
             return gep(b, self.arena, [i64(location.index)], I8, f"v{value.node.id}.{value.index}")
@@ -180,7 +180,8 @@ class _Lowering:
 
     def lower_fused(self, index: int, kernel: Kernel) -> None:
         assert kernel.out is not None
-        bases = list(dict.fromkeys([*kernel.reads, kernel.out.base]))
+        # Constants are read from their data in the module; a buffer slot only for what is written.
+        bases = list(dict.fromkeys([*(v for v in kernel.reads if v.node.op is not OpKind.CONSTANT), kernel.out.base]))
         chunking = plan_chunking(kernel, self.schedule, self.threads)
         fn = ir.Function(self.module, ir.FunctionType(VOID, [PTR, I64, PTR]), name=f"fused.{index}")
         fn.linkage = "internal"
@@ -191,7 +192,10 @@ class _Lowering:
         for slot, value in enumerate(bases):
             pointers[value] = builder.load(gep(builder, args, [i64(slot)], PTR), typ=PTR, name=f"buf{slot}")
 
-        emitter = FusedEmitter(self.module, builder, self.schedule, kernel, pointers.__getitem__)
+        def constant(value: Value) -> ir.Value:
+            return opaque(builder, self.constants[value])
+
+        emitter = FusedEmitter(self.module, builder, self.schedule, kernel, pointers.__getitem__, constant)
         emitter.emit_item(item, chunking)
         builder.ret_void()
         self.call(fn, [self.base_pointer(v) for v in bases], chunking.items, self.threads, f"k{index}")
@@ -242,6 +246,12 @@ class _Clock:
     def record(self, index: int, start: ir.Value) -> None:
         b = self.b
         b.store(b.sub(self.now(), start), gep(b, self.slots, [i64(index)], I64))
+
+
+def opaque(b: ir.IRBuilder, variable: ir.GlobalVariable) -> ir.Value:
+    """A global's address as an opaque pointer (llvmlite types globals, and ``gep`` would index by
+    the array type; a no-op bitcast keeps that type). LLVM folds the round trip away."""
+    return b.inttoptr(b.ptrtoint(variable, I64), PTR)
 
 
 def _constant_global(module: ir.Module, node: Node) -> ir.GlobalVariable:

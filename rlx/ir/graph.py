@@ -7,6 +7,7 @@ touch networkx, so the store can change without touching a pass.
 
 from __future__ import annotations
 
+import functools
 import keyword
 import numbers
 import re
@@ -474,7 +475,25 @@ def _install_builders() -> None:
     """Attach each registered op's builder as a ``Graph`` method (``g.matmul(a, b)``)."""
     for definition in REGISTRY.values():
         if definition.builder is not None:
-            setattr(Graph, definition.name, definition.builder)
+            setattr(Graph, definition.name, _all_or_nothing(definition.builder))
+
+
+def _all_or_nothing(builder: Any) -> Any:
+    """A builder that leaves the graph as it was when it raises (no stray constants of its arguments)."""
+
+    @functools.wraps(builder)
+    def build(graph: Graph, *args: Any, **kwargs: Any) -> Any:
+        first = graph._next_id
+        try:
+            return builder(graph, *args, **kwargs)
+        except Exception:
+            for node in reversed(graph.nodes):
+                if node.id >= first and not graph.users(node) and not graph.output_names_of(node.outputs[0]):
+                    graph.erase(node)
+            raise
+
+    build.__wrapped_builder__ = builder  # type: ignore[attr-defined]
+    return build
 
 
 _install_builders()

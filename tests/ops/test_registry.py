@@ -35,7 +35,7 @@ def test_definition_is_complete(name: str) -> None:
         assert index.operand in operand_names
     if name != "input":
         assert definition.builder is not None
-        assert getattr(Graph, name) is definition.builder, f"g.{name} is not the registered builder"
+        assert getattr(Graph, name).__wrapped_builder__ is definition.builder, f"g.{name} is not the registered builder"
         assert definition.builder.__doc__, f"the builder of {name} has no docstring"
 
 
