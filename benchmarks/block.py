@@ -80,6 +80,15 @@ def torch_loss(torch: Any, t: dict[str, Any], heads: int) -> Any:
     return (y * y).mean()
 
 
+def block_flops(batch: int, seq: int, embed: int, heads: int) -> dict[str, float]:
+    """FLOPs of the block's forward + backward: the matmuls (each 3x: forward, dX, dW) and causal
+    attention (forward 2 and backward 5 products of S x S x D per head, half of them masked)."""
+    tokens, hidden = batch * seq, mlp_hidden(embed)
+    matmul = 3 * 2 * tokens * embed * (3 * embed + embed + 3 * hidden)
+    attention = 7 * batch * heads * seq * seq * (embed // heads)
+    return {"matmul": float(matmul), "attention": float(attention)}
+
+
 class Call:
     """A ``_harness.Timeable``: ``run`` computes the loss and the eight gradients."""
 
@@ -177,8 +186,13 @@ def run_shape(shape: tuple[int, int, int, int], args: argparse.Namespace, torch:
         if shape == max(SHAPES, key=lambda s: s[0] * s[1] * s[2]) or args.profile_all
         else None
     )
+    flops = block_flops(batch, seq, embed, heads)
+    bound = (flops["matmul"] + flops["attention"]) / (args.sgemm_gflops * 1e9)
     return {
         "shape": {"B": batch, "S": seq, "E": embed, "H": heads, "hidden": mlp_hidden(embed)},
+        "flops": flops,
+        "sgemm_bound_s": bound,
+        "best_possible_speedup_vs_eager": stats["torch eager"].median / bound,
         "build_grad_s": build_s,
         "compile_s": compile_s,
         "cached_compile_s": cached_s,
@@ -224,6 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"CPU: {h.cpu_model()}, {h.core_count()} cores; threads {args.threads}; torch {torch.__version__}; "
         f"rlx OpenBLAS ({blas.corename()}) sgemm 1024^3: {sgemm.gflops_multi:.0f} GFLOP/s on {args.threads} threads"
     )
+    args.sgemm_gflops = sgemm.gflops_multi
     results = [run_shape(shape, args, torch) for shape in shapes]
     largest = max(shapes, key=lambda s: s[0] * s[1] * s[2])
     cold = cold_compile_in_fresh_process(largest)

@@ -77,7 +77,8 @@ def evaluate(
 def _eval_node(graph: Graph, node: Node, args: list[np.ndarray], ctx: EvalContext) -> tuple[np.ndarray, ...]:
     """Run one node; a failure is re-raised as the same kind of error naming the node's IR line."""
     try:
-        produced = node.op.definition.reference(args, node.attrs, ctx)
+        with np.errstate(all="ignore"):  # NaN and Inf propagate by design, as in compiled code
+            produced = node.op.definition.reference(args, node.attrs, ctx)
         results = produced if isinstance(produced, tuple) else (produced,)
         if len(results) != len(node.types):
             raise RlxValueError(f"reference {node.op} returned {len(results)} results for {len(node.types)} outputs")

@@ -1,10 +1,8 @@
-"""Hypothesis builds random well-typed graphs of the registered ops; compiled must match the reference.
+"""Random graphs (``fuzz_graphs.graphs``) compiled in random orders and thread counts match the reference.
 
-Random shapes with broadcasting, random fan-out (any earlier value may be reused), random views
-(transpose, reshape, split, broadcast_to, concat), reductions over random axes, norms, matmuls;
-then a scalar loss and ``rlx.grad`` of it w.r.t. every float input. Each graph is compiled with
-the default pipeline in a random topological order (the memory planner's order fuzzing) and
-its forward values and gradients are compared with the float64 reference interpreter.
+Each graph is compiled with the default pipeline in a random topological order (the memory
+planner's order fuzzing) and its forward values and gradients are compared with the float64
+reference interpreter.
 """
 
 from __future__ import annotations
@@ -12,138 +10,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from fuzz_graphs import graphs
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import rlx
-from rlx import Graph, Value
+from rlx import Graph
 from rlx.codegen import CodegenOptions, compile_graph
-
-UNARY = ["neg", "exp", "tanh", "sigmoid", "relu", "silu", "gelu", "abs", "erf"]
-POSITIVE_UNARY = ["log", "sqrt", "rsqrt"]
-BINARY = ["add", "sub", "mul", "maximum", "minimum"]
-
-
-def _positive(g: Graph, v: Value) -> Value:
-    return g.sigmoid(v) + 0.5
-
-
-def _build(draw: st.DrawFn) -> tuple[Graph, list[Value]]:
-    g = Graph("fuzz")
-    values: list[Value] = []
-    for i in range(draw(st.integers(1, 3))):
-        rank = draw(st.integers(1, 3))
-        shape = tuple(draw(st.lists(st.integers(1, 5), min_size=rank, max_size=rank)))
-        values.append(g.input(f"x{i}", shape))
-    counter = [len(values)]
-
-    def new_input(shape: tuple[int, ...]) -> Value:
-        counter[0] += 1
-        return g.input(f"x{counter[0]}", shape)
-
-    for _ in range(draw(st.integers(1, 7))):
-        v = draw(st.sampled_from(values))
-        kind = draw(
-            st.sampled_from(
-                [
-                    "unary",
-                    "positive",
-                    "binary",
-                    "div",
-                    "reduce",
-                    "softmax",
-                    "view",
-                    "norm",
-                    "matmul",
-                    "where",
-                    "concat",
-                    "split",
-                ]
-            )
-        )
-        shape = v.shape
-        if kind == "unary":
-            values.append(getattr(g, draw(st.sampled_from(UNARY)))(v))
-        elif kind == "positive":
-            values.append(getattr(g, draw(st.sampled_from(POSITIVE_UNARY)))(_positive(g, v)))
-        elif kind in ("binary", "div"):
-            # A partner that broadcasts: an earlier value of a compatible shape, or a new input with
-            # some dimensions set to 1 or dropped.
-            others = [w for w in values if _broadcasts(w.shape, shape)]
-            if others and draw(st.booleans()):
-                w = draw(st.sampled_from(others))
-            else:
-                dims = [d if draw(st.booleans()) else 1 for d in shape]
-                w = new_input(tuple(dims[draw(st.integers(0, len(dims) - 1)) :]) if dims else ())
-            if kind == "div":
-                values.append(v / (w * w + 1.0))
-            else:
-                op = draw(st.sampled_from(BINARY))
-                values.append(getattr(g, op)(v, w) if draw(st.booleans()) else getattr(g, op)(w, v))
-        elif kind == "reduce" and shape:
-            axes = tuple(sorted(set(draw(st.lists(st.integers(0, len(shape) - 1), min_size=1, max_size=len(shape))))))
-            op = draw(st.sampled_from(["sum", "mean", "max"]))
-            values.append(getattr(g, op)(v, axis=axes, keepdims=draw(st.booleans())))
-        elif kind == "softmax" and shape:
-            op = draw(st.sampled_from(["softmax", "log_softmax"]))
-            values.append(getattr(g, op)(v, axis=draw(st.integers(-len(shape), len(shape) - 1))))
-        elif kind == "view" and shape:
-            choice = draw(st.sampled_from(["transpose", "reshape", "broadcast", "unsqueeze"]))
-            if choice == "transpose":
-                values.append(g.transpose(v, tuple(draw(st.permutations(range(len(shape)))))))
-            elif choice == "reshape":
-                values.append(g.reshape(v, (-1,)) if len(shape) > 1 else g.reshape(v, (1, shape[0], 1)))
-            elif choice == "broadcast":
-                values.append(g.broadcast_to(v, (draw(st.integers(1, 3)), *shape)))
-            else:
-                values.append(g.reshape(v, (*shape, 1)))
-        elif kind == "norm" and shape:
-            weight = new_input((shape[-1],))
-            values.append(
-                g.rms_norm(v, weight) if draw(st.booleans()) else g.layer_norm(v, weight, new_input((shape[-1],)))
-            )
-        elif kind == "matmul" and len(shape) >= 2:
-            w = new_input((shape[-1], draw(st.integers(1, 4))))
-            values.append(
-                v @ w
-                if draw(st.booleans())
-                else g.matmul(
-                    g.transpose(w, (1, 0)), g.transpose(v, (*range(len(shape) - 2), len(shape) - 1, len(shape) - 2))
-                )
-            )
-        elif kind == "where":
-            w = draw(st.sampled_from([w for w in values if w.shape == shape]))
-            values.append(g.where(v > w, v, w * 2.0))
-        elif kind == "concat" and shape:
-            axis = draw(st.integers(0, len(shape) - 1))
-            values.append(g.concat([v, g.exp(v)], axis=axis))
-        elif kind == "split" and shape and shape[-1] % 2 == 0:
-            a, b = g.split(v, 2, axis=-1)
-            values.append(a * b)
-    outputs = draw(st.lists(st.sampled_from(values[-4:]), min_size=1, max_size=3, unique=True))
-    return g, outputs
-
-
-def _broadcasts(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
-    return len(a) <= len(b) and all(x in (1, y) for x, y in zip(reversed(a), reversed(b), strict=False))
-
-
-@st.composite
-def graphs(draw: st.DrawFn) -> tuple[Graph, int, int]:
-    g, outputs = _build(draw)
-    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
-    loss = None
-    for value in outputs:
-        term = g.sum(value * g.constant(rng.uniform(-1, 1, value.shape).astype(np.float32)))
-        loss = term if loss is None else loss + term
-    xs = list(g.inputs.values())
-    grads = rlx.grad(g, loss, xs)
-    g.output(
-        loss=loss,
-        **{f"y{i}": v for i, v in enumerate(outputs)},
-        **{f"d_{x.node.attrs.name}": d for x, d in zip(xs, grads, strict=True)},
-    )
-    return g, draw(st.integers(0, 1000)), draw(st.integers(1, 3))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
