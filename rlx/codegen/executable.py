@@ -19,7 +19,7 @@ import numpy as np
 
 from rlx.bind import bind_inputs, check_index_inputs, index_bounds
 from rlx.codegen.jit import CompiledLibrary, compile_ir
-from rlx.codegen.lower import CodegenOptions, lower_graph, profile_offset, scratch_bytes, work_items
+from rlx.codegen.lower import CodegenOptions, lower_graph, profile_offset, scratch_bytes
 from rlx.codegen.memory_plan import MemoryPlan, plan_memory, random_topological_order
 from rlx.codegen.schedule import Schedule, build_schedule
 from rlx.config import RuntimeConfig, resolve_config, resolve_num_threads
@@ -138,15 +138,8 @@ def _lower(
     order = None if options.order_seed is None else random_topological_order(working, options.order_seed)
     schedule = build_schedule(working, order)
     accesses = [(kernel.node, kernel.computes, kernel.reads) for kernel in schedule.kernels]
-    # No attention region runs more threads than it has items, so scratch is needed for at most that many.
-    busiest = max((work_items(node) for node in working.nodes), default=1)
-    plan = plan_memory(
-        working,
-        lambda node: scratch_bytes(node, config, options),
-        max(1, min(threads, busiest)),
-        schedule.order,
-        accesses,
-    )
+    # Any member of the call's thread team may run an attention item, so each needs scratch.
+    plan = plan_memory(working, lambda node: scratch_bytes(node, config, options), threads, schedule.order, accesses)
     llvm_ir = lower_graph(working, plan, schedule, config, options, threads)
     times["lowering"] = time.perf_counter() - start
     return working, plan, schedule, llvm_ir

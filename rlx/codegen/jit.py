@@ -26,7 +26,19 @@ from rlx.codegen.blas import SET_THREADS, SGEMM, libc_symbol, load_blas
 from rlx.errors import RlxError
 
 ENTRY = "rlx_entry"
-_IMPORTED_LIBC = ("pthread_create", "pthread_join", "logf", "tanhf", "erff", "powf", "clock_gettime")
+_IMPORTED_LIBC = (
+    "pthread_create",
+    "pthread_join",
+    "pthread_barrier_init",
+    "pthread_barrier_wait",
+    "pthread_barrier_destroy",
+    "sched_yield",
+    "logf",
+    "tanhf",
+    "erff",
+    "powf",
+    "clock_gettime",
+)
 _library_ids = itertools.count()
 _lock = threading.RLock()
 

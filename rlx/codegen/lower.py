@@ -10,7 +10,7 @@ embedding scatter-add (:mod:`rlx.codegen.lower_scatter`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from llvmlite import ir
@@ -22,7 +22,7 @@ from rlx.codegen.lower_attention import AttentionKernelSpec, AttentionLowering, 
 from rlx.codegen.lower_gemm import emit_gemm_item, gemm_spec
 from rlx.codegen.lower_scatter import emit_scatter_item
 from rlx.codegen.memory_plan import MemoryPlan
-from rlx.codegen.parallel import emit_parallel_for
+from rlx.codegen.parallel import Step, emit_team
 from rlx.codegen.schedule import Kernel, Schedule
 from rlx.config import RuntimeConfig
 from rlx.errors import RlxValueError
@@ -114,6 +114,7 @@ class _Lowering:
     buffers: ir.Value
     arena: ir.Value
     constants: dict[Value, ir.GlobalVariable]
+    steps: list[Step] = field(default_factory=list)
 
     def base_pointer(self, value: Value) -> ir.Value:
         """The address of a materialised value's first element, in the entry function."""
@@ -136,14 +137,13 @@ class _Lowering:
             return base
         return gep(self.b, base, [i64(view.offset * view.base.dtype.itemsize)], I8)
 
-    def call(self, item_fn: ir.Function, pointers: list[ir.Value], items: int, threads: int, tag: str) -> None:
+    def call(self, item_fn: ir.Function, pointers: list[ir.Value], items: int, serial: bool, tag: str) -> None:
+        """Add a step to the call's parallel region: ``item_fn`` over ``items`` items."""
         b = self.b
         args = alloca_entry(b, PTR, f"args.{tag}", max(1, len(pointers)))
         for slot, ptr in enumerate(pointers):
             b.store(ptr, gep(b, args, [i64(slot)], PTR))
-        parallel_for = emit_parallel_for(self.module, item_fn, threads)
-        scratch = gep(b, self.arena, [i64(self.plan.scratch_offset)], I8, "scratch")
-        b.call(parallel_for, [args, i64(items), scratch, i64(self.plan.scratch_stride)])
+        self.steps.append(Step(item_fn, args, items, serial))
 
     # ------------------------------------------------------------------ kernels
 
@@ -157,14 +157,14 @@ class _Lowering:
             spec = kernel_spec(node, self.config, self.options)
             item_fn = AttentionLowering(self.module, spec, f"{node.op}.{node.id}").emit()
             pointers = [self.view_pointer(v) for v in node.inputs] + [self.base_pointer(v) for v in node.outputs]
-            self.call(item_fn, pointers, spec.work_items, self.plan.threads, str(node.id))
+            self.call(item_fn, pointers, spec.work_items, False, str(node.id))
         elif op == "matmul":
             a, bm = (self.schedule.view(v) for v in node.inputs)
             assert a is not None and bm is not None
             gemm = gemm_spec(a, bm, node.outputs[0].shape, self.threads)
             item_fn = emit_gemm_item(self.module, gemm, f"matmul.{node.id}")
             pointers = [self.base_pointer(a.base), self.base_pointer(bm.base), self.base_pointer(node.outputs[0])]
-            self.call(item_fn, pointers, gemm.items, self.threads, str(node.id))
+            self.call(item_fn, pointers, gemm.items, gemm.blas_threads > 1, str(node.id))
         elif op == "embedding_grad":
             dy, ids = (self.schedule.view(v) for v in node.inputs)
             assert dy is not None and ids is not None
@@ -174,7 +174,7 @@ class _Lowering:
                 self.module, dy, ids, (rows, width), ids.base.dtype.itemsize, f"embedding_grad.{node.id}"
             )
             pointers = [self.base_pointer(dy.base), self.base_pointer(ids.base), self.base_pointer(out)]
-            self.call(item_fn, pointers, 1, 1, str(node.id))
+            self.call(item_fn, pointers, 1, True, str(node.id))
         else:
             raise AssertionError(f"no lowering for {op}")
 
@@ -198,7 +198,7 @@ class _Lowering:
         emitter = FusedEmitter(self.module, builder, self.schedule, kernel, pointers.__getitem__, constant)
         emitter.emit_item(item, chunking)
         builder.ret_void()
-        self.call(fn, [self.base_pointer(v) for v in bases], chunking.items, self.threads, f"k{index}")
+        self.call(fn, [self.base_pointer(v) for v in bases], chunking.items, False, f"k{index}")
 
 
 def lower_graph(
@@ -212,12 +212,11 @@ def lower_graph(
     b = ir.IRBuilder(entry.append_basic_block("entry"))
     constants = {node.outputs[0]: _constant_global(module, node) for node in plan.order if node.op is OpKind.CONSTANT}
     state = _Lowering(graph, plan, schedule, config, options, threads, module, b, buffers, arena, constants)
-    clock = _Clock(module, b, arena, profile_offset(plan)) if options.profile else None
     for index, kernel in enumerate(schedule.kernels):
-        start = clock.now() if clock else None
         state.lower(index, kernel)
-        if clock and start is not None:
-            clock.record(index, start)
+    scratch = gep(b, arena, [i64(plan.scratch_offset)], I8, "scratch")
+    profile = gep(b, arena, [i64(profile_offset(plan))], I8, "profile") if options.profile else None
+    emit_team(module, b, state.steps, threads, scratch, plan.scratch_stride, profile, _clock(module))
     b.ret_void()
     return str(module)
 
@@ -227,25 +226,19 @@ def profile_offset(plan: MemoryPlan) -> int:
     return -(-plan.arena_bytes // 64) * 64
 
 
-class _Clock:
-    """``clock_gettime(CLOCK_MONOTONIC)`` around each kernel; durations (ns, i64) into the arena tail."""
+def _clock(module: ir.Module):  # type: ignore[no-untyped-def]
+    """``now(b)``: ``clock_gettime(CLOCK_MONOTONIC)`` in nanoseconds, for profiling builds."""
+    fn = declare(module, "clock_gettime", ir.IntType(32), [ir.IntType(32), PTR])
+    spec_type = ir.ArrayType(I64, 2)
 
-    def __init__(self, module: ir.Module, b: ir.IRBuilder, arena: ir.Value, offset: int) -> None:
-        self.b = b
-        self.fn = declare(module, "clock_gettime", ir.IntType(32), [ir.IntType(32), PTR])
-        self.spec = alloca_entry(b, ir.ArrayType(I64, 2), "timespec")
-        self.slots = gep(b, arena, [i64(offset)], I8, "profile")
-
-    def now(self) -> ir.Value:
-        b = self.b
-        b.call(self.fn, [ir.Constant(ir.IntType(32), 1), self.spec])
-        sec = b.load(gep(b, self.spec, [i64(0), i64(0)], ir.ArrayType(I64, 2)), typ=I64)
-        nsec = b.load(gep(b, self.spec, [i64(0), i64(1)], ir.ArrayType(I64, 2)), typ=I64)
+    def now(b: ir.IRBuilder) -> ir.Value:
+        spec = alloca_entry(b, spec_type, "timespec")
+        b.call(fn, [ir.Constant(ir.IntType(32), 1), spec])
+        sec = b.load(gep(b, spec, [i64(0), i64(0)], spec_type), typ=I64)
+        nsec = b.load(gep(b, spec, [i64(0), i64(1)], spec_type), typ=I64)
         return b.add(b.mul(sec, i64(1_000_000_000)), nsec)
 
-    def record(self, index: int, start: ir.Value) -> None:
-        b = self.b
-        b.store(b.sub(self.now(), start), gep(b, self.slots, [i64(index)], I64))
+    return now
 
 
 def opaque(b: ir.IRBuilder, variable: ir.GlobalVariable) -> ir.Value:

@@ -1,114 +1,187 @@
-"""A parallel-for emitted into the module: native threads, no Python in the loop.
+"""One parallel region per call: a team of native threads runs every kernel of the call in turn.
 
-``parallel_for(args, n_items, scratch, scratch_stride)`` starts ``threads - 1`` pthreads and
-works on the calling thread too; each thread takes the next item from an atomic counter and
-calls ``item_fn(args, item, its_scratch)``. Every item is computed by exactly one thread with
-the same code, so results do not depend on which thread ran it: the output is bit-identical for
-any thread count. If a thread cannot be created, the others take its share.
+The entry function starts ``threads - 1`` pthreads once and works on the calling thread too.
+Every member runs the same step list (``team``): for each kernel it takes the next item from
+that kernel's atomic counter until none is left, then waits at a barrier, so the next kernel
+sees all of this one's results. A *serial* step (one BLAS call on OpenBLAS's own threads, the
+embedding scatter-add) runs on member 0 while the others sleep in the barrier, leaving their
+cores to OpenBLAS. Every item is computed by exactly one thread with the same code, so results
+do not depend on which thread ran it: the output is bit-identical for any thread count. If a
+thread cannot be created, the barrier is sized for the members that exist (they are released
+only once it is), and the others take its share.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from llvmlite import ir
 
 from rlx.codegen.irutil import I8, I32, I64, PTR, VOID, alloca_entry, declare, for_range, gep, i32, i64
 
-# Shared by all threads of one region: item arguments, item count, counter, scratch, its stride.
-_SHARED = ir.LiteralStructType([PTR, I64, PTR, PTR, I64])
-# What one pthread receives: the shared block and its thread index.
+BARRIER_BYTES = 128  # >= sizeof(pthread_barrier_t) on every glibc target (32 on x86-64)
+
+# Shared by the members: step arguments, counters, scratch, its stride, barrier, start flag, profile.
+_SHARED = ir.LiteralStructType([PTR, PTR, PTR, I64, PTR, PTR, PTR])
 _THREAD_ARG = ir.LiteralStructType([PTR, I64])
 
 
-def _field(builder: ir.IRBuilder, ty: ir.LiteralStructType, ptr: ir.Value, index: int, name: str) -> ir.Value:
-    return gep(builder, ptr, [i32(0), i32(index)], ty, name)
+@dataclass(frozen=True)
+class Step:
+    """One kernel of the call: ``item_fn(args, item, scratch)`` over ``items`` items."""
+
+    item_fn: ir.Function
+    args: ir.Value  # the kernel's argument array, filled in the entry block
+    items: int
+    serial: bool = False  # run by member 0 alone (its item function may use OpenBLAS threads)
 
 
-def _load_field(builder: ir.IRBuilder, ty: ir.LiteralStructType, ptr: ir.Value, index: int, name: str) -> ir.Value:
-    return builder.load(_field(builder, ty, ptr, index, f"{name}.ptr"), name=name, typ=ty.elements[index])
+def _field(b: ir.IRBuilder, ty: ir.LiteralStructType, ptr: ir.Value, index: int) -> ir.Value:
+    return gep(b, ptr, [i32(0), i32(index)], ty)
 
 
-def emit_parallel_for(module: ir.Module, item_fn: ir.Function, threads: int) -> ir.Function:
-    """Define ``void <item_fn>.parallel(ptr args, i64 n, ptr scratch, i64 stride)`` for ``item_fn``."""
-    base = item_fn.name
-    worker = _emit_worker(module, item_fn, f"{base}.worker")
-    thread_main = _emit_thread_main(module, worker, f"{base}.thread")
+def _load(b: ir.IRBuilder, ty: ir.LiteralStructType, ptr: ir.Value, index: int, name: str) -> ir.Value:
+    return b.load(_field(b, ty, ptr, index), typ=ty.elements[index], name=name)
 
-    fn = ir.Function(module, ir.FunctionType(VOID, [PTR, I64, PTR, I64]), name=f"{base}.parallel")
-    fn.linkage = "internal"
-    args, n_items, scratch, stride = fn.args
-    for arg, name in zip(fn.args, ("args", "n", "scratch", "stride"), strict=True):
-        arg.name = name
-    b = ir.IRBuilder(fn.append_basic_block("entry"))
-    counter = alloca_entry(b, I64, "counter")
-    b.store(i64(0), counter)
+
+def emit_team(
+    module: ir.Module,
+    b: ir.IRBuilder,
+    steps: list[Step],
+    threads: int,
+    scratch: ir.Value,
+    stride: int,
+    profile: ir.Value | None,
+    now: Callable[[ir.IRBuilder], ir.Value] | None,
+) -> None:
+    """Emit, at ``b``, the whole parallel region of one call running ``steps`` in order."""
+    team = _emit_team_main(module, steps, profile is not None, now)
+    args_table = alloca_entry(b, PTR, "steps.args", max(1, len(steps)))
+    counters = alloca_entry(b, I64, "steps.counters", max(1, len(steps)))
+    for index, step in enumerate(steps):
+        b.store(step.args, gep(b, args_table, [i64(index)], PTR))
+        b.store(i64(0), gep(b, counters, [i64(index)], I64))
+    barrier = alloca_entry(b, ir.ArrayType(I8, BARRIER_BYTES), "barrier")
+    barrier.align = 16
+    ready = alloca_entry(b, I32, "ready")
+    b.store(i32(0), ready)
     shared = alloca_entry(b, _SHARED, "shared")
-    for index, value in enumerate((args, n_items, counter, scratch, stride)):
-        b.store(value, _field(b, _SHARED, shared, index, f"shared.{index}"))
+    values = (
+        args_table,
+        counters,
+        scratch,
+        i64(stride),
+        barrier,
+        ready,
+        profile if profile is not None else ir.Constant(PTR, None),
+    )
+    for index, value in enumerate(values):
+        b.store(value, _field(b, _SHARED, shared, index))
 
+    init = declare(module, "pthread_barrier_init", I32, [PTR, PTR, I32])
+    destroy = declare(module, "pthread_barrier_destroy", I32, [PTR])
+    members = alloca_entry(b, I32, "members")
+    b.store(i32(1), members)
     if threads > 1:
         create = declare(module, "pthread_create", I32, [PTR, PTR, PTR, PTR])
         join = declare(module, "pthread_join", I32, [I64, PTR])
+        thread_main = _emit_thread_main(module, team)
         handles = alloca_entry(b, I64, "handles", threads)
         created = alloca_entry(b, I8, "created", threads)
         thread_args = alloca_entry(b, _THREAD_ARG, "thread.args", threads)
-        spawn = b.select(b.icmp_signed("<", n_items, i64(threads)), n_items, i64(threads), name="spawn")
-        with for_range(b, 1, spawn, "t") as t:
-            arg = gep(b, thread_args, [t], _THREAD_ARG, "arg")
-            b.store(shared, _field(b, _THREAD_ARG, arg, 0, "arg.shared"))
-            b.store(t, _field(b, _THREAD_ARG, arg, 1, "arg.tid"))
-            handle = gep(b, handles, [t], I64, "handle")
-            status = b.call(create, [handle, ir.Constant(PTR, None), thread_main, arg], name="status")
-            ok = b.zext(b.icmp_signed("==", status, i32(0)), I8)
-            b.store(ok, gep(b, created, [t], I8))
-        b.call(worker, [shared, i64(0)])
-        with for_range(b, 1, spawn, "t.join") as t:
+        with for_range(b, 1, threads, "t") as t:
+            arg = gep(b, thread_args, [t], _THREAD_ARG)
+            b.store(shared, _field(b, _THREAD_ARG, arg, 0))
+            b.store(t, _field(b, _THREAD_ARG, arg, 1))
+            status = b.call(create, [gep(b, handles, [t], I64), ir.Constant(PTR, None), thread_main, arg])
+            ok = b.icmp_signed("==", status, i32(0))
+            b.store(b.zext(ok, I8), gep(b, created, [t], I8))
+            b.store(b.add(b.load(members, typ=I32), b.zext(ok, I32)), members)
+        b.call(init, [barrier, ir.Constant(PTR, None), b.load(members, typ=I32)])
+        b.store_atomic(i32(1), ready, "release", 4)
+        b.call(team, [shared, i64(0)])
+        with for_range(b, 1, threads, "t.join") as t:
             flag = b.load(gep(b, created, [t], I8), typ=I8)
             with b.if_then(b.icmp_unsigned("!=", flag, ir.Constant(I8, 0))):
-                handle = b.load(gep(b, handles, [t], I64), typ=I64, name="handle")
-                b.call(join, [handle, ir.Constant(PTR, None)])
+                b.call(join, [b.load(gep(b, handles, [t], I64), typ=I64), ir.Constant(PTR, None)])
     else:
-        b.call(worker, [shared, i64(0)])
-    b.ret_void()
-    return fn
+        b.call(init, [barrier, ir.Constant(PTR, None), i32(1)])
+        b.store_atomic(i32(1), ready, "release", 4)
+        b.call(team, [shared, i64(0)])
+    b.call(destroy, [barrier])
 
 
-def _emit_worker(module: ir.Module, item_fn: ir.Function, name: str) -> ir.Function:
-    """``worker(shared, tid)``: take items from the counter until none are left."""
-    fn = ir.Function(module, ir.FunctionType(VOID, [PTR, I64]), name=name)
+def _emit_team_main(
+    module: ir.Module, steps: list[Step], profiling: bool, now: Callable[[ir.IRBuilder], ir.Value] | None
+) -> ir.Function:
+    """``team(shared, tid)``: wait for the start, then every step, each followed by the barrier."""
+    fn = ir.Function(module, ir.FunctionType(VOID, [PTR, I64]), name="team")
     fn.linkage = "internal"
     shared, tid = fn.args
     shared.name, tid.name = "shared", "tid"
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    args = _load_field(b, _SHARED, shared, 0, "args")
-    n_items = _load_field(b, _SHARED, shared, 1, "n")
-    counter = _load_field(b, _SHARED, shared, 2, "counter")
-    scratch = _load_field(b, _SHARED, shared, 3, "scratch")
-    stride = _load_field(b, _SHARED, shared, 4, "stride")
+    args_table = _load(b, _SHARED, shared, 0, "args.table")
+    counters = _load(b, _SHARED, shared, 1, "counters")
+    scratch = _load(b, _SHARED, shared, 2, "scratch")
+    stride = _load(b, _SHARED, shared, 3, "stride")
+    barrier = _load(b, _SHARED, shared, 4, "barrier")
+    ready = _load(b, _SHARED, shared, 5, "ready")
+    profile = _load(b, _SHARED, shared, 6, "profile")
+    wait = declare(module, "pthread_barrier_wait", I32, [PTR])
+    yield_ = declare(module, "sched_yield", I32, [])
+
+    spin = b.append_basic_block("start.wait")
+    go = b.append_basic_block("start")
+    b.branch(spin)
+    b.position_at_end(spin)
+    started = b.load_atomic(ready, "acquire", 4, typ=I32)
+    with b.if_then(b.icmp_signed("==", started, i32(0))):
+        b.call(yield_, [])
+    b.cbranch(b.icmp_signed("!=", started, i32(0)), go, spin)
+    b.position_at_end(go)
     mine = gep(b, scratch, [b.mul(tid, stride)], I8, "my.scratch")
-    loop = b.append_basic_block("take")
-    work = b.append_basic_block("work")
-    done = b.append_basic_block("done")
-    b.branch(loop)
-    b.position_at_end(loop)
-    item = b.atomic_rmw("add", counter, i64(1), "monotonic", name="item")
-    b.cbranch(b.icmp_signed("<", item, n_items), work, done)
-    b.position_at_end(work)
-    b.call(item_fn, [args, item, mine])
-    b.branch(loop)
-    b.position_at_end(done)
+    is_first = b.icmp_signed("==", tid, i64(0), name="first")
+    clock = alloca_entry(b, I64, "clock")
+    if profiling and now is not None:
+        b.store(now(b), clock)
+
+    for index, step in enumerate(steps):
+        args = b.load(gep(b, args_table, [i64(index)], PTR), typ=PTR, name=f"args.{index}")
+        if step.serial:
+            with b.if_then(is_first):
+                b.call(step.item_fn, [args, i64(0), mine])
+        else:
+            counter = gep(b, counters, [i64(index)], I64)
+            take = b.append_basic_block(f"step{index}.take")
+            work = b.append_basic_block(f"step{index}.work")
+            done = b.append_basic_block(f"step{index}.done")
+            b.branch(take)
+            b.position_at_end(take)
+            item = b.atomic_rmw("add", counter, i64(1), "monotonic", name="item")
+            b.cbranch(b.icmp_signed("<", item, i64(step.items)), work, done)
+            b.position_at_end(work)
+            b.call(step.item_fn, [args, item, mine])
+            b.branch(take)
+            b.position_at_end(done)
+        b.call(wait, [barrier])
+        if profiling and now is not None:
+            with b.if_then(is_first):
+                t = now(b)
+                b.store(b.sub(t, b.load(clock, typ=I64)), gep(b, profile, [i64(index)], I64))
+                b.store(t, clock)
     b.ret_void()
     return fn
 
 
-def _emit_thread_main(module: ir.Module, worker: ir.Function, name: str) -> ir.Function:
-    """The pthread start routine: unpack the thread argument and run the worker."""
-    fn = ir.Function(module, ir.FunctionType(PTR, [PTR]), name=name)
+def _emit_thread_main(module: ir.Module, team: ir.Function) -> ir.Function:
+    """The pthread start routine: unpack the thread argument and run the team's steps."""
+    fn = ir.Function(module, ir.FunctionType(PTR, [PTR]), name="team.thread")
     fn.linkage = "internal"
     (arg,) = fn.args
-    arg.name = "arg"
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    shared = _load_field(b, _THREAD_ARG, arg, 0, "shared")
-    tid = _load_field(b, _THREAD_ARG, arg, 1, "tid")
-    b.call(worker, [shared, tid])
+    shared = _load(b, _THREAD_ARG, arg, 0, "shared")
+    tid = _load(b, _THREAD_ARG, arg, 1, "tid")
+    b.call(team, [shared, tid])
     b.ret(ir.Constant(PTR, None))
     return fn
