@@ -117,6 +117,49 @@ def cold_compile_in_fresh_process(shape: tuple[int, int, int, int]) -> dict[str,
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def memory_in_fresh_process(impl: str, shape: tuple[int, int, int, int], threads: int) -> int | None:
+    """Extra peak RSS of the first call (loss and all gradients) in a new interpreter, in bytes.
+
+    Fresh, so that neither side reuses memory a previous call left in the heap: rlx's count holds
+    its arena and output arrays, torch's the activations it saves for backward and its gradients.
+    """
+    out = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--probe-memory",
+            impl,
+            "--probe-shape",
+            ",".join(map(str, shape)),
+            "--threads",
+            str(threads),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    value = json.loads(out.stdout.strip().splitlines()[-1])["peak_extra_bytes"]
+    return None if value is None else int(value)
+
+
+def run_memory_probe(impl: str, shape: tuple[int, int, int, int], threads: int) -> int:
+    batch, seq, embed, heads = shape
+    arrays = block_arrays(batch, seq, embed)
+    if impl == "rlx":
+        exe = rlx.compile(build_block(*shape), config=rlx.RuntimeConfig(num_threads=threads))
+        peak, _ = h.extra_peak_bytes(lambda: exe(**arrays))
+    else:
+        import torch
+
+        torch.set_num_threads(threads)
+        tensors = {name: torch.from_numpy(a.copy()).requires_grad_(True) for name, a in arrays.items()}
+        peak, _ = h.extra_peak_bytes(
+            lambda: torch.autograd.grad(torch_loss(torch, tensors, heads), [tensors[n] for n in NAMES])
+        )
+    print(json.dumps({"peak_extra_bytes": peak}))
+    return 0
+
+
 def profile_breakdown(graph: rlx.Graph, arrays: dict[str, np.ndarray], threads: int) -> dict[str, float]:
     """Seconds per kernel kind (BLAS matmul, fused loops, attention) from a profiling build (best of 3)."""
     exe = compile_graph(graph, config=rlx.RuntimeConfig(num_threads=threads), options=CodegenOptions(profile=True))
@@ -179,8 +222,7 @@ def run_shape(shape: tuple[int, int, int, int], args: argparse.Namespace, torch:
     memory = {}
     if not args.no_memory:
         for name in ("rlx", "torch eager"):
-            peak, _ = h.extra_peak_bytes(calls[name].run)
-            memory[name] = peak
+            memory[name] = memory_in_fresh_process(name, shape, args.threads)
     breakdown = (
         profile_breakdown(graph, arrays, args.threads)
         if shape == max(SHAPES, key=lambda s: s[0] * s[1] * s[2]) or args.profile_all
@@ -220,6 +262,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--profile-all", action="store_true", help="time breakdown for every shape")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    parser.add_argument("--probe-memory", choices=("rlx", "torch eager"), help=argparse.SUPPRESS)
+    parser.add_argument("--probe-shape", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         args.repeat, args.no_compile = 3, True
@@ -228,6 +272,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.probe_memory:
+        shape = tuple(int(part) for part in args.probe_shape.split(","))
+        return run_memory_probe(args.probe_memory, shape, args.threads)  # type: ignore[arg-type]
     import torch
 
     torch.set_num_threads(args.threads)
