@@ -297,6 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "compile ms",
         "eager/rlx",
         "compile/rlx",
+        "sgemm-bound ms",
+        "rlx / bound",
         "kernels/nodes",
         "rlx MiB",
         "eager MiB",
@@ -315,6 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{med['torch.compile'] * 1e3:.1f}" if "torch.compile" in med else "-",
                 f"{r['speedup_vs']['torch eager']:.2f}x",
                 f"{r['speedup_vs']['torch.compile']:.2f}x" if "torch.compile" in r["speedup_vs"] else "-",
+                f"{r['sgemm_bound_s'] * 1e3:.1f}",
+                f"{med['rlx'] / r['sgemm_bound_s']:.2f}x",
                 f"{r['kernels']}/{r['nodes']}",
                 f"{mem['rlx'] / 2**20:.0f}" if mem.get("rlx") is not None else "-",
                 f"{mem['torch eager'] / 2**20:.0f}" if mem.get("torch eager") is not None else "-",
@@ -326,6 +330,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     eager = h.geomean(r["speedup_vs"]["torch eager"] for r in results)
     compiled = h.geomean(r["speedup_vs"].get("torch.compile", 0) for r in results)
     print(
+        "\nsgemm-bound: the block's matmul and causal-attention FLOPs at the sgemm rate measured above, the"
+        " least time an implementation on this BLAS can take. Against it torch eager leaves room for at most"
+        f" {h.geomean(r['best_possible_speedup_vs_eager'] for r in results):.2f}x (geometric mean)."
         f"\ngeometric mean speed-up: vs torch eager {eager:.2f}x (target 1.5x)"
         + (f", vs torch.compile {compiled:.2f}x (target 1.2x)" if compiled else "")
     )

@@ -36,7 +36,7 @@ def compile(graph: Graph, passes: Sequence[str] | None = None, config: RuntimeCo
 
 def __getattr__(name: str) -> Any:
     # Submodules load lazily so that `import rlx` stays cheap and llvmlite loads only to compile.
-    if name in ("passes", "reference", "codegen", "autodiff"):
+    if name in ("passes", "reference", "codegen", "autodiff", "models"):
         import importlib
 
         return importlib.import_module(f"rlx.{name}")

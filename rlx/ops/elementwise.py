@@ -335,7 +335,7 @@ SCALAR: dict[str, Callable[..., object]] = {
         e.const(1.0, x),
         e.select(e.compare("<", x, e.const(0.0, x)), e.const(-1.0, x), e.mul(x, e.const(0.0, x))),
     ),
-    "tanh": lambda e, x, attrs: e.call("tanh", x),
+    "tanh": lambda e, x, attrs: e.tanh(x),
     "sigmoid": lambda e, x, attrs: e.div(e.const(1.0, x), e.add(e.const(1.0, x), e.exp(e.neg(x)))),
     "relu": lambda e, x, attrs: e.maximum(x, e.const(0.0, x)),
     "erf": lambda e, x, attrs: e.call("erf", x),
