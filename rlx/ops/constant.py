@@ -114,12 +114,12 @@ def _constant_reference(args: Sequence[np.ndarray], attrs: ConstantAttrs, ctx: E
 def constant(graph: Graph, value: object, dtype: object = None) -> Value:
     """A constant baked into the graph: a Python number (float32 scalar) or an array.
 
-    Arrays keep their dtype unless ``dtype`` is given; float64 arrays become float32 (rlx
-    computes in float32), as ``torch.tensor`` does with its default dtype.
+    Arrays and NumPy scalars keep their dtype unless ``dtype`` is given; float64 becomes float32
+    (rlx computes in float32), as ``torch.tensor`` does with its default dtype.
     """
     if isinstance(value, (bool, np.bool_)) and dtype is None:
         array = np.array(value, dtype=np.bool_)
-    elif isinstance(value, (int, float, np.integer, np.floating)) and dtype is None:
+    elif isinstance(value, (int, float)) and dtype is None:  # a Python number is a float32 operand
         array = np.array(value, dtype=np.float32)
     else:
         try:

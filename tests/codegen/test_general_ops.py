@@ -121,3 +121,27 @@ def test_views_cost_no_kernel() -> None:
         "w": rng.standard_normal((12, 6), dtype=np.float32),
     }
     _assert_close(exe(**arrays), rlx.reference.run(g, **arrays), rtol=1e-5, atol=1e-5)
+
+
+def test_int_and_bool_values_move_through_views_and_come_out_with_their_dtype() -> None:
+    g = Graph("ints")
+    ids = g.input("ids", (2, 3), "int64")
+    x = g.input("x", (2, 3))
+    g.output(
+        r=g.reshape(ids, (3, 2)),
+        t=g.transpose(ids, (1, 0)),
+        c=g.concat([ids, ids], axis=1),
+        m=x > 0.5,
+        w=g.where(x > 0.5, ids, g.transpose(g.transpose(ids, (1, 0)), (1, 0))),
+        s=g.exp(g.sum(x)),
+        k=g.constant(3.0),
+        b=g.broadcast_to(g.constant(np.int32(7)), (2, 2)),
+    )
+    arrays = {
+        "ids": np.arange(6, dtype=np.int64).reshape(2, 3),
+        "x": np.random.default_rng(0).random((2, 3), np.float32),
+    }
+    got = rlx.compile(g)(**arrays)
+    want = rlx.reference.run(g, **arrays)
+    assert got["b"].dtype == np.int32 and got["m"].dtype == np.bool_ and got["r"].dtype == np.int64
+    _assert_close(got, want)
