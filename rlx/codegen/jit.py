@@ -34,7 +34,6 @@ _IMPORTED_LIBC = (
     "pthread_barrier_destroy",
     "sched_yield",
     "logf",
-    "erff",
     "powf",
     "clock_gettime",
 )

@@ -338,7 +338,7 @@ SCALAR: dict[str, Callable[..., object]] = {
     "tanh": lambda e, x, attrs: e.tanh(x),
     "sigmoid": lambda e, x, attrs: e.div(e.const(1.0, x), e.add(e.const(1.0, x), e.exp(e.neg(x)))),
     "relu": lambda e, x, attrs: e.maximum(x, e.const(0.0, x)),
-    "erf": lambda e, x, attrs: e.call("erf", x),
+    "erf": lambda e, x, attrs: e.erf(x),
     "add": lambda e, a, b, attrs: e.add(a, b),
     "sub": lambda e, a, b, attrs: e.sub(a, b),
     "mul": lambda e, a, b, attrs: e.mul(a, b),

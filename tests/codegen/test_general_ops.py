@@ -145,3 +145,25 @@ def test_int_and_bool_values_move_through_views_and_come_out_with_their_dtype() 
     want = rlx.reference.run(g, **arrays)
     assert got["b"].dtype == np.int32 and got["m"].dtype == np.bool_ and got["r"].dtype == np.int64
     _assert_close(got, want)
+
+
+@pytest.mark.parametrize("op", ["tanh", "erf", "exp", "sigmoid"])
+def test_vectorised_math_is_within_a_few_ulp(op: str) -> None:
+    """The lane formulas (no libm) against float64 NumPy/math over a wide range, specials kept."""
+    import math
+
+    g = Graph(op)
+    x = g.input("x", (1 << 15,))
+    g.output(y=getattr(g, op)(x))
+    rng = np.random.default_rng(9)
+    a = np.concatenate([np.linspace(-30, 30, 1 << 14), rng.standard_normal(1 << 14) * 0.7]).astype(np.float32)
+    a[:4] = [np.nan, np.inf, -np.inf, -0.0]
+    got = rlx.compile(g)(x=a)["y"]
+    want = rlx.reference.run(g, x=a)["y"].astype(np.float64)
+    exact = {"erf": np.vectorize(math.erf), "tanh": np.tanh, "exp": np.exp, "sigmoid": lambda v: 1 / (1 + np.exp(-v))}[
+        op
+    ](a.astype(np.float64))
+    finite = np.isfinite(exact) & (np.abs(exact) > 1e-30)
+    rel = np.abs(got[finite] - exact[finite]) / np.abs(exact[finite])
+    assert rel.max() < 4e-7, (op, float(rel.max()), float(a[finite][rel.argmax()]))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
