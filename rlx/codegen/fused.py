@@ -30,8 +30,8 @@ import numpy as np
 from llvmlite import ir
 
 from rlx.codegen.expf import define_expf
-from rlx.codegen.irutil import CONTRACT, F32, I1, I8, I32, I64, REDUCE, alloca_entry, declare, gep, i64, intrinsic
-from rlx.codegen.schedule import Kernel, Schedule, is_unit_reshape
+from rlx.codegen.irutil import CONTRACT, F32, I1, I8, I32, I64, REDUCE, alloca_entry, declare, gep, i64, intrinsic, smin
+from rlx.codegen.schedule import Kernel, Schedule, is_unit_reshape, reduces_last_axis, reduction_of
 from rlx.codegen.vector import WIDTH
 from rlx.codegen.views import View
 from rlx.ir.graph import Value
@@ -409,11 +409,11 @@ class FusedEmitter:
             row = b.sdiv(item, i64(per_row), name="row")
             chunk = b.srem(item, i64(per_row))
             col0 = b.mul(chunk, i64(chunking.column_chunk), name="col0")
-            col1 = _min(b, b.add(col0, i64(chunking.column_chunk)), i64(columns))
+            col1 = smin(b, b.add(col0, i64(chunking.column_chunk)), i64(columns))
             self.emit_row(row, row_dims, col0, col1)
             return
         first = b.mul(item, i64(chunking.rows_per_item), name="row0")
-        last = _min(b, b.add(first, i64(chunking.rows_per_item)), i64(math.prod(row_dims)))
+        last = smin(b, b.add(first, i64(chunking.rows_per_item)), i64(math.prod(row_dims)))
 
         def row_body(loop: Loop) -> None:
             self.stack.remove(loop)  # rows are not part of the nest the expressions see
@@ -462,7 +462,8 @@ class Chunking:
 def plan_chunking(kernel: Kernel, schedule: Schedule, threads: int) -> Chunking:
     assert kernel.root is not None and kernel.out is not None
     shape = kernel.out.shape
-    row_mode = not shape or shape[-1] == 1 or _reduces_last_axis(kernel.root)
+    reduction = reduction_of(kernel.root)
+    row_mode = not shape or shape[-1] == 1 or (reduction is not None and reduces_last_axis(reduction))
     rows = math.prod(shape if row_mode else shape[:-1])
     columns = 1 if row_mode else shape[-1]
     work = max(1, _work_per_element(kernel, schedule) * columns)
@@ -471,14 +472,6 @@ def plan_chunking(kernel: Kernel, schedule: Schedule, threads: int) -> Chunking:
         return Chunking(row_mode, rows, 1, chunk, rows * -(-columns // chunk))
     rows_per_item = max(1, min(rows, max(MIN_ITEM_ELEMENTS // work, -(-rows // (8 * max(threads, 1))))))
     return Chunking(row_mode, rows, rows_per_item, 0, -(-rows // rows_per_item))
-
-
-def _reduces_last_axis(value: Value) -> bool:
-    """True for a value that is (a unit reshape of) a reduction over its operand's last axis."""
-    node = value.node
-    while node.op.value == "reshape" and is_unit_reshape(node):
-        node = node.inputs[0].node
-    return node.op.value in ("sum", "max") and len(node.inputs[0].shape) - 1 in node.attrs.axes
 
 
 def _work_per_element(kernel: Kernel, schedule: Schedule) -> int:
@@ -710,10 +703,6 @@ def _lane_of(b: ir.IRBuilder, ix: Ix, lane: int) -> Ix:
     else:
         position = b.add(position, ix.add)
     return Ix(None, position, ix.level)
-
-
-def _min(b: ir.IRBuilder, a: ir.Value, c: ir.Value) -> ir.Value:
-    return b.select(b.icmp_signed("<", a, c), a, c)
 
 
 __all__ = ["Chunking", "FusedEmitter", "LaneMath", "plan_chunking"]

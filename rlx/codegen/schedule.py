@@ -174,7 +174,7 @@ def build_schedule(graph: Graph, order: Sequence[Node] | None = None) -> Schedul
     return schedule
 
 
-def _reduction_of(value: Value) -> Node | None:
+def reduction_of(value: Value) -> Node | None:
     """The sum/max node ``value`` is (through unit reshapes), or None."""
     node = value.node
     while node.op.value == "reshape" and is_unit_reshape(node):
@@ -182,7 +182,8 @@ def _reduction_of(value: Value) -> Node | None:
     return node if node.op.value in REDUCE_OPS else None
 
 
-def _reduces_last_axis(node: Node) -> bool:
+def reduces_last_axis(node: Node) -> bool:
+    """A sum/max node that reduces its operand's last axis (a row reduction)."""
     return len(node.inputs[0].shape) - 1 in node.attrs.axes
 
 
@@ -197,8 +198,8 @@ def _materialise_row_statistics_of_column_reductions(schedule: Schedule, materia
     while changed:
         changed = False
         for root in list(schedule.materialised):
-            outer = _reduction_of(root)
-            if outer is None or _reduces_last_axis(outer) or root.node.op.value in LEAF_OPS:
+            outer = reduction_of(root)
+            if outer is None or reduces_last_axis(outer) or root.node.op.value in LEAF_OPS:
                 continue
             pending, seen = list(outer.inputs), set()
             while pending:
@@ -206,8 +207,8 @@ def _materialise_row_statistics_of_column_reductions(schedule: Schedule, materia
                 if value in seen or schedule.view(value) is not None:
                     continue
                 seen.add(value)
-                inner = _reduction_of(value)
-                if inner is not None and _reduces_last_axis(inner):
+                inner = reduction_of(value)
+                if inner is not None and reduces_last_axis(inner):
                     materialise(value)
                     changed = True
                     continue
