@@ -4,10 +4,9 @@ Each operand is a view whose last two dimensions have one unit stride (the sched
 other view first): a unit column stride is a plain row-major matrix with the row stride as its
 leading dimension, a unit row stride is the transposed case. A weight shared by a batch of
 activations (``x [B, S, E] @ w [E, F]``) is one GEMM over ``B*S`` rows when the rows of x are
-evenly spaced. A single matrix product is one call on OpenBLAS's own threads (they share packed
-panels: measured 129-143 GFLOP/s against 72-116 for row blocks on separate threads); a batch of
-products runs as work items (batch, block of rows) on rlx's threads, the blocks depending on the
-shape only. OpenBLAS splits only M and N across threads, never K, so every element is the same
+evenly spaced. A single product of moderate size is one call on OpenBLAS's own threads (they
+share packed panels); larger products and batches run as work items (batch, block of rows) on
+rlx's threads, the blocks depending on the shape only (see ``BLAS_THREADED_MACS``). OpenBLAS splits only M and N across threads, never K, so every element is the same
 sum in the same order whatever the thread count.
 """
 
@@ -24,6 +23,11 @@ from rlx.codegen.views import View
 from rlx.errors import RlxValueError
 
 _INT32_MAX = 2**31 - 1
+# Up to this many multiply-adds a single product runs on OpenBLAS's threads, which share packed
+# panels (1024x256x768 in a block: 43 ms against 53 for row blocks); above it, row blocks on
+# rlx's team are as fast, and they leave no OpenBLAS worker spinning for ~0.1 s after the call
+# (measured: attention in the same call ran 2x slower beside those spinning workers).
+BLAS_THREADED_MACS = 1 << 28
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,7 @@ def gemm_spec(a: View, b: View, out_shape: tuple[int, ...], threads: int = 1) ->
     for size in (m, n, k, op_a.ld, op_b.ld):
         if size > _INT32_MAX:
             raise RlxValueError(f"matmul: a matrix dimension of {size} exceeds the 32-bit BLAS limit")
-    if not batch and threads > 1:
+    if not batch and threads > 1 and m * n * k <= BLAS_THREADED_MACS:
         return GemmSpec(batch, m, n, k, op_a, op_b, m, threads)
     block_rows = max(16, min(256, -(-m // 8)))
     return GemmSpec(batch, m, n, k, op_a, op_b, block_rows)
