@@ -6,8 +6,9 @@ leading dimension, a unit row stride is the transposed case. A weight shared by 
 activations (``x [B, S, E] @ w [E, F]``) is one GEMM over ``B*S`` rows when the rows of x are
 evenly spaced. A single product of moderate size is one call on OpenBLAS's own threads (they
 share packed panels); larger products and batches run as work items (batch, block of rows) on
-rlx's threads, the blocks depending on the shape only (see ``BLAS_THREADED_MACS``). OpenBLAS splits only M and N across threads, never K, so every element is the same
-sum in the same order whatever the thread count.
+rlx's threads, the blocks depending on the shape only (see ``BLAS_THREADED_MACS``). OpenBLAS
+splits only M and N across threads, never K, so every element is the same sum in the same order
+whatever the thread count.
 """
 
 from __future__ import annotations
