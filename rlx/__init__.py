@@ -1,4 +1,4 @@
-"""rlx: a graph-IR mini compiler for attention kernels.
+"""rlx: a graph-IR compiler for machine-learning models, with attention at its heart.
 
 Build a graph with :class:`Graph`, differentiate with :func:`grad`, transform with
 :mod:`rlx.passes`, check with :mod:`rlx.reference` and JIT-compile with :func:`compile`.

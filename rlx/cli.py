@@ -230,7 +230,7 @@ class CliError(RlxError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlx", description="Graph-IR mini compiler for attention kernels.")
+    parser = argparse.ArgumentParser(prog="rlx", description="Graph-IR compiler for ML models.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     opt = commands.add_parser("opt", help="run passes on a textual-IR file and print the result")
