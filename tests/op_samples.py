@@ -131,6 +131,13 @@ SAMPLES: list[Sample] = [
     Sample("rms_norm", lambda g: g.rms_norm(g.input("x", (2, 3, 4)), g.input("w", (4,)), eps=1e-6)),
     Sample("layer_norm", lambda g: g.layer_norm(g.input("x", (3, 5)), g.input("w", (5,)), g.input("b", (5,)))),
     Sample("layer_norm", lambda g: g.layer_norm(g.input("x", (3, 5)), g.input("w", (5,))), label="no-bias"),
+    Sample(
+        "fused_elementwise",
+        lambda g: g.fused_elementwise(
+            [g.input("a", (3, 4)), g.input("b", (4,))],
+            "mul(%i0, %i1); exp(%t0); greater(%t1, %i0); where(%t2, %t1, %i1)",
+        ),
+    ),
     Sample("attention", _attention),
     Sample("attention_bwd", _attention_bwd),
 ]

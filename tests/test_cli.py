@@ -89,7 +89,10 @@ def test_opt_print_after_all_and_timings_go_to_stderr(ir_file: str, capsys: pyte
     ("argv", "message"),
     [
         (["opt", "{missing}"], "cannot read"),
-        (["opt", "{file}", "-p", "fuse"], "unknown pass 'fuse'; known passes: cse, dce, decompose, fuse-attention-bwd"),
+        (
+            ["opt", "{file}", "-p", "fuse"],
+            "unknown pass 'fuse'; known passes: cse, dce, decompose, fuse-attention-bwd, fuse-elementwise",
+        ),
         (["opt", "{bad}"], "line 2"),
     ],
 )
@@ -135,7 +138,7 @@ SMALL = ["demo", "--batch", "1", "--heads", "2", "--seq", "16", "--dim", "8"]
 def test_demo_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(SMALL) == 0
     out = capsys.readouterr().out
-    before, after = out.split("== after cse, fuse-attention-bwd, decompose, cse, dce")
+    before, after = out.split("== after cse, fuse-attention-bwd, decompose, cse, fuse-elementwise, dce")
     assert before.count("attention_bwd") == 3 and "{wrt = q, mask = causal, layout = bshd}" in before
     assert "{wrt = q|k|v, mask = causal, layout = bshd}" in after
     assert "attention_bwd nodes: 3 -> 1" in out

@@ -1,9 +1,10 @@
 """Every op rlx knows, one definition each (see :mod:`rlx.ir.opdef`); importing this registers them.
 
 The modules are grouped by kind: graph inputs and constants, elementwise math, reductions,
-softmax and norms, matmul, element-moving views, integer-indexed ops, and attention.
+softmax and norms, matmul, element-moving views, integer-indexed ops, attention, and the
+fused elementwise chains the ``fuse-elementwise`` pass makes.
 """
 
-from rlx.ops import attention, constant, elementwise, index, matmul, movement, reduce, softmax
+from rlx.ops import attention, constant, elementwise, fused, index, matmul, movement, reduce, softmax
 
-__all__ = ["attention", "constant", "elementwise", "index", "matmul", "movement", "reduce", "softmax"]
+__all__ = ["attention", "constant", "elementwise", "fused", "index", "matmul", "movement", "reduce", "softmax"]

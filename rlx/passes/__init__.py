@@ -11,12 +11,14 @@ from rlx.passes.cse import cse
 from rlx.passes.dce import dce
 from rlx.passes.decompose import decompose
 from rlx.passes.fuse_attention_bwd import fuse_attention_bwd
+from rlx.passes.fuse_elementwise import fuse_elementwise
 from rlx.passes.manager import resolve, run
 
-DEFAULT_PIPELINE: tuple[str, ...] = ("cse", "fuse-attention-bwd", "decompose", "cse", "dce")
+DEFAULT_PIPELINE: tuple[str, ...] = ("cse", "fuse-attention-bwd", "decompose", "cse", "fuse-elementwise", "dce")
 """What ``rlx.compile`` runs when ``passes`` is None: dedupe, fuse attention siblings, rebuild
 composite ops from primitives (so a norm's forward and gradient share their row statistics),
-dedupe again, then drop the dead. Codegen fuses elementwise chains and reductions into loop nests."""
+dedupe again, merge elementwise chains into ``fused_elementwise`` nodes, then drop the dead.
+Codegen puts each fused chain and the reductions and views around it into one loop nest."""
 
 __all__ = [
     "DEFAULT_PIPELINE",
@@ -26,6 +28,7 @@ __all__ = [
     "dce",
     "decompose",
     "fuse_attention_bwd",
+    "fuse_elementwise",
     "register",
     "resolve",
     "run",

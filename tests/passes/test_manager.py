@@ -30,7 +30,7 @@ def _break_types(graph: Graph) -> bool:
 
 
 def test_default_pipeline_is_registered() -> None:
-    assert DEFAULT_PIPELINE == ("cse", "fuse-attention-bwd", "decompose", "cse", "dce")
+    assert DEFAULT_PIPELINE == ("cse", "fuse-attention-bwd", "decompose", "cse", "fuse-elementwise", "dce")
     assert all(name in PASSES for name in DEFAULT_PIPELINE)
     assert rlx.passes.run is run
 
