@@ -126,31 +126,17 @@ def build_schedule(graph: Graph, order: Sequence[Node] | None = None) -> Schedul
                 return
         materialise(value)
 
-    for node in order:
-        op = node.op.value
-        if op in CALL_OUT_OPS:
-            materialised.update(node.outputs)
-            for operand in node.inputs:
-                needs_buffer(operand)
-                view = schedule.view(operand)
-                assert view is not None
-                if not operand_fits(op, view):
-                    materialise(operand)  # copied once into a dense buffer
-        elif op == "concat":
-            materialise(node.outputs[0])
-        elif op == "embedding":
-            needs_buffer(node.inputs[0])  # table rows are loaded at ids computed inline
-        elif op == "reshape" and not is_unit_reshape(node):
-            # A general reshape would divide indices: read it as a view of a buffer instead,
-            # copying the operand densely first if strides cannot express the reshape.
-            needs_buffer(node.inputs[0])
-            source = schedule.view(node.inputs[0])
-            if source is None or source.reshape(node.attrs.shape) is None:
-                materialise(node.inputs[0])
     for value in graph.outputs.values():
         if value.node.op is not OpKind.INPUT:
             materialise(value)
-    _materialise_row_statistics_of_column_reductions(schedule, materialise)
+    # A later decision can change an earlier one's view (a view op's operand that gets its own
+    # buffer makes new strides), so decide to a fixpoint: each round only adds buffers.
+    while True:
+        before = len(materialised)
+        _decide_buffers(schedule, order, materialise, needs_buffer)
+        _materialise_row_statistics_of_column_reductions(schedule, materialise)
+        if len(materialised) == before:
+            break
 
     for node in order:
         op = node.op.value
@@ -172,6 +158,34 @@ def build_schedule(graph: Graph, order: Sequence[Node] | None = None) -> Schedul
                     reads = tuple(dict.fromkeys(inline_reads(schedule, value, own=True)))
                     schedule.kernels.append(Kernel(node, value, View.dense(value), reads))
     return schedule
+
+
+def _decide_buffers(schedule: Schedule, order: list[Node], materialise, needs_buffer) -> None:  # type: ignore[no-untyped-def]
+    """One round of the buffer rules over every node (see the module docstring)."""
+    for node in order:
+        op = node.op.value
+        if op in CALL_OUT_OPS:
+            for value in node.outputs:
+                if value not in schedule.materialised:
+                    materialise(value)
+            for operand in node.inputs:
+                needs_buffer(operand)
+                view = schedule.view(operand)
+                assert view is not None
+                if not operand_fits(op, view):
+                    materialise(operand)  # copied once into a dense buffer
+        elif op == "concat":
+            if node.outputs[0] not in schedule.materialised:
+                materialise(node.outputs[0])
+        elif op == "embedding":
+            needs_buffer(node.inputs[0])  # table rows are loaded at ids computed inline
+        elif op == "reshape" and not is_unit_reshape(node):
+            # A general reshape would divide indices: read it as a view of a buffer instead,
+            # copying the operand densely first if strides cannot express the reshape.
+            needs_buffer(node.inputs[0])
+            source = schedule.view(node.inputs[0])
+            if source is None or source.reshape(node.attrs.shape) is None:
+                materialise(node.inputs[0])
 
 
 def reduction_of(value: Value) -> Node | None:
