@@ -28,7 +28,9 @@ def test_random_graphs_compile_to_the_reference(case: tuple[Graph, int, int]) ->
     exe = compile_graph(g, config=rlx.RuntimeConfig(num_threads=threads), options=CodegenOptions(order_seed=seed))
     got = exe(**arrays)
     for name in want:
-        scale = max(1.0, float(np.max(np.abs(want[name]))) if want[name].size else 1.0)
+        # One scale for all outputs: a gradient that is analytically zero (a layer norm's input
+        # shifted by a broadcast scalar) is the float32 rounding of sums of larger terms.
+        scale = max(1.0, *(float(np.max(np.abs(w))) for w in want.values() if w.size))
         assert got[name].shape == want[name].shape, name
         np.testing.assert_allclose(got[name], want[name], rtol=2e-4, atol=2e-5 * scale, err_msg=f"{name}\n{g}")
         assert math.isfinite(float(np.sum(got[name]))) == math.isfinite(float(np.sum(want[name])))
