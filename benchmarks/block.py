@@ -34,22 +34,14 @@ import _harness as h  # noqa: E402
 
 import rlx  # noqa: E402
 from rlx.codegen import CodegenOptions, compile_graph  # noqa: E402
-from rlx.models import BLOCK_WEIGHTS, block_weight_shapes, mlp_hidden, transformer_block  # noqa: E402
+from rlx.models import BLOCK_WEIGHTS, block_training_graph, block_weight_shapes, mlp_hidden  # noqa: E402
 
 SHAPES = [(8, 128, 256, 4), (4, 512, 512, 8), (2, 1024, 768, 12)]  # (B, S, E, H)
 DEFAULT_JSON = REPO / "benchmarks" / "results" / "block.json"
 NAMES = ["x", *BLOCK_WEIGHTS]
 
 
-def build_block(batch: int, seq: int, embed: int, heads: int) -> rlx.Graph:
-    g = rlx.Graph("block")
-    x = g.input("x", (batch, seq, embed))
-    y = transformer_block(g, x, heads)
-    loss = g.mean(y * y)
-    xs = [g.inputs[name] for name in NAMES]
-    grads = rlx.grad(g, loss, xs)
-    g.output(loss=loss, **{f"d_{name}": d for name, d in zip(NAMES, grads, strict=True)})
-    return g
+build_block = block_training_graph
 
 
 def block_arrays(batch: int, seq: int, embed: int, seed: int = 0) -> dict[str, np.ndarray]:

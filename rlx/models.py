@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rlx.autodiff import grad
 from rlx.ir.graph import Graph, Value
 from rlx.ir.types import Layout, MaskKind
 
@@ -54,6 +55,19 @@ def transformer_block(g: Graph, x: Value, heads: int, prefix: str = "", hidden: 
     h = x + g.reshape(att, (batch, seq, embed)) @ w["wo"]
     n = g.rms_norm(h, w["mlp_norm"])
     return h + (g.silu(n @ w["w1"]) * (n @ w["w3"])) @ w["w2"]
+
+
+def block_training_graph(batch: int, seq: int, embed: int, heads: int) -> Graph:
+    """The block on ``x [B, S, E]`` with loss ``mean(y*y)`` and its gradients w.r.t. x and the seven
+    weights: outputs ``loss`` and ``d_<name>`` (what ``benchmarks/block.py`` measures)."""
+    g = Graph("block")
+    x = g.input("x", (batch, seq, embed))
+    y = transformer_block(g, x, heads)
+    loss = g.mean(y * y)
+    names = ["x", *BLOCK_WEIGHTS]
+    grads = grad(g, loss, [g.inputs[name] for name in names])
+    g.output(loss=loss, **{f"d_{name}": d for name, d in zip(names, grads, strict=True)})
+    return g
 
 
 @dataclass(frozen=True)

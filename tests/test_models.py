@@ -12,19 +12,10 @@ import pytest
 
 import rlx
 from rlx import Graph
-from rlx.models import BLOCK_WEIGHTS, LMConfig, char_lm, init_params, transformer_block
+from rlx.models import BLOCK_WEIGHTS, LMConfig, block_training_graph, char_lm, init_params
 from rlx.reference import evaluate
 
-
-def block_graph(batch: int, seq: int, embed: int, heads: int) -> Graph:
-    g = Graph("block")
-    x = g.input("x", (batch, seq, embed))
-    y = transformer_block(g, x, heads)
-    loss = g.mean(y * y)
-    xs = [x] + [g.inputs[name] for name in BLOCK_WEIGHTS]
-    grads = rlx.grad(g, loss, xs)
-    g.output(loss=loss, **{f"d_{v.node.attrs.name}": d for v, d in zip(xs, grads, strict=True)})
-    return g
+block_graph = block_training_graph
 
 
 def block_inputs(g: Graph, seed: int) -> dict[str, np.ndarray]:

@@ -14,6 +14,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -21,10 +22,10 @@ from rlx.bind import bind_inputs, check_index_inputs, index_bounds
 from rlx.codegen.jit import CompiledLibrary, compile_ir
 from rlx.codegen.lower import CodegenOptions, lower_graph, profile_offset, scratch_bytes
 from rlx.codegen.memory_plan import MemoryPlan, plan_memory, random_topological_order
-from rlx.codegen.schedule import Schedule, build_schedule
+from rlx.codegen.schedule import Schedule, build_schedule, inline_values
 from rlx.config import RuntimeConfig, resolve_config, resolve_num_threads
 from rlx.errors import RlxTypeError, RlxValueError
-from rlx.ir.graph import Graph
+from rlx.ir.graph import Graph, Value
 from rlx.ir.printer import value_names
 
 _ENTRY_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
@@ -57,7 +58,7 @@ class Program:
     threads: int
     output_types: dict[str, tuple[tuple[int, ...], np.dtype]] = field(default_factory=dict)
     profile: int | None = None  # arena offset of the per-kernel timings in a profiling build
-    index_bounds: list = field(default_factory=list)  # (source, limit, what) of every index operand
+    index_bounds: list[tuple[Value, int, str]] = field(default_factory=list)  # (source, limit, what) per index operand
 
 
 _cache: OrderedDict[tuple, Program] = OrderedDict()
@@ -112,6 +113,16 @@ def compile_graph(
     return Executable(program, times)
 
 
+class _Lowered(NamedTuple):
+    """What ``_lower`` made: everything of a program but its machine code."""
+
+    graph: Graph
+    plan: MemoryPlan
+    schedule: Schedule
+    llvm_ir: str
+    index_bounds: list[tuple[Value, int, str]]
+
+
 def _lower(
     graph: Graph,
     pass_names: tuple[str, ...] | None,
@@ -119,7 +130,7 @@ def _lower(
     threads: int,
     options: CodegenOptions,
     times: dict[str, float],
-) -> tuple[Graph, MemoryPlan, Schedule, str]:
+) -> _Lowered:
     """Copy the graph, run the passes, schedule, plan memory and render LLVM IR (no machine code yet)."""
     from rlx.passes import decompose
     from rlx.passes import run as run_passes
@@ -131,7 +142,7 @@ def _lower(
         raise RlxValueError(f"rlx.compile: graph {graph.name!r} has no outputs; mark some with g.output(...)")
     run_passes(working, list(pass_names) if pass_names is not None else default_pipeline())
     decompose(working)  # codegen sees primitives only, whatever the passes were
-    index_bounds(working)  # refuse index operands that cannot be checked before a call
+    bounds = index_bounds(working)  # refuses index operands that cannot be checked before a call
     times["passes"] = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -142,7 +153,7 @@ def _lower(
     plan = plan_memory(working, lambda node: scratch_bytes(node, config, options), threads, schedule.order, accesses)
     llvm_ir = lower_graph(working, plan, schedule, config, options, threads)
     times["lowering"] = time.perf_counter() - start
-    return working, plan, schedule, llvm_ir
+    return _Lowered(working, plan, schedule, llvm_ir, bounds)
 
 
 def _kernel_infos(graph: Graph, schedule: Schedule) -> tuple[KernelInfo, ...]:
@@ -152,15 +163,7 @@ def _kernel_infos(graph: Graph, schedule: Schedule) -> tuple[KernelInfo, ...]:
         if kernel.root is None:
             infos.append(KernelInfo(str(kernel.node.op), tuple(names[v] for v in kernel.node.outputs)))
             continue
-        inline: list[str] = []
-        pending, seen = [kernel.root], set()
-        while pending:
-            value = pending.pop()
-            if value in seen or (value is not kernel.root and schedule.view(value) is not None):
-                continue
-            seen.add(value)
-            inline.append(names[value])
-            pending.extend(value.node.inputs)
+        inline = [names[value] for value in inline_values(schedule, kernel.root)]
         infos.append(KernelInfo(f"fused.{kernel.node.op}", tuple(reversed(inline))))
     return tuple(infos)
 
@@ -169,7 +172,7 @@ def _build(
     graph: Graph, pass_names: tuple[str, ...] | None, config: RuntimeConfig, threads: int, options: CodegenOptions
 ) -> Program:
     times: dict[str, float] = {}
-    working, plan, schedule, llvm_ir = _lower(graph, pass_names, config, threads, options, times)
+    working, plan, schedule, llvm_ir, bounds = _lower(graph, pass_names, config, threads, options, times)
     library = compile_ir(llvm_ir)
     times["llvm_optimize"] = library.times["llvm_optimize"]
     times["machine_code"] = library.times["machine_code"] + library.times["link"]
@@ -190,7 +193,7 @@ def _build(
         threads,
         output_types,
         profile,
-        index_bounds(working),
+        bounds,
     )
 
 
@@ -288,5 +291,4 @@ def emit_llvm_ir(graph: Graph, passes: Sequence[str] | None = None, config: Runt
     if not isinstance(graph, Graph):
         raise RlxTypeError(f"emit_llvm_ir expects an rlx.Graph, got {type(graph).__name__}")
     config = resolve_config(config)
-    _, _, _, llvm_ir = _lower(graph, _check_passes(passes), config, resolve_num_threads(config), CodegenOptions(), {})
-    return llvm_ir
+    return _lower(graph, _check_passes(passes), config, resolve_num_threads(config), CodegenOptions(), {}).llvm_ir

@@ -31,13 +31,13 @@ from llvmlite import ir
 
 from rlx.codegen.expf import define_expf
 from rlx.codegen.irutil import CONTRACT, F32, I1, I8, I32, I64, REDUCE, alloca_entry, declare, gep, i64, intrinsic, smin
-from rlx.codegen.schedule import Kernel, Schedule, is_unit_reshape, reduces_last_axis, reduction_of
-from rlx.codegen.vector import WIDTH
+from rlx.codegen.schedule import Kernel, Schedule, inline_values, is_unit_reshape, reduces_last_axis, reduction_of
+from rlx.codegen.vector import WIDTH, fold_lanes, splat
 from rlx.codegen.views import View
 from rlx.ir.graph import Value
 
 LIBM = {"log": "logf", "pow": "powf"}
-MIN_ITEM_ELEMENTS = 1 << 14
+MIN_ITEM_ELEMENTS = 1 << 14  # elements per parallel work item at least: thread overhead pays off
 # -log(erfc(t)) on [0.875, 4] as a degree-8 polynomial in t (least squares in Chebyshev form, then
 # converted): 1 - exp(-Q(t)) is erf(t) to about 1 ulp there.
 _ERF_TAIL = (
@@ -50,7 +50,7 @@ _ERF_TAIL = (
     -0.0005942299321998408,
     4.5780506464919223e-05,
     -1.6244719587601636e-06,
-)  # elements per parallel work item at least: thread overhead pays off
+)
 
 
 # ----------------------------------------------------------------------------- loops and indices
@@ -198,10 +198,10 @@ class FusedEmitter:
         op = node.op.value
         own = self.kernel.root is value and self.kernel.out is not None and self.kernel.out.base is value
         if op == "constant":
-            return self.load(View.dense(value), idx, value.dtype, self.constant(value))
-        if not own and self.schedule.view(value) is not None:
-            view = self.schedule.view(value)
-            assert view is not None
+            view: View | None = View.dense(value)
+        else:
+            view = None if own else self.schedule.view(value)
+        if view is not None:  # a constant's data, or a buffer this kernel reads
             return self.load(view, idx, value.dtype)
         if op == "broadcast_to":
             return self.eval(node.inputs[0], self._broadcast_index(idx, node.inputs[0].shape))
@@ -302,16 +302,10 @@ class FusedEmitter:
         nest(0, list(template), False)
         total = self.b.load(acc, typ=acc_type)
         if lanes_acc is not None:
-            partial = self.b.load(lanes_acc, typ=lanes_acc.allocated_type)
-            vec = ir.VectorType(F32, WIDTH)
-            if kind == "sum":
-                fold = intrinsic(self.module, f"llvm.vector.reduce.fadd.v{WIDTH}f32", F32, [F32, vec])
-                total = self.b.fadd(
-                    self.b.call(fold, [ir.Constant(F32, 0.0), partial], fastmath=REDUCE), total, flags=REDUCE
-                )
-            else:
-                fold = intrinsic(self.module, f"llvm.vector.reduce.fmaximum.v{WIDTH}f32", F32, [vec])
-                total = LaneMath(self, 1).maximum(self.b.call(fold, [partial]), total)
+            folded = fold_lanes(
+                self.b, "add" if kind == "sum" else "max", self.b.load(lanes_acc, typ=lanes_acc.allocated_type)
+            )
+            total = combine(LaneMath(self, 1), folded, total)
         return Lane(total, width, "f")
 
     def embedding(self, value: Value, idx: tuple[Ix, ...]) -> Lane:
@@ -358,11 +352,10 @@ class FusedEmitter:
                 offset = b.add(offset, b.mul(term, i64(stride)))
         return offset, lane_stride, vector_loop
 
-    def load(self, view: View, idx: tuple[Ix, ...], dtype: np.dtype, base: ir.Value | None = None) -> Lane:
+    def load(self, view: View, idx: tuple[Ix, ...], dtype: np.dtype) -> Lane:
         b = self.b
         element, kind = _element_type(dtype)
-        if base is None:
-            base = self.constant(view.base) if view.base.node.op.value == "constant" else self.pointer(view.base)
+        base = self.constant(view.base) if view.base.node.op.value == "constant" else self.pointer(view.base)
         offset, lane_stride, vector_loop = self.address(view, idx)
         if vector_loop is None or lane_stride == 0:
             loaded = b.load(gep(b, base, [offset], element), typ=element)
@@ -413,7 +406,7 @@ class FusedEmitter:
             self.emit_row(row, row_dims, col0, col1)
             return
         first = b.mul(item, i64(chunking.rows_per_item), name="row0")
-        last = smin(b, b.add(first, i64(chunking.rows_per_item)), i64(math.prod(row_dims)))
+        last = smin(b, b.add(first, i64(chunking.rows_per_item)), i64(chunking.rows))
 
         def row_body(loop: Loop) -> None:
             self.stack.remove(loop)  # rows are not part of the nest the expressions see
@@ -478,16 +471,10 @@ def _work_per_element(kernel: Kernel, schedule: Schedule) -> int:
     """A rough count of loop iterations per output element: 4, plus what inline reductions loop over."""
     assert kernel.root is not None
     work = 4
-    pending, seen = [kernel.root], set()
-    while pending:
-        value = pending.pop()
-        if value in seen or (value is not kernel.root and schedule.view(value) is not None):
-            continue
-        seen.add(value)
+    for value in inline_values(schedule, kernel.root):
         node = value.node
         if node.op.value in ("sum", "max"):
             work += math.prod(node.inputs[0].shape[a] for a in node.attrs.axes)
-        pending.extend(node.inputs)
     return work
 
 
@@ -505,7 +492,6 @@ class LaneMath:
     """The emitter the ops' scalar formulas are written against (``OpDef.scalar``)."""
 
     def __init__(self, emitter: FusedEmitter, width: int) -> None:
-        self.e = emitter
         self.b = emitter.b
         self.module = emitter.module
         self.width = width
@@ -516,12 +502,7 @@ class LaneMath:
     def widen(self, lane: Lane) -> ir.Value:
         if lane.width == self.width:
             return lane.value
-        element = lane.value.type
-        vector = self.b.insert_element(
-            ir.Constant(ir.VectorType(element, self.width), ir.Undefined), lane.value, ir.Constant(I32, 0)
-        )
-        zeros = ir.Constant(ir.VectorType(I32, self.width), [0] * self.width)
-        return self.b.shuffle_vector(vector, ir.Constant(ir.VectorType(element, self.width), ir.Undefined), zeros)
+        return splat(self.b, lane.value, self.width)
 
     def const(self, x: float, like: ir.Value | None = None) -> ir.Constant:
         element = F32 if like is None else _scalar_type(like.type)

@@ -103,7 +103,6 @@ def work_items(node: Node) -> int:
 class _Lowering:
     """State while one graph is lowered: the module, the entry builder and where buffers are."""
 
-    graph: Graph
     plan: MemoryPlan
     schedule: Schedule
     config: RuntimeConfig
@@ -211,12 +210,13 @@ def lower_graph(
     buffers.name, arena.name = "buffers", "arena"
     b = ir.IRBuilder(entry.append_basic_block("entry"))
     constants = {node.outputs[0]: _constant_global(module, node) for node in plan.order if node.op is OpKind.CONSTANT}
-    state = _Lowering(graph, plan, schedule, config, options, threads, module, b, buffers, arena, constants)
+    state = _Lowering(plan, schedule, config, options, threads, module, b, buffers, arena, constants)
     for index, kernel in enumerate(schedule.kernels):
         state.lower(index, kernel)
     scratch = gep(b, arena, [i64(plan.scratch_offset)], I8, "scratch")
     profile = gep(b, arena, [i64(profile_offset(plan))], I8, "profile") if options.profile else None
-    emit_team(module, b, state.steps, threads, scratch, plan.scratch_stride, profile, _clock(module))
+    now = _clock(module) if options.profile else None
+    emit_team(module, b, state.steps, threads, scratch, plan.scratch_stride, profile, now)
     b.ret_void()
     return str(module)
 

@@ -62,6 +62,18 @@ class GemmSpec:
         return math.prod(self.batch) * self.blocks
 
 
+def blas_reads_in_place(view: View) -> bool:
+    """Whether sgemm can read this matrix view as it is: one unit stride, the other at least the
+    row length (the leading dimension). The scheduler copies any other operand first."""
+    rows, cols = view.shape[-2], view.shape[-1]
+    row_stride, col_stride = view.strides[-2], view.strides[-1]
+    if col_stride == 1 or cols == 1:
+        return row_stride >= max(cols, 1) or rows == 1
+    if row_stride == 1 or rows == 1:
+        return col_stride >= max(rows, 1) or cols == 1
+    return False
+
+
 def _operand(view: View, batch: tuple[int, ...]) -> Operand:
     rows, cols = view.shape[-2], view.shape[-1]
     row_stride, col_stride = view.strides[-2], view.strides[-1]

@@ -56,7 +56,7 @@ def emit_team(
     now: Callable[[ir.IRBuilder], ir.Value] | None,
 ) -> None:
     """Emit, at ``b``, the whole parallel region of one call running ``steps`` in order."""
-    team = _emit_team_main(module, steps, profile is not None, now)
+    team = _emit_team_main(module, steps, now if profile is not None else None)
     args_table = alloca_entry(b, PTR, "steps.args", max(1, len(steps)))
     counters = alloca_entry(b, I64, "steps.counters", max(1, len(steps)))
     for index, step in enumerate(steps):
@@ -113,9 +113,12 @@ def emit_team(
 
 
 def _emit_team_main(
-    module: ir.Module, steps: list[Step], profiling: bool, now: Callable[[ir.IRBuilder], ir.Value] | None
+    module: ir.Module, steps: list[Step], now: Callable[[ir.IRBuilder], ir.Value] | None
 ) -> ir.Function:
-    """``team(shared, tid)``: wait for the start, then every step, each followed by the barrier."""
+    """``team(shared, tid)``: wait for the start, then every step, each followed by the barrier.
+
+    With ``now`` (a profiling build), member 0 records each step's nanoseconds at its barrier.
+    """
     fn = ir.Function(module, ir.FunctionType(VOID, [PTR, I64]), name="team")
     fn.linkage = "internal"
     shared, tid = fn.args
@@ -143,7 +146,7 @@ def _emit_team_main(
     mine = gep(b, scratch, [b.mul(tid, stride)], I8, "my.scratch")
     is_first = b.icmp_signed("==", tid, i64(0), name="first")
     clock = alloca_entry(b, I64, "clock")
-    if profiling and now is not None:
+    if now is not None:
         b.store(now(b), clock)
 
     for index, step in enumerate(steps):
@@ -165,7 +168,7 @@ def _emit_team_main(
             b.branch(take)
             b.position_at_end(done)
         b.call(wait, [barrier])
-        if profiling and now is not None:
+        if now is not None:
             with b.if_then(is_first):
                 t = now(b)
                 b.store(b.sub(t, b.load(clock, typ=I64)), gep(b, profile, [i64(index)], I64))

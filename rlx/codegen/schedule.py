@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from rlx.codegen.lower_gemm import blas_reads_in_place
 from rlx.codegen.views import View
 from rlx.errors import RlxValueError
 from rlx.ir.graph import Graph, Node, Value
@@ -46,7 +47,7 @@ class Kernel:
 
     @property
     def computes(self) -> tuple[Value, ...]:
-        """The values this kernel writes (for ``exe.kernels``)."""
+        """The values this kernel writes (the memory plan's liveness starts here)."""
         if self.root is None:
             return self.node.outputs
         assert self.out is not None
@@ -151,11 +152,11 @@ def build_schedule(graph: Graph, order: Sequence[Node] | None = None) -> Schedul
             for part in node.inputs:
                 out = whole.slice(node.attrs.axis, start, part.shape[node.attrs.axis])
                 start += part.shape[node.attrs.axis]
-                schedule.kernels.append(Kernel(node, part, out, tuple(dict.fromkeys(inline_reads(schedule, part)))))
+                schedule.kernels.append(Kernel(node, part, out, inline_reads(schedule, part)))
         else:
             for value in node.outputs:
                 if value in materialised:
-                    reads = tuple(dict.fromkeys(inline_reads(schedule, value, own=True)))
+                    reads = inline_reads(schedule, value, own=True)
                     schedule.kernels.append(Kernel(node, value, View.dense(value), reads))
     return schedule
 
@@ -208,25 +209,21 @@ def _materialise_row_statistics_of_column_reductions(schedule: Schedule, materia
     rows inside each block of columns; a row statistic computed inline there would be recomputed
     for every block. Materialised once, it is a load.
     """
-    changed = True
-    while changed:
-        changed = False
-        for root in list(schedule.materialised):
-            outer = reduction_of(root)
-            if outer is None or reduces_last_axis(outer) or root.node.op.value in LEAF_OPS:
+    for root in list(schedule.materialised):  # build_schedule repeats this until nothing changes
+        outer = reduction_of(root)
+        if outer is None or reduces_last_axis(outer) or root.node.op.value in LEAF_OPS:
+            continue
+        pending, seen = list(outer.inputs), set()
+        while pending:
+            value = pending.pop()
+            if value in seen or schedule.view(value) is not None:
                 continue
-            pending, seen = list(outer.inputs), set()
-            while pending:
-                value = pending.pop()
-                if value in seen or schedule.view(value) is not None:
-                    continue
-                seen.add(value)
-                inner = reduction_of(value)
-                if inner is not None and reduces_last_axis(inner):
-                    materialise(value)
-                    changed = True
-                    continue
-                pending.extend(value.node.inputs)
+            seen.add(value)
+            inner = reduction_of(value)
+            if inner is not None and reduces_last_axis(inner):
+                materialise(value)
+                continue
+            pending.extend(value.node.inputs)
 
 
 def _base(schedule: Schedule, value: Value) -> Value:
@@ -238,22 +235,11 @@ def _base(schedule: Schedule, value: Value) -> Value:
 def operand_fits(op: str, view: View) -> bool:
     """Whether the lowering of ``op`` reads this operand view in place."""
     if op == "matmul":
-        return matmul_operand_fits(view)
+        return blas_reads_in_place(view)
     return view.is_dense  # attention and scatter-add index dense rows
 
 
-def matmul_operand_fits(view: View) -> bool:
-    """BLAS reads a matrix with one unit stride and the other at least the row length."""
-    rows, cols = view.shape[-2], view.shape[-1]
-    row_stride, col_stride = view.strides[-2], view.strides[-1]
-    if col_stride == 1 or cols == 1:
-        return row_stride >= max(cols, 1) or rows == 1
-    if row_stride == 1 or rows == 1:
-        return col_stride >= max(rows, 1) or cols == 1
-    return False
-
-
-def inline_reads(schedule: Schedule, root: Value, own: bool = False) -> list[Value]:
+def inline_reads(schedule: Schedule, root: Value, own: bool = False) -> tuple[Value, ...]:
     """The buffers the loop nest of ``root`` reads: the bases where its inline expression stops.
 
     ``own``: the kernel writes ``root``'s own buffer, so ``root`` itself is computed, not read.
@@ -272,5 +258,20 @@ def inline_reads(schedule: Schedule, root: Value, own: bool = False) -> list[Val
         if view is not None:
             found.append(view.base)
             continue
+        pending.extend(value.node.inputs)
+    return tuple(dict.fromkeys(found))
+
+
+def inline_values(schedule: Schedule, root: Value) -> list[Value]:
+    """``root`` and every value its loop nest computes inline (those without a buffer to read)."""
+    found: list[Value] = []
+    seen: set[Value] = set()
+    pending = [root]
+    while pending:
+        value = pending.pop()
+        if value in seen or (value is not root and schedule.view(value) is not None):
+            continue
+        seen.add(value)
+        found.append(value)
         pending.extend(value.node.inputs)
     return found

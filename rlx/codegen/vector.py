@@ -40,11 +40,7 @@ class Lanes:
         return ir.Constant(self.type, value if self.width == 1 else [value] * self.width)
 
     def splat(self, b: ir.IRBuilder, scalar: ir.Value) -> ir.Value:
-        if self.width == 1:
-            return scalar
-        vector = b.insert_element(ir.Constant(self.type, ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0))
-        zeros = ir.Constant(ir.VectorType(ir.IntType(32), self.width), [0] * self.width)
-        return b.shuffle_vector(vector, ir.Constant(self.type, ir.Undefined), zeros)
+        return splat(b, scalar, self.width)
 
     def load(self, b: ir.IRBuilder, base: ir.Value, index: ir.Value, name: str = "") -> ir.Value:
         return b.load(gep_f32(b, base, index), typ=self.type, align=4, name=name)
@@ -59,6 +55,27 @@ class Lanes:
 
     def exp(self, b: ir.IRBuilder, x: ir.Value, name: str = "") -> ir.Value:
         return b.call(define_expf(self.module, self.width), [x], name=name)
+
+
+def splat(b: ir.IRBuilder, scalar: ir.Value, width: int) -> ir.Value:
+    """``scalar`` (of any element type) in every one of ``width`` lanes; itself when ``width`` is 1."""
+    if width == 1:
+        return scalar
+    ty = ir.VectorType(scalar.type, width)
+    vector = b.insert_element(ir.Constant(ty, ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0))
+    zeros = ir.Constant(ir.VectorType(ir.IntType(32), width), [0] * width)
+    return b.shuffle_vector(vector, ir.Constant(ty, ir.Undefined), zeros)
+
+
+def fold_lanes(b: ir.IRBuilder, kind: str, partial: ir.Value) -> ir.Value:
+    """Combine the lanes of a float vector: ``"add"`` (in a fixed order) or ``"max"`` (NaN-propagating)."""
+    vec = partial.type
+    suffix = f"v{vec.count}f32"
+    if kind == "add":
+        reduce = intrinsic(b.module, f"llvm.vector.reduce.fadd.{suffix}", F32, [F32, vec])
+        return b.call(reduce, [ir.Constant(F32, 0.0), partial], fastmath=REDUCE)
+    reduce = intrinsic(b.module, f"llvm.vector.reduce.fmaximum.{suffix}", F32, [vec])
+    return b.call(reduce, [partial])
 
 
 Body = Callable[[ir.IRBuilder, ir.Value, Lanes], None]
@@ -96,13 +113,7 @@ def vector_reduce(b: ir.IRBuilder, start: ir.Value, stop: ir.Value, name: str, k
     b.store(vec.const(identity), vector_acc)
     with for_range(b, start, middle, f"{name}.v", step=WIDTH) as j:
         b.store(combine(vec, b.load(vector_acc, typ=vec.type), term(b, j, vec)), vector_acc)
-    partial = b.load(vector_acc, typ=vec.type)
-    if kind == "add":
-        reduce = intrinsic(module, f"llvm.vector.reduce.fadd.{vec.suffix}", F32, [F32, vec.type])
-        folded = b.call(reduce, [one.const(0.0), partial], fastmath=REDUCE)
-    else:
-        reduce = intrinsic(module, f"llvm.vector.reduce.fmaximum.{vec.suffix}", F32, [vec.type])
-        folded = b.call(reduce, [partial])
+    folded = fold_lanes(b, kind, b.load(vector_acc, typ=vec.type))
     scalar_acc = alloca_entry(b, F32, f"{name}.acc")
     b.store(folded, scalar_acc)
     with for_range(b, middle, stop, f"{name}.s") as j:
