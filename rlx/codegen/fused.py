@@ -82,8 +82,11 @@ ZERO = Ix(None, 0, 0)
 
 
 def _shift(ix: Ix, amount: int) -> Ix:
+    """``ix + amount`` (a split's offset); shifts of a shifted row index fold into one."""
     if isinstance(ix.add, int):
         return Ix(ix.loop, ix.add + amount, ix.level)
+    if isinstance(ix.add, _AddLater):
+        return Ix(ix.loop, _AddLater(ix.add.value, ix.add.amount + amount), ix.level)  # type: ignore[arg-type]
     return Ix(ix.loop, _AddLater(ix.add, amount), ix.level)  # type: ignore[arg-type]
 
 
