@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 from rlx.config import RuntimeConfig
 from rlx.errors import RlxError, RlxKeyError, RlxTypeError, RlxValueError
 from rlx.ir import Graph, Layout, MaskKind, Node, OpKind, TensorType, Value, Wrt
+from rlx.merge import attention_merge
+from rlx.mods import abs, exp, log, maximum, minimum, sigmoid, sqrt, tanh, where
 
 __version__ = "0.1.0"
 
@@ -36,7 +38,7 @@ def compile(graph: Graph, passes: Sequence[str] | None = None, config: RuntimeCo
 
 def __getattr__(name: str) -> Any:
     # Submodules load lazily so that `import rlx` stays cheap and llvmlite loads only to compile.
-    if name in ("passes", "reference", "codegen", "autodiff", "models"):
+    if name in ("passes", "reference", "codegen", "autodiff", "models", "mods"):
         import importlib
 
         return importlib.import_module(f"rlx.{name}")
@@ -57,6 +59,16 @@ __all__ = [
     "TensorType",
     "Value",
     "Wrt",
+    "abs",
+    "attention_merge",
     "compile",
+    "exp",
     "grad",
+    "log",
+    "maximum",
+    "minimum",
+    "sigmoid",
+    "sqrt",
+    "tanh",
+    "where",
 ]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+import rlx
 from rlx import Graph, MaskKind, Value, Wrt
 
 Built = Value | tuple[Value, ...]
@@ -62,6 +63,27 @@ def _attention(g: Graph) -> Built:
 def _attention_bwd(g: Graph) -> Built:
     q, k, v, dy = (g.input(name, (1, 3, 2, 4)) for name in ("q", "k", "v", "dy"))
     return g.attention_bwd(q, k, v, dy, wrt=Wrt.ALL)
+
+
+def _flex_attention(g: Graph) -> Built:
+    """GQA (4 query heads, 2 kv heads), Dv != D, a learnable ALiBi-like slope, softcap and a causal
+    mask with a prefix: every piece of a traced region at once."""
+    q = g.input("q", (2, 5, 4, 3))
+    k = g.input("k", (2, 6, 2, 3))
+    v = g.input("v", (2, 6, 2, 2))
+    slopes = g.input("slopes", (4,))
+
+    def score_mod(score: Value, b: Value, h: Value, q_idx: Value, kv_idx: Value) -> Value:
+        return 4.0 * rlx.tanh((score + slopes[h] * (kv_idx - q_idx)) / 4.0)
+
+    return g.attention(q, k, v, score_mod=score_mod, mask_mod=rlx.mods.prefix_lm(2), scale=0.7, return_lse=True)
+
+
+def _flex_attention_bwd(g: Graph) -> Built:
+    q, k, v = g.input("q", (1, 4, 2, 3)), g.input("k", (1, 5, 1, 3)), g.input("v", (1, 5, 1, 2))
+    out, lse = g.attention(q, k, v, mask_mod=rlx.mods.causal_lower_right(4, 5), return_lse=True)
+    dy = g.input("dy", (1, 4, 2, 2))
+    return g.flex_attention_bwd(q, k, v, out, dy, lse, wrt=Wrt.ALL, mask_mod=out.node.attrs.mask_mod)
 
 
 SAMPLES: list[Sample] = [
@@ -140,6 +162,8 @@ SAMPLES: list[Sample] = [
     ),
     Sample("attention", _attention),
     Sample("attention_bwd", _attention_bwd),
+    Sample("flex_attention", _flex_attention),
+    Sample("flex_attention_bwd", _flex_attention_bwd),
 ]
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from rlx.bind import bind_inputs, check_index_inputs, index_bounds
 from rlx.codegen.jit import CompiledLibrary, compile_ir
-from rlx.codegen.lower import CodegenOptions, lower_graph, profile_offset, scratch_bytes
+from rlx.codegen.lower import CallData, CodegenOptions, lower_graph, scratch_bytes
 from rlx.codegen.memory_plan import MemoryPlan, plan_memory, random_topological_order
 from rlx.codegen.schedule import Schedule, build_schedule, inline_values
 from rlx.config import RuntimeConfig, resolve_config, resolve_num_threads
@@ -59,6 +59,9 @@ class Program:
     output_types: dict[str, tuple[tuple[int, ...], np.dtype]] = field(default_factory=dict)
     profile: int | None = None  # arena offset of the per-kernel timings in a profiling build
     index_bounds: list[tuple[Value, int, str]] = field(default_factory=list)  # (source, limit, what) per index operand
+    call_data: tuple[CallData, ...] = ()  # per-call block maps, written into the arena
+    call_data_offset: int = 0
+    arena_bytes: int = 0  # arena proper plus call data (plus timings in a profiling build)
 
 
 _cache: OrderedDict[tuple, Program] = OrderedDict()
@@ -121,6 +124,9 @@ class _Lowered(NamedTuple):
     schedule: Schedule
     llvm_ir: str
     index_bounds: list[tuple[Value, int, str]]
+    call_data: tuple[CallData, ...]
+    call_data_offset: int
+    profile_offset: int
 
 
 def _lower(
@@ -151,9 +157,18 @@ def _lower(
     accesses = [(kernel.node, kernel.computes, kernel.reads) for kernel in schedule.kernels]
     # Any member of the call's thread team may run an attention item, so each needs scratch.
     plan = plan_memory(working, lambda node: scratch_bytes(node, config, options), threads, schedule.order, accesses)
-    llvm_ir = lower_graph(working, plan, schedule, config, options, threads)
+    lowered = lower_graph(working, plan, schedule, config, options, threads)
     times["lowering"] = time.perf_counter() - start
-    return _Lowered(working, plan, schedule, llvm_ir, bounds)
+    return _Lowered(
+        working,
+        plan,
+        schedule,
+        lowered.llvm_ir,
+        bounds,
+        lowered.call_data,
+        lowered.call_data_offset,
+        lowered.profile_offset,
+    )
 
 
 def _kernel_infos(graph: Graph, schedule: Schedule) -> tuple[KernelInfo, ...]:
@@ -172,7 +187,8 @@ def _build(
     graph: Graph, pass_names: tuple[str, ...] | None, config: RuntimeConfig, threads: int, options: CodegenOptions
 ) -> Program:
     times: dict[str, float] = {}
-    working, plan, schedule, llvm_ir, bounds = _lower(graph, pass_names, config, threads, options, times)
+    lowered = _lower(graph, pass_names, config, threads, options, times)
+    working, plan, schedule, llvm_ir, bounds = lowered[:5]
     library = compile_ir(llvm_ir)
     times["llvm_optimize"] = library.times["llvm_optimize"]
     times["machine_code"] = library.times["machine_code"] + library.times["link"]
@@ -180,7 +196,8 @@ def _build(
     entry = _ENTRY_TYPE(library.entry_address)
     output_types = {name: (v.type.shape, v.type.dtype) for name, v in working.outputs.items()}
     kernels = _kernel_infos(working, schedule)
-    profile = profile_offset(plan) if options.profile else None
+    profile = lowered.profile_offset if options.profile else None
+    arena_bytes = lowered.profile_offset + (8 * len(kernels) if options.profile else 0)
     return Program(
         working,
         plan,
@@ -194,6 +211,9 @@ def _build(
         output_types,
         profile,
         bounds,
+        lowered.call_data,
+        lowered.call_data_offset,
+        arena_bytes,
     )
 
 
@@ -260,7 +280,10 @@ class Executable:
             shape, dtype = program.output_types[name]
             buffers.append(np.empty(shape, dtype=dtype))
         pointers = (ctypes.c_void_p * max(1, len(buffers)))(*(array.ctypes.data for array in buffers))
-        arena = self._arena(plan.arena_bytes if program.profile is None else program.profile + 8 * len(program.kernels))
+        arena = self._arena(program.arena_bytes)
+        for data in program.call_data:  # per-call block maps, from the validated inputs
+            start = program.call_data_offset + data.offset
+            arena[start : start + data.nbytes] = data.fill(bound).reshape(-1).view(np.uint8)
         program.entry(ctypes.addressof(pointers), arena.ctypes.data)
         return {
             name: buffers[slot] if name in plan.owned_outputs else buffers[slot].copy()

@@ -10,15 +10,20 @@ embedding scatter-add (:mod:`rlx.codegen.lower_scatter`).
 
 from __future__ import annotations
 
+import functools
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 from llvmlite import ir
 
+from rlx.codegen.block_map import TileGrid, choose_blocks, tile_states
 from rlx.codegen.fused import FusedEmitter, plan_chunking
 from rlx.codegen.irutil import I8, I64, PTR, VOID, alloca_entry, declare, gep, i64
 from rlx.codegen.jit import ENTRY
 from rlx.codegen.lower_attention import AttentionKernelSpec, AttentionLowering, choose_block_q
+from rlx.codegen.lower_flex import FlexKernelSpec, FlexLowering
 from rlx.codegen.lower_gemm import emit_gemm_item, gemm_spec
 from rlx.codegen.lower_scatter import emit_scatter_item
 from rlx.codegen.memory_plan import MemoryPlan
@@ -29,6 +34,7 @@ from rlx.errors import RlxValueError
 from rlx.ir.graph import Graph, Node, Value
 from rlx.ir.ops import AttentionAttrs, AttentionBwdAttrs, OpKind, attention_dims
 from rlx.ir.types import Wrt
+from rlx.ops.flex_attention import FlexAttentionBwdAttrs, bwd_operands, flex_dims, tensor_grad_layout
 
 _INT32_MAX = 2**31 - 1
 
@@ -84,10 +90,67 @@ def _check_blas_limits(node: Node, spec: AttentionKernelSpec) -> None:
         )
 
 
+FLEX_OPS = ("flex_attention", "flex_attention_bwd")
+
+
+def flex_captured(node: Node) -> tuple[Value, ...]:
+    """The captured tensors of a flex node (after q, k, v, and in the backward out, dy, lse, dlse)."""
+    if node.op.value == "flex_attention":
+        return node.inputs[3:]
+    return node.inputs[bwd_operands(node.attrs) :]
+
+
+def flex_spec(node: Node, options: CodegenOptions) -> FlexKernelSpec:
+    """The kernel shape of a flex_attention / flex_attention_bwd node (its block map kind included)."""
+    attrs = node.attrs
+    backward = isinstance(attrs, FlexAttentionBwdAttrs)
+    q, k, v = (x.type for x in node.inputs[:3])
+    dims = flex_dims(f"node {node.id}", q, k, v, attrs.layout)
+    captured = tuple(x.type for x in flex_captured(node))
+    grads = attrs.wrt if backward else None
+    tensor_grads = tuple(tensor_grad_layout(attrs.score_mod, captured, dims)) if backward and attrs.tensor_grads else ()
+    needs_dp = backward and (bool(attrs.wrt & (Wrt.QUERY | Wrt.KEY)) or bool(tensor_grads))
+    block_q, block_k = choose_blocks(dims.seq_q, dims.seq_k, needs_dp)
+    if options.block_q:
+        block_q = max(1, min(options.block_q, dims.seq_q))
+    mask = attrs.mask_mod
+    deps = set().union(*mask.dependences()) if mask is not None else set()
+    grid = TileGrid(dims.batch, dims.heads, dims.seq_q, dims.seq_k, block_q, block_k, "b" in deps, "h" in deps)
+    if mask is None:
+        kind = "none"
+    elif any(flex_captured(node)[t].node.op is OpKind.INPUT for _, t in mask.reads()):
+        kind = "dynamic"
+    else:
+        kind = "static"
+    scale = attrs.scale if attrs.scale is not None else 1.0 / math.sqrt(dims.head_dim)
+    lse_grad = bool(getattr(attrs, "lse_grad", False))
+    return FlexKernelSpec(
+        dims, attrs.layout, scale, attrs.score_mod, mask, captured, grads, tensor_grads, lse_grad, grid, kind
+    )
+
+
+def block_map_arrays(node: Node, bound: Mapping[str, np.ndarray] | None) -> np.ndarray:
+    """The node's tile states: from constants (and, per call, ``bound`` inputs); unknown tensors are bounded loosely."""
+    spec = flex_spec(node, CodegenOptions())
+    assert spec.mask_mod is not None
+    tensors: list[np.ndarray | None] = []
+    for value in flex_captured(node):
+        source = value.node
+        if source.op is OpKind.CONSTANT:
+            tensors.append(source.attrs.value.array)
+        elif source.op is OpKind.INPUT and bound is not None:
+            tensors.append(np.asarray(bound[source.attrs.name]))
+        else:
+            tensors.append(None)
+    return tile_states(spec.mask_mod, spec.grid, tensors)
+
+
 def scratch_bytes(node: Node, config: RuntimeConfig, options: CodegenOptions) -> int:
     """Bytes of per-thread scratch the node's kernel needs."""
     if node.op in (OpKind.ATTENTION, OpKind.ATTENTION_BWD):
         return kernel_spec(node, config, options).scratch_bytes()
+    if node.op.value in FLEX_OPS:
+        return flex_spec(node, options).scratch_bytes()
     return 0
 
 
@@ -96,7 +159,26 @@ def work_items(node: Node) -> int:
     if node.op in (OpKind.ATTENTION, OpKind.ATTENTION_BWD):
         b, _, h, _ = node.attrs.layout.split(node.inputs[0].shape)
         return b * h
+    if node.op.value in FLEX_OPS:
+        return flex_spec(node, CodegenOptions()).work_items
     return 0
+
+
+@dataclass(frozen=True)
+class CallData:
+    """Bytes the executable writes into the arena before each call (a per-call block map)."""
+
+    offset: int  # from the start of the call data
+    nbytes: int
+    fill: Callable[[Mapping[str, np.ndarray]], np.ndarray]
+
+
+@dataclass(frozen=True)
+class LoweredModule:
+    llvm_ir: str
+    call_data: tuple[CallData, ...]
+    call_data_offset: int  # arena offset of the call data
+    profile_offset: int  # arena offset of the per-kernel timings (profiling builds)
 
 
 @dataclass
@@ -114,6 +196,8 @@ class _Lowering:
     arena: ir.Value
     constants: dict[Value, ir.GlobalVariable]
     steps: list[Step] = field(default_factory=list)
+    call_data: list[CallData] = field(default_factory=list)
+    call_data_bytes: int = 0
 
     def base_pointer(self, value: Value) -> ir.Value:
         """The address of a materialised value's first element, in the entry function."""
@@ -157,6 +241,8 @@ class _Lowering:
             item_fn = AttentionLowering(self.module, spec, f"{node.op}.{node.id}").emit()
             pointers = [self.view_pointer(v) for v in node.inputs] + [self.base_pointer(v) for v in node.outputs]
             self.call(item_fn, pointers, spec.work_items, False, str(node.id))
+        elif op in FLEX_OPS:
+            self.lower_flex(node)
         elif op == "matmul":
             a, bm = (self.schedule.view(v) for v in node.inputs)
             assert a is not None and bm is not None
@@ -176,6 +262,30 @@ class _Lowering:
             self.call(item_fn, pointers, 1, True, str(node.id))
         else:
             raise AssertionError(f"no lowering for {op}")
+
+    def lower_flex(self, node: Node) -> None:
+        spec = flex_spec(node, self.options)
+        if spec.tensor_grads:  # partial gradient slices are accumulated into: zero them first
+            partials = node.outputs[len(spec.grads.members) if spec.grads else 0 :]
+            zero = emit_zero_item(self.module, [math.prod(v.shape) * 4 for v in partials], f"zero.{node.id}")
+            self.call(zero, [self.base_pointer(v) for v in partials], 1, True, f"z{node.id}")
+        item_fn = FlexLowering(self.module, spec, f"{node.op}.{node.id}").emit()
+        pointers = [self.view_pointer(v) for v in node.inputs] + [self.base_pointer(v) for v in node.outputs]
+        pointers.append(self.block_map_pointer(node, spec.map_kind))
+        self.call(item_fn, pointers, spec.work_items, False, str(node.id))
+
+    def block_map_pointer(self, node: Node, kind: str) -> ir.Value:
+        """Where the kernel reads its tile states: module data (static), call data (dynamic) or nowhere."""
+        if kind == "static":
+            states = block_map_arrays(node, None)
+            return opaque(self.b, _bytes_global(self.module, f"blockmap.{node.id}", states.tobytes()))
+        if kind == "dynamic":
+            nbytes = math.prod(flex_spec(node, self.options).grid.shape)
+            offset = self.call_data_bytes
+            self.call_data.append(CallData(offset, nbytes, functools.partial(block_map_arrays, node)))
+            self.call_data_bytes += -(-nbytes // 64) * 64
+            return gep(self.b, self.arena, [i64(call_data_offset(self.plan) + offset)], I8, f"blockmap.{node.id}")
+        return ir.Constant(PTR, None)
 
     def lower_fused(self, index: int, kernel: Kernel) -> None:
         assert kernel.out is not None
@@ -200,9 +310,26 @@ class _Lowering:
         self.call(fn, [self.base_pointer(v) for v in bases], chunking.items, False, f"k{index}")
 
 
+def emit_zero_item(module: ir.Module, sizes: list[int], name: str) -> ir.Function:
+    """An item function that zeroes ``len(sizes)`` buffers (argument slots) of the given byte sizes."""
+    fn = ir.Function(module, ir.FunctionType(VOID, [PTR, I64, PTR]), name=name)
+    fn.linkage = "internal"
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    memset = declare(module, "llvm.memset.p0.i64", VOID, [PTR, I8, I64, ir.IntType(1)])
+    for slot, size in enumerate(sizes):
+        ptr = b.load(gep(b, fn.args[0], [i64(slot)], PTR), typ=PTR)
+        b.call(memset, [ptr, ir.Constant(I8, 0), i64(size), ir.Constant(ir.IntType(1), 0)])
+    b.ret_void()
+    return fn
+
+
+def call_data_offset(plan: MemoryPlan) -> int:
+    return -(-plan.arena_bytes // 64) * 64
+
+
 def lower_graph(
     graph: Graph, plan: MemoryPlan, schedule: Schedule, config: RuntimeConfig, options: CodegenOptions, threads: int
-) -> str:
+) -> LoweredModule:
     """Render the whole graph as LLVM IR text."""
     module = ir.Module(name=f"rlx.{graph.name}")
     entry = ir.Function(module, ir.FunctionType(VOID, [PTR, PTR]), name=ENTRY)
@@ -214,16 +341,12 @@ def lower_graph(
     for index, kernel in enumerate(schedule.kernels):
         state.lower(index, kernel)
     scratch = gep(b, arena, [i64(plan.scratch_offset)], I8, "scratch")
-    profile = gep(b, arena, [i64(profile_offset(plan))], I8, "profile") if options.profile else None
+    timings = call_data_offset(plan) + state.call_data_bytes  # after the arena proper and the call data
+    profile = gep(b, arena, [i64(timings)], I8, "profile") if options.profile else None
     now = _clock(module) if options.profile else None
     emit_team(module, b, state.steps, threads, scratch, plan.scratch_stride, profile, now)
     b.ret_void()
-    return str(module)
-
-
-def profile_offset(plan: MemoryPlan) -> int:
-    """Where a profiling build keeps its per-kernel nanoseconds: after the arena proper."""
-    return -(-plan.arena_bytes // 64) * 64
+    return LoweredModule(str(module), tuple(state.call_data), call_data_offset(plan), timings)
 
 
 def _clock(module: ir.Module):  # type: ignore[no-untyped-def]
@@ -249,9 +372,13 @@ def opaque(b: ir.IRBuilder, variable: ir.GlobalVariable) -> ir.Value:
 
 def _constant_global(module: ir.Module, node: Node) -> ir.GlobalVariable:
     data = np.ascontiguousarray(node.attrs.value.array)
-    raw = bytearray(data.tobytes())
+    return _bytes_global(module, f"const.{node.id}", data.tobytes())
+
+
+def _bytes_global(module: ir.Module, name: str, data: bytes) -> ir.GlobalVariable:
+    raw = bytearray(data)
     ty = ir.ArrayType(I8, max(1, len(raw)))
-    var = ir.GlobalVariable(module, ty, name=f"const.{node.id}")
+    var = ir.GlobalVariable(module, ty, name=name)
     var.global_constant = True
     var.linkage = "internal"
     var.align = 64

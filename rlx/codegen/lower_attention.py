@@ -124,7 +124,7 @@ class AttentionLowering:
         self.spec = spec
         self.name = name
         self.memset = intrinsic(module, "llvm.memset.p0.i64", VOID, [PTR, I8, I64, I1])
-        self.sgemm = declare(module, SGEMM, VOID, [I32] * 6 + [F32, PTR, I32, PTR, I32, F32, PTR, I32])
+        self.sgemm = declare_sgemm(module)
         self.neg = f32(spec.neg)
 
     # ------------------------------------------------------------------ public
@@ -503,27 +503,51 @@ class AttentionLowering:
         c: ir.Value,
         ldc: int | ir.Value,
     ) -> None:
-        """The one place a matrix product is emitted: row-major ``C = alpha op(A) op(B) + beta C``."""
+        emit_sgemm(b, self.sgemm, trans_a, trans_b, m, n, k, alpha, a, lda, b_mat, ldb, beta, c, ldc)
 
-        def as_i32(value: int | ir.Value) -> ir.Value:
-            return i32(value) if isinstance(value, int) else b.trunc(value, I32)
 
-        b.call(
-            self.sgemm,
-            [
-                i32(ROW_MAJOR),
-                i32(trans_a),
-                i32(trans_b),
-                as_i32(m),
-                as_i32(n),
-                as_i32(k),
-                f32(alpha),
-                a,
-                as_i32(lda),
-                b_mat,
-                as_i32(ldb),
-                f32(beta),
-                c,
-                as_i32(ldc),
-            ],
-        )
+def declare_sgemm(module: ir.Module) -> ir.Function:
+    return declare(module, SGEMM, VOID, [I32] * 6 + [F32, PTR, I32, PTR, I32, F32, PTR, I32])
+
+
+def emit_sgemm(
+    b: ir.IRBuilder,
+    sgemm: ir.Function,
+    trans_a: int,
+    trans_b: int,
+    m: int | ir.Value,
+    n: int | ir.Value,
+    k: int | ir.Value,
+    alpha: float,
+    a: ir.Value,
+    lda: int | ir.Value,
+    b_mat: ir.Value,
+    ldb: int | ir.Value,
+    beta: float | ir.Value,
+    c: ir.Value,
+    ldc: int | ir.Value,
+) -> None:
+    """The one place an attention kernel emits a matrix product: row-major ``C = alpha op(A) op(B) + beta C``."""
+
+    def as_i32(value: int | ir.Value) -> ir.Value:
+        return i32(value) if isinstance(value, int) else b.trunc(value, I32)
+
+    b.call(
+        sgemm,
+        [
+            i32(ROW_MAJOR),
+            i32(trans_a),
+            i32(trans_b),
+            as_i32(m),
+            as_i32(n),
+            as_i32(k),
+            f32(alpha),
+            a,
+            as_i32(lda),
+            b_mat,
+            as_i32(ldb),
+            beta if isinstance(beta, ir.Value) else f32(beta),
+            c,
+            as_i32(ldc),
+        ],
+    )

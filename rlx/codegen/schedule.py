@@ -25,7 +25,9 @@ from rlx.ir.graph import Graph, Node, Value
 from rlx.ir.ops import OpKind
 
 # Ops lowered by a kernel of their own; their results and operands are buffers.
-CALL_OUT_OPS = frozenset({"matmul", "attention", "attention_bwd", "embedding_grad"})
+CALL_OUT_OPS = frozenset(
+    {"matmul", "attention", "attention_bwd", "flex_attention", "flex_attention_bwd", "embedding_grad"}
+)
 VIEW_OPS = frozenset({"reshape", "transpose", "split", "broadcast_to"})
 REDUCE_OPS = frozenset({"sum", "max"})
 LEAF_OPS = frozenset({"input", "constant"})

@@ -97,6 +97,12 @@ class Value:
     def __rmatmul__(self, other: object) -> Value:
         return self.graph.matmul(other, self)
 
+    def __getitem__(self, index: object) -> Any:
+        """Inside an attention mod, ``value[b, h, q_idx, kv_idx]`` reads this value at symbolic indices."""
+        from rlx.mods import read
+
+        return read(self, index)
+
     def __neg__(self) -> Value:
         return self.graph.neg(self)
 

@@ -134,6 +134,8 @@ class Wrt(enum.Flag):
         if not isinstance(text, str):
             raise RlxTypeError(f"Wrt.parse: expected a str, got {type(text).__name__}")
         flags = Wrt(0)
+        if text == "none":
+            return flags
         for part in text.split("|"):
             if part not in _WRT_LONG:
                 raise RlxValueError(f"unknown wrt {part!r}; expected q, k or v joined by '|'")

@@ -5,6 +5,28 @@ softmax and norms, matmul, element-moving views, integer-indexed ops, attention,
 fused elementwise chains the ``fuse-elementwise`` pass makes.
 """
 
-from rlx.ops import attention, constant, elementwise, fused, index, matmul, movement, reduce, softmax
+from rlx.ops import (
+    attention,
+    constant,
+    elementwise,
+    flex_attention,
+    fused,
+    index,
+    matmul,
+    movement,
+    reduce,
+    softmax,
+)
 
-__all__ = ["attention", "constant", "elementwise", "fused", "index", "matmul", "movement", "reduce", "softmax"]
+__all__ = [
+    "attention",
+    "constant",
+    "elementwise",
+    "flex_attention",
+    "fused",
+    "index",
+    "matmul",
+    "movement",
+    "reduce",
+    "softmax",
+]

@@ -9,9 +9,9 @@ a half-used one (:func:`_narrow_attention_bwd`). The lowering is ``rlx/codegen/l
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -349,11 +349,56 @@ def attention(
     mask: MaskKind = MaskKind.NONE,
     layout: Layout = Layout.BSHD,
     mask_input: Value | None = None,
-) -> Value:
-    """Forward attention ``softmax(mask(Q K^T / sqrt(D))) V``; returns ``out`` shaped like q."""
+    *,
+    score_mod: Callable[..., Any] | None = None,
+    mask_mod: Callable[..., Any] | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+) -> Value | tuple[Value, Value]:
+    """Forward attention ``softmax(mask(Q K^T / sqrt(D))) V``; returns ``out`` shaped like q.
+
+    With ``score_mod``, ``mask_mod``, ``scale`` or ``return_lse`` (SPEC section 4) this builds a
+    ``flex_attention`` node instead (:mod:`rlx.ops.flex_attention`); the mods replace ``mask``.
+    Keys and values with fewer heads than q (GQA) or values with their own head dim also take
+    that path, with ``mask`` turned into the equivalent mod.
+    """
+    flex = score_mod is not None or mask_mod is not None or scale is not None or return_lse
+    if flex or _needs_flex(q, k, v, layout):
+        from rlx.ops.flex_attention import flex_attention
+
+        if mask != MaskKind.NONE or mask_input is not None:
+            if flex:
+                raise RlxValueError(
+                    "attention: mask=MaskKind... and mask_input cannot be combined with score_mod / mask_mod / "
+                    "scale / return_lse; express the mask as a mod (rlx.mods.causal, rlx.mods.sliding_window, ...)"
+                )
+            raise RlxValueError(
+                "attention: GQA (fewer kv heads) and a value head dim other than q's take mods, not MaskKind; "
+                "use mask_mod=rlx.mods.causal_lower_right(Sq, Sk), rlx.mods.sliding_window(...) etc."
+            )
+        return flex_attention(
+            graph, q, k, v, score_mod=score_mod, mask_mod=mask_mod, scale=scale, layout=layout, return_lse=return_lse
+        )
     attrs = AttentionAttrs(check_mask(mask, "attention"), check_layout(layout, "attention"))
     inputs = (q, k, v) + ((mask_input,) if mask_input is not None else ())
     return graph.add_node(op_kind("attention"), inputs, attrs).outputs[0]
+
+
+def _needs_flex(q: Value, k: Value, v: Value, layout: object) -> bool:
+    """GQA or Dv != D: shapes only the flex kernels take (checked fully by their shape rule)."""
+    from rlx.ir.graph import Value
+
+    try:
+        if not isinstance(layout, Layout) or not all(isinstance(x, Value) and len(x.shape) == 4 for x in (q, k, v)):
+            return False
+    except (TypeError, IndexError, AttributeError):  # a broken Value: the fixed path's checks name it
+        return False
+    b, _, h, d = layout.split(q.shape)
+    kb, sk, hk, dk = layout.split(k.shape)
+    vb, vs, hv, dv = layout.split(v.shape)
+    if (kb, dk) != (b, d) or (vb, vs, hv) != (kb, sk, hk):
+        return False  # the fixed path's shape rule explains what is wrong
+    return (hk < h and h % hk == 0) or (hk == h and dv != d)
 
 
 def attention_bwd(

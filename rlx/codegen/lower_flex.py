@@ -1,0 +1,900 @@
+"""Lower ``flex_attention`` / ``flex_attention_bwd`` to per-work-item LLVM functions.
+
+Forward, item = (batch, query head); backward, item = (batch, kv head), whose query heads run in
+order inside it, so dK/dV of a GQA group are summed without races and in a fixed order. Queries
+go in strips of ``block_q`` rows and keys in tiles of ``block_k``; the block map
+(:mod:`rlx.codegen.block_map`) says per (strip, tile) whether the mask hides it all (skipped:
+no GEMM columns, no exp), shows it all (the mask is not evaluated) or is partial. For a strip:
+
+1. ``S[:, run] = scale · Q_strip K_run^T`` for each run of consecutive non-empty tiles (GEMM)
+2. forward: per row, score_mod and mask inlined, max, ``exp``, sum: ``P``, ``lse = m + log(sum)``;
+   ``out_strip = Σ_run P[:, run] V_run`` (GEMM)
+3. backward (FlashAttention-2): ``P = exp(s - lse)``, ``D = rowsum(dY ∘ out)`` (minus dlse);
+   ``dV_run += P^T dY``; ``dP = dY V_run^T``; ``dS = P ∘ (dP - D)``, times d s / d score from the
+   differentiated region, and into the score_mod's tensors' partial gradients;
+   ``dQ_strip = scale Σ dS K_run``; ``dK_run += scale dS^T Q_strip`` (GEMMs)
+
+Scratch per thread: the score strip (``block_q × Sk``), plus in the backward the dP/dS strip
+and, with a score_mod, the raw scores its derivative needs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from llvmlite import ir
+
+from rlx.codegen.blas import NO_TRANS, TRANS
+from rlx.codegen.block_map import EMPTY, FULL, PARTIAL, TileGrid
+from rlx.codegen.irutil import (
+    F32,
+    I1,
+    I8,
+    I64,
+    PTR,
+    VOID,
+    alloca_entry,
+    f32,
+    for_range,
+    gep,
+    gep_f32,
+    i64,
+    intrinsic,
+    smin,
+)
+from rlx.codegen.lower_attention import SCRATCH_ALIGN, declare_sgemm, emit_sgemm
+from rlx.codegen.region_emit import LaneValue, RegionEmitter, Tensor, lane_indices
+from rlx.codegen.vector import WIDTH, Lanes, fold_lanes, vector_fill, vector_loop, vector_reduce
+from rlx.ir.region import GradientRegion, Region
+from rlx.ir.types import Layout, TensorType, Wrt
+from rlx.ops.flex_attention import FlexDims
+
+NEG_INF = -math.inf
+
+
+@dataclass(frozen=True)
+class FlexKernelSpec:
+    """Everything that shapes the code of one flex attention node."""
+
+    dims: FlexDims
+    layout: Layout
+    scale: float
+    score_mod: Region | None
+    mask_mod: Region | None
+    captured: tuple[TensorType, ...]
+    grads: Wrt | None  # None: the forward
+    tensor_grads: tuple[tuple[int, int, bool, bool], ...]  # (tensor, partials, by_batch, by_kv_head)
+    lse_grad: bool
+    grid: TileGrid
+    map_kind: str  # "none" (no mask: all FULL), "all" (every tile PARTIAL), "static", "dynamic"
+
+    @property
+    def backward(self) -> bool:
+        return self.grads is not None
+
+    @property
+    def needs_dp(self) -> bool:
+        if self.grads is None:
+            return False
+        return bool(self.grads & (Wrt.QUERY | Wrt.KEY)) or bool(self.tensor_grads)
+
+    @property
+    def keeps_raw(self) -> bool:
+        """The backward keeps raw scores for the score_mod's derivative."""
+        return self.needs_dp and self.score_mod is not None
+
+    @property
+    def work_items(self) -> int:
+        d = self.dims
+        return d.batch * (d.kv_heads if self.backward else d.heads)
+
+    def strip_floats(self) -> int:
+        raw = self.grid.block_q * self.dims.seq_k
+        per_line = SCRATCH_ALIGN // 4
+        return -(-raw // per_line) * per_line
+
+    def scratch_bytes(self) -> int:
+        buffers = 1 + int(self.needs_dp) + int(self.keeps_raw)
+        return self.strip_floats() * 4 * buffers
+
+
+class FlexLowering:
+    """Emits the per-item function of one flex attention node; see the module docstring."""
+
+    def __init__(self, module: ir.Module, spec: FlexKernelSpec, name: str) -> None:
+        self.module = module
+        self.spec = spec
+        self.name = name
+        self.sgemm = declare_sgemm(module)
+        self.memset = intrinsic(module, "llvm.memset.p0.i64", VOID, [PTR, I8, I64, I1])
+        self.logf = intrinsic(module, "llvm.log.f32", F32, [F32])
+        score = spec.score_mod
+        self.score_kinds = score.check([(t.shape, _kind(t)) for t in spec.captured]) if score is not None else []
+        mask = spec.mask_mod
+        self.mask_kinds = mask.check([(t.shape, _kind(t)) for t in spec.captured]) if mask is not None else []
+        self.gradient: GradientRegion | None = None
+        self.gradient_kinds: list[str] = []
+        if score is not None and spec.needs_dp:
+            gradient = score.gradient(self.score_kinds)
+            self.gradient_kinds = gradient.check([(t.shape, _kind(t)) for t in spec.captured])
+            self.gradient = gradient
+
+    # ------------------------------------------------------------------ operands
+
+    def operand_slots(self) -> list[str]:
+        spec = self.spec
+        slots = ["q", "k", "v"]
+        if spec.backward:
+            slots += ["out", "dy", "lse"] + (["dlse"] if spec.lse_grad else [])
+        slots += [f"c{i}" for i in range(len(spec.captured))]
+        if spec.backward:
+            assert spec.grads is not None
+            slots += [f"d{flag!s}" for flag in spec.grads.members]
+            slots += [f"p{tensor}" for tensor, _, _, _ in spec.tensor_grads]
+        else:
+            slots += ["out", "lse"]
+        slots.append("map")
+        return slots
+
+    # ------------------------------------------------------------------ addressing
+
+    def _row_stride(self, heads: int, width: int) -> int:
+        return heads * width if self.spec.layout is Layout.BSHD else width
+
+    def _head(
+        self, b: ir.IRBuilder, base: ir.Value, batch: ir.Value, head: ir.Value, seq: int, heads: int, width: int
+    ) -> ir.Value:
+        if self.spec.layout is Layout.BSHD:
+            offset = b.add(b.mul(batch, i64(seq * heads * width)), b.mul(head, i64(width)))
+        else:
+            offset = b.mul(b.add(b.mul(batch, i64(heads)), head), i64(seq * width))
+        return gep_f32(b, base, offset)
+
+    # ------------------------------------------------------------------ function
+
+    def emit(self) -> ir.Function:
+        fn = ir.Function(self.module, ir.FunctionType(VOID, [PTR, I64, PTR]), name=self.name)
+        fn.linkage = "internal"
+        args, item, scratch = fn.args
+        args.name, item.name, scratch.name = "args", "item", "scratch"
+        b = ir.IRBuilder(fn.append_basic_block("entry"))
+        self.base = {
+            slot: b.load(gep(b, args, [i64(i)], PTR), typ=PTR, name=f"{slot}.base")
+            for i, slot in enumerate(self.operand_slots())
+        }
+        self.tensors = [Tensor(self.base[f"c{i}"], t) for i, t in enumerate(self.spec.captured)]
+        strip = scratch
+        second = gep_f32(b, scratch, self.spec.strip_floats(), name="dp.strip")
+        third = gep_f32(b, scratch, 2 * self.spec.strip_floats(), name="raw.strip")
+        dims = self.spec.dims
+        if not self.spec.backward:
+            batch = b.sdiv(item, i64(dims.heads), name="b")
+            head = b.srem(item, i64(dims.heads), name="h")
+            self._forward_head(b, batch, head, strip)
+        else:
+            batch = b.sdiv(item, i64(dims.kv_heads), name="b")
+            group = b.srem(item, i64(dims.kv_heads), name="g")
+            self._zero_kv_grads(b, batch, group)
+            with for_range(b, 0, dims.group, "member") as member:
+                head = b.add(b.mul(group, i64(dims.group)), member, name="h")
+                self._backward_head(b, batch, head, group, strip, second, third)
+        b.ret_void()
+        return fn
+
+    # ------------------------------------------------------------------ tiles
+
+    def _map_row(self, b: ir.IRBuilder, batch: ir.Value, head: ir.Value, strip: ir.Value) -> ir.Value:
+        grid = self.spec.grid
+        _, hm, ns, nk = grid.shape
+        mb = batch if grid.by_batch else i64(0)
+        mh = head if grid.by_head else i64(0)
+        index = b.mul(b.add(b.mul(b.add(b.mul(mb, i64(hm)), mh), i64(ns)), strip), i64(nk))
+        return gep(b, self.base["map"], [index], I8, name="map.row")
+
+    def _state(self, b: ir.IRBuilder, map_row: ir.Value, tile: ir.Value) -> ir.Value:
+        kind = self.spec.map_kind
+        if kind == "none":
+            return ir.Constant(I8, FULL)
+        if kind == "all":
+            return ir.Constant(I8, PARTIAL)
+        return b.load(gep(b, map_row, [tile], I8), typ=I8, name="state")
+
+    def _visible_tiles(self, b: ir.IRBuilder, map_row: ir.Value) -> tuple[ir.Value, ir.Value]:
+        """First and last non-empty tile of the strip (first > last: none)."""
+        tiles = self.spec.grid.tiles
+        if self.spec.map_kind in ("none", "all"):
+            return i64(0), i64(tiles - 1)
+        first = alloca_entry(b, I64, "first.tile")
+        last = alloca_entry(b, I64, "last.tile")
+        b.store(i64(tiles), first)
+        b.store(i64(-1), last)
+        with for_range(b, 0, tiles, "scan") as t:
+            visible = b.icmp_unsigned("!=", self._state(b, map_row, t), ir.Constant(I8, EMPTY))
+            with b.if_then(visible):
+                b.store(smin(b, b.load(first, typ=I64), t), first)
+                b.store(t, last)
+        return b.load(first, typ=I64, name="first"), b.load(last, typ=I64, name="last")
+
+    def _for_runs(
+        self,
+        b: ir.IRBuilder,
+        map_row: ir.Value,
+        first: ir.Value,
+        last: ir.Value,
+        body: Callable[[ir.IRBuilder, ir.Value, ir.Value, ir.Value], None],
+    ) -> None:
+        """``body(b, c0, c1, is_first_run)`` for each run of consecutive non-empty tiles, as key columns."""
+        grid = self.spec.grid
+        if self.spec.map_kind in ("none", "all"):
+            body(b, i64(0), i64(grid.seq_k), ir.Constant(I1, 1))
+            return
+        cursor = alloca_entry(b, I64, "run.cursor")
+        started = alloca_entry(b, I1, "run.started")
+        b.store(first, cursor)
+        b.store(ir.Constant(I1, 0), started)
+        check = b.append_basic_block("runs.check")
+        scan = b.append_basic_block("runs.scan")
+        done = b.append_basic_block("runs.done")
+        b.branch(check)
+        b.position_at_end(check)
+        t = b.load(cursor, typ=I64, name="run.t")
+        b.cbranch(b.icmp_signed("<=", t, last), scan, done)
+        b.position_at_end(scan)
+        with b.if_else(b.icmp_unsigned("==", self._state(b, map_row, t), ir.Constant(I8, EMPTY))) as (empty, visible):
+            with empty:
+                b.store(b.add(t, i64(1)), cursor)
+            with visible:
+                end = alloca_entry(b, I64, "run.end")
+                b.store(b.add(t, i64(1)), end)
+                grow = b.append_basic_block("run.grow")
+                grow_body = b.append_basic_block("run.grow.body")
+                grown = b.append_basic_block("run.grown")
+                b.branch(grow)
+                b.position_at_end(grow)
+                u = b.load(end, typ=I64)
+                more = b.icmp_signed("<=", u, last)
+                b.cbranch(more, grow_body, grown)
+                b.position_at_end(grow_body)
+                next_visible = b.icmp_unsigned("!=", self._state(b, map_row, u), ir.Constant(I8, EMPTY))
+                with b.if_then(next_visible):
+                    b.store(b.add(u, i64(1)), end)
+                b.cbranch(next_visible, grow, grown)
+                b.position_at_end(grown)
+                u_end = b.load(end, typ=I64)
+                c0 = b.mul(t, i64(grid.block_k))
+                c1 = smin(b, b.mul(u_end, i64(grid.block_k)), i64(grid.seq_k))
+                is_first = b.not_(b.load(started, typ=I1))
+                body(b, c0, c1, is_first)
+                b.store(ir.Constant(I1, 1), started)
+                b.store(u_end, cursor)
+        b.branch(check)
+        b.position_at_end(done)
+
+    def _for_tiles(
+        self,
+        b: ir.IRBuilder,
+        map_row: ir.Value,
+        first: ir.Value,
+        last: ir.Value,
+        ks: ir.Value,
+        nk: ir.Value,
+        on_tile: Callable[[ir.IRBuilder, ir.Value, ir.Value, int | None, ir.Value], None],
+    ) -> None:
+        """``on_tile(b, c0, c1, state, tile)`` per tile of ``[first, last]``, columns relative to ``ks``.
+
+        ``state`` is a Python int when known at compile time (no map), else None: the callee
+        branches on the loaded state itself (see :meth:`_by_state`).
+        """
+        grid = self.spec.grid
+        with for_range(b, first, b.add(last, i64(1)), "tile") as t:
+            c0 = b.sub(b.mul(t, i64(grid.block_k)), ks)
+            c1 = smin(b, b.add(c0, i64(grid.block_k)), nk)
+            known = {"none": FULL, "all": PARTIAL}.get(self.spec.map_kind)
+            on_tile(b, c0, c1, known, t)
+
+    # ------------------------------------------------------------------ region pieces
+
+    def _symbols(self, b: ir.IRBuilder, batch: ir.Value, head: ir.Value, gi: ir.Value) -> dict[str, LaneValue]:
+        return {"b": LaneValue(batch, True), "h": LaneValue(head, True), "q_idx": LaneValue(gi, True)}
+
+    def _element_symbols(
+        self, b: ir.IRBuilder, row_symbols: dict[str, LaneValue], gj: ir.Value, width: int, score: ir.Value | None
+    ) -> dict[str, LaneValue]:
+        symbols = dict(row_symbols)
+        symbols["kv_idx"] = LaneValue(lane_indices(b, gj, width), width == 1)
+        symbols["kv_idx.lane0"] = LaneValue(gj, True)
+        if score is not None:
+            symbols["score"] = LaneValue(score, width == 1)
+        return symbols
+
+    def _hoisted(
+        self, b: ir.IRBuilder, region: Region, kinds: list[str], row_symbols: dict[str, LaneValue]
+    ) -> dict[int, LaneValue]:
+        """Steps that depend on neither score nor key: once per query row."""
+        emitter = RegionEmitter(b, region, kinds, 1, dict(row_symbols), self.tensors)
+        steps = emitter.uniform_steps()
+        emitter.emit(steps)
+        return {i: emitter.values[i] for i in steps}
+
+    def _apply_mods(
+        self,
+        b: ir.IRBuilder,
+        lanes: Lanes,
+        raw: ir.Value,
+        gj: ir.Value,
+        row_symbols: dict[str, LaneValue],
+        score_hoisted: dict[int, LaneValue],
+        mask_hoisted: dict[int, LaneValue],
+        with_mask: bool,
+    ) -> ir.Value:
+        """``mask ? score_mod(raw) : -inf`` at this lane width."""
+        spec = self.spec
+        value = raw
+        if spec.score_mod is not None:
+            symbols = self._element_symbols(b, row_symbols, gj, lanes.width, raw)
+            emitter = RegionEmitter(
+                b, spec.score_mod, self.score_kinds, lanes.width, symbols, self.tensors, score_hoisted
+            )
+            emitter.emit(range(len(spec.score_mod.steps)))
+            value = emitter.get(("t", len(spec.score_mod.steps) - 1), "f")
+        if with_mask and spec.mask_mod is not None:
+            symbols = self._element_symbols(b, row_symbols, gj, lanes.width, None)
+            emitter = RegionEmitter(b, spec.mask_mod, self.mask_kinds, lanes.width, symbols, self.tensors, mask_hoisted)
+            emitter.emit(range(len(spec.mask_mod.steps)))
+            visible = emitter.get(("t", len(spec.mask_mod.steps) - 1), "b")
+            value = b.select(visible, value, lanes.const(NEG_INF))
+        return value
+
+    def _by_state(
+        self,
+        b: ir.IRBuilder,
+        state: int | None,
+        loaded: Callable[[], ir.Value],
+        on_empty: Callable[[], None],
+        on_visible: Callable[[bool], None],
+    ) -> None:
+        """Branch to ``on_empty`` / ``on_visible(with_mask)`` by a tile's state."""
+        if state is not None:
+            if state == EMPTY:
+                on_empty()
+            else:
+                on_visible(state == PARTIAL)
+            return
+        value = loaded()
+        with b.if_else(b.icmp_unsigned("==", value, ir.Constant(I8, EMPTY))) as (empty, visible):
+            with empty:
+                on_empty()
+            with visible:
+                if self.spec.mask_mod is None:
+                    on_visible(False)
+                else:
+                    with b.if_else(b.icmp_unsigned("==", value, ir.Constant(I8, FULL))) as (full, partial):
+                        with full:
+                            on_visible(False)
+                        with partial:
+                            on_visible(True)
+
+    # ------------------------------------------------------------------ forward
+
+    def _strip_bounds(self, b: ir.IRBuilder, strip: ir.Value) -> tuple[ir.Value, ir.Value]:
+        block_q, seq_q = self.spec.grid.block_q, self.spec.dims.seq_q
+        i0 = b.mul(strip, i64(block_q), name="i0")
+        return i0, smin(b, i64(block_q), b.sub(i64(seq_q), i0), name="rows")
+
+    def _scores(
+        self,
+        b: ir.IRBuilder,
+        map_row: ir.Value,
+        first: ir.Value,
+        last: ir.Value,
+        ks: ir.Value,
+        nk: ir.Value,
+        q_strip: ir.Value,
+        k_head: ir.Value,
+        rows: ir.Value,
+        out: ir.Value,
+    ) -> None:
+        """``out[:, run] = scale · Q_strip K_run^T`` for every visible run (``ld = nk``)."""
+        d = self.spec.dims
+        ldq, ldk = self._row_stride(d.heads, d.head_dim), self._row_stride(d.kv_heads, d.head_dim)
+
+        def gemm(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value) -> None:
+            k_run = gep_f32(b, k_head, b.mul(c0, i64(ldk)))
+            target = gep_f32(b, out, b.sub(c0, ks))
+            emit_sgemm(
+                b,
+                self.sgemm,
+                NO_TRANS,
+                TRANS,
+                rows,
+                b.sub(c1, c0),
+                d.head_dim,
+                self.spec.scale,
+                q_strip,
+                ldq,
+                k_run,
+                ldk,
+                0.0,
+                target,
+                nk,
+            )
+
+        self._for_runs(b, map_row, first, last, gemm)
+
+    def _forward_head(self, b: ir.IRBuilder, batch: ir.Value, head: ir.Value, strip_buf: ir.Value) -> None:
+        d, grid = self.spec.dims, self.spec.grid
+        group = b.sdiv(head, i64(d.group), name="g")
+        q_head = self._head(b, self.base["q"], batch, head, d.seq_q, d.heads, d.head_dim)
+        k_head = self._head(b, self.base["k"], batch, group, d.seq_k, d.kv_heads, d.head_dim)
+        v_head = self._head(b, self.base["v"], batch, group, d.seq_k, d.kv_heads, d.value_dim)
+        out_head = self._head(b, self.base["out"], batch, head, d.seq_q, d.heads, d.value_dim)
+        lse_row = gep_f32(b, self.base["lse"], b.mul(b.add(b.mul(batch, i64(d.heads)), head), i64(d.seq_q)))
+        ldq = self._row_stride(d.heads, d.head_dim)
+        ldv = self._row_stride(d.kv_heads, d.value_dim)
+        ldo = self._row_stride(d.heads, d.value_dim)
+        with for_range(b, 0, grid.strips, "strip") as strip:
+            i0, rows = self._strip_bounds(b, strip)
+            map_row = self._map_row(b, batch, head, strip)
+            first, last = self._visible_tiles(b, map_row)
+            out_strip = gep_f32(b, out_head, b.mul(i0, i64(ldo)))
+            with b.if_else(b.icmp_signed(">", first, last)) as (nothing, something):
+                with nothing:
+                    self._zero_rows(b, out_strip, rows, ldo, d.value_dim)
+                    vector_fill(b, lse_row, i0, b.add(i0, rows), NEG_INF, "lse.none")
+                with something:
+                    ks = b.mul(first, i64(grid.block_k), name="ks")
+                    ke = smin(b, b.mul(b.add(last, i64(1)), i64(grid.block_k)), i64(d.seq_k))
+                    nk = b.sub(ke, ks, name="nk")
+                    q_strip = gep_f32(b, q_head, b.mul(i0, i64(ldq)))
+                    self._scores(b, map_row, first, last, ks, nk, q_strip, k_head, rows, strip_buf)
+                    with for_range(b, 0, rows, "r") as r:
+                        gi = b.add(i0, r, name="gi")
+                        row = gep_f32(b, strip_buf, b.mul(r, nk), name="row")
+                        m = self._mod_rows(b, row, batch, head, gi, map_row, first, last, ks, nk)
+                        lse = self._softmax_row(b, row, nk, m)
+                        b.store(lse, gep_f32(b, lse_row, gi))
+
+                    def pv(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value) -> None:
+                        beta = b.select(is_first, f32(0.0), f32(1.0))
+                        p_run = gep_f32(b, strip_buf, b.sub(c0, ks))
+                        v_run = gep_f32(b, v_head, b.mul(c0, i64(ldv)))
+                        emit_sgemm(
+                            b,
+                            self.sgemm,
+                            NO_TRANS,
+                            NO_TRANS,
+                            rows,
+                            d.value_dim,
+                            b.sub(c1, c0),
+                            1.0,
+                            p_run,
+                            nk,
+                            v_run,
+                            ldv,
+                            beta,
+                            out_strip,
+                            ldo,
+                        )
+
+                    self._for_runs(b, map_row, first, last, pv)
+
+    def _mod_rows(
+        self,
+        b: ir.IRBuilder,
+        row: ir.Value,
+        batch: ir.Value,
+        head: ir.Value,
+        gi: ir.Value,
+        map_row: ir.Value,
+        first: ir.Value,
+        last: ir.Value,
+        ks: ir.Value,
+        nk: ir.Value,
+    ) -> ir.Value:
+        """Apply the mods to one score row in place (``-inf`` where hidden); returns the row max."""
+        spec = self.spec
+        row_symbols = self._symbols(b, batch, head, gi)
+        score_hoisted = self._hoisted(b, spec.score_mod, self.score_kinds, row_symbols) if spec.score_mod else {}
+        mask_hoisted = self._hoisted(b, spec.mask_mod, self.mask_kinds, row_symbols) if spec.mask_mod else {}
+        best = alloca_entry(b, F32, "row.max")
+        b.store(f32(NEG_INF), best)
+
+        def on_tile(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, state: int | None, t: ir.Value) -> None:
+            def empty() -> None:
+                vector_fill(b, row, c0, c1, NEG_INF, "hidden")
+
+            def visible(with_mask: bool) -> None:
+                def term(b: ir.IRBuilder, j: ir.Value, lanes: Lanes) -> ir.Value:
+                    raw = lanes.load(b, row, j)
+                    if spec.score_mod is None and not with_mask:
+                        return raw
+                    value = self._apply_mods(
+                        b, lanes, raw, b.add(ks, j), row_symbols, score_hoisted, mask_hoisted, with_mask
+                    )
+                    lanes.store(b, value, row, j)
+                    return value
+
+                tile_max = vector_reduce(b, c0, c1, "tile.max", "max", term)
+                b.store(Lanes(self.module, 1).maximum(b, b.load(best, typ=F32), tile_max), best)
+
+            self._by_state(b, state, lambda: self._state(b, map_row, t), empty, visible)
+
+        self._for_tiles(b, map_row, first, last, ks, nk, on_tile)
+        return b.load(best, typ=F32, name="m")
+
+    def _softmax_row(self, b: ir.IRBuilder, row: ir.Value, nk: ir.Value, m: ir.Value) -> ir.Value:
+        """``row = exp(row - m) / sum`` in place; returns ``lse = m + log(sum)`` (-inf, row 0: all hidden)."""
+        result = alloca_entry(b, F32, "lse.value")
+        with b.if_else(b.fcmp_ordered("==", m, f32(NEG_INF))) as (empty, normal):
+            with empty:
+                vector_fill(b, row, i64(0), nk, 0.0, "row.zero")
+                b.store(f32(NEG_INF), result)
+            with normal:
+
+                def exp_term(b: ir.IRBuilder, j: ir.Value, lanes: Lanes) -> ir.Value:
+                    e = lanes.exp(b, b.fsub(lanes.load(b, row, j), lanes.splat(b, m)))
+                    lanes.store(b, e, row, j)
+                    return e
+
+                total = vector_reduce(b, i64(0), nk, "row.sum", "add", exp_term)
+                inv = b.fdiv(f32(1.0), total)
+                vector_loop(
+                    b,
+                    i64(0),
+                    nk,
+                    "norm",
+                    lambda b, j, lanes: lanes.store(b, b.fmul(lanes.load(b, row, j), lanes.splat(b, inv)), row, j),
+                )
+                b.store(b.fadd(m, b.call(self.logf, [total])), result)
+        return b.load(result, typ=F32, name="lse")
+
+    def _zero_rows(self, b: ir.IRBuilder, base: ir.Value, rows: ir.Value, stride: int, width: int) -> None:
+        with for_range(b, 0, rows, "zero") as r:
+            ptr = gep_f32(b, base, b.mul(r, i64(stride)))
+            b.call(self.memset, [ptr, ir.Constant(I8, 0), i64(width * 4), ir.Constant(I1, 0)])
+
+    # ------------------------------------------------------------------ backward
+
+    def _zero_kv_grads(self, b: ir.IRBuilder, batch: ir.Value, group: ir.Value) -> None:
+        d = self.spec.dims
+        for slot, width in (("dk", d.head_dim), ("dv", d.value_dim)):
+            if slot in self.base:
+                head = self._head(b, self.base[slot], batch, group, d.seq_k, d.kv_heads, width)
+                self._zero_rows(b, head, i64(d.seq_k), self._row_stride(d.kv_heads, width), width)
+
+    def _partial_base(self, b: ir.IRBuilder, batch: ir.Value, group: ir.Value) -> dict[int, ir.Value]:
+        """Where this item accumulates each score-mod tensor's gradient: its own partial slice."""
+        d = self.spec.dims
+        bases = {}
+        for tensor, _, by_b, by_h in self.spec.tensor_grads:
+            index: ir.Value = i64(0)
+            if by_b:
+                index = b.mul(batch, i64(d.kv_heads if by_h else 1))
+            if by_h:
+                index = b.add(index, group)
+            numel = math.prod(self.spec.captured[tensor].shape)
+            bases[tensor] = gep_f32(b, self.base[f"p{tensor}"], b.mul(index, i64(numel)))
+        return bases
+
+    def _backward_head(
+        self,
+        b: ir.IRBuilder,
+        batch: ir.Value,
+        head: ir.Value,
+        group: ir.Value,
+        p_buf: ir.Value,
+        dp_buf: ir.Value,
+        raw_buf: ir.Value,
+    ) -> None:
+        spec, d, grid = self.spec, self.spec.dims, self.spec.grid
+        grads = spec.grads
+        assert grads is not None
+        q_head = self._head(b, self.base["q"], batch, head, d.seq_q, d.heads, d.head_dim)
+        k_head = self._head(b, self.base["k"], batch, group, d.seq_k, d.kv_heads, d.head_dim)
+        v_head = self._head(b, self.base["v"], batch, group, d.seq_k, d.kv_heads, d.value_dim)
+        out_head = self._head(b, self.base["out"], batch, head, d.seq_q, d.heads, d.value_dim)
+        dy_head = self._head(b, self.base["dy"], batch, head, d.seq_q, d.heads, d.value_dim)
+        plane = b.mul(b.add(b.mul(batch, i64(d.heads)), head), i64(d.seq_q))
+        lse_row = gep_f32(b, self.base["lse"], plane)
+        dlse_row = gep_f32(b, self.base["dlse"], plane) if spec.lse_grad else None
+        ldq = self._row_stride(d.heads, d.head_dim)
+        ldk = self._row_stride(d.kv_heads, d.head_dim)
+        ldv = self._row_stride(d.kv_heads, d.value_dim)
+        ldo = self._row_stride(d.heads, d.value_dim)
+        partials = self._partial_base(b, batch, group)
+        with for_range(b, 0, grid.strips, "strip") as strip:
+            i0, rows = self._strip_bounds(b, strip)
+            map_row = self._map_row(b, batch, head, strip)
+            first, last = self._visible_tiles(b, map_row)
+            q_strip = gep_f32(b, q_head, b.mul(i0, i64(ldq)))
+            dy_strip = gep_f32(b, dy_head, b.mul(i0, i64(ldo)))
+            dq_strip = (
+                gep_f32(
+                    b, self._head(b, self.base["dq"], batch, head, d.seq_q, d.heads, d.head_dim), b.mul(i0, i64(ldq))
+                )
+                if grads & Wrt.QUERY
+                else None
+            )
+            with b.if_else(b.icmp_signed(">", first, last)) as (nothing, something):
+                with nothing:
+                    if dq_strip is not None:
+                        self._zero_rows(b, dq_strip, rows, ldq, d.head_dim)
+                with something:
+                    ks = b.mul(first, i64(grid.block_k), name="ks")
+                    ke = smin(b, b.mul(b.add(last, i64(1)), i64(grid.block_k)), i64(d.seq_k))
+                    nk = b.sub(ke, ks, name="nk")
+                    self._scores(b, map_row, first, last, ks, nk, q_strip, k_head, rows, p_buf)
+                    with for_range(b, 0, rows, "r") as r:
+                        gi = b.add(i0, r, name="gi")
+                        row = gep_f32(b, p_buf, b.mul(r, nk))
+                        raw_row = gep_f32(b, raw_buf, b.mul(r, nk)) if spec.keeps_raw else None
+                        lse = b.load(gep_f32(b, lse_row, gi), typ=F32, name="lse.i")
+                        self._probability_row(b, row, raw_row, batch, head, gi, lse, map_row, first, last, ks, nk)
+
+                    if grads & Wrt.VALUE:  # dV_run += P_run^T dY_strip
+                        dv_head = self._head(b, self.base["dv"], batch, group, d.seq_k, d.kv_heads, d.value_dim)
+
+                        def dv_gemm(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value) -> None:
+                            emit_sgemm(
+                                b,
+                                self.sgemm,
+                                TRANS,
+                                NO_TRANS,
+                                b.sub(c1, c0),
+                                d.value_dim,
+                                rows,
+                                1.0,
+                                gep_f32(b, p_buf, b.sub(c0, ks)),
+                                nk,
+                                dy_strip,
+                                ldo,
+                                1.0,
+                                gep_f32(b, dv_head, b.mul(c0, i64(ldv))),
+                                ldv,
+                            )
+
+                        self._for_runs(b, map_row, first, last, dv_gemm)
+                    if spec.needs_dp:
+
+                        def dp_gemm(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value) -> None:
+                            emit_sgemm(
+                                b,
+                                self.sgemm,
+                                NO_TRANS,
+                                TRANS,
+                                rows,
+                                b.sub(c1, c0),
+                                d.value_dim,
+                                1.0,
+                                dy_strip,
+                                ldo,
+                                gep_f32(b, v_head, b.mul(c0, i64(ldv))),
+                                ldv,
+                                0.0,
+                                gep_f32(b, dp_buf, b.sub(c0, ks)),
+                                nk,
+                            )
+
+                        self._for_runs(b, map_row, first, last, dp_gemm)
+                        out_strip = gep_f32(b, out_head, b.mul(i0, i64(ldo)))
+                        with for_range(b, 0, rows, "r.ds") as r:
+                            gi = b.add(i0, r, name="gi")
+                            delta = vector_reduce(
+                                b,
+                                i64(0),
+                                i64(d.value_dim),
+                                "delta",
+                                "add",
+                                lambda b, j, lanes: b.fmul(
+                                    lanes.load(b, dy_strip, b.add(b.mul(r, i64(ldo)), j)),
+                                    lanes.load(b, out_strip, b.add(b.mul(r, i64(ldo)), j)),
+                                ),
+                            )
+                            if dlse_row is not None:
+                                delta = b.fsub(delta, b.load(gep_f32(b, dlse_row, gi), typ=F32))
+                            offset = b.mul(r, nk)
+                            raw_row = gep_f32(b, raw_buf, offset) if spec.keeps_raw else None
+                            self._ds_row(
+                                b,
+                                gep_f32(b, p_buf, offset),
+                                gep_f32(b, dp_buf, offset),
+                                raw_row,
+                                delta,
+                                batch,
+                                head,
+                                gi,
+                                map_row,
+                                first,
+                                last,
+                                ks,
+                                nk,
+                                partials,
+                            )
+                        if dq_strip is not None:
+
+                            def dq_gemm(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value) -> None:
+                                beta = b.select(is_first, f32(0.0), f32(1.0))
+                                emit_sgemm(
+                                    b,
+                                    self.sgemm,
+                                    NO_TRANS,
+                                    NO_TRANS,
+                                    rows,
+                                    d.head_dim,
+                                    b.sub(c1, c0),
+                                    spec.scale,
+                                    gep_f32(b, dp_buf, b.sub(c0, ks)),
+                                    nk,
+                                    gep_f32(b, k_head, b.mul(c0, i64(ldk))),
+                                    ldk,
+                                    beta,
+                                    dq_strip,
+                                    ldq,
+                                )
+
+                            self._for_runs(b, map_row, first, last, dq_gemm)
+                        if grads & Wrt.KEY:
+                            dk_head = self._head(b, self.base["dk"], batch, group, d.seq_k, d.kv_heads, d.head_dim)
+
+                            def dk_gemm(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value) -> None:
+                                emit_sgemm(
+                                    b,
+                                    self.sgemm,
+                                    TRANS,
+                                    NO_TRANS,
+                                    b.sub(c1, c0),
+                                    d.head_dim,
+                                    rows,
+                                    spec.scale,
+                                    gep_f32(b, dp_buf, b.sub(c0, ks)),
+                                    nk,
+                                    q_strip,
+                                    ldq,
+                                    1.0,
+                                    gep_f32(b, dk_head, b.mul(c0, i64(ldk))),
+                                    ldk,
+                                )
+
+                            self._for_runs(b, map_row, first, last, dk_gemm)
+
+    def _probability_row(
+        self,
+        b: ir.IRBuilder,
+        row: ir.Value,
+        raw_row: ir.Value | None,
+        batch: ir.Value,
+        head: ir.Value,
+        gi: ir.Value,
+        lse: ir.Value,
+        map_row: ir.Value,
+        first: ir.Value,
+        last: ir.Value,
+        ks: ir.Value,
+        nk: ir.Value,
+    ) -> None:
+        """``row = exp(mods(row) - lse)`` in place (0 where hidden or lse = -inf); raw scores kept if asked."""
+        spec = self.spec
+        row_symbols = self._symbols(b, batch, head, gi)
+        score_hoisted = self._hoisted(b, spec.score_mod, self.score_kinds, row_symbols) if spec.score_mod else {}
+        mask_hoisted = self._hoisted(b, spec.mask_mod, self.mask_kinds, row_symbols) if spec.mask_mod else {}
+        # lse = -inf (no visible key) would make exp(-inf - -inf) NaN: shift by +inf instead, giving 0.
+        finite = b.fcmp_ordered("!=", lse, f32(NEG_INF))
+        shift = b.select(finite, lse, f32(math.inf), name="lse.shift")
+
+        def on_tile(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, state: int | None, t: ir.Value) -> None:
+            def empty() -> None:
+                vector_fill(b, row, c0, c1, 0.0, "p.hidden")
+
+            def visible(with_mask: bool) -> None:
+                def body(b: ir.IRBuilder, j: ir.Value, lanes: Lanes) -> None:
+                    raw = lanes.load(b, row, j)
+                    if raw_row is not None:
+                        lanes.store(b, raw, raw_row, j)
+                    s = self._apply_mods(
+                        b, lanes, raw, b.add(ks, j), row_symbols, score_hoisted, mask_hoisted, with_mask
+                    )
+                    lanes.store(b, lanes.exp(b, b.fsub(s, lanes.splat(b, shift))), row, j)
+
+                vector_loop(b, c0, c1, "p", body)
+
+            self._by_state(b, state, lambda: self._state(b, map_row, t), empty, visible)
+
+        self._for_tiles(b, map_row, first, last, ks, nk, on_tile)
+
+    def _ds_row(
+        self,
+        b: ir.IRBuilder,
+        p_row: ir.Value,
+        dp_row: ir.Value,
+        raw_row: ir.Value | None,
+        delta: ir.Value,
+        batch: ir.Value,
+        head: ir.Value,
+        gi: ir.Value,
+        map_row: ir.Value,
+        first: ir.Value,
+        last: ir.Value,
+        ks: ir.Value,
+        nk: ir.Value,
+        partials: dict[int, ir.Value],
+    ) -> None:
+        """``dp_row = P ∘ (dP - delta) ∘ ds/dscore`` (0 where P is 0); score-mod tensor grads accumulated."""
+        gradient = self.gradient
+        row_symbols = self._symbols(b, batch, head, gi)
+        hoisted = self._hoisted(b, gradient, self.gradient_kinds, row_symbols) if gradient is not None else {}
+
+        def on_tile(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, state: int | None, t: ir.Value) -> None:
+            def empty() -> None:
+                vector_fill(b, dp_row, c0, c1, 0.0, "ds.hidden")
+
+            def visible(with_mask: bool) -> None:
+                def body(b: ir.IRBuilder, j: ir.Value, lanes: Lanes) -> None:
+                    p = lanes.load(b, p_row, j)
+                    ds = b.fmul(p, b.fsub(lanes.load(b, dp_row, j), lanes.splat(b, delta)))
+                    zero = b.fcmp_ordered("==", p, lanes.const(0.0))
+                    if gradient is not None:
+                        assert raw_row is not None
+                        symbols = self._element_symbols(
+                            b, row_symbols, b.add(ks, j), lanes.width, lanes.load(b, raw_row, j)
+                        )
+                        emitter = RegionEmitter(
+                            b, gradient, self.gradient_kinds, lanes.width, symbols, self.tensors, hoisted
+                        )
+                        emitter.emit(range(len(gradient.steps)))
+                        g_score = emitter.get(gradient.outputs[1], "f")
+                        self._accumulate_tensor_grads(b, lanes, emitter, gradient, ds, zero, partials)
+                        ds = b.fmul(ds, g_score)
+                    lanes.store(b, b.select(zero, lanes.const(0.0), ds), dp_row, j)
+
+                vector_loop(b, c0, c1, "ds", body)
+
+            self._by_state(b, state, lambda: self._state(b, map_row, t), empty, visible)
+
+        self._for_tiles(b, map_row, first, last, ks, nk, on_tile)
+
+    def _accumulate_tensor_grads(
+        self,
+        b: ir.IRBuilder,
+        lanes: Lanes,
+        emitter: RegionEmitter,
+        gradient: GradientRegion,
+        ds: ir.Value,
+        zero: ir.Value,
+        partials: dict[int, ir.Value],
+    ) -> None:
+        """``partial[t][index] += ds · d s / d read`` for every float read of the score_mod, in lane order."""
+        if not partials:
+            return
+        region = self.spec.score_mod
+        assert region is not None
+        reads = region.float_reads(self.score_kinds)
+        for (step, tensor), ref in zip(reads, gradient.outputs[2:], strict=True):
+            contribution = b.select(zero, lanes.const(0.0), b.fmul(ds, emitter.get(ref, "f")))
+            base = partials[tensor]
+            if lanes.width > 1 and emitter.contiguous(step):
+                first = emitter._lane_zero_offset(step)
+                ptr = gep_f32(b, base, first)
+                old = b.load(ptr, typ=lanes.type, align=4)
+                b.store(b.fadd(old, contribution), ptr, align=4)
+                continue
+            offset = emitter.offset_of(step)
+            if offset.uniform:
+                total = fold_lanes(b, "add", contribution) if lanes.width > 1 else contribution
+                ptr = gep_f32(b, base, offset.value)
+                b.store(b.fadd(b.load(ptr, typ=F32), total), ptr)
+                continue
+            for lane in range(lanes.width):
+                position = b.extract_element(offset.value, ir.Constant(ir.IntType(32), lane))
+                ptr = gep_f32(b, base, position)
+                value = b.extract_element(contribution, ir.Constant(ir.IntType(32), lane))
+                b.store(b.fadd(b.load(ptr, typ=F32), value), ptr)
+
+
+def _kind(ty: TensorType) -> str:
+    kind = ty.dtype.kind
+    return "f" if kind == "f" else "b" if kind == "b" else "i"
+
+
+__all__ = ["WIDTH", "FlexKernelSpec", "FlexLowering"]

@@ -1,0 +1,554 @@
+"""Attention mods (SPEC section 4): tracing Python ``score_mod`` / ``mask_mod`` functions, and a library.
+
+A mod is called once, at build time, on symbolic scalars (:class:`Sym`); every operation on
+them appends a step to a :class:`~rlx.ir.region.Region`. Graph values (and numpy arrays a mod
+captured, which become constants) are read by indexing them with the symbols:
+``bias[b, h, q_idx, kv_idx]``. A Python ``if`` on a symbol cannot be traced and is an
+``RlxTypeError`` that points at :func:`rlx.where`.
+
+Library mods: ``causal``, ``causal_lower_right``, ``sliding_window(left, right=0)``,
+``prefix_lm(prefix_len)``, ``document(doc)``, ``key_lengths(lengths)`` (masks) and
+``softcap(cap)``, ``alibi(slopes)``, ``bias(tensor)`` (score mods); ``and_``/``or_`` compose masks
+and ``chain`` composes score mods.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from rlx.errors import RlxTypeError, RlxValueError
+from rlx.ir.region import Ref, Region, RegionStep
+
+if TYPE_CHECKING:
+    from rlx.ir.graph import Graph, Value
+
+ScoreMod = Callable[..., Any]
+MaskMod = Callable[..., Any]
+
+
+@dataclass
+class _Tracer:
+    """The region being recorded and the tensors it captured (graph values, in first-read order)."""
+
+    graph: Graph
+    what: str
+    steps: list[RegionStep] = field(default_factory=list)
+    captured: list[Value] = field(default_factory=list)
+
+    def emit(self, op: str, *args: Ref) -> Sym:
+        self.steps.append(RegionStep(op, args))
+        return Sym(self, ("t", len(self.steps) - 1))
+
+    def capture(self, value: Value) -> int:
+        for index, known in enumerate(self.captured):
+            if known is value:
+                return index
+        self.captured.append(value)
+        return len(self.captured) - 1
+
+
+_active: list[_Tracer] = []
+
+
+def _tracer(what: str) -> _Tracer:
+    if not _active:
+        raise RlxTypeError(f"{what} works on the symbolic scalars of a score_mod or mask_mod, inside g.attention")
+    return _active[-1]
+
+
+class Sym:
+    """A symbolic scalar inside a traced mod: the score, an index, or a value computed from them."""
+
+    __slots__ = ("_ref", "_tracer")
+    __array_ufunc__ = None  # numpy defers to our reflected operators (np.float32(2) * sym)
+
+    def __init__(self, tracer: _Tracer, ref: Ref) -> None:
+        self._tracer = tracer
+        self._ref = ref
+
+    def _binary(self, op: str, other: object, reverse: bool = False) -> Sym:
+        ref = _as_ref(self._tracer, other, op)
+        return self._tracer.emit(op, ref, self._ref) if reverse else self._tracer.emit(op, self._ref, ref)
+
+    def __add__(self, other: object) -> Sym:
+        return self._binary("add", other)
+
+    def __radd__(self, other: object) -> Sym:
+        return self._binary("add", other, True)
+
+    def __sub__(self, other: object) -> Sym:
+        return self._binary("sub", other)
+
+    def __rsub__(self, other: object) -> Sym:
+        return self._binary("sub", other, True)
+
+    def __mul__(self, other: object) -> Sym:
+        return self._binary("mul", other)
+
+    def __rmul__(self, other: object) -> Sym:
+        return self._binary("mul", other, True)
+
+    def __truediv__(self, other: object) -> Sym:
+        return self._binary("div", other)
+
+    def __rtruediv__(self, other: object) -> Sym:
+        return self._binary("div", other, True)
+
+    def __floordiv__(self, other: object) -> Sym:
+        return self._binary("floordiv", other)
+
+    def __rfloordiv__(self, other: object) -> Sym:
+        return self._binary("floordiv", other, True)
+
+    def __mod__(self, other: object) -> Sym:
+        return self._binary("mod", other)
+
+    def __rmod__(self, other: object) -> Sym:
+        return self._binary("mod", other, True)
+
+    def __neg__(self) -> Sym:
+        return self._tracer.emit("neg", self._ref)
+
+    def __pos__(self) -> Sym:
+        return self
+
+    def __abs__(self) -> Sym:
+        return self._tracer.emit("abs", self._ref)
+
+    def __lt__(self, other: object) -> Sym:
+        return self._binary("less", other)
+
+    def __le__(self, other: object) -> Sym:
+        return self._binary("less_equal", other)
+
+    def __gt__(self, other: object) -> Sym:
+        return self._binary("greater", other)
+
+    def __ge__(self, other: object) -> Sym:
+        return self._binary("greater_equal", other)
+
+    def __eq__(self, other: object) -> Sym:  # type: ignore[override]
+        return self._binary("equal", other)
+
+    def __ne__(self, other: object) -> Sym:  # type: ignore[override]
+        return self._binary("not_equal", other)
+
+    def __and__(self, other: object) -> Sym:
+        return self._binary("logical_and", other)
+
+    def __rand__(self, other: object) -> Sym:
+        return self._binary("logical_and", other, True)
+
+    def __or__(self, other: object) -> Sym:
+        return self._binary("logical_or", other)
+
+    def __ror__(self, other: object) -> Sym:
+        return self._binary("logical_or", other, True)
+
+    def __invert__(self) -> Sym:
+        return self._tracer.emit("logical_not", self._ref)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __bool__(self) -> bool:
+        raise RlxTypeError(
+            f"{self._tracer.what}: a Python `if`, `and`, `or` or `not` on a symbolic value cannot be traced "
+            "(the mod runs once, on symbols, not per score); use rlx.where(cond, a, b) for a choice and "
+            "& | ~ to combine conditions"
+        )
+
+    def __index__(self) -> int:
+        raise RlxTypeError(
+            f"{self._tracer.what}: a symbolic index cannot index a Python or numpy object; index graph "
+            "values (g.input / g.constant) or numpy arrays the mod captures directly"
+        )
+
+    def __float__(self) -> float:
+        raise RlxTypeError(
+            f"{self._tracer.what}: a symbolic value has no float value at trace time; use rlx functions on it"
+        )
+
+    __int__ = __index__
+
+    def __repr__(self) -> str:
+        return f"<rlx symbolic scalar {self._ref}>"
+
+
+def _as_ref(tracer: _Tracer, value: object, what: str) -> Ref:
+    if isinstance(value, Sym):
+        if value._tracer is not tracer:
+            raise RlxTypeError(f"{tracer.what}: a symbolic value from another mod was used here")
+        return value._ref
+    if isinstance(value, (bool, np.bool_)):
+        return ("k", bool(value))
+    if isinstance(value, (int, np.integer)):
+        return ("k", int(value))
+    if isinstance(value, (float, np.floating)):
+        return ("k", float(value))
+    raise RlxTypeError(
+        f"{tracer.what}: {what} got a {type(value).__name__}; inside a mod use numbers, the symbolic "
+        "arguments, and graph values indexed by them (bias[b, h, q_idx, kv_idx])"
+    )
+
+
+def read(value: object, index: object) -> Sym:
+    """``value[index]`` for a graph value or captured array indexed by symbols (``Value.__getitem__``)."""
+    from rlx.ir.graph import Value
+
+    indices = index if isinstance(index, tuple) else (index,)
+    syms = [i for i in indices if isinstance(i, Sym)]
+    tracer = syms[0]._tracer if syms else _tracer("indexing a graph value")
+    if isinstance(value, np.ndarray):
+        value = _constant(tracer.graph, value)
+    if not isinstance(value, Value):
+        raise RlxTypeError(
+            f"{tracer.what}: only graph values and numpy arrays can be indexed, got {type(value).__name__}"
+        )
+    if value.graph is not tracer.graph:
+        raise RlxValueError(f"{tracer.what}: indexed a value of graph {value.graph.name!r}, not {tracer.graph.name!r}")
+    if len(indices) != len(value.shape):
+        raise RlxValueError(
+            f"{tracer.what}: a value of shape {value.shape} indexed with {len(indices)} indices; give one per dimension"
+        )
+    refs = tuple(_as_ref(tracer, i, "an index") for i in indices)
+    return tracer.emit("read", ("c", tracer.capture(value)), *refs)
+
+
+def _constant(graph: Graph, array: np.ndarray) -> Value:
+    data = np.asarray(array)
+    if data.dtype.kind == "f":
+        data = data.astype(np.float32)
+    elif data.dtype.kind in "iu":
+        data = data.astype(np.int64)
+    elif data.dtype.kind != "b":
+        raise RlxTypeError(f"a mod captured an array of dtype {data.dtype}; use float, int or bool arrays")
+    return graph.constant(data)
+
+
+class CapturedArray:
+    """A numpy array a mod captured: indexing it with symbols reads a constant of the graph."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = np.asarray(array)
+        self._constants: list[tuple[Graph, Value]] = []  # one constant per graph, however often read
+
+    def __getitem__(self, index: object) -> Sym:
+        indices = index if isinstance(index, tuple) else (index,)
+        tracer = next((i._tracer for i in indices if isinstance(i, Sym)), None) or _tracer("indexing an array")
+        for graph, value in self._constants:
+            if graph is tracer.graph:
+                return read(value, index)
+        value = _constant(tracer.graph, self.array)
+        self._constants.append((tracer.graph, value))
+        return read(value, index)
+
+
+def _captured(x: Any) -> Any:
+    """Library mods take graph values or numpy arrays; arrays are read as graph constants."""
+    return CapturedArray(x) if isinstance(x, np.ndarray) else x
+
+
+# ----------------------------------------------------------------------------- tracing
+
+
+def _numpy_to_captured(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with the numpy arrays among its closure cells and globals wrapped in :class:`CapturedArray`."""
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    closure = fn.__closure__
+    cells = None
+    if closure:
+        cells = tuple(types.CellType(CapturedArray(c.cell_contents)) if _holds_array(c) else c for c in closure)
+    names = set(fn.__code__.co_names)
+    arrays = {
+        name: CapturedArray(value)
+        for name, value in fn.__globals__.items()
+        if name in names and isinstance(value, np.ndarray)
+    }
+    if not arrays and cells == closure:
+        return fn
+    scope = {**fn.__globals__, **arrays} if arrays else fn.__globals__
+    clone = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, cells)
+    clone.__kwdefaults__ = fn.__kwdefaults__
+    return clone
+
+
+def _holds_array(cell: types.CellType) -> bool:
+    try:
+        return isinstance(cell.cell_contents, np.ndarray)
+    except ValueError:  # an empty cell
+        return False
+
+
+def trace(graph: Graph, fn: Callable[..., Any], kind: str, captured: list[Value]) -> Region:
+    """Trace ``fn`` (a score_mod if ``kind == "score_mod"``, else a mask_mod) into a region.
+
+    ``captured`` is the node's list of captured values, shared by both mods; reads append to it.
+    """
+    what = f"attention {kind} {getattr(fn, '__name__', type(fn).__name__)!r}"
+    if not callable(fn):
+        raise RlxTypeError(f"attention: {kind} must be a function, got {type(fn).__name__}")
+    tracer = _Tracer(graph, what, captured=captured)
+    names = ("score", "b", "h", "q_idx", "kv_idx") if kind == "score_mod" else ("b", "h", "q_idx", "kv_idx")
+    args = [Sym(tracer, ("s", name)) for name in names]
+    _check_arity(fn, len(args), what)
+    _active.append(tracer)
+    try:
+        result = _numpy_to_captured(fn)(*args)
+    except (RlxTypeError, RlxValueError):
+        raise
+    except (TypeError, IndexError) as exc:
+        hint = ""
+        if isinstance(exc, IndexError):
+            hint = "; an array indexed with symbols must be a graph value, or wrapped as rlx.mods.CapturedArray(array)"
+        raise RlxTypeError(f"{what} could not be traced on symbolic scalars: {exc}{hint}") from exc
+    finally:
+        _active.pop()
+    ref = _as_ref(tracer, result, "its result")
+    if ref[0] != "t" or int(ref[1]) != len(tracer.steps) - 1:
+        tracer.emit("id", ref)
+    region = Region(tuple(tracer.steps))
+    shapes = [(tuple(v.shape), v.dtype.kind if v.dtype.kind != "u" else "i") for v in captured]
+    kinds = [("f" if k == "f" else "b" if k == "b" else "i") for _, k in shapes]
+    try:
+        result_kind = region.result_kind([(s, k) for (s, _), k in zip(shapes, kinds, strict=True)])
+    except ValueError as exc:
+        raise RlxTypeError(f"{what}: {exc}") from None
+    if kind == "score_mod" and result_kind == "b":
+        raise RlxTypeError(f"{what} must return a number (the new score), got a bool; use a mask_mod to mask")
+    if kind == "mask_mod" and result_kind != "b":
+        raise RlxTypeError(f"{what} must return a bool (True attends), e.g. q_idx >= kv_idx")
+    return region
+
+
+def _check_arity(fn: Callable[..., Any], count: int, what: str) -> None:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*range(count))
+    except TypeError:
+        expected = "(score, b, h, q_idx, kv_idx)" if count == 5 else "(b, h, q_idx, kv_idx)"
+        raise RlxTypeError(f"{what} must take {count} arguments {expected}, got {signature}") from None
+
+
+# ----------------------------------------------------------------------------- functions inside mods
+
+
+def _sym_or_number(*values: object) -> _Tracer | None:
+    for value in values:
+        if isinstance(value, Sym):
+            return value._tracer
+    return None
+
+
+def _unary(op: str, fn: Callable[[float], float]) -> Callable[[object], Any]:
+    def apply(x: object) -> Any:
+        tracer = _sym_or_number(x)
+        if tracer is None:
+            return fn(float(x))  # type: ignore[arg-type]
+        return tracer.emit(op, _as_ref(tracer, x, f"rlx.{op}"))
+
+    apply.__name__ = op
+    apply.__doc__ = f"``{op}(x)`` on a symbolic scalar inside an attention mod (or on a number)."
+    return apply
+
+
+def _np1(fn: Callable[[Any], Any]) -> Callable[[float], float]:
+    return lambda x: float(fn(np.float64(x)))
+
+
+exp = _unary("exp", _np1(np.exp))
+log = _unary("log", _np1(np.log))
+tanh = _unary("tanh", _np1(np.tanh))
+sqrt = _unary("sqrt", _np1(np.sqrt))
+abs = _unary("abs", _np1(np.abs))
+sigmoid = _unary("sigmoid", lambda x: float(1.0 / (1.0 + np.exp(-np.float64(x)))))
+
+
+def _binary(op: str, fn: Callable[[Any, Any], Any]) -> Callable[[object, object], Any]:
+    def apply(a: object, b: object) -> Any:
+        tracer = _sym_or_number(a, b)
+        if tracer is None:
+            return fn(a, b)
+        return tracer.emit(op, _as_ref(tracer, a, f"rlx.{op}"), _as_ref(tracer, b, f"rlx.{op}"))
+
+    apply.__name__ = op
+    apply.__doc__ = f"``{op}(a, b)`` on symbolic scalars inside an attention mod (or on numbers)."
+    return apply
+
+
+maximum = _binary("maximum", max)
+minimum = _binary("minimum", min)
+
+
+def where(cond: object, a: object, b: object) -> Any:
+    """``a`` where ``cond`` else ``b``: the traceable form of ``a if cond else b`` inside a mod."""
+    tracer = _sym_or_number(cond, a, b)
+    if tracer is None:
+        return a if cond else b
+    return tracer.emit("where", *(_as_ref(tracer, x, "rlx.where") for x in (cond, a, b)))
+
+
+# ----------------------------------------------------------------------------- library: masks
+
+
+def causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    """Query ``i`` sees keys ``j <= i`` (top-left aligned, as FlexAttention's causal mask)."""
+    return q_idx >= kv_idx
+
+
+def causal_lower_right(seq_q: int, seq_k: int) -> MaskMod:
+    """Causal aligned bottom-right: the last query sees the last key (``j <= i + Sk - Sq``)."""
+    offset = int(seq_k) - int(seq_q)
+
+    def causal_lower_right(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return q_idx + offset >= kv_idx
+
+    return causal_lower_right
+
+
+def sliding_window(left: int, right: int = 0) -> MaskMod:
+    """Query ``i`` sees keys ``i - left <= j <= i + right``."""
+    if int(left) < 0 or int(right) < 0:
+        raise RlxValueError(f"sliding_window: left and right must be >= 0, got {left}, {right}")
+    left, right = int(left), int(right)
+
+    def sliding_window(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (kv_idx >= q_idx - left) & (kv_idx <= q_idx + right)
+
+    return sliding_window
+
+
+def prefix_lm(prefix_len: int) -> MaskMod:
+    """Every query sees the first ``prefix_len`` keys, and causally after them."""
+    prefix = int(prefix_len)
+
+    def prefix_lm(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (kv_idx < prefix) | (q_idx >= kv_idx)
+
+    return prefix_lm
+
+
+def document(doc: Any) -> MaskMod:
+    """Packed sequences: attend only within one document; ``doc`` is an int ``[B, S]`` of ids."""
+    doc = _captured(doc)
+
+    def document(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return doc[b, q_idx] == doc[b, kv_idx]
+
+    return document
+
+
+def key_lengths(lengths: Any) -> MaskMod:
+    """Varlen keys: batch ``b`` attends to its first ``lengths[b]`` keys; ``lengths`` is an int ``[B]``."""
+    lengths = _captured(lengths)
+
+    def key_lengths(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return kv_idx < lengths[b]
+
+    return key_lengths
+
+
+def and_(*masks: MaskMod) -> MaskMod:
+    """Attend where every mask attends."""
+
+    def and_(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        result = masks[0](b, h, q_idx, kv_idx)
+        for mask in masks[1:]:
+            result = result & mask(b, h, q_idx, kv_idx)
+        return result
+
+    return and_
+
+
+def or_(*masks: MaskMod) -> MaskMod:
+    """Attend where any mask attends."""
+
+    def or_(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        result = masks[0](b, h, q_idx, kv_idx)
+        for mask in masks[1:]:
+            result = result | mask(b, h, q_idx, kv_idx)
+        return result
+
+    return or_
+
+
+# ----------------------------------------------------------------------------- library: score mods
+
+
+def softcap(cap: float) -> ScoreMod:
+    """Logit soft-capping (Gemma 2): ``cap * tanh(score / cap)``."""
+    cap = float(cap)
+    if not cap > 0:
+        raise RlxValueError(f"softcap: cap must be > 0, got {cap}")
+
+    def softcap(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return cap * tanh(score / cap)
+
+    return softcap
+
+
+def alibi(slopes: Any) -> ScoreMod:
+    """ALiBi: ``score + slopes[h] * (kv_idx - q_idx)``; ``slopes`` a float ``[H]`` (value or array)."""
+    slopes = _captured(slopes)
+
+    def alibi(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    return alibi
+
+
+def bias(tensor: Any) -> ScoreMod:
+    """An additive bias ``tensor[b, h, q_idx, kv_idx]`` (a float ``[B, H, Sq, Sk]`` value or array)."""
+    tensor = _captured(tensor)
+
+    def bias(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return score + tensor[b, h, q_idx, kv_idx]
+
+    return bias
+
+
+def chain(*score_mods: ScoreMod) -> ScoreMod:
+    """Apply score mods in order: ``chain(alibi(s), softcap(30))`` soft-caps the biased score."""
+
+    def chain(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        for mod in score_mods:
+            score = mod(score, b, h, q_idx, kv_idx)
+        return score
+
+    return chain
+
+
+__all__ = [
+    "CapturedArray",
+    "Sym",
+    "alibi",
+    "and_",
+    "bias",
+    "causal",
+    "causal_lower_right",
+    "chain",
+    "document",
+    "exp",
+    "key_lengths",
+    "log",
+    "maximum",
+    "minimum",
+    "or_",
+    "prefix_lm",
+    "sigmoid",
+    "sliding_window",
+    "softcap",
+    "sqrt",
+    "tanh",
+    "trace",
+    "where",
+]

@@ -1,0 +1,535 @@
+"""Programmable attention (SPEC section 4): ``flex_attention`` and its backward, defined once.
+
+``g.attention(q, k, v, score_mod=..., mask_mod=..., scale=..., return_lse=...)`` builds a
+``flex_attention`` node: operands ``q, k, v`` then the tensors the mods read (captured, in
+first-read order); attrs hold the traced regions (:mod:`rlx.ir.region`). It has two results,
+``out`` and ``lse`` ``[B, H, Sq]``; the builder returns ``lse`` only when asked. ``k``/``v`` may
+have fewer heads than ``q`` (GQA: query head ``h`` reads kv head ``h // (H // Hkv)``) and ``v``
+its own head dim ``Dv``.
+
+Reverse mode emits ``flex_attention_bwd`` nodes that take the forward's ``out`` and ``lse``
+(FlashAttention-2: ``P = exp(s - lse)``, ``D = rowsum(dY * out)``), one per wanted gradient,
+which ``fuse-attention-bwd`` merges. Gradients of captured float tensors that the score_mod
+reads come out as per-work-item partial sums ``[P, *shape]`` that a graph ``sum`` reduces in a
+fixed order: deterministic whatever the thread count.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from rlx.errors import RlxTypeError, RlxValueError
+from rlx.ir.opdef import EvalContext, OpDef, not_differentiable, register_op
+from rlx.ir.region import GradientRegion, Interval, Region
+from rlx.ir.types import Layout, TensorType, Wrt
+from rlx.ops._common import F32, op_kind
+
+if TYPE_CHECKING:
+    from rlx.ir.graph import Graph, Node, Value
+
+
+@dataclass(frozen=True)
+class FlexAttentionAttrs:
+    """Mods as traced regions (``None``: identity score / every key visible) and the score scale."""
+
+    score_mod: Region | None = None
+    mask_mod: Region | None = None
+    scale: float | None = None  # None: 1 / sqrt(D)
+    layout: Layout = Layout.BSHD
+
+
+@dataclass(frozen=True)
+class FlexAttentionBwdAttrs:
+    """Gradients for the ``wrt`` operands, plus (``tensor_grads``) the score_mod's float tensors."""
+
+    wrt: Wrt
+    tensor_grads: bool = False
+    lse_grad: bool = False  # an extra operand dlse [B, H, Sq] follows lse
+    score_mod: Region | None = None
+    mask_mod: Region | None = None
+    scale: float | None = None
+    layout: Layout = Layout.BSHD
+
+
+@dataclass(frozen=True)
+class FlexDims:
+    batch: int
+    heads: int
+    kv_heads: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    value_dim: int
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+
+def flex_dims(what: str, q: TensorType, k: TensorType, v: TensorType, layout: Layout) -> FlexDims:
+    """Check q, k, v (f32, rank 4, GQA-compatible heads) and return the sizes."""
+    for label, ty in (("q", q), ("k", k), ("v", v)):
+        if ty.dtype != F32:
+            raise RlxTypeError(f"{what}: {label} must be f32, got {ty.dtype_name} ({ty})")
+        if ty.rank != 4:
+            names = "[B, S, H, D]" if layout is Layout.BSHD else "[B, H, S, D]"
+            raise RlxValueError(f"{what}: {label} must have rank 4 ({names}), got {ty}")
+    b, sq, h, d = layout.split(q.shape)
+    kb, sk, hkv, kd = layout.split(k.shape)
+    vb, vs, vh, dv = layout.split(v.shape)
+    if kb != b or kd != d:
+        raise RlxValueError(f"{what}: k must have batch {b} and head dim {d} like q {q} (layout {layout}), got {k}")
+    if h % hkv:
+        raise RlxValueError(f"{what}: q's {h} heads must be a multiple of k's {hkv} heads (GQA), got q {q}, k {k}")
+    if (vb, vs, vh) != (b, sk, hkv):
+        raise RlxValueError(f"{what}: v must have batch {b}, {sk} keys and {hkv} heads like k {k}, got {v}")
+    return FlexDims(b, h, hkv, sq, sk, d, dv)
+
+
+def captured_kinds(types: Sequence[TensorType]) -> list[tuple[tuple[int, ...], str]]:
+    return [(t.shape, "f" if t.dtype.kind == "f" else "b" if t.dtype.kind == "b" else "i") for t in types]
+
+
+def check_regions(
+    what: str, score_mod: Region | None, mask_mod: Region | None, dims: FlexDims, captured: Sequence[TensorType]
+) -> None:
+    """Kinds of the regions' results and, by interval bounds, that every tensor index stays in range."""
+    shapes = captured_kinds(captured)
+    for label, region, want in (("score_mod", score_mod, "number"), ("mask_mod", mask_mod, "bool")):
+        if region is None:
+            continue
+        if not isinstance(region, Region):
+            raise RlxTypeError(f"{what}: {label} must be a traced Region, got {type(region).__name__}")
+        try:
+            kinds = region.check(shapes)
+        except ValueError as exc:
+            raise RlxValueError(f"{what}: {label}: {exc}") from None
+        if (kinds[-1] == "b") != (want == "bool"):
+            raise RlxTypeError(f"{what}: {label} must give a {want}, its result is {kinds[-1]!r}")
+        if label == "mask_mod" and "score" in set().union(*region.dependences()):
+            raise RlxValueError(f"{what}: mask_mod cannot read the score")
+        _check_index_ranges(what, label, region, dims, captured)
+
+
+def _check_index_ranges(what: str, label: str, region: Region, dims: FlexDims, captured: Sequence[TensorType]) -> None:
+    full: dict[str, Interval] = {
+        "score": (np.float64(-np.inf), np.float64(np.inf)),
+        "b": (np.float64(0), np.float64(dims.batch - 1)),
+        "h": (np.float64(0), np.float64(dims.heads - 1)),
+        "q_idx": (np.float64(0), np.float64(dims.seq_q - 1)),
+        "kv_idx": (np.float64(0), np.float64(dims.seq_k - 1)),
+    }
+
+    def read_bounds(step: int, tensor: int, index: list[Interval]) -> Interval:
+        shape = captured[tensor].shape
+        for axis, ((lo, hi), size) in enumerate(zip(index, shape, strict=True)):
+            if not (float(lo) >= 0 and float(hi) <= size - 1):
+                raise RlxValueError(
+                    f"{what}: {label} step {step} reads captured tensor {tensor} ({captured[tensor]}) with index "
+                    f"{axis} in [{_fmt(lo)}, {_fmt(hi)}], outside [0, {size - 1}]; indices must stay in range for "
+                    f"every b < {dims.batch}, h < {dims.heads}, q_idx < {dims.seq_q}, kv_idx < {dims.seq_k}"
+                )
+        return np.float64(-np.inf), np.float64(np.inf)
+
+    region.bounds(full, read_bounds)
+
+
+def _fmt(x: np.ndarray) -> str:
+    value = float(x)
+    return str(int(value)) if math.isfinite(value) else str(value)
+
+
+def tensor_grad_layout(
+    region: Region | None, captured: Sequence[TensorType], dims: FlexDims
+) -> list[tuple[int, int, bool, bool]]:
+    """``(tensor, partials, by_batch, by_kv_head)`` for each captured float tensor the score_mod reads.
+
+    A backward work item is one (batch, kv head); items write disjoint gradient entries when
+    every read indexes one dimension with exactly ``b`` and one with exactly ``h``. Otherwise each
+    item accumulates into its own partial (one per batch, per kv head, or both) and a graph
+    ``sum`` adds the partials in a fixed order.
+    """
+    if region is None:
+        return []
+    kinds = region.check(captured_kinds(captured))
+    reads: dict[int, list[int]] = {}
+    for step, tensor in region.float_reads(kinds):
+        reads.setdefault(tensor, []).append(step)
+    layout = []
+    for tensor, steps in reads.items():
+        exact_b = all(("s", "b") in region.steps[s].args[1:] for s in steps)
+        exact_h = all(("s", "h") in region.steps[s].args[1:] for s in steps)
+        partials = (1 if exact_b else dims.batch) * (1 if exact_h else dims.kv_heads)
+        layout.append((tensor, partials, not exact_b, not exact_h))
+    return layout
+
+
+# ----------------------------------------------------------------------------- shape rules
+
+
+def _flex_infer(what: str, inputs: Sequence[TensorType], attrs: FlexAttentionAttrs) -> tuple[TensorType, ...]:
+    if len(inputs) < 3:
+        raise RlxValueError(f"{what}: flex_attention takes q, k, v and the captured tensors, got {len(inputs)} inputs")
+    dims = flex_dims(what, inputs[0], inputs[1], inputs[2], attrs.layout)
+    check_regions(what, attrs.score_mod, attrs.mask_mod, dims, inputs[3:])
+    _check_scale(what, attrs.scale)
+    out = attrs.layout.join(dims.batch, dims.seq_q, dims.heads, dims.value_dim)
+    return (TensorType(out, F32), TensorType((dims.batch, dims.heads, dims.seq_q), F32))
+
+
+def _check_scale(what: str, scale: object) -> None:
+    if scale is not None and (not isinstance(scale, float) or not math.isfinite(scale)):
+        raise RlxValueError(f"{what}: scale must be a finite float or None, got {scale!r}")
+
+
+def bwd_operands(attrs: FlexAttentionBwdAttrs) -> int:
+    """Operands before the captured tensors: q, k, v, out, dy, lse and (lse_grad) dlse."""
+    return 7 if attrs.lse_grad else 6
+
+
+def _flex_bwd_infer(what: str, inputs: Sequence[TensorType], attrs: FlexAttentionBwdAttrs) -> tuple[TensorType, ...]:
+    fixed = bwd_operands(attrs)
+    if len(inputs) < fixed:
+        raise RlxValueError(f"{what}: flex_attention_bwd takes q, k, v, out, dy, lse, [dlse] and the captured tensors")
+    q, k, v, out, dy, lse = inputs[:6]
+    dims = flex_dims(what, q, k, v, attrs.layout)
+    captured = inputs[fixed:]
+    check_regions(what, attrs.score_mod, attrs.mask_mod, dims, captured)
+    _check_scale(what, attrs.scale)
+    want_out = TensorType(attrs.layout.join(dims.batch, dims.seq_q, dims.heads, dims.value_dim), F32)
+    want_lse = TensorType((dims.batch, dims.heads, dims.seq_q), F32)
+    for label, ty, want in (("out", out, want_out), ("dy", dy, want_out), ("lse", lse, want_lse)) + (
+        (("dlse", inputs[6], want_lse),) if attrs.lse_grad else ()
+    ):
+        if ty != want:
+            raise RlxValueError(f"{what}: {label} must be {want}, got {ty}")
+    if not attrs.wrt and not attrs.tensor_grads:
+        raise RlxValueError(f"{what}: asks for no gradient (wrt is empty and tensor_grads is off)")
+    by_flag = {Wrt.QUERY: q, Wrt.KEY: k, Wrt.VALUE: v}
+    results = [by_flag[flag] for flag in attrs.wrt.members]
+    if attrs.tensor_grads:
+        for tensor, partials, _, _ in tensor_grad_layout(attrs.score_mod, captured, dims):
+            results.append(TensorType((partials, *captured[tensor].shape), F32))
+    return tuple(TensorType(t.shape, F32) for t in results)
+
+
+# ----------------------------------------------------------------------------- float64 reference
+
+
+def _heads(x: np.ndarray, layout: Layout) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    return x if layout is Layout.BHSD else x.transpose(0, 2, 1, 3)
+
+
+def _unheads(x: np.ndarray, layout: Layout) -> np.ndarray:
+    return np.ascontiguousarray(x if layout is Layout.BHSD else x.transpose(0, 2, 1, 3))
+
+
+def _symbols(dims: FlexDims, scores: np.ndarray | None) -> dict[str, np.ndarray]:
+    grid = {
+        "b": np.arange(dims.batch).reshape(-1, 1, 1, 1),
+        "h": np.arange(dims.heads).reshape(1, -1, 1, 1),
+        "q_idx": np.arange(dims.seq_q).reshape(1, 1, -1, 1),
+        "kv_idx": np.arange(dims.seq_k).reshape(1, 1, 1, -1),
+    }
+    if scores is not None:
+        grid["score"] = scores
+    return grid
+
+
+def _scores(q: np.ndarray, k: np.ndarray, dims: FlexDims, scale: float | None) -> np.ndarray:
+    """``scale * Q K^T`` per query head, ``[B, H, Sq, Sk]``, kv heads repeated over their groups."""
+    kh = np.repeat(k, dims.group, axis=1)
+    return (q @ kh.swapaxes(-1, -2)) * (1.0 / math.sqrt(dims.head_dim) if scale is None else scale)
+
+
+def _visible(mask_mod: Region | None, dims: FlexDims, tensors: Sequence[np.ndarray]) -> np.ndarray:
+    if mask_mod is None:
+        return np.ones((1, 1, 1, 1), dtype=bool)
+    return np.broadcast_to(
+        mask_mod.evaluate(_symbols(dims, None), tensors), (dims.batch, dims.heads, dims.seq_q, dims.seq_k)
+    )
+
+
+def flex_attention_forward(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    captured: Sequence[np.ndarray],
+    attrs: FlexAttentionAttrs,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(out, lse)`` in float64, materialising the scores: the oracle of the compiled kernels."""
+    qh, kh, vh = (_heads(x, attrs.layout) for x in (q, k, v))
+    dims = FlexDims(qh.shape[0], qh.shape[1], kh.shape[1], qh.shape[2], kh.shape[2], qh.shape[3], vh.shape[3])
+    with np.errstate(all="ignore"):
+        s = _scores(qh, kh, dims, attrs.scale)
+        if attrs.score_mod is not None:
+            s = np.broadcast_to(attrs.score_mod.evaluate(_symbols(dims, s), captured), s.shape).astype(np.float64)
+        s = np.where(_visible(attrs.mask_mod, dims, captured), s, -np.inf)
+        m = np.max(s, axis=-1, keepdims=True)
+        m = np.where(np.isneginf(m), 0.0, m)
+        e = np.exp(s - m)
+        total = np.sum(e, axis=-1, keepdims=True)
+        p = e / np.where(total == 0.0, 1.0, total)
+        lse = (np.log(total) + m)[..., 0]
+        out = p @ np.repeat(vh, dims.group, axis=1)
+    return _unheads(out, attrs.layout), lse
+
+
+def flex_attention_backward(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    out: np.ndarray,
+    dy: np.ndarray,
+    lse: np.ndarray,
+    dlse: np.ndarray | None,
+    captured: Sequence[np.ndarray],
+    attrs: FlexAttentionBwdAttrs,
+    shapes: Sequence[TensorType],
+) -> tuple[np.ndarray, ...]:
+    """The gradients ``attrs`` asks for, from ``out`` and ``lse`` as the compiled backward does."""
+    layout = attrs.layout
+    qh, kh, vh, oh, dyh = (_heads(x, layout) for x in (q, k, v, out, dy))
+    dims = FlexDims(qh.shape[0], qh.shape[1], kh.shape[1], qh.shape[2], kh.shape[2], qh.shape[3], vh.shape[3])
+    scale = 1.0 / math.sqrt(dims.head_dim) if attrs.scale is None else attrs.scale
+    grid = _symbols(dims, None)
+    full = (dims.batch, dims.heads, dims.seq_q, dims.seq_k)
+    with np.errstate(all="ignore"):
+        raw = _scores(qh, kh, dims, attrs.scale)
+        g_score: np.ndarray = np.ones(full)
+        read_grads: list[np.ndarray] = []
+        s = raw
+        if attrs.score_mod is not None:
+            kinds = attrs.score_mod.check(captured_kinds(shapes))
+            gradient = attrs.score_mod.gradient(kinds)
+            assert isinstance(gradient, GradientRegion)
+            values = gradient.evaluate_all({**grid, "score": raw}, captured)
+
+            def output(ref: Any) -> np.ndarray:
+                kind, value = ref
+                return np.broadcast_to(values[value] if kind == "t" else np.float64(value), full).astype(np.float64)
+
+            s, g_score, *read_grads = (output(ref) for ref in gradient.outputs)
+        visible = _visible(attrs.mask_mod, dims, captured)
+        lse64 = np.asarray(lse, dtype=np.float64)[..., None]
+        p = np.where(visible & ~np.isneginf(lse64), np.exp(s - lse64), 0.0)
+        delta = np.sum(dyh * oh, axis=-1, keepdims=True)
+        if dlse is not None:
+            delta = delta - np.asarray(dlse, dtype=np.float64)[..., None]
+        vg = np.repeat(vh, dims.group, axis=1)
+        dp = dyh @ vg.swapaxes(-1, -2)
+        ds = np.where(visible, p * (dp - delta), 0.0)
+        ds_raw = ds * g_score
+        ds_raw = np.where(visible, ds_raw, 0.0)
+
+        def group_sum(x: np.ndarray) -> np.ndarray:
+            return x.reshape(dims.batch, dims.kv_heads, dims.group, *x.shape[2:]).sum(axis=2)
+
+        grads: dict[Wrt, np.ndarray] = {
+            Wrt.QUERY: scale * ds_raw @ np.repeat(kh, dims.group, axis=1),
+            Wrt.KEY: group_sum(scale * ds_raw.swapaxes(-1, -2) @ qh),
+            Wrt.VALUE: group_sum(p.swapaxes(-1, -2) @ dyh),
+        }
+        results = [_unheads(grads[flag], layout) for flag in attrs.wrt.members]
+        if attrs.tensor_grads:
+            results += _tensor_grads(attrs, dims, ds, read_grads, captured, shapes, grid)
+    return tuple(results)
+
+
+def _tensor_grads(
+    attrs: FlexAttentionBwdAttrs,
+    dims: FlexDims,
+    ds: np.ndarray,
+    read_grads: list[np.ndarray],
+    captured: Sequence[np.ndarray],
+    shapes: Sequence[TensorType],
+    grid: dict[str, np.ndarray],
+) -> list[np.ndarray]:
+    region = attrs.score_mod
+    assert region is not None
+    kinds = region.check(captured_kinds(shapes))
+    values = region.evaluate_all(grid | {"score": np.zeros((1, 1, 1, 1))}, captured)
+    full = ds.shape
+    partial_of = {tensor: (count, by_b, by_h) for tensor, count, by_b, by_h in tensor_grad_layout(region, shapes, dims)}
+    sums = {tensor: np.zeros((count, *shapes[tensor].shape)) for tensor, (count, _, _) in partial_of.items()}
+    batch = np.broadcast_to(grid["b"], full)
+    kv_head = np.broadcast_to(grid["h"] // dims.group, full)
+    for (step, tensor), local in zip(region.float_reads(kinds), read_grads, strict=True):
+        _, by_b, by_h = partial_of[tensor]
+        contribution = (ds * local).ravel()
+        index = [
+            np.broadcast_to(values[int(ref[1])] if ref[0] == "t" else _symbol_or_literal(ref, grid), full).ravel()
+            for ref in region.steps[step].args[1:]
+        ]
+        part = np.zeros(full, dtype=np.int64)
+        if by_b:
+            part = part + batch * (dims.kv_heads if by_h else 1)
+        if by_h:
+            part = part + kv_head
+        np.add.at(sums[tensor], (part.ravel(), *index), contribution)
+    return [sums[tensor] for tensor in partial_of]
+
+
+def _symbol_or_literal(ref: Any, grid: dict[str, np.ndarray]) -> np.ndarray:
+    kind, value = ref
+    return grid[value] if kind == "s" else np.asarray(value)
+
+
+def _flex_reference(args: Sequence[np.ndarray], attrs: FlexAttentionAttrs, ctx: EvalContext) -> tuple[np.ndarray, ...]:
+    return flex_attention_forward(args[0], args[1], args[2], list(args[3:]), attrs)
+
+
+def _flex_bwd_reference(
+    args: Sequence[np.ndarray], attrs: FlexAttentionBwdAttrs, ctx: EvalContext
+) -> tuple[np.ndarray, ...]:
+    fixed = bwd_operands(attrs)
+    captured = list(args[fixed:])
+    shapes = [
+        TensorType(np.shape(a), np.asarray(a).dtype if np.asarray(a).dtype.kind != "f" else F32) for a in captured
+    ]
+    dlse = args[6] if attrs.lse_grad else None
+    q, k, v, out, dy, lse = args[:6]
+    return flex_attention_backward(q, k, v, out, dy, lse, dlse, captured, attrs, shapes)
+
+
+# ----------------------------------------------------------------------------- gradient rule
+
+
+def _flex_grad(
+    graph: Graph, node: Node, cotangents: Sequence[Value | None], needed: Sequence[bool]
+) -> list[Value | None]:
+    """Single-gradient backward nodes reading the forward's out and lse; partials summed in the graph."""
+    attrs: FlexAttentionAttrs = node.attrs
+    d_out, d_lse = cotangents
+    out, lse = node.outputs
+    q, k, v = node.inputs[:3]
+    captured = node.inputs[3:]
+    if d_out is None:
+        d_out = graph.constant(np.zeros(out.shape, np.float32))
+    dlse = () if d_lse is None else (d_lse,)
+    operands = (q, k, v, out, d_out, lse, *dlse, *captured)
+
+    def backward(wrt: Wrt, tensor_grads: bool) -> tuple[Value, ...]:
+        bwd = FlexAttentionBwdAttrs(
+            wrt, tensor_grads, d_lse is not None, attrs.score_mod, attrs.mask_mod, attrs.scale, attrs.layout
+        )
+        return graph.add_node(op_kind("flex_attention_bwd"), operands, bwd).outputs
+
+    grads: list[Value | None] = [None] * len(node.inputs)
+    for slot, flag in enumerate((Wrt.QUERY, Wrt.KEY, Wrt.VALUE)):
+        if needed[slot]:
+            grads[slot] = backward(flag, False)[0]
+    dims = flex_dims("grad", q.type, k.type, v.type, attrs.layout)
+    layout = tensor_grad_layout(attrs.score_mod, [c.type for c in captured], dims)
+    if any(needed[3 + tensor] for tensor, _, _, _ in layout):
+        partials = backward(Wrt(0), True)
+        for (tensor, _, _, _), partial in zip(layout, partials, strict=True):
+            if needed[3 + tensor]:
+                grads[3 + tensor] = graph.sum(partial, axis=0)
+    return grads
+
+
+def _narrow_flex_bwd(graph: Graph, node: Node, used: list[Value]) -> None:
+    """Keep only the gradients that are read: drop unread q/k/v flags, and tensor grads if none is read."""
+    attrs: FlexAttentionBwdAttrs = node.attrs
+    flags = attrs.wrt.members
+    wrt = Wrt(0)
+    tensor_used = False
+    for value in used:
+        if value.index < len(flags):
+            wrt |= flags[value.index]
+        else:
+            tensor_used = True
+    narrow_attrs = FlexAttentionBwdAttrs(
+        wrt, tensor_used, attrs.lse_grad, attrs.score_mod, attrs.mask_mod, attrs.scale, attrs.layout
+    )
+    narrow = graph.add_node(op_kind("flex_attention_bwd"), node.inputs, narrow_attrs)
+    new_flags = wrt.members
+    for value in used:
+        if value.index < len(flags):
+            new_index = new_flags.index(flags[value.index])
+        else:
+            new_index = len(new_flags) + value.index - len(flags)
+        graph.replace_all_uses_with(value, narrow.outputs[new_index])
+    graph.erase(node)
+
+
+# ----------------------------------------------------------------------------- builder
+
+
+def flex_attention(
+    graph: Graph,
+    q: Value,
+    k: Value,
+    v: Value,
+    score_mod: Callable[..., Any] | Region | None = None,
+    mask_mod: Callable[..., Any] | Region | None = None,
+    scale: float | None = None,
+    layout: Layout = Layout.BSHD,
+    return_lse: bool = False,
+    captured: Sequence[Value] = (),
+) -> Value | tuple[Value, Value]:
+    """Attention with traced mods; ``(out, lse)`` if ``return_lse`` else ``out``.
+
+    ``score_mod(score, b, h, q_idx, kv_idx) -> score`` and ``mask_mod(b, h, q_idx, kv_idx) -> bool``
+    are traced now (see :mod:`rlx.mods`); already traced regions are taken with ``captured``.
+    """
+    from rlx.mods import trace
+
+    if not isinstance(layout, Layout):
+        raise RlxTypeError(f"attention: layout must be an rlx.Layout, got {type(layout).__name__}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+            raise RlxTypeError(f"attention: scale must be a number, got {type(scale).__name__}")
+        scale = float(scale)
+        if not math.isfinite(scale):
+            raise RlxValueError(f"attention: scale must be finite, got {scale}")
+    tensors = list(captured)
+    regions: list[Region | None] = []
+    for kind, mod in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if mod is None or isinstance(mod, Region):
+            regions.append(mod)
+        else:
+            regions.append(trace(graph, mod, kind, tensors))
+    attrs = FlexAttentionAttrs(regions[0], regions[1], scale, layout)
+    out, lse = graph.add_node(op_kind("flex_attention"), (q, k, v, *tensors), attrs).outputs
+    return (out, lse) if return_lse else out
+
+
+def _builder_flex_attention_bwd(graph: Graph, *inputs: Value, **attrs: Any) -> Value | tuple[Value, ...]:
+    """``g.flex_attention_bwd(q, k, v, out, dy, lse, *captured, wrt=..., ...)``; ``rlx.grad`` makes these."""
+    outputs = graph.add_node(op_kind("flex_attention_bwd"), inputs, FlexAttentionBwdAttrs(**attrs)).outputs
+    return outputs[0] if len(outputs) == 1 else outputs
+
+
+FLEX_ATTENTION = register_op(
+    OpDef(
+        "flex_attention",
+        ("inputs*",),
+        FlexAttentionAttrs,
+        _flex_infer,
+        _flex_reference,
+        _flex_grad,
+        builder=flex_attention,
+        summary="attention with traced score_mod / mask_mod regions; returns out and lse",
+    )
+)
+FLEX_ATTENTION_BWD = register_op(
+    OpDef(
+        "flex_attention_bwd",
+        ("inputs*",),
+        FlexAttentionBwdAttrs,
+        _flex_bwd_infer,
+        _flex_bwd_reference,
+        not_differentiable,
+        builder=_builder_flex_attention_bwd,
+        narrow=_narrow_flex_bwd,
+        summary="flex attention gradients from the forward's out and lse",
+    )
+)
