@@ -129,9 +129,11 @@ def flex_spec(node: Node, options: CodegenOptions) -> FlexKernelSpec:
     )
 
 
-def block_map_arrays(node: Node, bound: Mapping[str, np.ndarray] | None) -> np.ndarray:
+def block_map_arrays(
+    node: Node, bound: Mapping[str, np.ndarray] | None, options: CodegenOptions | None = None
+) -> np.ndarray:
     """The node's tile states: from constants (and, per call, ``bound`` inputs); unknown tensors are bounded loosely."""
-    spec = flex_spec(node, CodegenOptions())
+    spec = flex_spec(node, options or CodegenOptions())
     assert spec.mask_mod is not None
     tensors: list[np.ndarray | None] = []
     for value in flex_captured(node):
@@ -143,6 +145,10 @@ def block_map_arrays(node: Node, bound: Mapping[str, np.ndarray] | None) -> np.n
         else:
             tensors.append(None)
     return tile_states(spec.mask_mod, spec.grid, tensors)
+
+
+def _per_call_map(node: Node, options: CodegenOptions, bound: Mapping[str, np.ndarray]) -> np.ndarray:
+    return block_map_arrays(node, bound, options)
 
 
 def scratch_bytes(node: Node, config: RuntimeConfig, options: CodegenOptions) -> int:
@@ -277,12 +283,12 @@ class _Lowering:
     def block_map_pointer(self, node: Node, kind: str) -> ir.Value:
         """Where the kernel reads its tile states: module data (static), call data (dynamic) or nowhere."""
         if kind == "static":
-            states = block_map_arrays(node, None)
+            states = block_map_arrays(node, None, self.options)
             return opaque(self.b, _bytes_global(self.module, f"blockmap.{node.id}", states.tobytes()))
         if kind == "dynamic":
             nbytes = math.prod(flex_spec(node, self.options).grid.shape)
             offset = self.call_data_bytes
-            self.call_data.append(CallData(offset, nbytes, functools.partial(block_map_arrays, node)))
+            self.call_data.append(CallData(offset, nbytes, functools.partial(_per_call_map, node, self.options)))
             self.call_data_bytes += -(-nbytes // 64) * 64
             return gep(self.b, self.arena, [i64(call_data_offset(self.plan) + offset)], I8, f"blockmap.{node.id}")
         return ir.Constant(PTR, None)
