@@ -163,8 +163,7 @@ def scratch_bytes(node: Node, config: RuntimeConfig, options: CodegenOptions) ->
 def work_items(node: Node) -> int:
     """Independent items of an attention node's parallel loop (batch x heads); 0 for other nodes."""
     if node.op in (OpKind.ATTENTION, OpKind.ATTENTION_BWD):
-        b, _, h, _ = node.attrs.layout.split(node.inputs[0].shape)
-        return b * h
+        return kernel_spec(node, RuntimeConfig(), CodegenOptions()).work_items
     if node.op.value in FLEX_OPS:
         return flex_spec(node, CodegenOptions()).work_items
     return 0

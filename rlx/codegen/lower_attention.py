@@ -84,7 +84,8 @@ class AttentionKernelSpec:
 
     @property
     def work_items(self) -> int:
-        return self.dims.batch * self.dims.heads
+        """Forward: one item per (batch, head); backward: per (batch, kv head), its group inside."""
+        return self.dims.batch * (self.dims.heads if self.grads is None else self.dims.kv_heads)
 
     def strip_floats(self) -> int:
         """Floats in one scores strip, rounded up to keep every scratch buffer 64-byte aligned."""
@@ -153,22 +154,50 @@ class AttentionLowering:
             slot: b.load(gep(b, args, [i64(i)], PTR), typ=PTR, name=f"{slot}.base")
             for i, slot in enumerate(self.operand_slots())
         }
-        batch = b.sdiv(item, i64(dims.heads), name="b")
-        head = b.srem(item, i64(dims.heads), name="h")
-        heads = {}
-        for slot, ptr in base.items():
-            if slot == "mask":
-                continue
-            seq = dims.seq_q if slot in ("q", "dy", "out", "dq") else dims.seq_k
-            heads[slot] = gep_f32(b, ptr, self._head_offset(b, batch, head, seq), name=f"{slot}.head")
-        mask_base = self._mask_base(b, base.get("mask"), batch, head)
         strip_s = scratch
         strip_dp = gep_f32(b, scratch, spec.strip_floats(), name="dp.strip") if spec.needs_dp else None
+        if spec.grads is None:  # item = (batch, query head)
+            batch = b.sdiv(item, i64(dims.heads), name="b")
+            head = b.srem(item, i64(dims.heads), name="h")
+            group = b.sdiv(head, i64(dims.group), name="g")
+            self._strips(b, self._head_pointers(b, base, batch, head, group), base, batch, head, strip_s, strip_dp)
+        else:  # item = (batch, kv head): its query heads in order, so dK/dV of a group sum without races
+            batch = b.sdiv(item, i64(dims.kv_heads), name="b")
+            group = b.srem(item, i64(dims.kv_heads), name="g")
+            kv = self._head_pointers(b, base, batch, group, group)
+            for slot in ("dk", "dv"):
+                if slot in kv:
+                    self._zero_rows(b, kv[slot], dims.seq_k, slot)
+            with for_range(b, 0, dims.group, "member") as member:
+                head = b.add(b.mul(group, i64(dims.group)), member, name="h")
+                heads = self._head_pointers(b, base, batch, head, group)
+                self._strips(b, heads, base, batch, head, strip_s, strip_dp)
+        b.ret_void()
+        return fn
 
-        for slot in ("dk", "dv"):
-            if slot in heads:
-                self._zero_rows(b, heads[slot], dims.seq_k)
+    def _head_pointers(
+        self, b: ir.IRBuilder, base: dict[str, ir.Value], batch: ir.Value, head: ir.Value, group: ir.Value
+    ) -> dict[str, ir.Value]:
+        """Row 0 of every operand's head: query-side tensors at ``head``, key-side ones at ``group``."""
+        heads = {}
+        for slot, ptr in base.items():
+            if slot != "mask":
+                owner = head if self._geometry(slot)[1] == self.spec.dims.heads else group
+                heads[slot] = gep_f32(b, ptr, self._head_offset(b, batch, owner, slot), name=f"{slot}.head")
+        return heads
 
+    def _strips(
+        self,
+        b: ir.IRBuilder,
+        heads: dict[str, ir.Value],
+        base: dict[str, ir.Value],
+        batch: ir.Value,
+        head: ir.Value,
+        strip_s: ir.Value,
+        strip_dp: ir.Value | None,
+    ) -> None:
+        spec, dims = self.spec, self.spec.dims
+        mask_base = self._mask_base(b, base.get("mask"), batch, head)
         n_strips = -(-dims.seq_q // spec.block_q)
         with for_range(b, 0, n_strips, "strip") as strip:
             i0 = b.mul(strip, i64(spec.block_q), name="i0")
@@ -179,22 +208,34 @@ class AttentionLowering:
                 self._forward_gemm(b, heads, i0, rows, ks, nk, strip_s)
             else:
                 self._backward_gemms(b, heads, i0, rows, ks, nk, strip_s, strip_dp, mask_base)
-        b.ret_void()
-        return fn
 
     # ------------------------------------------------------------------ addressing
 
-    def _row_stride(self) -> int:
+    def _geometry(self, slot: str) -> tuple[int, int, int]:
+        """``(rows per head, heads, row width)`` of an operand: q-side, k-side or v-side."""
         dims = self.spec.dims
-        return dims.heads * dims.head_dim if self.spec.layout is Layout.BSHD else dims.head_dim
+        return {
+            "q": (dims.seq_q, dims.heads, dims.head_dim),
+            "dq": (dims.seq_q, dims.heads, dims.head_dim),
+            "dy": (dims.seq_q, dims.heads, dims.value_dim),
+            "out": (dims.seq_q, dims.heads, dims.value_dim),
+            "k": (dims.seq_k, dims.kv_heads, dims.head_dim),
+            "dk": (dims.seq_k, dims.kv_heads, dims.head_dim),
+            "v": (dims.seq_k, dims.kv_heads, dims.value_dim),
+            "dv": (dims.seq_k, dims.kv_heads, dims.value_dim),
+        }[slot]
 
-    def _head_offset(self, b: ir.IRBuilder, batch: ir.Value, head: ir.Value, seq: int) -> ir.Value:
-        """Element offset of row 0 of head (batch, head) in a tensor with ``seq`` rows per head."""
-        dims = self.spec.dims
-        d = dims.head_dim
-        if self.spec.layout is Layout.BSHD:  # ((b*S + s)*H + h)*D
-            return b.add(b.mul(batch, i64(seq * dims.heads * d)), b.mul(head, i64(d)))
-        return b.mul(b.add(b.mul(batch, i64(dims.heads)), head), i64(seq * d))  # ((b*H + h)*S + s)*D
+    def _ld(self, slot: str) -> int:
+        """Elements between consecutive rows of one head: the BLAS leading dimension."""
+        _, heads, width = self._geometry(slot)
+        return heads * width if self.spec.layout is Layout.BSHD else width
+
+    def _head_offset(self, b: ir.IRBuilder, batch: ir.Value, head: ir.Value, slot: str) -> ir.Value:
+        """Element offset of row 0 of head (batch, head) of operand ``slot``."""
+        seq, heads, width = self._geometry(slot)
+        if self.spec.layout is Layout.BSHD:  # ((b*S + s)*H + h)*W
+            return b.add(b.mul(batch, i64(seq * heads * width)), b.mul(head, i64(width)))
+        return b.mul(b.add(b.mul(batch, i64(heads)), head), i64(seq * width))  # ((b*H + h)*S + s)*W
 
     def _mask_base(self, b: ir.IRBuilder, mask: ir.Value | None, batch: ir.Value, head: ir.Value) -> ir.Value:
         """Key-padding row ``mask[b, :]`` (custom), bias plane ``bias[b, h, :, :]`` (bias), else null."""
@@ -206,9 +247,9 @@ class AttentionLowering:
         plane = b.add(b.mul(batch, i64(dims.heads)), head)
         return gep_f32(b, mask, b.mul(plane, i64(dims.seq_q * dims.seq_k)), name="bias.plane")
 
-    def _zero_rows(self, b: ir.IRBuilder, head: ir.Value, rows: int) -> None:
+    def _zero_rows(self, b: ir.IRBuilder, head: ir.Value, rows: int, slot: str) -> None:
         """Zero a head's rows before strips accumulate into them with beta = 1."""
-        stride, d = self._row_stride(), self.spec.dims.head_dim
+        stride, d = self._ld(slot), self._geometry(slot)[2]
         if stride == d:  # contiguous head (BHSD): one memset
             b.call(self.memset, [head, ir.Constant(I8, 0), i64(rows * d * 4), ir.Constant(I1, 0)])
             return
@@ -260,7 +301,7 @@ class AttentionLowering:
         """
         dims = self.spec.dims
         mask_name = str(self.spec.mask).replace("(", "").replace(")", "")
-        shape = f"q{dims.seq_q}.k{dims.seq_k}.h{dims.heads}.d{dims.head_dim}"
+        shape = f"q{dims.seq_q}.k{dims.seq_k}.h{dims.heads}.kv{dims.kv_heads}.d{dims.head_dim}"
         name = f"scores_softmax.{mask_name}.{self.spec.layout}.{shape}"
         existing = self.module.globals.get(name)
         if existing is not None:
@@ -288,7 +329,7 @@ class AttentionLowering:
         rows: ir.Value,
     ) -> tuple[ir.Value, ir.Value]:
         spec, dims = self.spec, self.spec.dims
-        ld = self._row_stride()
+        ldq, ldk = self._ld("q"), self._ld("k")
         ks0, nk0 = self._strip_keys(b, i0, rows)
         before = b.block
         scores = b.append_basic_block("scores")
@@ -302,10 +343,10 @@ class AttentionLowering:
         nk.add_incoming(nk0, before)
         ks.add_incoming(i64(0), retry)
         nk.add_incoming(i64(dims.seq_k), retry)
-        q_strip = gep_f32(b, q_head, b.mul(i0, i64(ld)), name="q.strip")
-        k_vis = gep_f32(b, k_head, b.mul(ks, i64(ld)), name="k.vis")
+        q_strip = gep_f32(b, q_head, b.mul(i0, i64(ldq)), name="q.strip")
+        k_vis = gep_f32(b, k_head, b.mul(ks, i64(ldk)), name="k.vis")
         self._sgemm(
-            b, NO_TRANS, TRANS, rows, nk, i64(dims.head_dim), spec.scale, q_strip, ld, k_vis, ld, 0.0, strip, nk
+            b, NO_TRANS, TRANS, rows, nk, i64(dims.head_dim), spec.scale, q_strip, ldq, k_vis, ldk, 0.0, strip, nk
         )
         needs_all_keys = self._mask_softmax_rows(b, strip, i0, rows, ks, nk, mask_base)
         partial = b.icmp_signed("<", nk, i64(dims.seq_k), name="partial")
@@ -447,10 +488,10 @@ class AttentionLowering:
         nk: ir.Value,
         p: ir.Value,
     ) -> None:
-        ld, d = self._row_stride(), self.spec.dims.head_dim
-        v_vis = gep_f32(b, heads["v"], b.mul(ks, i64(ld)), name="v.vis")
-        out = gep_f32(b, heads["out"], b.mul(i0, i64(ld)), name="out.strip")
-        self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(d), nk, 1.0, p, nk, v_vis, ld, 0.0, out, ld)
+        ldv, ldo, dv = self._ld("v"), self._ld("out"), self.spec.dims.value_dim
+        v_vis = gep_f32(b, heads["v"], b.mul(ks, i64(ldv)), name="v.vis")
+        out = gep_f32(b, heads["out"], b.mul(i0, i64(ldo)), name="out.strip")
+        self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(dv), nk, 1.0, p, nk, v_vis, ldv, 0.0, out, ldo)
 
     def _backward_gemms(
         self,
@@ -464,27 +505,28 @@ class AttentionLowering:
         dp: ir.Value | None,
         mask_base: ir.Value,
     ) -> None:
-        spec, ld, d = self.spec, self._row_stride(), self.spec.dims.head_dim
+        spec, d, dv_width = self.spec, self.spec.dims.head_dim, self.spec.dims.value_dim
+        ldq, ldk, ldv, ldo = self._ld("q"), self._ld("k"), self._ld("v"), self._ld("dy")
         grads = spec.grads
         assert grads is not None
-        q_strip = gep_f32(b, heads["q"], b.mul(i0, i64(ld)), name="q.strip")
-        dy_strip = gep_f32(b, heads["dy"], b.mul(i0, i64(ld)), name="dy.strip")
-        k_vis = gep_f32(b, heads["k"], b.mul(ks, i64(ld)), name="k.vis")
-        v_vis = gep_f32(b, heads["v"], b.mul(ks, i64(ld)), name="v.vis")
+        q_strip = gep_f32(b, heads["q"], b.mul(i0, i64(ldq)), name="q.strip")
+        dy_strip = gep_f32(b, heads["dy"], b.mul(i0, i64(ldo)), name="dy.strip")
+        k_vis = gep_f32(b, heads["k"], b.mul(ks, i64(ldk)), name="k.vis")
+        v_vis = gep_f32(b, heads["v"], b.mul(ks, i64(ldv)), name="v.vis")
         if grads & Wrt.VALUE:  # dV_vis += P^T dY_strip
-            dv = gep_f32(b, heads["dv"], b.mul(ks, i64(ld)), name="dv.vis")
-            self._sgemm(b, TRANS, NO_TRANS, nk, i64(d), rows, 1.0, p, nk, dy_strip, ld, 1.0, dv, ld)
+            dv = gep_f32(b, heads["dv"], b.mul(ks, i64(ldv)), name="dv.vis")
+            self._sgemm(b, TRANS, NO_TRANS, nk, i64(dv_width), rows, 1.0, p, nk, dy_strip, ldo, 1.0, dv, ldv)
         if dp is None:
             return
         # dP = dY_strip V_vis^T, then dS in place
-        self._sgemm(b, NO_TRANS, TRANS, rows, nk, i64(d), 1.0, dy_strip, ld, v_vis, ld, 0.0, dp, nk)
+        self._sgemm(b, NO_TRANS, TRANS, rows, nk, i64(dv_width), 1.0, dy_strip, ldo, v_vis, ldv, 0.0, dp, nk)
         self._softmax_backward_rows(b, p, dp, i0, rows, ks, nk, mask_base)
         if grads & Wrt.QUERY:  # dQ_strip = scale · dS K_vis
-            dq = gep_f32(b, heads["dq"], b.mul(i0, i64(ld)), name="dq.strip")
-            self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(d), nk, spec.scale, dp, nk, k_vis, ld, 0.0, dq, ld)
+            dq = gep_f32(b, heads["dq"], b.mul(i0, i64(ldq)), name="dq.strip")
+            self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(d), nk, spec.scale, dp, nk, k_vis, ldk, 0.0, dq, ldq)
         if grads & Wrt.KEY:  # dK_vis += scale · dS^T Q_strip
-            dk = gep_f32(b, heads["dk"], b.mul(ks, i64(ld)), name="dk.vis")
-            self._sgemm(b, TRANS, NO_TRANS, nk, i64(d), rows, spec.scale, dp, nk, q_strip, ld, 1.0, dk, ld)
+            dk = gep_f32(b, heads["dk"], b.mul(ks, i64(ldk)), name="dk.vis")
+            self._sgemm(b, TRANS, NO_TRANS, nk, i64(d), rows, spec.scale, dp, nk, q_strip, ldq, 1.0, dk, ldk)
 
     def _sgemm(
         self,

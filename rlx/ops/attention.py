@@ -51,6 +51,17 @@ class AttentionDims:
     seq_q: int
     seq_k: int
     head_dim: int
+    kv_heads: int = 0  # 0: as many as heads (k and v may have fewer: GQA / MQA)
+    value_dim: int = 0  # 0: head_dim (v may have its own head dim)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_heads", self.kv_heads or self.heads)
+        object.__setattr__(self, "value_dim", self.value_dim or self.head_dim)
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head: query head h reads kv head h // group."""
+        return self.heads // self.kv_heads
 
 
 def attention_dims(
@@ -78,16 +89,17 @@ def attention_dims(
         if ty.rank != 4:
             raise RlxValueError(f"{what}: {label} must have rank 4 ({_layout_names(layout)}), got {ty}")
     b, sq, h, d = layout.split(q.shape)
-    _, sk, _, _ = layout.split(k.shape)
-    want_q = layout.join(b, sq, h, d)
-    want_kv = layout.join(b, sk, h, d)
-    if k.shape != want_kv:
+    kb, sk, hkv, kd = layout.split(k.shape)
+    if (kb, kd) != (b, d) or hkv > h or h % hkv:
         raise RlxValueError(
             f"{what}: k must have batch {b}, heads {h} and head_dim {d} like q {q} "
-            f"(layout {layout}: {_layout_names(layout)}), got {k}"
+            f"(or a number of heads dividing {h}: GQA) (layout {layout}: {_layout_names(layout)}), got {k}"
         )
-    if v.shape != want_kv:
-        raise RlxValueError(f"{what}: v must be f32{list(want_kv)} to match q {q} and k {k}, got {v}")
+    dv = layout.split(v.shape)[3]
+    want_v = layout.join(b, sk, hkv, dv)
+    if v.shape != want_v:
+        raise RlxValueError(f"{what}: v must be f32{list(want_v)} to match q {q} and k {k}, got {v}")
+    want_q = layout.join(b, sq, h, dv)
     if dy is not None and dy.shape != want_q:
         raise RlxValueError(f"{what}: dy must be f32{list(want_q)} (the shape of the output), got {dy}")
     if mask.needs_tensor:
@@ -101,7 +113,7 @@ def attention_dims(
             )
     elif mask_tensor is not None:
         raise RlxValueError(f"{what}: mask {mask} takes no mask_input tensor (only custom and bias do)")
-    return AttentionDims(batch=b, heads=h, seq_q=sq, seq_k=sk, head_dim=d)
+    return AttentionDims(batch=b, heads=h, seq_q=sq, seq_k=sk, head_dim=d, kv_heads=hkv, value_dim=dv)
 
 
 def _layout_names(layout: Layout) -> str:
@@ -112,8 +124,8 @@ def _attention_shape(what: str, inputs: Sequence[TensorType], attrs: AttentionAt
     if len(inputs) not in (3, 4):
         raise RlxValueError(f"{what}: attention takes q, k, v and an optional mask tensor, got {len(inputs)} inputs")
     q, k, v = inputs[:3]
-    attention_dims(what, q, k, v, attrs.layout, None, attrs.mask, inputs[3] if len(inputs) == 4 else None)
-    return (TensorType(q.shape, F32),)
+    dims = attention_dims(what, q, k, v, attrs.layout, None, attrs.mask, inputs[3] if len(inputs) == 4 else None)
+    return (TensorType(attrs.layout.join(dims.batch, dims.seq_q, dims.heads, dims.value_dim), F32),)
 
 
 def _attention_bwd_shape(what: str, inputs: Sequence[TensorType], attrs: AttentionBwdAttrs) -> tuple[TensorType, ...]:
@@ -166,6 +178,8 @@ def attention_forward(
     _check_shapes("attention_forward", q, k, v, None, mask, layout, mask_tensor)
     with np.errstate(all="ignore"):  # NaN/Inf in the inputs propagate by design; no warnings
         qh, kh, vh = (_to_heads(x, layout) for x in (q, k, v))
+        group = qh.shape[1] // kh.shape[1]
+        kh, vh = np.repeat(kh, group, axis=1), np.repeat(vh, group, axis=1)  # GQA: each kv head serves a group
         probs, _ = _probabilities(qh, kh, mask, mask_tensor, config)
         return _from_heads(probs @ vh, layout)
 
@@ -191,17 +205,24 @@ def attention_backward(
     _check_shapes("attention_backward", q, k, v, dy, mask, layout, mask_tensor)
     with np.errstate(all="ignore"):
         qh, kh, vh, dyh = (_to_heads(x, layout) for x in (q, k, v, dy))
+        kv_heads = kh.shape[1]
+        group = qh.shape[1] // kv_heads
+        kh, vh = np.repeat(kh, group, axis=1), np.repeat(vh, group, axis=1)
+
+        def group_sum(x: np.ndarray) -> np.ndarray:  # dK, dV of a kv head: the sum over its query heads
+            return x.reshape(x.shape[0], kv_heads, group, *x.shape[2:]).sum(axis=2)
+
         probs, replaced = _probabilities(qh, kh, mask, mask_tensor, config)
         grads: dict[Wrt, np.ndarray] = {}
         if wrt & Wrt.VALUE:
-            grads[Wrt.VALUE] = _transpose(probs) @ dyh
+            grads[Wrt.VALUE] = group_sum(_transpose(probs) @ dyh)
         if wrt & (Wrt.QUERY | Wrt.KEY):
             dprobs = dyh @ _transpose(vh)
             dscores = probs * (dprobs - np.sum(probs * dprobs, axis=-1, keepdims=True)) / math.sqrt(qh.shape[-1])
             if replaced is not None:
                 dscores = np.where(replaced, 0.0, dscores)
             grads[Wrt.QUERY] = dscores @ kh
-            grads[Wrt.KEY] = _transpose(dscores) @ qh
+            grads[Wrt.KEY] = group_sum(_transpose(dscores) @ qh)
         return tuple(_from_heads(grads[flag], layout) for flag in wrt.members)
 
 
@@ -359,22 +380,16 @@ def attention(
 
     With ``score_mod``, ``mask_mod``, ``scale`` or ``return_lse`` (SPEC section 4) this builds a
     ``flex_attention`` node instead (:mod:`rlx.ops.flex_attention`); the mods replace ``mask``.
-    Keys and values with fewer heads than q (GQA) or values with their own head dim also take
-    that path, with ``mask`` turned into the equivalent mod.
+    Keys and values may have fewer heads than q (GQA: query head h reads kv head
+    ``h // (H // Hkv)``) and values their own head dim ``Dv`` (``out`` is then ``[.., Dv]``).
     """
-    flex = score_mod is not None or mask_mod is not None or scale is not None or return_lse
-    if flex or _needs_flex(q, k, v, layout):
+    if score_mod is not None or mask_mod is not None or scale is not None or return_lse:
         from rlx.ops.flex_attention import flex_attention
 
         if mask != MaskKind.NONE or mask_input is not None:
-            if flex:
-                raise RlxValueError(
-                    "attention: mask=MaskKind... and mask_input cannot be combined with score_mod / mask_mod / "
-                    "scale / return_lse; express the mask as a mod (rlx.mods.causal, rlx.mods.sliding_window, ...)"
-                )
             raise RlxValueError(
-                "attention: GQA (fewer kv heads) and a value head dim other than q's take mods, not MaskKind; "
-                "use mask_mod=rlx.mods.causal_lower_right(Sq, Sk), rlx.mods.sliding_window(...) etc."
+                "attention: mask=MaskKind... and mask_input cannot be combined with score_mod / mask_mod / "
+                "scale / return_lse; express the mask as a mod (rlx.mods.causal, rlx.mods.sliding_window, ...)"
             )
         return flex_attention(
             graph, q, k, v, score_mod=score_mod, mask_mod=mask_mod, scale=scale, layout=layout, return_lse=return_lse
@@ -382,23 +397,6 @@ def attention(
     attrs = AttentionAttrs(check_mask(mask, "attention"), check_layout(layout, "attention"))
     inputs = (q, k, v) + ((mask_input,) if mask_input is not None else ())
     return graph.add_node(op_kind("attention"), inputs, attrs).outputs[0]
-
-
-def _needs_flex(q: Value, k: Value, v: Value, layout: object) -> bool:
-    """GQA or Dv != D: shapes only the flex kernels take (checked fully by their shape rule)."""
-    from rlx.ir.graph import Value
-
-    try:
-        if not isinstance(layout, Layout) or not all(isinstance(x, Value) and len(x.shape) == 4 for x in (q, k, v)):
-            return False
-    except (TypeError, IndexError, AttributeError):  # a broken Value: the fixed path's checks name it
-        return False
-    b, _, h, d = layout.split(q.shape)
-    kb, sk, hk, dk = layout.split(k.shape)
-    vb, vs, hv, dv = layout.split(v.shape)
-    if (kb, dk) != (b, d) or (vb, vs, hv) != (kb, sk, hk):
-        return False  # the fixed path's shape rule explains what is wrong
-    return (hk < h and h % hk == 0) or (hk == h and dv != d)
 
 
 def attention_bwd(
