@@ -96,8 +96,10 @@ class FlexKernelSpec:
         return -(-raw // per_line) * per_line
 
     def scratch_bytes(self) -> int:
+        """The strips, then (forward) one reciprocal row sum per strip row."""
         buffers = 1 + int(self.needs_dp) + int(self.keeps_raw)
-        return self.strip_floats() * 4 * buffers
+        sums = 0 if self.backward else -(-self.grid.block_q // 16) * 64
+        return self.strip_floats() * 4 * buffers + sums
 
 
 class FlexLowering:
@@ -172,7 +174,7 @@ class FlexLowering:
         if not self.spec.backward:
             batch = b.sdiv(item, i64(dims.heads), name="b")
             head = b.srem(item, i64(dims.heads), name="h")
-            self._forward_head(b, batch, head, strip)
+            self._forward_head(b, batch, head, strip, second)
         else:
             batch = b.sdiv(item, i64(dims.kv_heads), name="b")
             group = b.srem(item, i64(dims.kv_heads), name="g")
@@ -423,7 +425,11 @@ class FlexLowering:
 
         self._for_runs(b, map_row, first, last, gemm)
 
-    def _forward_head(self, b: ir.IRBuilder, batch: ir.Value, head: ir.Value, strip_buf: ir.Value) -> None:
+    def _forward_head(
+        self, b: ir.IRBuilder, batch: ir.Value, head: ir.Value, strip_buf: ir.Value, inverse_sums: ir.Value
+    ) -> None:
+        """Rows are left unnormalised, ``exp(s - m)``; ``out`` rows are scaled by 1/sum after the
+        P·V GEMM, which touches ``Dv`` floats a row instead of the strip's ``nk``."""
         d, grid = self.spec.dims, self.spec.grid
         group = b.sdiv(head, i64(d.group), name="g")
         q_head = self._head(b, self.base["q"], batch, head, d.seq_q, d.heads, d.head_dim)
@@ -453,7 +459,7 @@ class FlexLowering:
                         gi = b.add(i0, r, name="gi")
                         row = gep_f32(b, strip_buf, b.mul(r, nk), name="row")
                         m = self._mod_rows(b, row, batch, head, gi, map_row, first, last, ks, nk)
-                        lse = self._softmax_row(b, row, nk, m)
+                        lse = self._exp_row(b, row, nk, m, gep_f32(b, inverse_sums, r))
                         b.store(lse, gep_f32(b, lse_row, gi))
 
                     def pv(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value) -> None:
@@ -479,6 +485,18 @@ class FlexLowering:
                         )
 
                     self._for_runs(b, map_row, first, last, pv)
+                    with for_range(b, 0, rows, "r.scale") as r:
+                        out_row = gep_f32(b, out_strip, b.mul(r, i64(ldo)))
+                        inverse = b.load(gep_f32(b, inverse_sums, r), typ=F32, name="inv.sum")
+                        vector_loop(
+                            b,
+                            i64(0),
+                            i64(d.value_dim),
+                            "scale",
+                            lambda b, j, lanes: lanes.store(
+                                b, b.fmul(lanes.load(b, out_row, j), lanes.splat(b, inverse)), out_row, j
+                            ),
+                        )
 
     def _mod_rows(
         self,
@@ -524,13 +542,17 @@ class FlexLowering:
         self._for_tiles(b, map_row, first, last, ks, nk, on_tile)
         return b.load(best, typ=F32, name="m")
 
-    def _softmax_row(self, b: ir.IRBuilder, row: ir.Value, nk: ir.Value, m: ir.Value) -> ir.Value:
-        """``row = exp(row - m) / sum`` in place; returns ``lse = m + log(sum)`` (-inf, row 0: all hidden)."""
+    def _exp_row(self, b: ir.IRBuilder, row: ir.Value, nk: ir.Value, m: ir.Value, inverse: ir.Value) -> ir.Value:
+        """``row = exp(row - m)`` in place and ``*inverse = 1/sum``; returns ``lse = m + log(sum)``.
+
+        A row with every key hidden (``m = -inf``) becomes 0 with ``lse = -inf``.
+        """
         result = alloca_entry(b, F32, "lse.value")
         with b.if_else(b.fcmp_ordered("==", m, f32(NEG_INF))) as (empty, normal):
             with empty:
                 vector_fill(b, row, i64(0), nk, 0.0, "row.zero")
                 b.store(f32(NEG_INF), result)
+                b.store(f32(0.0), inverse)
             with normal:
 
                 def exp_term(b: ir.IRBuilder, j: ir.Value, lanes: Lanes) -> ir.Value:
@@ -539,14 +561,7 @@ class FlexLowering:
                     return e
 
                 total = vector_reduce(b, i64(0), nk, "row.sum", "add", exp_term)
-                inv = b.fdiv(f32(1.0), total)
-                vector_loop(
-                    b,
-                    i64(0),
-                    nk,
-                    "norm",
-                    lambda b, j, lanes: lanes.store(b, b.fmul(lanes.load(b, row, j), lanes.splat(b, inv)), row, j),
-                )
+                b.store(b.fdiv(f32(1.0), total), inverse)
                 b.store(b.fadd(m, b.call(self.logf, [total])), result)
         return b.load(result, typ=F32, name="lse")
 
