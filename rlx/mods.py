@@ -179,6 +179,18 @@ class Sym:
     def __repr__(self) -> str:
         return f"<rlx symbolic scalar {self._ref}>"
 
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        """Mods written for torch (``torch.where``, ``torch.tanh``, indexing captured tensors) trace
+        through :mod:`rlx.torch`, which installs the translation; without it, torch refuses."""
+        if TORCH_HANDLER is None:
+            return NotImplemented
+        return TORCH_HANDLER(func, args, kwargs or {})
+
+
+TORCH_HANDLER: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] | None = None
+"""Set by :mod:`rlx.torch`: turns a torch function called on symbols into region steps."""
+
 
 def _as_ref(tracer: _Tracer, value: object, what: str) -> Ref:
     if isinstance(value, Sym):
@@ -191,6 +203,8 @@ def _as_ref(tracer: _Tracer, value: object, what: str) -> Ref:
         return ("k", int(value))
     if isinstance(value, (float, np.floating)):
         return ("k", float(value))
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a 0-d numpy array or torch tensor
+        return _as_ref(tracer, value.item(), what)
     raise RlxTypeError(
         f"{tracer.what}: {what} got a {type(value).__name__}; inside a mod use numbers, the symbolic "
         "arguments, and graph values indexed by them (bias[b, h, q_idx, kv_idx])"

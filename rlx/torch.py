@@ -1,0 +1,542 @@
+"""rlx from PyTorch (SPEC section 5): drop-in SDPA and flex_attention with a CPU backward, graphs as torch functions.
+
+``import rlx.torch as rt``::
+
+    o = rt.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False)
+    o = rt.flex_attention(q, k, v, score_mod=None, mask_mod=None, scale=None, enable_gqa=False, return_lse=False)
+    f = rt.compile(g)          # f(**tensors) -> dict of tensors, differentiable
+
+Tensors are torch's ``[B, H, S, D]`` (rlx's ``Layout.BHSD``), so nothing is re-laid out.
+Contiguous float32 CPU tensors go in and come out without a copy (NumPy views of the same
+memory); float16 and bfloat16 are computed in float32 and returned in the input dtype. Mods
+written for torch's flex_attention run unchanged: ``torch.where``, ``torch.tanh``, comparisons
+and captured tensors indexed by the symbols are traced into rlx regions (tensors they capture
+become graph inputs, so a learnable bias gets its gradient). Compiled code is cached by shapes,
+dtypes and the traced mods (``rlx.compile``'s cache, keyed by the printed graph): a second call
+with the same shapes compiles nothing.
+
+torch is an optional dependency (``pip install "rlx[torch]"``); ``import rlx`` never imports it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+try:
+    import torch
+except ImportError as exc:  # pragma: no cover - exercised only without torch
+    raise ImportError('rlx.torch needs PyTorch: pip install "rlx[torch]"') from exc
+
+import rlx
+import rlx.mods as _mods
+from rlx.codegen.executable import Executable
+from rlx.errors import RlxTypeError, RlxValueError
+from rlx.ir.graph import Graph, Value
+from rlx.ir.types import Layout, Wrt
+
+__all__ = ["compile", "flex_attention", "scaled_dot_product_attention"]
+
+_COMPUTED = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- tensors <-> arrays
+
+
+def _check_tensor(tensor: object, name: str, kinds: str = "float") -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise RlxTypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise RlxTypeError(f"{name} is on device {tensor.device}; rlx runs on the CPU (move it with .cpu())")
+    if kinds == "float" and tensor.dtype not in _COMPUTED:
+        raise RlxTypeError(f"{name} has dtype {tensor.dtype}; rlx.torch takes float32, float16 or bfloat16")
+    return tensor
+
+
+def _array(tensor: torch.Tensor) -> np.ndarray:
+    """A float32 (or int/bool) NumPy view of a CPU tensor: no copy when it is contiguous float32."""
+    x = tensor.detach()
+    if x.is_floating_point() and x.dtype != torch.float32:
+        x = x.float()
+    if x.dtype == torch.int32 or x.dtype == torch.int64 or x.dtype == torch.bool or x.dtype == torch.float32:
+        return x.contiguous().numpy()
+    if not x.is_floating_point():
+        return x.to(torch.int64).contiguous().numpy()
+    return x.float().contiguous().numpy()
+
+
+def _tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.from_numpy(array)
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+def _rlx_dtype(tensor: torch.Tensor) -> str:
+    if tensor.is_floating_point():
+        return "float32"
+    if tensor.dtype == torch.bool:
+        return "bool"
+    return "int32" if tensor.dtype == torch.int32 else "int64"
+
+
+# ----------------------------------------------------------------------------- torch mods -> regions
+
+
+class _Capture:
+    """The torch tensors one trace captured, each a graph input named ``c0``, ``c1``, ..."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.tensors: list[torch.Tensor] = []
+        self.values: list[Value] = []
+
+    def value(self, tensor: torch.Tensor) -> Value:
+        for known, value in zip(self.tensors, self.values, strict=True):
+            if known is tensor:
+                return value
+        _check_tensor(tensor, f"a tensor captured by a mod (shape {tuple(tensor.shape)})", kinds="any")
+        value = self.graph.input(f"c{len(self.tensors)}", tuple(tensor.shape), dtype=_rlx_dtype(tensor))
+        self.tensors.append(tensor)
+        self.values.append(value)
+        return value
+
+
+_capturing = threading.local()
+
+_TORCH_TO_RLX: dict[Any, Callable[..., Any]] = {
+    torch.where: _mods.where,
+    torch.tanh: _mods.tanh,
+    torch.exp: _mods.exp,
+    torch.log: _mods.log,
+    torch.abs: _mods.abs,
+    torch.sigmoid: _mods.sigmoid,
+    torch.sqrt: _mods.sqrt,
+    torch.minimum: _mods.minimum,
+    torch.maximum: _mods.maximum,
+    torch.Tensor.tanh: _mods.tanh,
+    torch.Tensor.exp: _mods.exp,
+    torch.Tensor.abs: _mods.abs,
+    torch.Tensor.sigmoid: _mods.sigmoid,
+}
+_BINARY = {
+    torch.Tensor.add: "__add__",
+    torch.Tensor.__add__: "__add__",
+    torch.Tensor.__radd__: "__radd__",
+    torch.Tensor.sub: "__sub__",
+    torch.Tensor.__sub__: "__sub__",
+    torch.Tensor.__rsub__: "__rsub__",
+    torch.Tensor.mul: "__mul__",
+    torch.Tensor.__mul__: "__mul__",
+    torch.Tensor.__rmul__: "__rmul__",
+    torch.Tensor.div: "__truediv__",
+    torch.Tensor.__truediv__: "__truediv__",
+    torch.Tensor.__rtruediv__: "__rtruediv__",
+    torch.Tensor.__eq__: "__eq__",
+    torch.Tensor.__ne__: "__ne__",
+    torch.Tensor.__lt__: "__lt__",
+    torch.Tensor.__le__: "__le__",
+    torch.Tensor.__gt__: "__gt__",
+    torch.Tensor.__ge__: "__ge__",
+    torch.Tensor.__and__: "__and__",
+    torch.Tensor.__or__: "__or__",
+}
+
+
+def _clamp(x: Any, min: Any = None, max: Any = None) -> Any:
+    if min is not None:
+        x = _mods.maximum(x, min)
+    if max is not None:
+        x = _mods.minimum(x, max)
+    return x
+
+
+def _torch_function(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A torch function called on symbols inside a traced mod, as rlx region steps."""
+    if func is torch.Tensor.__getitem__:
+        tensor, index = args
+        capture: _Capture | None = getattr(_capturing, "current", None)
+        if capture is None:
+            raise RlxTypeError("a torch tensor indexed by symbols outside rlx.torch's tracing")
+        return _mods.read(capture.value(tensor), index)
+    if func in _TORCH_TO_RLX:
+        return _TORCH_TO_RLX[func](*args, **kwargs)
+    if func in (torch.clamp, torch.Tensor.clamp):
+        return _clamp(*args, **kwargs)
+    if func in _BINARY:
+        tensor, other = args
+        if isinstance(tensor, torch.Tensor):
+            if tensor.ndim != 0:
+                raise RlxTypeError(
+                    "a mod combined a whole tensor with a symbol; index captured tensors by the symbols "
+                    "(bias[b, h, q_idx, kv_idx])"
+                )
+            tensor = tensor.item()
+        if isinstance(other, torch.Tensor) and other.ndim == 0:
+            other = other.item()
+        name = _BINARY[func]
+        if isinstance(tensor, _mods.Sym):
+            return getattr(tensor, name)(other)
+        swapped = {"__add__": "__radd__", "__mul__": "__rmul__", "__sub__": "__rsub__", "__truediv__": "__rtruediv__"}
+        mirrored = {"__lt__": "__gt__", "__le__": "__ge__", "__gt__": "__lt__", "__ge__": "__le__"}
+        name = swapped.get(name, mirrored.get(name, name))
+        return getattr(other, name)(tensor)
+    name = getattr(func, "__name__", repr(func))
+    raise RlxTypeError(
+        f"torch.{name} cannot be traced inside an attention mod; use +, -, *, /, comparisons, &, |, ~, "
+        "torch.where, torch.tanh, torch.exp, torch.log, torch.abs, torch.sigmoid, torch.sqrt, "
+        "torch.minimum, torch.maximum, torch.clamp, and captured tensors indexed by the symbols"
+    )
+
+
+_mods.TORCH_HANDLER = _torch_function
+
+
+# ----------------------------------------------------------------------------- flex attention
+
+
+@dataclass
+class _Plan:
+    """A traced and compiled attention call: its forward and (built on first use) its backward."""
+
+    graph: Graph
+    forward: Executable
+    captured: list[torch.Tensor]
+    backward_exe: dict[tuple[bool, bool], Executable]
+
+    def backward(self, tensor_grads: bool, lse_grad: bool) -> Executable:
+        key = (tensor_grads, lse_grad)
+        if key not in self.backward_exe:
+            self.backward_exe[key] = rlx.compile(_backward_graph(self.graph, tensor_grads, lse_grad))
+        return self.backward_exe[key]
+
+
+def _backward_graph(forward: Graph, tensor_grads: bool, lse_grad: bool) -> Graph:
+    """q, k, v, out, dy, lse, [dlse], captured -> dq, dk, dv and the captured float tensors' gradients."""
+    node = forward.outputs["out"].node
+    attrs = node.attrs
+    g = Graph("flex_bwd")
+    q, k, v = (g.input(name, forward.inputs[name].shape) for name in "qkv")
+    out = g.input("out", forward.outputs["out"].shape)
+    dy = g.input("dy", out.shape)
+    lse = g.input("lse", forward.outputs["lse"].shape)
+    dlse = (g.input("dlse", lse.shape),) if lse_grad else ()
+    captured = [g.input(value.node.attrs.name, value.shape, dtype=value.dtype) for value in node.inputs[3:]]
+    outputs = g.flex_attention_bwd(
+        q, k, v, out, dy, lse, *dlse, *captured,
+        wrt=Wrt.ALL, tensor_grads=tensor_grads, lse_grad=lse_grad,
+        score_mod=attrs.score_mod, mask_mod=attrs.mask_mod, scale=attrs.scale, layout=attrs.layout,
+    )  # fmt: skip
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    g.output(dq=outputs[0], dk=outputs[1], dv=outputs[2])
+    if tensor_grads:
+        from rlx.ops.flex_attention import flex_dims, tensor_grad_layout
+
+        dims = flex_dims("rlx.torch", q.type, k.type, v.type, attrs.layout)
+        layout = tensor_grad_layout(attrs.score_mod, [c.type for c in captured], dims)
+        for (tensor, _, _, _), partial in zip(layout, outputs[3:], strict=True):
+            g.output(**{f"d{captured[tensor].node.attrs.name}": g.sum(partial, axis=0)})
+    return g
+
+
+def _plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    score_mod: Callable[..., Any] | None,
+    mask_mod: Callable[..., Any] | None,
+    scale: float | None,
+) -> _Plan:
+    g = Graph("flex")
+    qi = g.input("q", tuple(q.shape))
+    ki = g.input("k", tuple(k.shape))
+    vi = g.input("v", tuple(v.shape))
+    capture = _Capture(g)
+    _capturing.current = capture
+    try:
+        out, lse = g.attention(
+            qi, ki, vi, score_mod=score_mod, mask_mod=mask_mod, scale=scale, layout=Layout.BHSD, return_lse=True
+        )
+    finally:
+        _capturing.current = None
+    g.output(out=out, lse=lse)
+    return _plan_cache(g, capture.tensors)
+
+
+_plans: dict[str, tuple[Executable, dict[tuple[bool, bool], Executable]]] = {}
+_plans_lock = threading.Lock()
+
+
+def _plan_cache(graph: Graph, captured: list[torch.Tensor]) -> _Plan:
+    """One forward and its backwards per distinct traced graph (shapes, dtypes and mods)."""
+    key = str(graph)
+    with _plans_lock:
+        found = _plans.get(key)
+    if found is None:
+        found = (rlx.compile(graph), {})
+        with _plans_lock:
+            _plans[key] = found
+    return _Plan(graph, found[0], captured, found[1])
+
+
+class _FlexFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *captured: torch.Tensor
+    ) -> Any:
+        arrays = {"q": _array(q), "k": _array(k), "v": _array(v)}
+        arrays |= {f"c{i}": _array(t) for i, t in enumerate(captured)}
+        result = plan.forward(**arrays)
+        out = _tensor(result["out"], q.dtype)
+        lse = torch.from_numpy(result["lse"])
+        ctx.plan = plan
+        # Saved as tensors, so torch refuses a backward after any of them was modified in place.
+        ctx.save_for_backward(q, k, v, out, lse, *captured)
+        ctx.float_out = result["out"]  # out in float32 (``out`` itself may be bf16/f16)
+        ctx.dtypes = [t.dtype for t in (q, k, v, *captured)]
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, d_out: torch.Tensor | None, d_lse: torch.Tensor | None) -> Any:
+        plan: _Plan = ctx.plan
+        needs = ctx.needs_input_grad[1:]
+        float_captured = [i for i, t in enumerate(plan.captured) if t.is_floating_point()]
+        tensor_grads = any(needs[3 + i] for i in float_captured)
+        q, k, v, out, lse, *captured = ctx.saved_tensors
+        arrays = {"q": _array(q), "k": _array(k), "v": _array(v), "lse": _array(lse)}
+        arrays |= {f"c{i}": _array(t) for i, t in enumerate(captured)}
+        arrays["out"] = _array(out) if out.dtype == torch.float32 else ctx.float_out
+        arrays["dy"] = _array(d_out) if d_out is not None else np.zeros_like(arrays["out"])
+        lse_grad = d_lse is not None
+        if d_lse is not None:
+            arrays["dlse"] = _array(d_lse)
+        exe = plan.backward(tensor_grads, lse_grad)
+        grads = exe(**{name: arrays[name] for name in exe.graph.inputs})
+        dtypes = ctx.dtypes
+        result: list[torch.Tensor | None] = [None]
+        for i, name in enumerate(("dq", "dk", "dv")):
+            result.append(_tensor(grads[name], dtypes[i]) if needs[i] else None)
+        for i in range(len(plan.captured)):
+            key = f"dc{i}"
+            wanted = needs[3 + i] and key in grads
+            result.append(_tensor(grads[key], dtypes[3 + i]) if wanted else None)
+        return tuple(result)
+
+
+def flex_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    score_mod: Callable[..., Any] | None = None,
+    mask_mod: Callable[..., Any] | None = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    block_mask: Any = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """torch's ``flex_attention`` on CPU, forward and backward: ``[B, H, S, D]`` tensors.
+
+    ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx, kv_idx)`` are written as
+    for torch; a torch ``BlockMask`` is accepted for its ``mask_mod``. Differentiable w.r.t.
+    query, key, value and float tensors the score_mod captures.
+    """
+    q = _check_tensor(query, "query")
+    k = _check_tensor(key, "key")
+    v = _check_tensor(value, "value")
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if t.ndim != 4:
+            raise RlxValueError(f"flex_attention: {name} must be [B, H, S, D], got shape {tuple(t.shape)}")
+    if k.shape[1] != q.shape[1] and not enable_gqa:
+        raise RlxValueError(
+            f"flex_attention: query has {q.shape[1]} heads and key {k.shape[1]}; pass enable_gqa=True for GQA"
+        )
+    if block_mask is not None:
+        if mask_mod is not None:
+            raise RlxValueError("flex_attention: give mask_mod or block_mask, not both")
+        mask_mod = getattr(block_mask, "mask_mod", None)
+        if mask_mod is None:
+            raise RlxTypeError("flex_attention: block_mask must be a torch BlockMask (with a mask_mod)")
+    plan = _plan(q, k, v, score_mod, mask_mod, scale)
+    out, lse = _FlexFunction.apply(plan, q, k, v, *plan.captured)
+    return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------- SDPA
+
+
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """torch's ``scaled_dot_product_attention`` on rlx: same signature, layout, masks and results.
+
+    A bool ``attn_mask`` is True where a query attends; a float one is added to the scores (and
+    gets a gradient if it requires one). ``is_causal`` is top-left aligned, as in torch. rlx has
+    no dropout: ``dropout_p`` other than 0 is an error, never silently ignored.
+    """
+    if dropout_p != 0.0:
+        raise RlxValueError(
+            f"scaled_dot_product_attention: dropout_p={dropout_p}, but rlx has no dropout; pass dropout_p=0.0 "
+            "(or apply dropout outside attention)"
+        )
+    q = _check_tensor(query, "query")
+    k = _check_tensor(key, "key")
+    v = _check_tensor(value, "value")
+    if q.ndim not in (3, 4) or k.ndim != q.ndim or v.ndim != q.ndim:
+        raise RlxValueError(
+            "scaled_dot_product_attention: query, key and value must be [B, H, S, D] (or [H, S, D]), got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.ndim == 3:
+        out = scaled_dot_product_attention(q[None], k[None], v[None], attn_mask, 0.0, is_causal, scale, enable_gqa)
+        return out[0]
+    if k.shape[1] != q.shape[1] and not enable_gqa:
+        raise RlxValueError(
+            f"scaled_dot_product_attention: query has {q.shape[1]} heads and key {k.shape[1]}; pass enable_gqa=True"
+        )
+    if is_causal and attn_mask is not None:
+        raise RlxValueError("scaled_dot_product_attention: give attn_mask or is_causal, not both (as torch)")
+    score_mod = mask_mod = None
+    if is_causal:
+        mask_mod = _mods.causal
+    elif attn_mask is not None:
+        mask = _check_tensor(attn_mask, "attn_mask", kinds="any")
+        target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        try:
+            torch.broadcast_shapes(mask.shape, target)
+        except RuntimeError:
+            raise RlxValueError(
+                f"scaled_dot_product_attention: attn_mask of shape {tuple(mask.shape)} does not broadcast to "
+                f"[B, H, Sq, Sk] = {list(target)}"
+            ) from None
+        full = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
+        if mask.dtype == torch.bool:
+            mask_mod = _indexed(full, lambda value, b, h, q_idx, kv_idx: value)
+        elif mask.is_floating_point():
+            mask_mod = None
+            score_mod = _indexed(full, lambda value, score, b, h, q_idx, kv_idx: score + value, with_score=True)
+        else:
+            raise RlxTypeError(f"scaled_dot_product_attention: attn_mask must be bool or float, got {mask.dtype}")
+    result = flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, scale=scale, enable_gqa=enable_gqa)
+    assert isinstance(result, torch.Tensor)
+    return result
+
+
+def _indexed(mask: torch.Tensor, combine: Callable[..., Any], with_score: bool = False) -> Callable[..., Any]:
+    """A mod reading ``mask[b, h, q_idx, kv_idx]``, with 0 on the dims it broadcasts over."""
+
+    def pick(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        index = tuple(0 if size == 1 else sym for size, sym in zip(mask.shape, (b, h, q_idx, kv_idx), strict=True))
+        return mask[index]
+
+    if with_score:
+        return lambda score, b, h, q_idx, kv_idx: combine(pick(b, h, q_idx, kv_idx), score, b, h, q_idx, kv_idx)
+    return lambda b, h, q_idx, kv_idx: combine(pick(b, h, q_idx, kv_idx), b, h, q_idx, kv_idx)
+
+
+# ----------------------------------------------------------------------------- whole graphs
+
+
+_COTANGENT = "rlx_cotangent_"  # names of the backward graph's extra inputs and outputs
+_GRAD = "rlx_grad_"
+
+
+class CompiledGraph:
+    """An rlx graph as a differentiable torch function: ``f(**tensors) -> {output name: tensor}``.
+
+    The backward graph comes from ``rlx.grad`` of ``sum_i <output_i, d output_i>`` with respect to
+    every float input, and is compiled once, on the first backward.
+    """
+
+    def __init__(self, graph: Graph) -> None:
+        if not isinstance(graph, Graph):
+            raise RlxTypeError(f"rlx.torch.compile expects an rlx.Graph, got {type(graph).__name__}")
+        self.graph = graph.copy()
+        self.forward = rlx.compile(self.graph)
+        self._backward: Executable | None = None
+        self.names = list(self.graph.inputs)
+        self.outputs = list(self.graph.outputs)
+
+    def backward_executable(self) -> Executable:
+        if self._backward is None:
+            self._backward = rlx.compile(self._backward_graph())
+        return self._backward
+
+    def _backward_graph(self) -> Graph:
+        """The graph, plus a cotangent input per float output and a gradient output per float input."""
+        g = self.graph.copy()
+        total: Value | None = None
+        for name, value in list(g.outputs.items()):
+            if value.dtype == np.float32:
+                term = g.sum(value * g.input(_COTANGENT + name, value.shape))
+                total = term if total is None else total + term
+        xs = [g.inputs[name] for name in self.names if g.inputs[name].dtype == np.float32]
+        if total is None or not xs:
+            raise RlxValueError("rlx.torch.compile: nothing to differentiate (no float outputs or no float inputs)")
+        for x, grad in zip(xs, rlx.grad(g, total, xs), strict=True):
+            g.output(**{_GRAD + x.node.attrs.name: grad})
+        return g
+
+    def __call__(self, *args: Any, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
+        if args:
+            raise RlxTypeError(f"pass the inputs by name: f({', '.join(f'{n}=...' for n in self.names)})")
+        missing = [n for n in self.names if n not in tensors]
+        unknown = [n for n in tensors if n not in self.names]
+        if missing or unknown:
+            raise rlx.RlxKeyError(f"expected inputs {self.names}; missing {missing}, unknown {unknown}")
+        ordered = [tensors[n] for n in self.names]
+        for name, tensor in zip(self.names, ordered, strict=True):
+            _check_tensor(tensor, name, kinds="float" if self.graph.inputs[name].dtype == np.float32 else "any")
+        results = _GraphFunction.apply(self, *ordered)
+        return dict(zip(self.outputs, results, strict=True))
+
+
+class _GraphFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, compiled: CompiledGraph, *tensors: torch.Tensor) -> Any:
+        arrays = {name: _array(t) for name, t in zip(compiled.names, tensors, strict=True)}
+        result = compiled.forward(**arrays)
+        ctx.compiled = compiled
+        ctx.arrays = arrays
+        ctx.dtypes = [t.dtype for t in tensors]
+        ctx.set_materialize_grads(False)
+        dtype = next((t.dtype for t in tensors if t.is_floating_point()), torch.float32)
+        outs = []
+        for name in compiled.outputs:
+            array = result[name]
+            outs.append(_tensor(array, dtype) if array.dtype == np.float32 else torch.from_numpy(array))
+        non_float = [o for o in outs if not o.is_floating_point()]
+        if non_float:
+            ctx.mark_non_differentiable(*non_float)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *cotangents: torch.Tensor | None) -> Any:
+        compiled: CompiledGraph = ctx.compiled
+        exe = compiled.backward_executable()
+        arrays = dict(ctx.arrays)
+        for name, ct in zip(compiled.outputs, cotangents, strict=True):
+            if compiled.graph.outputs[name].dtype != np.float32:
+                continue
+            shape = compiled.graph.outputs[name].shape
+            arrays[_COTANGENT + name] = _array(ct) if ct is not None else np.zeros(shape, np.float32)
+        grads = exe(**{name: arrays[name] for name in exe.graph.inputs})
+        result: list[torch.Tensor | None] = [None]
+        for name, dtype, needed in zip(compiled.names, ctx.dtypes, ctx.needs_input_grad[1:], strict=True):
+            key = _GRAD + name
+            result.append(_tensor(grads[key], dtype) if needed and key in grads else None)
+        return tuple(result)
+
+
+def compile(graph: Graph) -> CompiledGraph:
+    """Any rlx graph as a differentiable torch function (inputs by name, dict of tensors out)."""
+    return CompiledGraph(graph)
