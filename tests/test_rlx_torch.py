@@ -1,0 +1,323 @@
+"""rlx.torch: drop-in SDPA and flex_attention with autograd, and rlx graphs as torch functions.
+
+Optional: skipped when torch is not installed. References are torch's own SDPA and eager
+flex_attention, gradients against float64 torch autograd and a float32 finite-difference check.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+import rlx
+from rlx import Graph
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.torch
+rt = pytest.importorskip("rlx.torch")
+F = torch.nn.functional
+
+
+def qkv(
+    b: int = 2,
+    h: int = 4,
+    sq: int = 29,
+    sk: int = 29,
+    d: int = 16,
+    hkv: int | None = None,
+    dv: int | None = None,
+    seed: int = 0,
+) -> list[Any]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(b, h, sq, d), (b, hkv or h, sk, d), (b, hkv or h, sk, dv or d)]
+    return [torch.randn(s, generator=gen).requires_grad_(True) for s in shapes]
+
+
+def grads_of(fn: Any, tensors: list[Any], dy: Any) -> tuple[Any, list[Any]]:
+    out = fn(*tensors)
+    return out.detach(), list(torch.autograd.grad(out, tensors, dy))
+
+
+def double_reference(fn: Any, tensors: list[Any], dy: Any) -> tuple[Any, list[Any]]:
+    doubles = [t.detach().double().requires_grad_(True) for t in tensors]
+    out = fn(*doubles)
+    return out.detach(), list(torch.autograd.grad(out, doubles, dy.double()))
+
+
+def assert_close(got: Any, want: Any, tol: float = 2e-5) -> None:
+    np.testing.assert_allclose(got.detach().double().numpy(), want.detach().double().numpy(), rtol=tol * 10, atol=tol)
+
+
+SDPA_CASES = {
+    "plain": {},
+    "causal": {"is_causal": True},
+    "scale": {"scale": 0.2},
+    "bool-mask-2d": {"attn_mask": "bool2d"},
+    "bool-mask-4d": {"attn_mask": "bool4d"},
+    "float-mask": {"attn_mask": "float"},
+}
+
+
+def _mask(kind: str, b: int, h: int, sq: int, sk: int) -> Any:
+    gen = torch.Generator().manual_seed(3)
+    if kind == "bool2d":
+        mask = torch.rand(sq, sk, generator=gen) > 0.3
+        mask[:, 0] = True  # keep every row attending somewhere (torch gives NaN for empty rows)
+        return mask
+    if kind == "bool4d":
+        mask = torch.rand(b, 1, sq, sk, generator=gen) > 0.5
+        mask[..., 0] = True
+        return mask
+    return torch.randn(1, h, sq, sk, generator=gen)
+
+
+@pytest.mark.parametrize("name", list(SDPA_CASES))
+@pytest.mark.parametrize(("sq", "sk"), [(29, 29), (7, 40)])
+def test_sdpa_matches_torch(name: str, sq: int, sk: int) -> None:
+    kwargs = dict(SDPA_CASES[name])
+    if isinstance(kwargs.get("attn_mask"), str):
+        kwargs["attn_mask"] = _mask(kwargs["attn_mask"], 2, 4, sq, sk)
+    tensors = qkv(sq=sq, sk=sk)
+    dy = torch.randn(2, 4, sq, 16)
+    got, got_grads = grads_of(lambda q, k, v: rt.scaled_dot_product_attention(q, k, v, **kwargs), tensors, dy)
+    ref_kwargs = {
+        k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kwargs.items()
+    }
+    want, want_grads = double_reference(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, **ref_kwargs), tensors, dy
+    )
+    assert_close(got, want)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert_close(g, w)
+
+
+def test_sdpa_gqa_and_value_dim() -> None:
+    tensors = qkv(h=4, hkv=2, dv=8)
+    dy = torch.randn(2, 4, 29, 8)
+    got, got_grads = grads_of(
+        lambda q, k, v: rt.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), tensors, dy
+    )
+    want, want_grads = double_reference(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), tensors, dy
+    )
+    assert_close(got, want)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert_close(g, w)
+    with pytest.raises(rlx.RlxValueError, match="enable_gqa"):
+        rt.scaled_dot_product_attention(*tensors)
+
+
+def test_float_mask_gets_its_gradient() -> None:
+    q, k, v = qkv()
+    bias = torch.randn(1, 4, 29, 29, requires_grad=True)
+    out = rt.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    (grad,) = torch.autograd.grad(out.sum(), [bias])
+    ref_bias = bias.detach().double().requires_grad_(True)
+    ref = F.scaled_dot_product_attention(*(t.detach().double() for t in (q, k, v)), attn_mask=ref_bias)
+    (want,) = torch.autograd.grad(ref.sum(), [ref_bias])
+    assert_close(grad, want)
+
+
+def test_flex_matches_torch_eager_flex_and_differentiates() -> None:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    q, k, v = qkv(h=4, hkv=2)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], requires_grad=True)
+    doc = torch.tensor([[0] * 10 + [1] * 19, [0] * 29])
+
+    def score_mod(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return 20 * torch.tanh((score + slopes[h] * (kv_idx - q_idx)) / 20)
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (q_idx >= kv_idx) & (doc[b, q_idx] == doc[b, kv_idx])
+
+    out, lse = rt.flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, enable_gqa=True, return_lse=True)
+    block_mask = create_block_mask(mask_mod, 2, None, 29, 29, device="cpu")
+    with torch.no_grad():
+        want, want_lse = flex_attention(
+            q.detach(),
+            k.detach(),
+            v.detach(),
+            score_mod=score_mod,
+            block_mask=block_mask,
+            enable_gqa=True,
+            return_lse=True,
+        )
+    assert_close(out, want)
+    assert_close(lse, want_lse)
+    # The same through a BlockMask argument.
+    assert_close(rt.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True), want)
+    dy = torch.randn_like(out)
+    got = torch.autograd.grad(out, [q, k, v, slopes], dy)
+    # float64 reference with the mask and bias materialised (torch's CPU flex has no backward).
+    i = torch.arange(29)
+    visible = (i[:, None] >= i[None, :]) & (doc[:, :, None] == doc[:, None, :])
+    doubles = [t.detach().double().requires_grad_(True) for t in (q, k, v, slopes)]
+    qd, kd, vd, sd = doubles
+    kd, vd = kd.repeat_interleave(2, 1), vd.repeat_interleave(2, 1)
+    scores = qd @ kd.transpose(-1, -2) / 4.0 + sd[:, None, None] * (i[None, :] - i[:, None])
+    scores = (20 * torch.tanh(scores / 20)).masked_fill(~visible[:, None], float("-inf"))
+    ref = torch.softmax(scores, -1) @ vd
+    want_grads = torch.autograd.grad(ref, doubles, dy.double())
+    for g, w in zip(got, want_grads, strict=True):
+        assert_close(g, w)
+
+
+def test_lse_gradient_flows() -> None:
+    q, k, v = qkv()
+    out, lse = rt.flex_attention(q, k, v, mask_mod=lambda b, h, qi, ki: qi >= ki, return_lse=True)
+    got = torch.autograd.grad((lse * 0.3).sum() + out.sum(), [q, k])
+    doubles = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    scores = doubles[0] @ doubles[1].transpose(-1, -2) / 4.0
+    scores = scores.masked_fill(~torch.ones(29, 29, dtype=torch.bool).tril(), float("-inf"))
+    ref_lse = torch.logsumexp(scores, -1)
+    ref_out = torch.softmax(scores, -1) @ doubles[2]
+    want = torch.autograd.grad((ref_lse * 0.3).sum() + ref_out.sum(), doubles[:2])
+    for g, w in zip(got, want, strict=True):
+        assert_close(g, w)
+
+
+def test_float32_finite_differences() -> None:
+    """A gradcheck in float32: central differences with a step and tolerance sized for float32."""
+    q, k, v = qkv(b=1, h=2, sq=6, sk=6, d=4, seed=5)
+    weight = torch.randn(1, 2, 6, 4, generator=torch.Generator().manual_seed(9))
+
+    def loss(q: Any, k: Any, v: Any) -> Any:
+        return (rt.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: torch.tanh(s)) * weight).sum()
+
+    grads = torch.autograd.grad(loss(q, k, v), [q, k, v])
+    eps = 1e-2
+    for position, (tensor, grad) in enumerate(zip((q, k, v), grads, strict=True)):
+        flat = tensor.detach().reshape(-1)
+        for index in range(0, flat.numel(), 5):
+            plus, minus = flat.clone(), flat.clone()
+            plus[index] += eps
+            minus[index] -= eps
+            args = [t.detach() for t in (q, k, v)]
+            args[position] = plus.reshape(tensor.shape)
+            up = loss(*args).item()
+            args[position] = minus.reshape(tensor.shape)
+            down = loss(*args).item()
+            numeric = (up - down) / (2 * eps)
+            assert abs(numeric - grad.reshape(-1)[index].item()) < 5e-3 + 1e-2 * abs(numeric)
+
+
+def test_half_precisions_come_back_in_their_dtype() -> None:
+    for dtype in (torch.float16, torch.bfloat16):
+        q, k, v = (t.detach().to(dtype).requires_grad_(True) for t in qkv())
+        out = rt.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert out.dtype == dtype
+        out.float().sum().backward()
+        assert q.grad is not None and q.grad.dtype == dtype
+        want = F.scaled_dot_product_attention(*(t.detach().float() for t in (q, k, v)), is_causal=True)
+        assert_close(out.float(), want, tol=2e-2)
+
+
+def test_non_contiguous_inputs() -> None:
+    base = [t.detach().transpose(1, 2).contiguous().transpose(1, 2) for t in qkv()]  # strided views
+    assert not base[0].is_contiguous()
+    got = rt.scaled_dot_product_attention(*base, is_causal=True)
+    assert_close(got, F.scaled_dot_product_attention(*base, is_causal=True))
+
+
+def test_contiguous_float32_output_is_not_copied() -> None:
+    q, k, v = (t.detach() for t in qkv())
+    out = rt.scaled_dot_product_attention(q, k, v)
+    assert out.is_contiguous() and out.dtype == torch.float32
+    assert out.numpy().base is not None  # a view of the array rlx wrote, not a copy of it
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "fragment"),
+    [
+        (lambda q, k, v: rt.scaled_dot_product_attention(q, k, v, dropout_p=0.1), rlx.RlxValueError, "no dropout"),
+        (
+            lambda q, k, v: rt.scaled_dot_product_attention(q.to("meta"), k, v),
+            rlx.RlxTypeError,
+            "query is on device meta",
+        ),
+        (
+            lambda q, k, v: rt.scaled_dot_product_attention(q, k.double(), v),
+            rlx.RlxTypeError,
+            "key has dtype torch.float64",
+        ),
+        (
+            lambda q, k, v: rt.scaled_dot_product_attention(q, k, v.numpy()),
+            rlx.RlxTypeError,
+            "value must be a torch.Tensor",
+        ),
+        (
+            lambda q, k, v: rt.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(3, 3, dtype=torch.bool)),
+            rlx.RlxValueError,
+            "does not broadcast",
+        ),
+        (
+            lambda q, k, v: rt.scaled_dot_product_attention(
+                q, k, v, attn_mask=torch.ones(29, 29, dtype=torch.bool), is_causal=True
+            ),
+            rlx.RlxValueError,
+            "not both",
+        ),
+        (
+            lambda q, k, v: rt.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: torch.cos(s)),
+            rlx.RlxTypeError,
+            "cos",
+        ),
+        (
+            lambda q, k, v: rt.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s if qi > ki else 0.0),
+            rlx.RlxTypeError,
+            "where",
+        ),
+    ],
+)
+def test_bad_calls_are_clear_errors(make: Any, error: type[Exception], fragment: str) -> None:
+    q, k, v = (t.detach() for t in qkv())
+    with pytest.raises(error, match=fragment):
+        make(q, k, v)
+
+
+def test_second_call_with_the_same_shapes_compiles_nothing() -> None:
+    from rlx.codegen import executable
+
+    q, k, v = qkv(seed=8)
+    rt.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s * 0.5).sum().backward()
+    before = dict(executable._cache)
+    for seed in range(3):
+        q, k, v = qkv(seed=seed)
+        rt.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s * 0.5).sum().backward()
+    assert dict(executable._cache).keys() == before.keys()
+
+
+def test_compile_graph_as_a_torch_function() -> None:
+    g = Graph("mlp")
+    x = g.input("x", (4, 8))
+    w = g.input("w", (8, 3))
+    ids = g.input("ids", (4,), dtype="int64")
+    logits = g.gelu(x @ w)
+    loss = g.cross_entropy(logits, ids)
+    g.output(loss=loss, logits=logits)
+    f = rt.compile(g)
+    xt = torch.randn(4, 8, requires_grad=True)
+    wt = torch.randn(8, 3, requires_grad=True)
+    idt = torch.tensor([0, 2, 1, 2])
+    result = f(x=xt, w=wt, ids=idt)
+    (result["loss"] + result["logits"].pow(2).sum()).backward()
+    xd, wd = (t.detach().double().requires_grad_(True) for t in (xt, wt))
+    ref_logits = F.gelu(xd @ wd)
+    (F.cross_entropy(ref_logits, idt) + ref_logits.pow(2).sum()).backward()
+    assert_close(result["loss"], F.cross_entropy(ref_logits, idt))
+    assert_close(xt.grad, xd.grad)
+    assert_close(wt.grad, wd.grad)
+    with pytest.raises(rlx.RlxTypeError, match="by name"):
+        f(xt, wt, idt)
+    with pytest.raises(rlx.RlxKeyError, match="missing"):
+        f(x=xt)
+
+
+def test_import_rlx_never_imports_torch() -> None:
+    code = "import sys, rlx; import rlx.mods; g = rlx.Graph(); assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
