@@ -36,6 +36,13 @@ def compile(graph: Graph, passes: Sequence[str] | None = None, config: RuntimeCo
     return compile_graph(graph, passes=passes, config=config)
 
 
+def load(path: str) -> Executable:
+    """An executable written by ``exe.save(path)``, in this or any later process (no recompiling on the same CPU)."""
+    from rlx.codegen.executable import load as _load
+
+    return _load(path)
+
+
 def __getattr__(name: str) -> Any:
     # Submodules load lazily so that `import rlx` stays cheap and llvmlite loads only to compile.
     if name in ("passes", "reference", "codegen", "autodiff", "models", "mods"):
@@ -64,6 +71,7 @@ __all__ = [
     "compile",
     "exp",
     "grad",
+    "load",
     "log",
     "maximum",
     "minimum",

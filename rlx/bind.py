@@ -19,11 +19,15 @@ if TYPE_CHECKING:
     from rlx.ir.types import TensorType
 
 
-def bind_inputs(graph: Graph, arrays: Mapping[str, object]) -> dict[str, np.ndarray]:
+def bind_inputs(
+    graph: Graph, arrays: Mapping[str, object], optional: frozenset[str] = frozenset()
+) -> dict[str, np.ndarray]:
     """Return one C-contiguous, aligned array per graph input, in declaration order.
 
     Raises ``RlxKeyError`` for an unknown or missing name, ``RlxTypeError`` for an object that is
     not an array or has the wrong dtype (never converted), ``RlxValueError`` for a wrong shape.
+    Inputs named in ``optional`` (ones no output needs) may be left out; they are then absent
+    from the result.
     """
     if not isinstance(arrays, Mapping):
         raise RlxTypeError(f"inputs must be a mapping of name -> array, got {type(arrays).__name__}")
@@ -33,14 +37,14 @@ def bind_inputs(graph: Graph, arrays: Mapping[str, object]) -> dict[str, np.ndar
         raise RlxKeyError(
             f"graph {graph.name!r} has no input named {unknown[0]!r}; expected inputs: {_names(declared)}"
         )
-    missing = [name for name in declared if name not in arrays]
+    missing = [name for name in declared if name not in arrays and name not in optional]
     if missing:
         raise RlxKeyError(
             f"graph {graph.name!r}: missing input {missing[0]!r}"
             f"{' (and ' + ', '.join(map(repr, missing[1:])) + ')' if len(missing) > 1 else ''}; "
             f"expected inputs: {_names(declared)}"
         )
-    return {name: _check_array(name, arrays[name], value.type) for name, value in declared.items()}
+    return {name: _check_array(name, arrays[name], value.type) for name, value in declared.items() if name in arrays}
 
 
 def _names(declared: Mapping[str, object]) -> str:
@@ -50,6 +54,11 @@ def _names(declared: Mapping[str, object]) -> str:
 def _check_array(name: str, obj: object, expected: TensorType) -> np.ndarray:
     """One input: convert, then check dtype and shape, then make the memory safe to hand out."""
     array = obj if isinstance(obj, np.ndarray) else _to_array(name, obj)
+    if isinstance(obj, (list, tuple)) and array.dtype != expected.dtype:
+        raise RlxTypeError(
+            f"input {name!r}: got a Python {type(obj).__name__}, which NumPy reads as {array.dtype}; pass an "
+            f"array of dtype {expected.dtype}, e.g. np.asarray(values, dtype=np.{expected.dtype})"
+        )
     if array.dtype != expected.dtype:
         array = _native_byte_order(name, array, expected)
     if array.shape != expected.shape:

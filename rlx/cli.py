@@ -29,6 +29,15 @@ def run_opt(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     text = sys.stdin.read() if args.file == "-" else _read(args.file)
     graph = parse(text)
     timings: dict[str, float] = {}
+    if args.passes is None:
+        args.passes = []
+        print(
+            "rlx opt: no -p given: ran no passes, the graph is printed as parsed "
+            f"(-p default runs the default pipeline, {','.join(rlx.passes.DEFAULT_PIPELINE)})",
+            file=err,
+        )
+    elif args.passes == ["default"]:
+        args.passes = list(rlx.passes.DEFAULT_PIPELINE)
     rlx.passes.run(graph, args.passes, print_after_all=err if args.print_after_all else False, timings=timings)
     if args.timings:
         print_timings(timings, err)
@@ -231,6 +240,7 @@ class CliError(RlxError):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlx", description="Graph-IR compiler for ML models.")
+    parser.add_argument("--version", action="version", version=f"rlx {rlx.__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     opt = commands.add_parser("opt", help="run passes on a textual-IR file and print the result")
@@ -239,8 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
         "-p",
         "--passes",
         type=_pass_list,
-        default=[],
-        help=f"comma-separated passes, from: {', '.join(rlx.passes.PASSES)}",
+        default=None,
+        help=f"comma-separated passes, from: {', '.join(rlx.passes.PASSES)}; or 'default' for the default "
+        f"pipeline ({','.join(rlx.passes.DEFAULT_PIPELINE)}). Without -p no pass runs (and stderr says so)",
     )
     opt.add_argument("--print-after-all", action="store_true", help="print the IR after each pass that changed it")
     opt.add_argument("--timings", action="store_true", help="print the time each pass took")
@@ -264,8 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seq", type=_positive, default=None, help="sequence length (default 512; LM 64)")
     demo.add_argument("--dim", type=_positive, default=64, help="attention head dim (default 64)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    demo.add_argument("--samples", type=_positive, default=4, help="finite-difference entries per gradient")
-    demo.add_argument("--repeat", type=_positive, default=9, help="timed calls of each executable")
+    demo.add_argument(
+        "--samples", type=_positive, default=4, help="finite-difference entries checked per gradient (default 4)"
+    )
+    demo.add_argument("--repeat", type=_positive, default=9, help="timed calls of each executable (default 9)")
     return parser
 
 

@@ -9,6 +9,8 @@ any pointer reaches native code, then makes ONE native call that releases the GI
 from __future__ import annotations
 
 import ctypes
+import os
+import pickle
 import threading
 import time
 from collections import OrderedDict
@@ -19,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from rlx.bind import bind_inputs, check_index_inputs, index_bounds
-from rlx.codegen.jit import CompiledLibrary, compile_ir
+from rlx.codegen.jit import CompiledLibrary, cache_key, compile_ir
 from rlx.codegen.lower import CallData, CodegenOptions, lower_graph, scratch_bytes
 from rlx.codegen.memory_plan import MemoryPlan, plan_memory, random_topological_order
 from rlx.codegen.schedule import Schedule, build_schedule, inline_values
@@ -62,10 +64,16 @@ class Program:
     call_data: tuple[CallData, ...] = ()  # per-call block maps, written into the arena
     call_data_offset: int = 0
     arena_bytes: int = 0  # arena proper plus call data (plus timings in a profiling build)
+    unused_inputs: frozenset[str] = frozenset()  # declared inputs no output needs: optional at call time
+    source: str = ""  # the graph as given, for pickling
+    pass_names: tuple[str, ...] | None = None
+    options: CodegenOptions = field(default_factory=CodegenOptions)
 
 
 _cache: OrderedDict[tuple, Program] = OrderedDict()
 _cache_lock = threading.Lock()
+_prebuilt: dict[str, bytes] = {}  # machine code an unpickled executable brought along, by IR key
+_prebuilt_lock = threading.Lock()
 
 
 def default_pipeline() -> list[str]:
@@ -189,7 +197,7 @@ def _build(
     times: dict[str, float] = {}
     lowered = _lower(graph, pass_names, config, threads, options, times)
     working, plan, schedule, llvm_ir, bounds = lowered[:5]
-    library = compile_ir(llvm_ir)
+    library = compile_ir(llvm_ir, _prebuilt)
     times["llvm_optimize"] = library.times["llvm_optimize"]
     times["machine_code"] = library.times["machine_code"] + library.times["link"]
     times["disk_cache_hit"] = library.times["disk_cache_hit"]
@@ -214,6 +222,10 @@ def _build(
         lowered.call_data,
         lowered.call_data_offset,
         arena_bytes,
+        _unused_inputs(working),
+        str(graph),
+        pass_names,
+        options,
     )
 
 
@@ -268,14 +280,20 @@ class Executable:
         nanoseconds = np.frombuffer(arena, dtype=np.int64, count=len(program.kernels), offset=offset)
         return [(info, float(ns) * 1e-9) for info, ns in zip(program.kernels, nanoseconds, strict=True)]
 
-    def __call__(self, **arrays: object) -> dict[str, np.ndarray]:
+    def __call__(self, *args: object, **arrays: object) -> dict[str, np.ndarray]:
         program = self._program
-        bound = bind_inputs(program.graph, arrays)
+        if args:
+            names = ", ".join(f"{name}=..." for name in program.graph.inputs)
+            raise RlxTypeError(
+                f"{len(args)} positional argument(s): pass the inputs by name, exe({names}) (or exe(**arrays))"
+            )
+        bound = bind_inputs(program.graph, arrays, program.unused_inputs)
         check_index_inputs(program.graph, bound, program.index_bounds)  # before native code reads with ids
         plan = program.plan
-        # Buffer slots in entry order: the inputs (bind_inputs keeps declaration order), then a
-        # fresh array per output slot.
-        buffers = list(bound.values())
+        # Buffer slots in entry order: the inputs (declaration order; one no output needs and that
+        # was left out gets a placeholder nothing reads), then a fresh array per output slot.
+        declared = list(program.graph.inputs)
+        buffers = [bound.get(name, _PLACEHOLDER) for name in declared]
         for name in plan.buffer_names[len(buffers) :]:
             shape, dtype = program.output_types[name]
             buffers.append(np.empty(shape, dtype=dtype))
@@ -299,6 +317,22 @@ class Executable:
         offset = (-arena.ctypes.data) % 64
         return arena[offset : offset + max(nbytes, 1)]
 
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        """Pickles as the graph, its passes and config, and the machine code: loading links that
+        code again (if this CPU made it) instead of compiling."""
+        program = self._program
+        library = program.library
+        return (
+            _restore,
+            (program.source, program.pass_names, program.config, program.options, cache_key(library.llvm_ir),
+             library.object_code),
+        )  # fmt: skip
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write this executable to ``path``; ``rlx.load(path)`` reads it back in any process."""
+        with open(path, "wb") as file:
+            pickle.dump(self, file, protocol=pickle.HIGHEST_PROTOCOL)
+
     def __repr__(self) -> str:
         outputs = ", ".join(self._program.output_types)
         return f"<rlx.Executable {self._program.graph.name!r} -> {outputs}; {self.threads} threads>"
@@ -307,6 +341,46 @@ class Executable:
         lines = [f"{self!r}", f"  {len(self._program.kernels)} kernels for {len(self.graph)} nodes:"]
         lines += [f"  {i:3d}  {info}" for i, info in enumerate(self._program.kernels)]
         return "\n".join(lines)
+
+
+_PLACEHOLDER = np.zeros(16, dtype=np.float32)  # the buffer of an input no output reads
+
+
+def _unused_inputs(graph: Graph) -> frozenset[str]:
+    """Inputs of the compiled graph that nothing reads and no output is."""
+    outputs = set(graph.outputs.values())
+    return frozenset(
+        name for name, value in graph.inputs.items() if not graph.users(value.node) and value not in outputs
+    )
+
+
+def _restore(
+    source: str,
+    pass_names: tuple[str, ...] | None,
+    config: RuntimeConfig,
+    options: CodegenOptions,
+    key: str,
+    object_code: bytes,
+) -> Executable:
+    """Unpickle: parse, lower, and link the saved machine code when it was made for this IR and CPU."""
+    from rlx.ir.parser import parse
+
+    graph = parse(source)
+    with _prebuilt_lock:
+        _prebuilt[key] = object_code
+        try:
+            return compile_graph(graph, passes=pass_names, config=config, options=options)
+        finally:
+            _prebuilt.pop(key, None)
+
+
+def load(path: str | os.PathLike[str]) -> Executable:
+    """Read an executable written by ``exe.save(path)`` (or pickled): no recompilation on the same CPU."""
+    with open(path, "rb") as file:
+        loaded = pickle.load(file)
+    if not isinstance(loaded, Executable):
+        raise RlxTypeError(f"{path} holds a {type(loaded).__name__}, not an rlx executable")
+    return loaded
 
 
 def emit_llvm_ir(graph: Graph, passes: Sequence[str] | None = None, config: RuntimeConfig | None = None) -> str:

@@ -16,6 +16,7 @@ import itertools
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -157,11 +158,17 @@ def _optimized_module(llvm_ir: str) -> llvm.ModuleRef:
     return module
 
 
-def compile_ir(llvm_ir: str) -> CompiledLibrary:
-    """Optimise and compile ``llvm_ir`` for this CPU and link it; times each stage."""
+def compile_ir(llvm_ir: str, prebuilt: Mapping[str, bytes] | None = None) -> CompiledLibrary:
+    """Optimise and compile ``llvm_ir`` for this CPU and link it; times each stage.
+
+    ``prebuilt`` maps IR keys (:func:`cache_key`) to object code already made for them (an
+    unpickled executable's); like a disk-cache hit, it is linked without compiling.
+    """
     key = cache_key(llvm_ir)
     cache_dir = disk_cache_dir()
-    cached = _read_cache(cache_dir, key)
+    cached = prebuilt.get(key) if prebuilt else None
+    if cached is None:
+        cached = _read_cache(cache_dir, key)
     if cached is not None:
         try:
             return _load(cached, llvm_ir, None, {"llvm_optimize": 0.0, "machine_code": 0.0, "disk_cache_hit": 1.0})

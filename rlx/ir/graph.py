@@ -470,6 +470,10 @@ class Graph:
         if self._nodes.get(value.node.id) is not value.node:
             raise RlxValueError(
                 f"{what} belongs to graph {value.node.graph.name!r}, not to graph {self.name!r}"
+                if value.node.graph.name != self.name
+                else f"{what} belongs to graph {self.name!r}, but to another graph of that name than this one "
+                "(a g.copy() of it, for instance: values of a copy cannot be used in the original; look them "
+                "up in the graph you build, e.g. g.inputs[name])"
                 if value.node.graph is not self
                 else f"{what} is an output of node {value.node.id}, which was erased"
             )
