@@ -44,7 +44,40 @@ def bind_inputs(
             f"{' (and ' + ', '.join(map(repr, missing[1:])) + ')' if len(missing) > 1 else ''}; "
             f"expected inputs: {_names(declared)}"
         )
-    return {name: _check_array(name, arrays[name], value.type) for name, value in declared.items() if name in arrays}
+    bound = {}
+    for name, value in declared.items():
+        if name in arrays:
+            _check_layout(graph, name, value, arrays[name])
+            bound[name] = _check_array(name, arrays[name], value.type)
+    return bound
+
+
+_LAYOUT_AXES = {"bshd": "[B, S, H, D]", "bhsd": "[B, H, S, D]"}
+
+
+def _check_layout(graph: Graph, name: str, value: Value, obj: object) -> None:
+    """An attention operand given in the other layout: name both layouts and the shape expected.
+
+    Only when the shapes tell them apart (H != S); otherwise the data cannot say which it is.
+    """
+    shape = getattr(obj, "shape", None)
+    expected = value.type.shape
+    if shape is None or len(expected) != 4 or tuple(shape) == expected:
+        return
+    swapped = (expected[0], expected[2], expected[1], expected[3])
+    if tuple(shape) != swapped:
+        return
+    layouts = {str(getattr(user.attrs, "layout", "")) for user in graph.users(value.node)} & set(_LAYOUT_AXES)
+    if len(layouts) != 1:
+        return
+    (layout,) = layouts
+    other = "bhsd" if layout == "bshd" else "bshd"
+    raise RlxValueError(
+        f"input {name!r}: got shape {tuple(shape)}, which is this input in layout {other.upper()} "
+        f"{_LAYOUT_AXES[other]}; the graph's attention uses layout {layout.upper()} {_LAYOUT_AXES[layout]}, "
+        f"so it expects shape {expected} (transpose axes 1 and 2, or build the graph with "
+        f"layout=Layout.{other.upper()})"
+    )
 
 
 def _names(declared: Mapping[str, object]) -> str:

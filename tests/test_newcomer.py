@@ -139,3 +139,18 @@ def test_pickle_and_save_load_in_a_fresh_process(tmp_path: Path) -> None:
     (tmp_path / "not.rlx").write_bytes(pickle.dumps([1, 2]))
     with pytest.raises(rlx.RlxTypeError, match="not an rlx executable"):
         rlx.load(tmp_path / "not.rlx")
+
+
+@pytest.mark.parametrize(("layout", "given"), [(rlx.Layout.BSHD, (1, 2, 8, 4)), (rlx.Layout.BHSD, (1, 8, 2, 4))])
+def test_the_other_layout_is_named(layout: rlx.Layout, given: tuple[int, ...]) -> None:
+    g = Graph()
+    shape = layout.join(1, 8, 2, 4)
+    q, k, v = (g.input(n, shape) for n in "qkv")
+    g.output(o=g.attention(q, k, v, layout=layout))
+    arrays = {n: np.ones(shape, np.float32) for n in "qkv"}
+    arrays["q"] = np.ones(given, np.float32)
+    with pytest.raises(rlx.RlxValueError, match=r"layout BHSD.*layout BSHD|layout BSHD.*layout BHSD") as info:
+        rlx.compile(g)(**arrays)
+    assert str(shape) in str(info.value)
+    with pytest.raises(rlx.RlxValueError, match="layout"):
+        rlx.reference.run(g, **arrays)

@@ -12,6 +12,10 @@ def test_readme_tutorial_runs() -> None:
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S)
     assert len(blocks) >= 3, "the README tutorial lost its code blocks"
     namespace: dict[str, object] = {}
+    try:
+        import torch  # noqa: F401 - the rlx.torch blocks run only where torch is installed
+    except ImportError:
+        blocks = [block for block in blocks if "import rlx.torch" not in block]
     for block in blocks:
         exec(compile(block, str(README), "exec"), namespace)
     assert "exe" in namespace and "expected" in namespace
