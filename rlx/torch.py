@@ -266,6 +266,7 @@ def _plan(
 
 
 _plans: dict[str, tuple[Executable, dict[tuple[bool, bool], Executable]]] = {}
+_sdpa_plans: dict[tuple[Any, ...], _Plan] = {}  # SDPA calls by shapes and mask kind: no tracing
 _plans_lock = threading.Lock()
 
 
@@ -405,6 +406,17 @@ def scaled_dot_product_attention(
         )
     if is_causal and attn_mask is not None:
         raise RlxValueError("scaled_dot_product_attention: give attn_mask or is_causal, not both (as torch)")
+    # SDPA's mods are fixed by the arguments' shapes and kinds, so a traced plan is reused without
+    # tracing again: only the mask tensor (the one captured value) changes between calls.
+    mask_kind = None if attn_mask is None else (tuple(attn_mask.shape), attn_mask.dtype)
+    plan_key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), is_causal, scale, mask_kind)
+    cached = _sdpa_plans.get(plan_key)
+    if cached is not None:
+        captured = [] if attn_mask is None else [_check_tensor(attn_mask, "attn_mask", kinds="any")]
+        captured = [c.reshape((1,) * (4 - c.ndim) + tuple(c.shape)) for c in captured]
+        plan = _Plan(cached.graph, cached.forward, captured, cached.backward_exe)
+        out, _ = _FlexFunction.apply(plan, q, k, v, *captured)
+        return out
     score_mod = mask_mod = None
     if is_causal:
         mask_mod = _mods.causal
@@ -426,9 +438,11 @@ def scaled_dot_product_attention(
             score_mod = _indexed(full, lambda value, score, b, h, q_idx, kv_idx: score + value, with_score=True)
         else:
             raise RlxTypeError(f"scaled_dot_product_attention: attn_mask must be bool or float, got {mask.dtype}")
-    result = flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, scale=scale, enable_gqa=enable_gqa)
-    assert isinstance(result, torch.Tensor)
-    return result
+    plan = _plan(q, k, v, score_mod, mask_mod, scale)
+    with _plans_lock:
+        _sdpa_plans[plan_key] = plan
+    out, _ = _FlexFunction.apply(plan, q, k, v, *plan.captured)
+    return out
 
 
 def _indexed(mask: torch.Tensor, combine: Callable[..., Any], with_score: bool = False) -> Callable[..., Any]:
