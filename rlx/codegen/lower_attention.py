@@ -94,7 +94,10 @@ class AttentionKernelSpec:
         return -(-raw // per_line) * per_line
 
     def scratch_bytes(self) -> int:
-        """Per-thread scratch: the P strip, plus the dP/dS strip when dQ or dK are wanted."""
+        """Per-thread scratch: the P strip, plus the dP/dS strip when dQ or dK are wanted; the
+        forward keeps one reciprocal row sum per strip row instead."""
+        if self.grads is None:
+            return self.strip_floats() * 4 + -(-self.block_q // 16) * 64
         return self.strip_floats() * 4 * (2 if self.needs_dp else 1)
 
 
@@ -202,10 +205,19 @@ class AttentionLowering:
         with for_range(b, 0, n_strips, "strip") as strip:
             i0 = b.mul(strip, i64(spec.block_q), name="i0")
             rows = smin(b, i64(spec.block_q), b.sub(i64(dims.seq_q), i0), name="rows")
-            keys = b.call(self._softmax_function(), [heads["q"], heads["k"], mask_base, strip_s, i0, rows], name="keys")
+            forward = spec.grads is None
+            # The forward leaves rows as exp(s - m) and scales out rows by 1/sum after P·V (Dv
+            # floats a row instead of nk); the backward needs P itself.
+            inverse = gep_f32(b, strip_s, spec.strip_floats(), name="inv.sums") if forward else ir.Constant(PTR, None)
+            keys = b.call(
+                self._softmax_function(normalise=not forward),
+                [heads["q"], heads["k"], mask_base, strip_s, i0, rows, inverse],
+                name="keys",
+            )
             ks, nk = b.extract_value(keys, 0, name="ks"), b.extract_value(keys, 1, name="nk")
-            if spec.grads is None:
+            if forward:
                 self._forward_gemm(b, heads, i0, rows, ks, nk, strip_s)
+                self._scale_rows(b, heads, i0, rows, inverse)
             else:
                 self._backward_gemms(b, heads, i0, rows, ks, nk, strip_s, strip_dp, mask_base)
 
@@ -292,7 +304,24 @@ class AttentionLowering:
 
     # ------------------------------------------------------------------ softmax
 
-    def _softmax_function(self) -> ir.Function:
+    def _scale_rows(
+        self, b: ir.IRBuilder, heads: dict[str, ir.Value], i0: ir.Value, rows: ir.Value, inverse: ir.Value
+    ) -> None:
+        """``out[i0 + r] *= inverse[r]``: the forward's deferred softmax normalisation."""
+        ldo, width = self._ld("out"), self.spec.dims.value_dim
+        out = gep_f32(b, heads["out"], b.mul(i0, i64(ldo)), name="out.strip")
+        with for_range(b, 0, rows, "scale") as r:
+            row = gep_f32(b, out, b.mul(r, i64(ldo)))
+            factor = b.load(gep_f32(b, inverse, r), typ=F32, name="inv")
+            vector_loop(
+                b,
+                i64(0),
+                i64(width),
+                "scale.row",
+                lambda b, j, lanes: lanes.store(b, b.fmul(lanes.load(b, row, j), lanes.splat(b, factor)), row, j),
+            )
+
+    def _softmax_function(self, normalise: bool = True) -> ir.Function:
         """``{ks, nk} = scores_softmax(q_head, k_head, mask_base, strip, i0, rows)``: GEMM 1, mask and
         softmax of one strip, returning the keys ``[ks, ks + nk)`` it used.
 
@@ -302,18 +331,19 @@ class AttentionLowering:
         dims = self.spec.dims
         mask_name = str(self.spec.mask).replace("(", "").replace(")", "")
         shape = f"q{dims.seq_q}.k{dims.seq_k}.h{dims.heads}.kv{dims.kv_heads}.d{dims.head_dim}"
-        name = f"scores_softmax.{mask_name}.{self.spec.layout}.{shape}"
+        name = f"scores_softmax.{mask_name}.{self.spec.layout}.{shape}{'' if normalise else '.unnormalised'}"
         existing = self.module.globals.get(name)
         if existing is not None:
             return existing  # type: ignore[return-value]
         keys_type = ir.LiteralStructType([I64, I64])
-        fn = ir.Function(self.module, ir.FunctionType(keys_type, [PTR, PTR, PTR, PTR, I64, I64]), name=name)
+        fn = ir.Function(self.module, ir.FunctionType(keys_type, [PTR, PTR, PTR, PTR, I64, I64, PTR]), name=name)
         fn.linkage = "internal"
-        q_head, k_head, mask_base, strip, i0, rows = fn.args
-        for arg, arg_name in zip(fn.args, ("q.head", "k.head", "mask.base", "strip", "i0", "rows"), strict=True):
+        q_head, k_head, mask_base, strip, i0, rows, inverse = fn.args
+        names = ("q.head", "k.head", "mask.base", "strip", "i0", "rows", "inverse")
+        for arg, arg_name in zip(fn.args, names, strict=True):
             arg.name = arg_name
         b = ir.IRBuilder(fn.append_basic_block("entry"))
-        ks, nk = self._scores_and_softmax(b, q_head, k_head, mask_base, strip, i0, rows)
+        ks, nk = self._scores_and_softmax(b, q_head, k_head, mask_base, strip, i0, rows, None if normalise else inverse)
         keys = b.insert_value(ir.Constant(keys_type, ir.Undefined), ks, 0)
         b.ret(b.insert_value(keys, nk, 1))
         return fn
@@ -327,6 +357,7 @@ class AttentionLowering:
         strip: ir.Value,
         i0: ir.Value,
         rows: ir.Value,
+        inverse: ir.Value | None = None,
     ) -> tuple[ir.Value, ir.Value]:
         spec, dims = self.spec, self.spec.dims
         ldq, ldk = self._ld("q"), self._ld("k")
@@ -348,7 +379,7 @@ class AttentionLowering:
         self._sgemm(
             b, NO_TRANS, TRANS, rows, nk, i64(dims.head_dim), spec.scale, q_strip, ldq, k_vis, ldk, 0.0, strip, nk
         )
-        needs_all_keys = self._mask_softmax_rows(b, strip, i0, rows, ks, nk, mask_base)
+        needs_all_keys = self._mask_softmax_rows(b, strip, i0, rows, ks, nk, mask_base, inverse)
         partial = b.icmp_signed("<", nk, i64(dims.seq_k), name="partial")
         b.cbranch(b.and_(partial, needs_all_keys, name="redo"), retry, after)
         b.position_at_end(retry)
@@ -365,8 +396,12 @@ class AttentionLowering:
         ks: ir.Value,
         nk: ir.Value,
         mask_base: ir.Value,
+        inverse: ir.Value | None,
     ) -> ir.Value:
-        """Mask and softmax every row of the strip in place; true if a skipped key could matter."""
+        """Mask and softmax every row of the strip in place; true if a skipped key could matter.
+
+        With ``inverse``, rows stay ``exp(s - m)`` and ``inverse[r]`` gets ``1/sum``.
+        """
         mask, neg = self.spec.mask, self.spec.neg
         flag = alloca_entry(b, I1, "needs.all.keys")
         b.store(ir.Constant(I1, 0), flag)
@@ -392,7 +427,7 @@ class AttentionLowering:
             if mask.is_causal_like and math.isfinite(neg):
                 matters = b.fcmp_ordered(">", b.fsub(self.neg, m), f32(SKIP_MARGIN), name="hidden.matters")
                 b.store(b.or_(b.load(flag, typ=I1), matters), flag)
-            self._exp_normalise(b, row, nk, m)
+            self._exp_normalise(b, row, nk, m, None if inverse is None else gep_f32(b, inverse, r))
         return b.load(flag, typ=I1, name="needs.all")
 
     def _masked_score(
@@ -413,11 +448,16 @@ class AttentionLowering:
             lanes.store(b, score, row, j)
         return score
 
-    def _exp_normalise(self, b: ir.IRBuilder, row: ir.Value, nk: ir.Value, m: ir.Value) -> None:
-        """``row = exp(row - m) / sum``; a row whose max is -inf (all hidden by -inf) becomes 0."""
+    def _exp_normalise(
+        self, b: ir.IRBuilder, row: ir.Value, nk: ir.Value, m: ir.Value, inverse: ir.Value | None
+    ) -> None:
+        """``row = exp(row - m) / sum`` (or, with ``inverse``, ``exp(row - m)`` and ``*inverse = 1/sum``);
+        a row whose max is -inf (all hidden by -inf) becomes 0."""
         with b.if_else(b.fcmp_ordered("==", m, f32(-math.inf), name="all.hidden")) as (empty, normal):
             with empty:
                 vector_fill(b, row, i64(0), nk, 0.0, "zero.row")
+                if inverse is not None:
+                    b.store(f32(0.0), inverse)
             with normal:
 
                 def exp_term(b: ir.IRBuilder, j: ir.Value, lanes: Lanes) -> ir.Value:
@@ -427,6 +467,9 @@ class AttentionLowering:
 
                 total = vector_reduce(b, i64(0), nk, "row.sum", "add", exp_term)
                 inv = b.fdiv(f32(1.0), total, name="inv.sum")
+                if inverse is not None:
+                    b.store(inv, inverse)
+                    return
                 vector_loop(
                     b,
                     i64(0),

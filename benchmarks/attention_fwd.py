@@ -1,0 +1,173 @@
+"""Attention forward: rlx (fixed mask, and the programmable kernel returning LSE) vs torch SDPA forward.
+
+The cases of ``benchmarks/attention_bwd.py`` (B, H, S, D; no mask or causal), float32, 2 threads,
+calls interleaved in one process, medians. Each rlx time is also given as a fraction of the sgemm
+rate of rlx's OpenBLAS measured in the same run (FLOPs: 2 GEMMs of 2·S·S·D per head, halved for
+causal), the figure that travels between machines.
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/attention_fwd.py [--quick]
+
+Writes ``benchmarks/results/attention_fwd.json``. torch is needed for its column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import _harness as h  # noqa: E402
+
+import rlx  # noqa: E402
+from rlx import Graph, Layout, MaskKind  # noqa: E402
+
+DEFAULT_JSON = REPO / "benchmarks" / "results" / "attention_fwd.json"
+TARGET_TORCH = 2.0
+TARGET_SGEMM = 0.70
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int
+    heads: int
+    seq: int
+    dim: int
+    causal: bool
+
+    @property
+    def label(self) -> str:
+        return f"B{self.batch} H{self.heads} S{self.seq} D{self.dim} {'causal' if self.causal else 'none'}"
+
+    @property
+    def flops(self) -> float:
+        full = 4.0 * self.batch * self.heads * self.seq * self.seq * self.dim
+        return full / 2 if self.causal else full
+
+
+CASES = (
+    Case(8, 12, 128, 64, False),
+    Case(4, 8, 512, 64, False),
+    Case(4, 8, 512, 64, True),
+    Case(2, 8, 1024, 64, True),
+    Case(2, 6, 768, 128, False),
+)
+
+
+class Call:
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def setup(self) -> None:
+        pass
+
+    def run(self) -> Any:
+        return self.fn()
+
+
+def rlx_fixed(case: Case, arrays: dict[str, np.ndarray]) -> Call:
+    g = Graph("fwd")
+    q, k, v = (g.input(n, arrays[n].shape) for n in "qkv")
+    g.output(out=g.attention(q, k, v, mask=MaskKind.CAUSAL if case.causal else MaskKind.NONE, layout=Layout.BHSD))
+    exe = rlx.compile(g)
+    return Call(lambda: exe(**arrays))
+
+
+def rlx_flex(case: Case, arrays: dict[str, np.ndarray]) -> Call:
+    g = Graph("flex_fwd")
+    q, k, v = (g.input(n, arrays[n].shape) for n in "qkv")
+    mask_mod = rlx.mods.causal if case.causal else None
+    out, lse = g.attention(q, k, v, mask_mod=mask_mod, layout=Layout.BHSD, return_lse=True)
+    g.output(out=out, lse=lse)
+    exe = rlx.compile(g)
+    return Call(lambda: exe(**arrays))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="3 repetitions")
+    parser.add_argument("--repeat", type=int, default=11)
+    parser.add_argument("--gap", type=float, default=0.05)
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    args = parser.parse_args()
+    threads = rlx.RuntimeConfig().num_threads or h.core_count()
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+    except ImportError:
+        torch = None
+    repeat = 3 if args.quick else args.repeat
+    sgemm = h.measure_sgemm(h.RlxOpenBlas(), 2048, threads, 5, args.gap)
+    results = []
+    for case in CASES:
+        rng = np.random.default_rng(0)
+        shape = (case.batch, case.heads, case.seq, case.dim)
+        arrays = {n: rng.standard_normal(shape, dtype=np.float32) for n in "qkv"}
+        calls: dict[str, h.Timeable] = {"rlx": rlx_fixed(case, arrays), "rlx_flex_lse": rlx_flex(case, arrays)}
+        if torch is not None:
+            tq, tk, tv = (torch.from_numpy(arrays[n]) for n in "qkv")
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            calls["torch"] = Call(lambda tq=tq, tk=tk, tv=tv, c=case.causal, f=sdpa: f(tq, tk, tv, is_causal=c))
+            want = calls["torch"].run().numpy()
+            for name in ("rlx", "rlx_flex_lse"):
+                got = calls[name].run()["out"]
+                error = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+                if error > 1e-4:
+                    raise RuntimeError(f"{case.label}: {name} differs from torch by {error:.1e}")
+        samples = h.time_interleaved(calls, repeat, args.gap)
+        medians = {name: float(np.median(values)) for name, values in samples.items()}
+        results.append({"case": case.label, "flops": case.flops, "median_s": medians, "samples_s": samples})
+        print(f"  {case.label}: " + ", ".join(f"{n} {m * 1e3:.2f} ms" for n, m in medians.items()), flush=True)
+    again = h.measure_sgemm(h.RlxOpenBlas(), 2048, threads, 5, args.gap)
+    rate = max(sgemm.gflops_multi, again.gflops_multi)
+    rows = []
+    for r in results:
+        m = r["median_s"]
+        torch_s = m.get("torch")
+        rows.append([
+            r["case"],
+            f"{m['rlx'] * 1e3:.2f}",
+            f"{m['rlx_flex_lse'] * 1e3:.2f}",
+            f"{torch_s * 1e3:.2f}" if torch_s else "-",
+            f"{torch_s / m['rlx']:.2f}x" if torch_s else "-",
+            f"{torch_s / m['rlx_flex_lse']:.2f}x" if torch_s else "-",
+            f"{r['flops'] / m['rlx'] / 1e9 / rate:.0%}",
+            f"{r['flops'] / m['rlx_flex_lse'] / 1e9 / rate:.0%}",
+        ])  # fmt: skip
+    print(f"\nCPU: {h.cpu_model()}, {threads} threads; sgemm {rate:.0f} GFLOP/s (2048³, rlx's OpenBLAS)")
+    header = ["case", "rlx ms", "rlx flex+lse ms", "torch ms", "torch/rlx", "torch/flex", "rlx % sgemm", "flex % sgemm"]
+    print(h.markdown_table(header, rows))
+    summary: dict[str, Any] = {}
+    if torch is not None:
+        summary["geomean_torch_over_rlx"] = h.geomean(r["median_s"]["torch"] / r["median_s"]["rlx"] for r in results)
+        summary["geomean_torch_over_flex"] = h.geomean(
+            r["median_s"]["torch"] / r["median_s"]["rlx_flex_lse"] for r in results
+        )
+    summary["median_sgemm_fraction"] = float(
+        np.median([r["flops"] / r["median_s"]["rlx"] / 1e9 / rate for r in results])
+    )
+    summary["median_sgemm_fraction_flex"] = float(
+        np.median([r["flops"] / r["median_s"]["rlx_flex_lse"] / 1e9 / rate for r in results])
+    )
+    for key, value in summary.items():
+        target = TARGET_TORCH if "torch" in key else TARGET_SGEMM
+        print(f"{key}: {value:.2f} (target {target}: {'met' if value >= target else 'missed'})")
+    report = {"benchmark": "attention_fwd", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu": h.cpu_model(),
+              "threads": threads, "sgemm_gflops": rate, "git": h.git_revision(REPO), "cases": results, **summary}  # fmt: skip
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1, default=float))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
