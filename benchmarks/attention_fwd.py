@@ -161,8 +161,16 @@ def main() -> int:
     for key, value in summary.items():
         target = TARGET_TORCH if "torch" in key else TARGET_SGEMM
         print(f"{key}: {value:.2f} (target {target}: {'met' if value >= target else 'missed'})")
-    report = {"benchmark": "attention_fwd", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu": h.cpu_model(),
-              "threads": threads, "sgemm_gflops": rate, "git": h.git_revision(REPO), "cases": results, **summary}  # fmt: skip
+    report = {
+        "benchmark": "attention_fwd",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "cpu": h.cpu_model(),
+        "threads": threads,
+        "sgemm_gflops": rate,
+        "git": h.git_revision(REPO),
+        "cases": results,
+        **summary,
+    }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1, default=float))
     print(f"wrote {args.json}")

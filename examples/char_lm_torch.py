@@ -219,9 +219,8 @@ def main() -> int:
                 torch.save({"ddp": grads, "single": reference}, args.save_grads)
         return 0
     result = compare(args.data, args.steps, args.seed)
-    print(
-        f"\nloss after {args.steps} steps: rlx {result['losses']['rlx'][-1]:.4f}, torch {result['losses']['torch'][-1]:.4f}"
-    )
+    final = {label: losses[-1] for label, losses in result["losses"].items()}
+    print(f"\nloss after {args.steps} steps: rlx {final['rlx']:.4f}, torch {final['torch']:.4f}")
     print(f"max relative loss difference over the run: {result['max_rel_diff']:.2e}")
     for label, rate in result["tokens_per_s"].items():
         print(f"tokens/s with {label} attention: {rate:,.0f}")
