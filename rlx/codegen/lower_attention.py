@@ -210,7 +210,7 @@ class AttentionLowering:
             # floats a row instead of nk); the backward needs P itself.
             inverse = gep_f32(b, strip_s, spec.strip_floats(), name="inv.sums") if forward else ir.Constant(PTR, None)
             keys = b.call(
-                self._softmax_function(normalise=not forward),
+                self._softmax_function(),
                 [heads["q"], heads["k"], mask_base, strip_s, i0, rows, inverse],
                 name="keys",
             )
@@ -321,7 +321,7 @@ class AttentionLowering:
                 lambda b, j, lanes: lanes.store(b, b.fmul(lanes.load(b, row, j), lanes.splat(b, factor)), row, j),
             )
 
-    def _softmax_function(self, normalise: bool = True) -> ir.Function:
+    def _softmax_function(self) -> ir.Function:
         """``{ks, nk} = scores_softmax(q_head, k_head, mask_base, strip, i0, rows)``: GEMM 1, mask and
         softmax of one strip, returning the keys ``[ks, ks + nk)`` it used.
 
@@ -331,7 +331,7 @@ class AttentionLowering:
         dims = self.spec.dims
         mask_name = str(self.spec.mask).replace("(", "").replace(")", "")
         shape = f"q{dims.seq_q}.k{dims.seq_k}.h{dims.heads}.kv{dims.kv_heads}.d{dims.head_dim}"
-        name = f"scores_softmax.{mask_name}.{self.spec.layout}.{shape}{'' if normalise else '.unnormalised'}"
+        name = f"scores_softmax.{mask_name}.{self.spec.layout}.{shape}"
         existing = self.module.globals.get(name)
         if existing is not None:
             return existing  # type: ignore[return-value]
@@ -343,7 +343,7 @@ class AttentionLowering:
         for arg, arg_name in zip(fn.args, names, strict=True):
             arg.name = arg_name
         b = ir.IRBuilder(fn.append_basic_block("entry"))
-        ks, nk = self._scores_and_softmax(b, q_head, k_head, mask_base, strip, i0, rows, None if normalise else inverse)
+        ks, nk = self._scores_and_softmax(b, q_head, k_head, mask_base, strip, i0, rows, inverse)
         keys = b.insert_value(ir.Constant(keys_type, ir.Undefined), ks, 0)
         b.ret(b.insert_value(keys, nk, 1))
         return fn
@@ -400,7 +400,9 @@ class AttentionLowering:
     ) -> ir.Value:
         """Mask and softmax every row of the strip in place; true if a skipped key could matter.
 
-        With ``inverse``, rows stay ``exp(s - m)`` and ``inverse[r]`` gets ``1/sum``.
+        With a non-null ``inverse`` (the forward), rows stay ``exp(s - m)`` and ``inverse[r]`` gets
+        ``1/sum``; a null one (the backward, which needs P) normalises. One function serves both,
+        so a forward and its backward compile one copy.
         """
         mask, neg = self.spec.mask, self.spec.neg
         flag = alloca_entry(b, I1, "needs.all.keys")
@@ -427,7 +429,7 @@ class AttentionLowering:
             if mask.is_causal_like and math.isfinite(neg):
                 matters = b.fcmp_ordered(">", b.fsub(self.neg, m), f32(SKIP_MARGIN), name="hidden.matters")
                 b.store(b.or_(b.load(flag, typ=I1), matters), flag)
-            self._exp_normalise(b, row, nk, m, None if inverse is None else gep_f32(b, inverse, r))
+            self._exp_normalise(b, row, nk, m, inverse, r)
         return b.load(flag, typ=I1, name="needs.all")
 
     def _masked_score(
@@ -449,15 +451,22 @@ class AttentionLowering:
         return score
 
     def _exp_normalise(
-        self, b: ir.IRBuilder, row: ir.Value, nk: ir.Value, m: ir.Value, inverse: ir.Value | None
+        self, b: ir.IRBuilder, row: ir.Value, nk: ir.Value, m: ir.Value, inverse: ir.Value | None, r: ir.Value
     ) -> None:
-        """``row = exp(row - m) / sum`` (or, with ``inverse``, ``exp(row - m)`` and ``*inverse = 1/sum``);
-        a row whose max is -inf (all hidden by -inf) becomes 0."""
+        """``row = exp(row - m) / sum``, or with a non-null ``inverse`` ``exp(row - m)`` and
+        ``inverse[r] = 1/sum``; a row whose max is -inf (all hidden by -inf) becomes 0."""
+        deferred = (
+            ir.Constant(I1, 0)
+            if inverse is None
+            else b.icmp_unsigned("!=", inverse, ir.Constant(PTR, None), name="deferred")
+        )
+        slot = gep_f32(b, inverse, r) if inverse is not None else None
         with b.if_else(b.fcmp_ordered("==", m, f32(-math.inf), name="all.hidden")) as (empty, normal):
             with empty:
                 vector_fill(b, row, i64(0), nk, 0.0, "zero.row")
-                if inverse is not None:
-                    b.store(f32(0.0), inverse)
+                if slot is not None:
+                    with b.if_then(deferred):
+                        b.store(f32(0.0), slot)
             with normal:
 
                 def exp_term(b: ir.IRBuilder, j: ir.Value, lanes: Lanes) -> ir.Value:
@@ -467,16 +476,20 @@ class AttentionLowering:
 
                 total = vector_reduce(b, i64(0), nk, "row.sum", "add", exp_term)
                 inv = b.fdiv(f32(1.0), total, name="inv.sum")
-                if inverse is not None:
-                    b.store(inv, inverse)
-                    return
-                vector_loop(
-                    b,
-                    i64(0),
-                    nk,
-                    "normalise",
-                    lambda b, j, lanes: lanes.store(b, b.fmul(lanes.load(b, row, j), lanes.splat(b, inv)), row, j),
-                )
+                with b.if_else(deferred) as (later, now):
+                    with later:
+                        if slot is not None:
+                            b.store(inv, slot)
+                    with now:
+                        vector_loop(
+                            b,
+                            i64(0),
+                            nk,
+                            "normalise",
+                            lambda b, j, lanes: lanes.store(
+                                b, b.fmul(lanes.load(b, row, j), lanes.splat(b, inv)), row, j
+                            ),
+                        )
 
     def _softmax_backward_rows(
         self,
