@@ -72,8 +72,14 @@ class Program:
 
 _cache: OrderedDict[tuple, Program] = OrderedDict()
 _cache_lock = threading.Lock()
+_statistics = {"compiles": 0}  # graphs compiled (cache misses) in this process
 _prebuilt: dict[str, bytes] = {}  # machine code an unpickled executable brought along, by IR key
 _prebuilt_lock = threading.Lock()
+
+
+def compile_count() -> int:
+    """How many graphs this process has compiled (in-process cache hits not counted)."""
+    return _statistics["compiles"]
 
 
 def default_pipeline() -> list[str]:
@@ -113,6 +119,8 @@ def compile_graph(
             _cache.move_to_end(key)
     if program is None:
         program = _build(graph, pass_names, config, threads, options)
+        with _cache_lock:
+            _statistics["compiles"] += 1
         with _cache_lock:
             _cache[key] = program
             while len(_cache) > _CACHE_SIZE:
