@@ -64,9 +64,8 @@ def main() -> int:
         ["rlx.torch (second pass, cached)", f"{cached_step * 1e3:.3f}", str(compile_count() - before - compiles)],
         ["torch SDPA", f"{np.mean(timings['torch']) * 1e3:.3f}", "-"],
     ]
-    print(
-        f"CPU: {h.cpu_model()}; B{batch} H{heads} D{dim}, one query, Sk = 1..{args.steps}; max |rlx - torch| {worst:.1e}"
-    )
+    shape = f"B{batch} H{heads} D{dim}, one query, Sk = 1..{args.steps}"
+    print(f"CPU: {h.cpu_model()}; {shape}; max |rlx - torch| {worst:.1e}")
     print(h.markdown_table(["implementation", "mean ms per step", "compiles"], rows))
     report = {
         "steps": args.steps,
