@@ -60,13 +60,11 @@ def _check_tensor(tensor: object, name: str, kinds: str = "float") -> torch.Tens
 def _array(tensor: torch.Tensor) -> np.ndarray:
     """A float32 (or int/bool) NumPy view of a CPU tensor: no copy when it is contiguous float32."""
     x = tensor.detach()
-    if x.is_floating_point() and x.dtype != torch.float32:
-        x = x.float()
-    if x.dtype == torch.int32 or x.dtype == torch.int64 or x.dtype == torch.bool or x.dtype == torch.float32:
-        return x.contiguous().numpy()
-    if not x.is_floating_point():
-        return x.to(torch.int64).contiguous().numpy()
-    return x.float().contiguous().numpy()
+    if x.is_floating_point():
+        x = x.float()  # a no-op for float32; half precisions are computed in float32
+    elif x.dtype not in (torch.int32, torch.int64, torch.bool):
+        x = x.to(torch.int64)  # int8/int16/uint8 index tensors
+    return x.contiguous().numpy()  # contiguous() is a no-op (no copy) for contiguous tensors
 
 
 def _tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

@@ -14,7 +14,6 @@ call, from the bound arrays: the bound of ``doc[b, q_idx]`` over a tile is the m
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -149,8 +148,3 @@ def choose_blocks(seq_q: int, seq_k: int, needs_dp: bool) -> tuple[int, int]:
     target = max(16, min(128, budget // (4 * max(seq_k, 1) * buffers)))
     strips = -(-seq_q // target)
     return max(1, -(-seq_q // strips)), max(1, min(block_k, seq_k))
-
-
-def popcount_fraction(states: np.ndarray) -> float:
-    """Fraction of tiles that are computed (not EMPTY), for reports."""
-    return float(np.count_nonzero(states)) / max(1, states.size) if states.size else math.nan

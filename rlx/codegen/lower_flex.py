@@ -46,7 +46,7 @@ from rlx.codegen.irutil import (
 )
 from rlx.codegen.lower_attention import SCRATCH_ALIGN, declare_sgemm, emit_sgemm
 from rlx.codegen.region_emit import LaneValue, RegionEmitter, Tensor, lane_indices
-from rlx.codegen.vector import WIDTH, Lanes, fold_lanes, vector_fill, vector_loop, vector_reduce
+from rlx.codegen.vector import Lanes, fold_lanes, vector_fill, vector_loop, vector_reduce
 from rlx.ir.region import GradientRegion, Region
 from rlx.ir.types import Layout, TensorType, Wrt
 from rlx.ops.flex_attention import FlexDims
@@ -912,4 +912,4 @@ def _kind(ty: TensorType) -> str:
     return "f" if kind == "f" else "b" if kind == "b" else "i"
 
 
-__all__ = ["WIDTH", "FlexKernelSpec", "FlexLowering"]
+__all__ = ["FlexKernelSpec", "FlexLowering"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from llvmlite import ir
 
@@ -285,4 +284,4 @@ def lane_indices(b: ir.IRBuilder, start: ir.Value, width: int) -> ir.Value:
     return b.add(splat(b, start, width), steps)
 
 
-__all__: list[Any] = ["LaneValue", "RegionEmitter", "Tensor", "lane_indices"]
+__all__ = ["LaneValue", "RegionEmitter", "Tensor", "lane_indices"]
