@@ -207,7 +207,9 @@ class _Plan:
     def backward(self, tensor_grads: bool, lse_grad: bool) -> Executable:
         key = (tensor_grads, lse_grad)
         if key not in self.backward_exe:
-            self.backward_exe[key] = rlx.compile(_backward_graph(self.graph, tensor_grads, lse_grad))
+            self.backward_exe[key] = rlx.compile(
+                _backward_graph(self.graph, tensor_grads, lse_grad), config=_config_for(self.graph)
+            )
         return self.backward_exe[key]
 
 
@@ -268,13 +270,29 @@ _sdpa_plans: dict[tuple[Any, ...], _Plan] = {}  # SDPA calls by shapes and mask 
 _plans_lock = threading.Lock()
 
 
+SMALL_ATTENTION_FLOPS = 1 << 26
+"""Below this many FLOPs (~0.5 ms of one core) an attention call runs on the calling thread.
+
+Starting rlx's thread team costs tens of microseconds a call, and its threads then compete with
+torch's own intra-op pool, whose workers keep spinning after torch's ops: measured on the
+char-LM example (head dim 16, ~17 MFLOP a call), two threads made the run 1.5x slower than one.
+"""
+
+
+def _config_for(graph: Graph) -> rlx.RuntimeConfig | None:
+    """One thread for small attention calls (see :data:`SMALL_ATTENTION_FLOPS`), else rlx's default."""
+    q, k, v = (graph.inputs[name].shape for name in "qkv")
+    flops = 2.0 * q[0] * q[1] * q[2] * k[2] * (q[3] + v[3])
+    return rlx.RuntimeConfig(num_threads=1) if flops < SMALL_ATTENTION_FLOPS else None
+
+
 def _plan_cache(graph: Graph, captured: list[torch.Tensor]) -> _Plan:
     """One forward and its backwards per distinct traced graph (shapes, dtypes and mods)."""
     key = str(graph)
     with _plans_lock:
         found = _plans.get(key)
     if found is None:
-        found = (rlx.compile(graph), {})
+        found = (rlx.compile(graph, config=_config_for(graph)), {})
         with _plans_lock:
             _plans[key] = found
     return _Plan(graph, found[0], captured, found[1])
