@@ -11,8 +11,6 @@ from typing import TYPE_CHECKING, Any
 from rlx.config import RuntimeConfig
 from rlx.errors import RlxError, RlxKeyError, RlxTypeError, RlxValueError
 from rlx.ir import Graph, Layout, MaskKind, Node, OpKind, TensorType, Value, Wrt
-from rlx.merge import attention_merge
-from rlx.mods import abs, exp, log, maximum, minimum, sigmoid, sqrt, tanh, where
 
 __version__ = "0.1.0"
 
@@ -43,12 +41,19 @@ def load(path: str) -> Executable:
     return _load(path)
 
 
+_MOD_FUNCTIONS = ("abs", "exp", "log", "maximum", "minimum", "sigmoid", "sqrt", "tanh", "where")
+
+
 def __getattr__(name: str) -> Any:
     # Submodules load lazily so that `import rlx` stays cheap and llvmlite loads only to compile.
-    if name in ("passes", "reference", "codegen", "autodiff", "models", "mods"):
-        import importlib
+    import importlib
 
+    if name in ("passes", "reference", "codegen", "autodiff", "models", "mods"):
         return importlib.import_module(f"rlx.{name}")
+    if name in _MOD_FUNCTIONS:  # rlx.where, rlx.tanh, ...: the vocabulary of attention mods
+        return getattr(importlib.import_module("rlx.mods"), name)
+    if name == "attention_merge":
+        return importlib.import_module("rlx.merge").attention_merge
     raise AttributeError(f"module 'rlx' has no attribute {name!r}")
 
 

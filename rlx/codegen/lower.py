@@ -14,16 +14,15 @@ import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 from llvmlite import ir
 
-from rlx.codegen.block_map import TileGrid, choose_blocks, tile_states
 from rlx.codegen.fused import FusedEmitter, plan_chunking
 from rlx.codegen.irutil import I8, I64, PTR, VOID, alloca_entry, declare, gep, i64
 from rlx.codegen.jit import ENTRY
 from rlx.codegen.lower_attention import AttentionKernelSpec, AttentionLowering, choose_block_q
-from rlx.codegen.lower_flex import FlexKernelSpec, FlexLowering
 from rlx.codegen.lower_gemm import emit_gemm_item, gemm_spec
 from rlx.codegen.lower_scatter import emit_scatter_item
 from rlx.codegen.memory_plan import MemoryPlan
@@ -35,6 +34,9 @@ from rlx.ir.graph import Graph, Node, Value
 from rlx.ir.ops import AttentionAttrs, AttentionBwdAttrs, OpKind, attention_dims
 from rlx.ir.types import Wrt
 from rlx.ops.flex_attention import FlexAttentionBwdAttrs, bwd_operands, flex_dims, tensor_grad_layout
+
+if TYPE_CHECKING:
+    from rlx.codegen.lower_flex import FlexKernelSpec
 
 _INT32_MAX = 2**31 - 1
 
@@ -102,6 +104,10 @@ def flex_captured(node: Node) -> tuple[Value, ...]:
 
 def flex_spec(node: Node, options: CodegenOptions) -> FlexKernelSpec:
     """The kernel shape of a flex_attention / flex_attention_bwd node (its block map kind included)."""
+    # The flex modules load on first use: graphs without programmable attention never pay for them.
+    from rlx.codegen.block_map import TileGrid, choose_blocks
+    from rlx.codegen.lower_flex import FlexKernelSpec
+
     attrs = node.attrs
     backward = isinstance(attrs, FlexAttentionBwdAttrs)
     q, k, v = (x.type for x in node.inputs[:3])
@@ -133,6 +139,8 @@ def block_map_arrays(
     node: Node, bound: Mapping[str, np.ndarray] | None, options: CodegenOptions | None = None
 ) -> np.ndarray:
     """The node's tile states: from constants (and, per call, ``bound`` inputs); unknown tensors are bounded loosely."""
+    from rlx.codegen.block_map import tile_states
+
     spec = flex_spec(node, options or CodegenOptions())
     assert spec.mask_mod is not None
     tensors: list[np.ndarray | None] = []
@@ -269,6 +277,8 @@ class _Lowering:
             raise AssertionError(f"no lowering for {op}")
 
     def lower_flex(self, node: Node) -> None:
+        from rlx.codegen.lower_flex import FlexLowering
+
         spec = flex_spec(node, self.options)
         if spec.tensor_grads:  # partial gradient slices are accumulated into: zero them first
             partials = node.outputs[len(spec.grads.members) if spec.grads else 0 :]
