@@ -40,6 +40,7 @@ class _Tracer:
     what: str
     steps: list[RegionStep] = field(default_factory=list)
     captured: list[Value] = field(default_factory=list)
+    sizes: tuple[int, int] | None = None  # (Sq, Sk) of the node being built, for lower-right masks
 
     def emit(self, op: str, *args: Ref) -> Sym:
         self.steps.append(RegionStep(op, args))
@@ -300,15 +301,18 @@ def _holds_array(cell: types.CellType) -> bool:
         return False
 
 
-def trace(graph: Graph, fn: Callable[..., Any], kind: str, captured: list[Value]) -> Region:
+def trace(
+    graph: Graph, fn: Callable[..., Any], kind: str, captured: list[Value], sizes: tuple[int, int] | None = None
+) -> Region:
     """Trace ``fn`` (a score_mod if ``kind == "score_mod"``, else a mask_mod) into a region.
 
     ``captured`` is the node's list of captured values, shared by both mods; reads append to it.
+    ``sizes`` is the node's ``(Sq, Sk)``, which :func:`causal_lower_right` used as a mask reads.
     """
     what = f"attention {kind} {getattr(fn, '__name__', type(fn).__name__)!r}"
     if not callable(fn):
         raise RlxTypeError(f"attention: {kind} must be a function, got {type(fn).__name__}")
-    tracer = _Tracer(graph, what, captured=captured)
+    tracer = _Tracer(graph, what, captured=captured, sizes=sizes)
     names = ("score", "b", "h", "q_idx", "kv_idx") if kind == "score_mod" else ("b", "h", "q_idx", "kv_idx")
     args = [Sym(tracer, ("s", name)) for name in names]
     _check_arity(fn, len(args), what)
@@ -419,9 +423,22 @@ def causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
     return q_idx >= kv_idx
 
 
-def causal_lower_right(seq_q: int, seq_k: int) -> MaskMod:
-    """Causal aligned bottom-right: the last query sees the last key (``j <= i + Sk - Sq``)."""
-    offset = int(seq_k) - int(seq_q)
+def causal_lower_right(*args: Any) -> Any:
+    """Causal aligned bottom-right: the last query sees the last key (``j <= i + Sk - Sq``).
+
+    Use it as a mask directly (``mask_mod=rlx.mods.causal_lower_right``: Sq and Sk are the
+    attention's own), or make one for given sizes with ``causal_lower_right(Sq, Sk)``.
+    """
+    if len(args) == 4:  # called as a mask_mod on the symbols
+        _, _, q_idx, kv_idx = args
+        tracer = _tracer("rlx.mods.causal_lower_right")
+        if tracer.sizes is None:
+            raise RlxValueError("causal_lower_right needs the attention's sizes; use causal_lower_right(Sq, Sk)")
+        seq_q, seq_k = tracer.sizes
+        return q_idx + (seq_k - seq_q) >= kv_idx
+    if len(args) != 2:
+        raise RlxTypeError("causal_lower_right: use it as a mask_mod, or call causal_lower_right(Sq, Sk)")
+    offset = int(args[1]) - int(args[0])
 
     def causal_lower_right(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return q_idx + offset >= kv_idx

@@ -463,6 +463,10 @@ def _narrow_flex_bwd(graph: Graph, node: Node, used: list[Value]) -> None:
 # ----------------------------------------------------------------------------- builder
 
 
+def _is_rank4(*values: object) -> bool:
+    return all(len(getattr(value, "shape", ())) == 4 for value in values)
+
+
 def flex_attention(
     graph: Graph,
     q: Value,
@@ -496,7 +500,8 @@ def flex_attention(
         if mod is None or isinstance(mod, Region):
             regions.append(mod)
         else:
-            regions.append(trace(graph, mod, kind, tensors))
+            sizes = (layout.split(q.shape)[1], layout.split(k.shape)[1]) if _is_rank4(q, k) else None
+            regions.append(trace(graph, mod, kind, tensors, sizes))
     attrs = FlexAttentionAttrs(regions[0], regions[1], scale, layout)
     out, lse = graph.add_node(op_kind("flex_attention"), (q, k, v, *tensors), attrs).outputs
     return (out, lse) if return_lse else out

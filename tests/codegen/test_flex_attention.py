@@ -111,6 +111,8 @@ CASES = [
     Case("none"),
     Case("causal", mask_mod=lambda e: mods.causal),
     Case("causal-lower-right", mask_mod=lambda e: mods.causal_lower_right(23, 70), seq_q=23, seq_k=70),
+    Case("causal-lower-right-as-mask", mask_mod=lambda e: mods.causal_lower_right, seq_q=23, seq_k=70),
+    Case("causal-lower-right-sq-gt-sk", mask_mod=lambda e: mods.causal_lower_right, seq_q=40, seq_k=25),
     Case("sliding-window", mask_mod=lambda e: mods.sliding_window(9), seq_q=150, seq_k=150),
     Case("two-sided-window", mask_mod=lambda e: mods.sliding_window(5, 7), seq_q=90, seq_k=90),
     Case("prefix-lm", mask_mod=lambda e: mods.prefix_lm(11)),
