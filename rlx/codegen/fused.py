@@ -75,10 +75,10 @@ class Ix:
     level: int  # the deepest loop this index depends on (0: the row)
 
     def key(self) -> tuple[object, ...]:
-        # The Loop itself (hashed by identity), not id(loop): a finished loop's object can be freed
-        # and its id reused by the next loop, and a memo keyed on ids would then hand the vector
-        # loop's values to the scalar remainder loop. IR values stay alive in their function.
-        return (self.loop, self.add if isinstance(self.add, int) else id(self.add))
+        # The objects themselves (a Loop hashes by identity), never id(): a finished loop's object
+        # can be freed and its id reused by the next loop, and a memo keyed on ids would then hand
+        # the vector loop's values to the scalar remainder loop. Holding them keeps them alive.
+        return (self.loop, self.add)
 
 
 ZERO = Ix(None, 0, 0)
