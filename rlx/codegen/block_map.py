@@ -14,6 +14,7 @@ call, from the bound arrays: the bound of ``doc[b, q_idx]`` over a tile is the m
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -49,8 +50,9 @@ class TileGrid:
     def shape(self) -> tuple[int, int, int, int]:
         return (self.batch if self.by_batch else 1, self.heads if self.by_head else 1, self.strips, self.tiles)
 
+    @functools.cached_property
     def symbol_boxes(self) -> dict[str, Interval]:
-        """Each index symbol's ``(lo, hi)`` per tile, broadcastable to :attr:`shape`."""
+        """Each index symbol's ``(lo, hi)`` per tile, broadcastable to :attr:`shape` (computed once)."""
         bm, hm, ns, nk = self.shape
         q_lo = np.arange(ns, dtype=np.float64) * self.block_q
         q_hi = np.minimum(q_lo + self.block_q, self.seq_q) - 1
@@ -81,7 +83,7 @@ def tile_states(mask: Region, grid: TileGrid, tensors: Sequence[np.ndarray | Non
             tables[tensor] = _RangeTable(np.asarray(array, dtype=np.float64))
         return tables[tensor].bounds(index)
 
-    lo, hi = mask.bounds(grid.symbol_boxes(), read_bounds)[-1]
+    lo, hi = mask.bounds(grid.symbol_boxes, read_bounds)[-1]
     states = np.where(np.asarray(hi) == 0, EMPTY, np.where(np.asarray(lo) == 1, FULL, PARTIAL))
     return np.ascontiguousarray(np.broadcast_to(states, grid.shape), dtype=np.uint8)
 

@@ -139,12 +139,19 @@ def block_map_arrays(
     node: Node, bound: Mapping[str, np.ndarray] | None, options: CodegenOptions | None = None
 ) -> np.ndarray:
     """The node's tile states: from constants (and, per call, ``bound`` inputs); unknown tensors are bounded loosely."""
-    from rlx.codegen.block_map import tile_states
 
     spec = flex_spec(node, options or CodegenOptions())
+    return _tile_states(spec, flex_captured(node), bound)
+
+
+def _tile_states(
+    spec: FlexKernelSpec, captured: tuple[Value, ...], bound: Mapping[str, np.ndarray] | None
+) -> np.ndarray:
+    from rlx.codegen.block_map import tile_states
+
     assert spec.mask_mod is not None
     tensors: list[np.ndarray | None] = []
-    for value in flex_captured(node):
+    for value in captured:
         source = value.node
         if source.op is OpKind.CONSTANT:
             tensors.append(source.attrs.value.array)
@@ -155,8 +162,9 @@ def block_map_arrays(
     return tile_states(spec.mask_mod, spec.grid, tensors)
 
 
-def _per_call_map(node: Node, options: CodegenOptions, bound: Mapping[str, np.ndarray]) -> np.ndarray:
-    return block_map_arrays(node, bound, options)
+def _per_call_map(spec: FlexKernelSpec, captured: tuple[Value, ...], bound: Mapping[str, np.ndarray]) -> np.ndarray:
+    """A dynamic block map from one call's inputs (the kernel shape is worked out once, at compile time)."""
+    return _tile_states(spec, captured, bound)
 
 
 def scratch_bytes(node: Node, config: RuntimeConfig, options: CodegenOptions) -> int:
@@ -297,7 +305,11 @@ class _Lowering:
         if kind == "dynamic":
             nbytes = math.prod(flex_spec(node, self.options).grid.shape)
             offset = self.call_data_bytes
-            self.call_data.append(CallData(offset, nbytes, functools.partial(_per_call_map, node, self.options)))
+            self.call_data.append(
+                CallData(
+                    offset, nbytes, functools.partial(_per_call_map, flex_spec(node, self.options), flex_captured(node))
+                )
+            )
             self.call_data_bytes += -(-nbytes // 64) * 64
             return gep(self.b, self.arena, [i64(call_data_offset(self.plan) + offset)], I8, f"blockmap.{node.id}")
         return ir.Constant(PTR, None)
