@@ -406,3 +406,17 @@ def test_attention_merge_of_empty_rows() -> None:
     assert np.all(merged == 0) and np.all(np.isneginf(merged_lse))
     with pytest.raises(rlx.RlxValueError):
         rlx.attention_merge([(out, np.zeros((1, 1, 3)))])
+
+
+def test_nan_in_the_inputs_propagates_as_in_the_reference() -> None:
+    case = Case("nan", score_mod=_softcap, mask_mod=lambda e: mods.causal, seq_q=8, seq_k=8, heads=2, kv_heads=2)
+    g, _ = build(case)
+    arrays = inputs(g, case)
+    arrays["q"][0, 3, 1, 2] = np.nan
+    expected = rlx.reference.run(g, **arrays)
+    got = rlx.compile(g)(**arrays)
+    for name, want in expected.items():
+        np.testing.assert_array_equal(np.isnan(got[name]), np.isnan(want), err_msg=name)
+        finite = ~np.isnan(want)
+        np.testing.assert_allclose(got[name][finite], want[finite], rtol=2e-4, atol=2e-4, err_msg=name)
+    assert np.isnan(got["out"]).any()  # the row that read the NaN
