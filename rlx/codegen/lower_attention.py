@@ -240,14 +240,12 @@ class AttentionLowering:
     def _ld(self, slot: str) -> int:
         """Elements between consecutive rows of one head: the BLAS leading dimension."""
         _, heads, width = self._geometry(slot)
-        return heads * width if self.spec.layout is Layout.BSHD else width
+        return row_stride(self.spec.layout, heads, width)
 
     def _head_offset(self, b: ir.IRBuilder, batch: ir.Value, head: ir.Value, slot: str) -> ir.Value:
         """Element offset of row 0 of head (batch, head) of operand ``slot``."""
         seq, heads, width = self._geometry(slot)
-        if self.spec.layout is Layout.BSHD:  # ((b*S + s)*H + h)*W
-            return b.add(b.mul(batch, i64(seq * heads * width)), b.mul(head, i64(width)))
-        return b.mul(b.add(b.mul(batch, i64(heads)), head), i64(seq * width))  # ((b*H + h)*S + s)*W
+        return head_offset(b, self.spec.layout, batch, head, seq, heads, width)
 
     def _mask_base(self, b: ir.IRBuilder, mask: ir.Value | None, batch: ir.Value, head: ir.Value) -> ir.Value:
         """Key-padding row ``mask[b, :]`` (custom), bias plane ``bias[b, h, :, :]`` (bias), else null."""
@@ -261,13 +259,7 @@ class AttentionLowering:
 
     def _zero_rows(self, b: ir.IRBuilder, head: ir.Value, rows: int, slot: str) -> None:
         """Zero a head's rows before strips accumulate into them with beta = 1."""
-        stride, d = self._ld(slot), self._geometry(slot)[2]
-        if stride == d:  # contiguous head (BHSD): one memset
-            b.call(self.memset, [head, ir.Constant(I8, 0), i64(rows * d * 4), ir.Constant(I1, 0)])
-            return
-        with for_range(b, 0, rows, "zero") as row:
-            ptr = gep_f32(b, head, b.mul(row, i64(stride)))
-            b.call(self.memset, [ptr, ir.Constant(I8, 0), i64(d * 4), ir.Constant(I1, 0)])
+        zero_rows(b, self.memset, head, rows, self._ld(slot), self._geometry(slot)[2])
 
     # ------------------------------------------------------------------ masks
 
@@ -602,6 +594,34 @@ class AttentionLowering:
         ldc: int | ir.Value,
     ) -> None:
         emit_sgemm(b, self.sgemm, trans_a, trans_b, m, n, k, alpha, a, lda, b_mat, ldb, beta, c, ldc)
+
+
+def row_stride(layout: Layout, heads: int, width: int) -> int:
+    """Elements between consecutive rows of one head (the BLAS leading dimension): a head's rows
+    are ``H·W`` floats apart in BSHD and ``W`` apart in BHSD."""
+    return heads * width if layout is Layout.BSHD else width
+
+
+def head_offset(
+    b: ir.IRBuilder, layout: Layout, batch: ir.Value, head: ir.Value, seq: int, heads: int, width: int
+) -> ir.Value:
+    """Element offset of row 0 of head (batch, head) in a tensor of ``heads`` heads of ``seq`` rows."""
+    if layout is Layout.BSHD:  # ((b*S + s)*H + h)*W
+        return b.add(b.mul(batch, i64(seq * heads * width)), b.mul(head, i64(width)))
+    return b.mul(b.add(b.mul(batch, i64(heads)), head), i64(seq * width))  # ((b*H + h)*S + s)*W
+
+
+def zero_rows(
+    b: ir.IRBuilder, memset: ir.Function, base: ir.Value, rows: int | ir.Value, stride: int, width: int
+) -> None:
+    """``base[r*stride : r*stride + width] = 0`` for ``r < rows``: one memset when rows are contiguous."""
+    if stride == width:
+        nbytes = i64(rows * width * 4) if isinstance(rows, int) else b.mul(rows, i64(width * 4))
+        b.call(memset, [base, ir.Constant(I8, 0), nbytes, ir.Constant(I1, 0)])
+        return
+    with for_range(b, 0, rows, "zero") as row:
+        ptr = gep_f32(b, base, b.mul(row, i64(stride)))
+        b.call(memset, [ptr, ir.Constant(I8, 0), i64(width * 4), ir.Constant(I1, 0)])
 
 
 def declare_sgemm(module: ir.Module) -> ir.Function:

@@ -44,7 +44,14 @@ from rlx.codegen.irutil import (
     intrinsic,
     smin,
 )
-from rlx.codegen.lower_attention import SCRATCH_ALIGN, declare_sgemm, emit_sgemm
+from rlx.codegen.lower_attention import (
+    SCRATCH_ALIGN,
+    declare_sgemm,
+    emit_sgemm,
+    head_offset,
+    row_stride,
+    zero_rows,
+)
 from rlx.codegen.region_emit import LaneValue, RegionEmitter, Tensor, lane_indices
 from rlx.codegen.vector import Lanes, fold_lanes, vector_fill, vector_loop, vector_reduce
 from rlx.ir.region import GradientRegion, Region
@@ -143,16 +150,12 @@ class FlexLowering:
     # ------------------------------------------------------------------ addressing
 
     def _row_stride(self, heads: int, width: int) -> int:
-        return heads * width if self.spec.layout is Layout.BSHD else width
+        return row_stride(self.spec.layout, heads, width)
 
     def _head(
         self, b: ir.IRBuilder, base: ir.Value, batch: ir.Value, head: ir.Value, seq: int, heads: int, width: int
     ) -> ir.Value:
-        if self.spec.layout is Layout.BSHD:
-            offset = b.add(b.mul(batch, i64(seq * heads * width)), b.mul(head, i64(width)))
-        else:
-            offset = b.mul(b.add(b.mul(batch, i64(heads)), head), i64(seq * width))
-        return gep_f32(b, base, offset)
+        return gep_f32(b, base, head_offset(b, self.spec.layout, batch, head, seq, heads, width))
 
     # ------------------------------------------------------------------ function
 
@@ -566,9 +569,7 @@ class FlexLowering:
         return b.load(result, typ=F32, name="lse")
 
     def _zero_rows(self, b: ir.IRBuilder, base: ir.Value, rows: ir.Value, stride: int, width: int) -> None:
-        with for_range(b, 0, rows, "zero") as r:
-            ptr = gep_f32(b, base, b.mul(r, i64(stride)))
-            b.call(self.memset, [ptr, ir.Constant(I8, 0), i64(width * 4), ir.Constant(I1, 0)])
+        zero_rows(b, self.memset, base, rows, stride, width)
 
     # ------------------------------------------------------------------ backward
 

@@ -177,11 +177,11 @@ def attention_forward(
     config = resolve_config(config)
     _check_shapes("attention_forward", q, k, v, None, mask, layout, mask_tensor)
     with np.errstate(all="ignore"):  # NaN/Inf in the inputs propagate by design; no warnings
-        qh, kh, vh = (_to_heads(x, layout) for x in (q, k, v))
+        qh, kh, vh = (to_heads(x, layout) for x in (q, k, v))
         group = qh.shape[1] // kh.shape[1]
         kh, vh = np.repeat(kh, group, axis=1), np.repeat(vh, group, axis=1)  # GQA: each kv head serves a group
         probs, _ = _probabilities(qh, kh, mask, mask_tensor, config)
-        return _from_heads(probs @ vh, layout)
+        return from_heads(probs @ vh, layout)
 
 
 def attention_backward(
@@ -204,7 +204,7 @@ def attention_backward(
     config = resolve_config(config)
     _check_shapes("attention_backward", q, k, v, dy, mask, layout, mask_tensor)
     with np.errstate(all="ignore"):
-        qh, kh, vh, dyh = (_to_heads(x, layout) for x in (q, k, v, dy))
+        qh, kh, vh, dyh = (to_heads(x, layout) for x in (q, k, v, dy))
         kv_heads = kh.shape[1]
         group = qh.shape[1] // kv_heads
         kh, vh = np.repeat(kh, group, axis=1), np.repeat(vh, group, axis=1)
@@ -223,7 +223,7 @@ def attention_backward(
                 dscores = np.where(replaced, 0.0, dscores)
             grads[Wrt.QUERY] = dscores @ kh
             grads[Wrt.KEY] = group_sum(_transpose(dscores) @ qh)
-        return tuple(_from_heads(grads[flag], layout) for flag in wrt.members)
+        return tuple(from_heads(grads[flag], layout) for flag in wrt.members)
 
 
 def masked_positions(
@@ -269,14 +269,14 @@ def _probabilities(
     return safe_softmax(scores), replaced
 
 
-def _to_heads(x: np.ndarray, layout: Layout) -> np.ndarray:
+def to_heads(x: np.ndarray, layout: Layout) -> np.ndarray:
     """float64 view in ``[B, H, S, D]`` so that each head is a trailing ``[S, D]`` matrix."""
     x = np.asarray(x, dtype=np.float64)
     return x if layout is Layout.BHSD else x.transpose(0, 2, 1, 3)
 
 
-def _from_heads(x: np.ndarray, layout: Layout) -> np.ndarray:
-    """Inverse of :func:`_to_heads` (the BSHD swap is its own inverse), as a new dense array."""
+def from_heads(x: np.ndarray, layout: Layout) -> np.ndarray:
+    """Inverse of :func:`to_heads` (the BSHD swap is its own inverse), as a new dense array."""
     return np.ascontiguousarray(x if layout is Layout.BHSD else x.transpose(0, 2, 1, 3))
 
 

@@ -28,6 +28,7 @@ from rlx.ir.opdef import EvalContext, OpDef, not_differentiable, register_op
 from rlx.ir.region import GradientRegion, Interval, Region
 from rlx.ir.types import Layout, TensorType, Wrt
 from rlx.ops._common import F32, op_kind
+from rlx.ops.attention import from_heads, to_heads
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Node, Value
@@ -221,15 +222,6 @@ def _flex_bwd_infer(what: str, inputs: Sequence[TensorType], attrs: FlexAttentio
 # ----------------------------------------------------------------------------- float64 reference
 
 
-def _heads(x: np.ndarray, layout: Layout) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float64)
-    return x if layout is Layout.BHSD else x.transpose(0, 2, 1, 3)
-
-
-def _unheads(x: np.ndarray, layout: Layout) -> np.ndarray:
-    return np.ascontiguousarray(x if layout is Layout.BHSD else x.transpose(0, 2, 1, 3))
-
-
 def _symbols(dims: FlexDims, scores: np.ndarray | None) -> dict[str, np.ndarray]:
     grid = {
         "b": np.arange(dims.batch).reshape(-1, 1, 1, 1),
@@ -264,7 +256,7 @@ def flex_attention_forward(
     attrs: FlexAttentionAttrs,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(out, lse)`` in float64, materialising the scores: the oracle of the compiled kernels."""
-    qh, kh, vh = (_heads(x, attrs.layout) for x in (q, k, v))
+    qh, kh, vh = (to_heads(x, attrs.layout) for x in (q, k, v))
     dims = FlexDims(qh.shape[0], qh.shape[1], kh.shape[1], qh.shape[2], kh.shape[2], qh.shape[3], vh.shape[3])
     with np.errstate(all="ignore"):
         s = _scores(qh, kh, dims, attrs.scale)
@@ -278,7 +270,7 @@ def flex_attention_forward(
         p = e / np.where(total == 0.0, 1.0, total)
         lse = (np.log(total) + m)[..., 0]
         out = p @ np.repeat(vh, dims.group, axis=1)
-    return _unheads(out, attrs.layout), lse
+    return from_heads(out, attrs.layout), lse
 
 
 def flex_attention_backward(
@@ -295,7 +287,7 @@ def flex_attention_backward(
 ) -> tuple[np.ndarray, ...]:
     """The gradients ``attrs`` asks for, from ``out`` and ``lse`` as the compiled backward does."""
     layout = attrs.layout
-    qh, kh, vh, oh, dyh = (_heads(x, layout) for x in (q, k, v, out, dy))
+    qh, kh, vh, oh, dyh = (to_heads(x, layout) for x in (q, k, v, out, dy))
     dims = FlexDims(qh.shape[0], qh.shape[1], kh.shape[1], qh.shape[2], kh.shape[2], qh.shape[3], vh.shape[3])
     scale = 1.0 / math.sqrt(dims.head_dim) if attrs.scale is None else attrs.scale
     grid = _symbols(dims, None)
@@ -336,7 +328,7 @@ def flex_attention_backward(
             Wrt.KEY: group_sum(scale * ds_raw.swapaxes(-1, -2) @ qh),
             Wrt.VALUE: group_sum(p.swapaxes(-1, -2) @ dyh),
         }
-        results = [_unheads(grads[flag], layout) for flag in attrs.wrt.members]
+        results = [from_heads(grads[flag], layout) for flag in attrs.wrt.members]
         if attrs.tensor_grads:
             results += _tensor_grads(attrs, dims, ds, read_grads, captured, shapes, grid)
     return tuple(results)
