@@ -176,15 +176,6 @@ def scratch_bytes(node: Node, config: RuntimeConfig, options: CodegenOptions) ->
     return 0
 
 
-def work_items(node: Node) -> int:
-    """Independent items of an attention node's parallel loop (batch x heads); 0 for other nodes."""
-    if node.op in (OpKind.ATTENTION, OpKind.ATTENTION_BWD):
-        return kernel_spec(node, RuntimeConfig(), CodegenOptions()).work_items
-    if node.op.value in FLEX_OPS:
-        return flex_spec(node, CodegenOptions()).work_items
-    return 0
-
-
 @dataclass(frozen=True)
 class CallData:
     """Bytes the executable writes into the arena before each call (a per-call block map)."""
