@@ -90,9 +90,6 @@ class RegionEmitter:
         """``ref`` as a full-width value of ``kind`` (``f``, ``i`` or ``b``)."""
         return self._widen(self._lane(ref, kind))
 
-    def get_lane(self, ref: Ref, kind: str) -> LaneValue:
-        return self._lane(ref, kind)
-
     # ------------------------------------------------------------------ steps
 
     def _ty(self, kind: str, width: int) -> ir.Type:

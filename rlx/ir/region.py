@@ -153,9 +153,6 @@ class Region:
             kinds.append(_result_kind(index, step, arg_kinds, captured))
         return kinds
 
-    def kinds(self, captured: Sequence[tuple[tuple[int, ...], str]] | None = None) -> list[str]:
-        return self.check(captured)
-
     def result_kind(self, captured: Sequence[tuple[tuple[int, ...], str]] | None = None) -> str:
         return self.check(captured)[-1]
 
@@ -175,9 +172,6 @@ class Region:
     def reads(self) -> list[tuple[int, int]]:
         """``(step, captured tensor)`` of every read, in step order."""
         return [(i, int(s.args[0][1])) for i, s in enumerate(self.steps) if s.op == "read"]
-
-    def uses_score(self) -> bool:
-        return "score" in self.dependences()[-1]
 
     # ------------------------------------------------------------------ float64 evaluation
 
