@@ -45,11 +45,27 @@ def bind_inputs(
             f"expected inputs: {_names(declared)}"
         )
     bound = {}
+    binders: dict[str, tuple[str, int]] = {}  # symbol -> (the input that bound it, its size)
     for name, value in declared.items():
         if name in arrays:
             _check_layout(graph, name, value, arrays[name])
-            bound[name] = _check_array(name, arrays[name], value.type)
+            bound[name] = _check_array(name, arrays[name], value.type, binders)
     return bound
+
+
+def symbol_sizes(graph: Graph, bound: Mapping[str, np.ndarray]) -> dict[str, int]:
+    """The size of every symbolic dimension in this call, read from the bound inputs.
+
+    ``bind_inputs`` has checked that every input naming a symbol agrees; a symbol that only an
+    input left out names (one no output needs) is absent.
+    """
+    sizes: dict[str, int] = {}
+    for name, value in graph.inputs.items():
+        if name in bound:
+            for dim, size in zip(value.type.shape, bound[name].shape, strict=True):
+                if isinstance(dim, str):
+                    sizes.setdefault(dim, int(size))
+    return sizes
 
 
 _LAYOUT_AXES = {"bshd": "[B, S, H, D]", "bhsd": "[B, H, S, D]"}
@@ -84,7 +100,9 @@ def _names(declared: Mapping[str, object]) -> str:
     return ", ".join(map(repr, declared)) or "(none)"
 
 
-def _check_array(name: str, obj: object, expected: TensorType) -> np.ndarray:
+def _check_array(
+    name: str, obj: object, expected: TensorType, binders: dict[str, tuple[str, int]] | None = None
+) -> np.ndarray:
     """One input: convert, then check dtype and shape, then make the memory safe to hand out."""
     array = obj if isinstance(obj, np.ndarray) else _to_array(name, obj)
     if isinstance(obj, (list, tuple)) and array.dtype != expected.dtype:
@@ -94,7 +112,7 @@ def _check_array(name: str, obj: object, expected: TensorType) -> np.ndarray:
         )
     if array.dtype != expected.dtype:
         array = _native_byte_order(name, array, expected)
-    if array.shape != expected.shape:
+    if not _shape_matches(name, array.shape, expected, {} if binders is None else binders):
         what = "rank" if array.ndim != len(expected.shape) else "shape"
         raise RlxValueError(
             f"input {name!r}: wrong {what}: expected shape {expected.shape} ({expected}), got {array.shape}"
@@ -103,6 +121,29 @@ def _check_array(name: str, obj: object, expected: TensorType) -> np.ndarray:
         # Transposed, strided, broadcast or unaligned views: native code assumes dense rows.
         array = np.array(array, order="C", copy=True)
     return array
+
+
+def _shape_matches(
+    name: str, shape: tuple[int, ...], expected: TensorType, binders: dict[str, tuple[str, int]]
+) -> bool:
+    """Static dims must be equal; a symbolic one takes any size, the same in every input that names it."""
+    if expected.is_static or len(shape) != len(expected.shape):
+        return shape == expected.shape
+    for axis, (dim, size) in enumerate(zip(expected.shape, shape, strict=True)):
+        if isinstance(dim, int):
+            if dim != size:
+                return False
+            continue
+        if size < 1:
+            raise RlxValueError(f"input {name!r}: symbolic dimension {dim!r} (axis {axis}) must be >= 1, got {size}")
+        first = binders.setdefault(dim, (name, size))
+        if first[1] != size:
+            raise RlxValueError(
+                f"inputs {first[0]!r} and {name!r} disagree on the symbolic dimension {dim!r}: "
+                f"{first[0]!r} has {dim}={first[1]}, {name!r} has {dim}={size} (axis {axis} of shape {shape}, "
+                f"declared {expected})"
+            )
+    return True
 
 
 def _to_array(name: str, obj: object) -> np.ndarray:

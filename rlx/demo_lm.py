@@ -93,7 +93,7 @@ def train(
     step_exe = rlx.compile(g)
     print(
         f"== tiny char LM on {source}: {len(text)} chars, vocab {len(chars)}, {layers} blocks, E={embed}, "
-        f"H={heads}, S={seq}, batch {batch}; {sum(int(np.prod(p.shape)) for p in params):,} parameters",
+        f"H={heads}, S={seq}, batch {batch}; {sum(int(np.prod(p.static_shape)) for p in params):,} parameters",
         file=out,
     )
     print(

@@ -46,7 +46,7 @@ def transformer_block(g: Graph, x: Value, heads: int, prefix: str = "", hidden: 
     :data:`BLOCK_WEIGHTS`. Attention is causal over ``heads`` heads of size ``E / heads``.
     """
     batch, seq, embed = x.shape
-    if embed % heads:
+    if not isinstance(embed, int) or embed % heads:
         raise ValueError(f"transformer_block: embed {embed} is not a multiple of heads {heads}")
     w = {name: g.input(prefix + name, shape) for name, shape in block_weight_shapes(embed, hidden).items()}
     head_shape = (batch, seq, heads, embed // heads)
@@ -113,7 +113,7 @@ def init_params(graph: Graph, params: list[Value], seed: int = 0) -> dict[str, n
     values = {}
     for value in params:
         name = value.node.attrs.name
-        shape = value.shape
+        shape = value.static_shape
         if name.endswith("norm"):
             values[name] = np.ones(shape, np.float32)
         elif name in ("embed", "position"):

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from rlx.bind import bind_inputs, check_index_inputs
+from rlx.bind import bind_inputs, check_index_inputs, symbol_sizes
 from rlx.config import RuntimeConfig, resolve_config
 from rlx.errors import RlxValueError
 from rlx.ir.graph import Graph, Node, Value
@@ -60,7 +60,7 @@ def evaluate(
     check_index_inputs(graph, bound)
     if exact:
         bound = {name: wide.get(name, array) for name, array in bound.items()}
-    ctx = EvalContext(config, bound)
+    ctx = EvalContext(config, bound, symbol_sizes(graph, bound))
     env: dict[Value, np.ndarray] = {}
     for node in graph.nodes:
         results = _eval_node(graph, node, [_widen(env[value]) for value in node.inputs], ctx)

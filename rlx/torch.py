@@ -281,7 +281,7 @@ char-LM example (head dim 16, ~17 MFLOP a call), two threads made the run 1.5x s
 
 def _config_for(graph: Graph) -> rlx.RuntimeConfig | None:
     """One thread for small attention calls (see :data:`SMALL_ATTENTION_FLOPS`), else rlx's default."""
-    q, k, v = (graph.inputs[name].shape for name in "qkv")
+    q, k, v = (graph.inputs[name].static_shape for name in "qkv")
     flops = 2.0 * q[0] * q[1] * q[2] * k[2] * (q[3] + v[3])
     return rlx.RuntimeConfig(num_threads=1) if flops < SMALL_ATTENTION_FLOPS else None
 

@@ -20,15 +20,24 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rlx.bind import bind_inputs, check_index_inputs, index_bounds
+from rlx.bind import bind_inputs, check_index_inputs, index_bounds, symbol_sizes
 from rlx.codegen.jit import CompiledLibrary, cache_key, compile_ir
-from rlx.codegen.lower import CallData, CodegenOptions, lower_graph, scratch_bytes
+from rlx.codegen.lower import (
+    CallData,
+    CodegenOptions,
+    DynamicScratch,
+    check_symbolic_support,
+    graph_symbols,
+    lower_graph,
+    scratch_bytes,
+)
 from rlx.codegen.memory_plan import MemoryPlan, plan_memory, random_topological_order
 from rlx.codegen.schedule import Schedule, build_schedule, inline_values
 from rlx.config import RuntimeConfig, resolve_config, resolve_num_threads
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.graph import Graph, Value
 from rlx.ir.printer import value_names
+from rlx.ir.types import TensorType
 
 _ENTRY_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
 _CACHE_SIZE = 64
@@ -58,7 +67,7 @@ class Program:
     compile_times: dict[str, float]
     config: RuntimeConfig
     threads: int
-    output_types: dict[str, tuple[tuple[int, ...], np.dtype]] = field(default_factory=dict)
+    output_types: dict[str, TensorType] = field(default_factory=dict)  # by buffer name: outputs and temps
     profile: int | None = None  # arena offset of the per-kernel timings in a profiling build
     index_bounds: list[tuple[Value, int, str]] = field(default_factory=list)  # (source, limit, what) per index operand
     call_data: tuple[CallData, ...] = ()  # per-call block maps, written into the arena
@@ -68,6 +77,7 @@ class Program:
     source: str = ""  # the graph as given, for pickling
     pass_names: tuple[str, ...] | None = None
     options: CodegenOptions = field(default_factory=CodegenOptions)
+    dynamic: DynamicScratch | None = None  # graphs with symbolic dimensions: the per-call sizes table
 
 
 _cache: OrderedDict[tuple, Program] = OrderedDict()
@@ -143,6 +153,7 @@ class _Lowered(NamedTuple):
     call_data: tuple[CallData, ...]
     call_data_offset: int
     profile_offset: int
+    dynamic: DynamicScratch | None
 
 
 def _lower(
@@ -164,6 +175,8 @@ def _lower(
         raise RlxValueError(f"rlx.compile: graph {graph.name!r} has no outputs; mark some with g.output(...)")
     run_passes(working, list(pass_names) if pass_names is not None else default_pipeline())
     decompose(working)  # codegen sees primitives only, whatever the passes were
+    if graph_symbols(working):
+        check_symbolic_support(working)
     bounds = index_bounds(working)  # refuses index operands that cannot be checked before a call
     times["passes"] = time.perf_counter() - start
 
@@ -184,6 +197,7 @@ def _lower(
         lowered.call_data,
         lowered.call_data_offset,
         lowered.profile_offset,
+        lowered.dynamic,
     )
 
 
@@ -210,7 +224,8 @@ def _build(
     times["machine_code"] = library.times["machine_code"] + library.times["link"]
     times["disk_cache_hit"] = library.times["disk_cache_hit"]
     entry = _ENTRY_TYPE(library.entry_address)
-    output_types = {name: (v.type.shape, v.type.dtype) for name, v in working.outputs.items()}
+    output_types = {name: v.type for name, v in working.outputs.items()}
+    output_types |= {plan.buffer_names[loc.index]: v.type for v, loc in plan.locations.items() if loc.kind == "temp"}
     kernels = _kernel_infos(working, schedule)
     profile = lowered.profile_offset if options.profile else None
     arena_bytes = lowered.profile_offset + (8 * len(kernels) if options.profile else 0)
@@ -234,6 +249,7 @@ def _build(
         str(graph),
         pass_names,
         options,
+        lowered.dynamic,
     )
 
 
@@ -269,6 +285,12 @@ class Executable:
         return self._program.threads
 
     @property
+    def compile_count(self) -> int:
+        """Native compilations behind this executable: 1, however many sizes its symbolic
+        dimensions take in calls (calls never compile; see also :func:`compile_count`)."""
+        return 1
+
+    @property
     def memory_plan(self) -> MemoryPlan:
         return self._program.plan
 
@@ -302,11 +324,20 @@ class Executable:
         # was left out gets a placeholder nothing reads), then a fresh array per output slot.
         declared = list(program.graph.inputs)
         buffers = [bound.get(name, _PLACEHOLDER) for name in declared]
+        dynamic, sizes, table = program.dynamic, {}, None
+        arena_bytes = program.arena_bytes
+        if dynamic is not None:  # symbolic dimensions: sizes from the inputs, scratch sized for them
+            sizes = symbol_sizes(program.graph, bound)
+            table = dynamic.table(sizes)
+            arena_bytes = dynamic.offset + int(table[-1]) * program.threads
         for name in plan.buffer_names[len(buffers) :]:
-            shape, dtype = program.output_types[name]
-            buffers.append(np.empty(shape, dtype=dtype))
+            ty = program.output_types[name]
+            buffers.append(np.empty(ty.resolve(sizes).static_shape, dtype=ty.dtype))
         pointers = (ctypes.c_void_p * max(1, len(buffers)))(*(array.ctypes.data for array in buffers))
-        arena = self._arena(program.arena_bytes)
+        arena = self._arena(arena_bytes)
+        if table is not None:
+            start = program.call_data_offset
+            arena[start : start + table.nbytes] = table.view(np.uint8)
         for data in program.call_data:  # per-call block maps, from the validated inputs
             start = program.call_data_offset + data.offset
             arena[start : start + data.nbytes] = data.fill(bound).reshape(-1).view(np.uint8)
@@ -342,7 +373,7 @@ class Executable:
             pickle.dump(self, file, protocol=pickle.HIGHEST_PROTOCOL)
 
     def __repr__(self) -> str:
-        outputs = ", ".join(self._program.output_types)
+        outputs = ", ".join(self._program.graph.outputs)
         return f"<rlx.Executable {self._program.graph.name!r} -> {outputs}; {self.threads} threads>"
 
     def __str__(self) -> str:

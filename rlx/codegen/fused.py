@@ -210,7 +210,7 @@ class FusedEmitter:
         if view is not None:  # a constant's data, or a buffer this kernel reads
             return self.load(view, idx, value.dtype)
         if op == "broadcast_to":
-            return self.eval(node.inputs[0], self._broadcast_index(idx, node.inputs[0].shape))
+            return self.eval(node.inputs[0], self._broadcast_index(idx, node.inputs[0].static_shape))
         if op == "transpose":
             inner = [ZERO] * len(idx)
             for out_dim, in_dim in enumerate(node.attrs.perm):
@@ -223,7 +223,8 @@ class FusedEmitter:
             return self.eval(node.inputs[0], tuple(shifted))
         if op == "reshape":
             if is_unit_reshape(node):
-                return self.eval(node.inputs[0], _unit_reshape_index(idx, value.shape, node.inputs[0].shape))
+                index = _unit_reshape_index(idx, value.static_shape, node.inputs[0].static_shape)
+                return self.eval(node.inputs[0], index)
             source = self.schedule.view(node.inputs[0])  # the scheduler made sure this view exists
             assert source is not None
             reshaped = source.reshape(node.attrs.shape)
@@ -235,7 +236,7 @@ class FusedEmitter:
             return self.embedding(value, idx)
         definition = node.op.definition
         assert definition.scalar is not None, f"no scalar formula for {op}"
-        operands = [self.eval(v, self._broadcast_index(idx, v.shape)) for v in node.inputs]
+        operands = [self.eval(v, self._broadcast_index(idx, v.static_shape)) for v in node.inputs]
         width = max(lane.width for lane in operands)
         math_ = LaneMath(self, width)
         args = [math_.widen(lane) for lane in operands]
@@ -299,7 +300,7 @@ class FusedEmitter:
                 nested[dim] = Ix(loop, 0, loop.level)
                 nest(position + 1, nested, loop.vector)
 
-            size = i64(operand.shape[dim])
+            size = i64(operand.static_shape[dim])
             if innermost:
                 self.vector_and_rest(i64(0), size, f"{kind}.{dim}", body)
             else:

@@ -32,6 +32,7 @@ from rlx.config import RuntimeConfig
 from rlx.errors import RlxValueError
 from rlx.ir.graph import Graph, Node, Value
 from rlx.ir.ops import AttentionAttrs, AttentionBwdAttrs, OpKind, attention_dims
+from rlx.ir.printer import format_node, value_names
 from rlx.ir.types import Wrt
 from rlx.ops.flex_attention import FlexAttentionBwdAttrs, bwd_operands, flex_dims, tensor_grad_layout
 
@@ -50,8 +51,18 @@ class CodegenOptions:
     profile: bool = False  # time every kernel of a call (``Executable.profile``)
 
 
-def kernel_spec(node: Node, config: RuntimeConfig, options: CodegenOptions) -> AttentionKernelSpec:
-    """The attention kernel shape of an ATTENTION / ATTENTION_BWD node."""
+SYMBOLIC_BLOCK_Q = 128  # query rows per strip when the sequence lengths are only known per call
+
+
+def graph_symbols(graph: Graph) -> tuple[str, ...]:
+    """The graph's symbolic dimensions, sorted: the order of the per-call sizes table."""
+    return tuple(sorted({d for node in graph.nodes for ty in node.types for d in ty.shape if isinstance(d, str)}))
+
+
+def kernel_spec(
+    node: Node, config: RuntimeConfig, options: CodegenOptions, symbols: tuple[str, ...] = ()
+) -> AttentionKernelSpec:
+    """The attention kernel shape of an ATTENTION / ATTENTION_BWD node (``symbols``: the graph's)."""
     attrs = node.attrs
     assert isinstance(attrs, (AttentionAttrs, AttentionBwdAttrs))
     types = [v.type for v in node.inputs]
@@ -69,7 +80,11 @@ def kernel_spec(node: Node, config: RuntimeConfig, options: CodegenOptions) -> A
     )
     grads = attrs.wrt if isinstance(attrs, AttentionBwdAttrs) else None
     needs_dp = grads is not None and bool(grads & (Wrt.QUERY | Wrt.KEY))
-    block_q = options.block_q or choose_block_q(dims.seq_q, dims.seq_k, needs_dp, attrs.mask.is_causal_like)
+    if isinstance(dims.seq_q, int) and isinstance(dims.seq_k, int):
+        block_q = options.block_q or choose_block_q(dims.seq_q, dims.seq_k, needs_dp, attrs.mask.is_causal_like)
+        block_q = max(1, min(block_q, dims.seq_q))
+    else:  # one kernel for every length: a strip height that suits short and long sequences
+        block_q = options.block_q or SYMBOLIC_BLOCK_Q
     spec = AttentionKernelSpec(
         dims,
         attrs.layout,
@@ -77,19 +92,21 @@ def kernel_spec(node: Node, config: RuntimeConfig, options: CodegenOptions) -> A
         config.attn_mask_neg_inf,
         config.mask_binary_threshold,
         grads,
-        max(1, min(block_q, dims.seq_q)),
+        block_q,
+        symbols,
     )
-    _check_blas_limits(node, spec)
+    if spec.is_static:
+        check_blas_limits(f"node {node.id} ({node.op})", spec)
     return spec
 
 
-def _check_blas_limits(node: Node, spec: AttentionKernelSpec) -> None:
+def check_blas_limits(what: str, spec: AttentionKernelSpec) -> None:
+    """BLAS takes 32-bit sizes: refuse shapes (at compile time, or per call for symbolic ones) beyond them."""
     dims = spec.dims
+    assert isinstance(dims.seq_q, int) and isinstance(dims.seq_k, int)
     biggest = max(dims.seq_q, dims.seq_k, dims.heads * dims.head_dim, spec.block_q * dims.seq_k)
     if biggest > _INT32_MAX:
-        raise RlxValueError(
-            f"node {node.id} ({node.op}): a matrix dimension of {biggest} exceeds the 32-bit BLAS limit"
-        )
+        raise RlxValueError(f"{what}: a matrix dimension of {biggest} exceeds the 32-bit BLAS limit")
 
 
 FLEX_OPS = ("flex_attention", "flex_attention_bwd")
@@ -168,9 +185,10 @@ def _per_call_map(spec: FlexKernelSpec, captured: tuple[Value, ...], bound: Mapp
 
 
 def scratch_bytes(node: Node, config: RuntimeConfig, options: CodegenOptions) -> int:
-    """Bytes of per-thread scratch the node's kernel needs."""
+    """Bytes of per-thread scratch the node's kernel needs (0 where that is only known per call)."""
     if node.op in (OpKind.ATTENTION, OpKind.ATTENTION_BWD):
-        return kernel_spec(node, config, options).scratch_bytes()
+        spec = kernel_spec(node, config, options)
+        return spec.scratch_bytes() if spec.is_static else 0
     if node.op.value in FLEX_OPS:
         return flex_spec(node, options).scratch_bytes()
     return 0
@@ -186,11 +204,36 @@ class CallData:
 
 
 @dataclass(frozen=True)
+class DynamicScratch:
+    """Per-thread scratch of a graph with symbolic dimensions: sized per call, after the arena's
+    static part, its stride read by native code from the last entry of the sizes table."""
+
+    symbols: tuple[str, ...]
+    specs: tuple[tuple[str, AttentionKernelSpec], ...]  # (what, spec) per attention node
+    static_stride: int  # what the kernels of static shape need
+    offset: int  # arena offset of the scratch (after everything of static size)
+
+    def stride(self, sizes: Mapping[str, int]) -> int:
+        """Bytes of scratch per thread for this call's sizes (BLAS limits checked on the way)."""
+        most = self.static_stride
+        for what, spec in self.specs:
+            resolved = spec.resolve(sizes)
+            check_blas_limits(what, resolved)
+            most = max(most, resolved.scratch_bytes())
+        return -(-most // 64) * 64
+
+    def table(self, sizes: Mapping[str, int]) -> np.ndarray:
+        """The sizes table native code reads: each symbol's size, then the scratch stride."""
+        return np.array([sizes[name] for name in self.symbols] + [self.stride(sizes)], dtype=np.int64)
+
+
+@dataclass(frozen=True)
 class LoweredModule:
     llvm_ir: str
     call_data: tuple[CallData, ...]
     call_data_offset: int  # arena offset of the call data
     profile_offset: int  # arena offset of the per-kernel timings (profiling builds)
+    dynamic: DynamicScratch | None = None  # graphs with symbolic dimensions
 
 
 @dataclass
@@ -210,6 +253,9 @@ class _Lowering:
     steps: list[Step] = field(default_factory=list)
     call_data: list[CallData] = field(default_factory=list)
     call_data_bytes: int = 0
+    symbols: tuple[str, ...] = ()
+    sizes: ir.Value | None = None  # the per-call sizes table (graphs with symbolic dimensions)
+    attention_specs: list[tuple[str, AttentionKernelSpec]] = field(default_factory=list)
 
     def base_pointer(self, value: Value) -> ir.Value:
         """The address of a materialised value's first element, in the entry function."""
@@ -249,16 +295,20 @@ class _Lowering:
         node = kernel.node
         op = node.op.value
         if op in ("attention", "attention_bwd"):
-            spec = kernel_spec(node, self.config, self.options)
+            spec = kernel_spec(node, self.config, self.options, self.symbols)
             item_fn = AttentionLowering(self.module, spec, f"{node.op}.{node.id}").emit()
             pointers = [self.view_pointer(v) for v in node.inputs] + [self.base_pointer(v) for v in node.outputs]
+            if not spec.is_static:
+                assert self.sizes is not None
+                pointers.append(self.sizes)
+                self.attention_specs.append((f"node {node.id} ({node.op})", spec))
             self.call(item_fn, pointers, spec.work_items, False, str(node.id))
         elif op in FLEX_OPS:
             self.lower_flex(node)
         elif op == "matmul":
             a, bm = (self.schedule.view(v) for v in node.inputs)
             assert a is not None and bm is not None
-            gemm = gemm_spec(a, bm, node.outputs[0].shape, self.threads)
+            gemm = gemm_spec(a, bm, node.outputs[0].static_shape, self.threads)
             item_fn = emit_gemm_item(self.module, gemm, f"matmul.{node.id}")
             pointers = [self.base_pointer(a.base), self.base_pointer(bm.base), self.base_pointer(node.outputs[0])]
             self.call(item_fn, pointers, gemm.items, gemm.blas_threads > 1, str(node.id))
@@ -266,7 +316,7 @@ class _Lowering:
             dy, ids = (self.schedule.view(v) for v in node.inputs)
             assert dy is not None and ids is not None
             out = node.outputs[0]
-            rows, width = out.shape
+            rows, width = out.static_shape
             item_fn = emit_scatter_item(
                 self.module, dy, ids, (rows, width), ids.base.dtype.itemsize, f"embedding_grad.{node.id}"
             )
@@ -281,7 +331,7 @@ class _Lowering:
         spec = flex_spec(node, self.options)
         if spec.tensor_grads:  # partial gradient slices are accumulated into: zero them first
             partials = node.outputs[len(spec.grads.members) if spec.grads else 0 :]
-            zero = emit_zero_item(self.module, [math.prod(v.shape) * 4 for v in partials], f"zero.{node.id}")
+            zero = emit_zero_item(self.module, [math.prod(v.static_shape) * 4 for v in partials], f"zero.{node.id}")
             self.call(zero, [self.base_pointer(v) for v in partials], 1, True, f"z{node.id}")
         item_fn = FlexLowering(self.module, spec, f"{node.op}.{node.id}").emit()
         pointers = [self.view_pointer(v) for v in node.inputs] + [self.base_pointer(v) for v in node.outputs]
@@ -356,15 +406,58 @@ def lower_graph(
     b = ir.IRBuilder(entry.append_basic_block("entry"))
     constants = {node.outputs[0]: _constant_global(module, node) for node in plan.order if node.op is OpKind.CONSTANT}
     state = _Lowering(plan, schedule, config, options, threads, module, b, buffers, arena, constants)
+    state.symbols = graph_symbols(graph)
+    dynamic = None
+    if state.symbols:  # the sizes table comes first in the call data: [size of each symbol..., scratch stride]
+        state.sizes = gep(b, arena, [i64(call_data_offset(plan))], I8, "sizes")
+        state.call_data_bytes = -(-(8 * (len(state.symbols) + 1)) // 64) * 64
     for index, kernel in enumerate(schedule.kernels):
         state.lower(index, kernel)
-    scratch = gep(b, arena, [i64(plan.scratch_offset)], I8, "scratch")
     timings = call_data_offset(plan) + state.call_data_bytes  # after the arena proper and the call data
     profile = gep(b, arena, [i64(timings)], I8, "profile") if options.profile else None
     now = _clock(module) if options.profile else None
-    emit_team(module, b, state.steps, threads, scratch, plan.scratch_stride, profile, now)
+    stride: int | ir.Value = plan.scratch_stride
+    scratch = gep(b, arena, [i64(plan.scratch_offset)], I8, "scratch")
+    if state.symbols:
+        assert state.sizes is not None
+        end = -(-(timings + (8 * len(schedule.kernels) if options.profile else 0)) // 64) * 64
+        dynamic = DynamicScratch(state.symbols, tuple(state.attention_specs), plan.scratch_stride, end)
+        stride = b.load(gep(b, state.sizes, [i64(len(state.symbols))], I64), typ=I64, name="scratch.stride")
+        scratch = gep(b, arena, [i64(end)], I8, "scratch")  # after everything of static size
+    emit_team(module, b, state.steps, threads, scratch, stride, profile, now)
     b.ret_void()
-    return LoweredModule(str(module), tuple(state.call_data), call_data_offset(plan), timings)
+    return LoweredModule(str(module), tuple(state.call_data), call_data_offset(plan), timings, dynamic)
+
+
+SYMBOLIC_OPS = frozenset({"input", "attention", "attention_bwd"})
+
+
+def check_symbolic_support(graph: Graph) -> None:
+    """Refuse, naming the node, a symbolic dimension that reaches a kernel without a per-call form.
+
+    So far the attention kernels read their sequence lengths per call; batch, heads and head
+    dims, and every other kernel, are compiled for static sizes.
+    """
+    names = None
+    for node in graph.nodes:
+        types = [*(v.type for v in node.inputs), *node.types]
+        if all(ty.is_static for ty in types):
+            continue
+        names = names or value_names(graph)
+        line = format_node(node, names)
+        if node.op.value not in SYMBOLIC_OPS:
+            raise RlxValueError(
+                f"rlx.compile: {node.op} (node {node.id}) cannot run on a symbolic dimension yet: only attention "
+                f"kernels take their sequence lengths per call; give the input a static size ({line})"
+            )
+        if node.op.value != "input":
+            dims = kernel_spec(node, RuntimeConfig(), CodegenOptions()).dims
+            static = (dims.batch, dims.heads, dims.kv_heads, dims.head_dim, dims.value_dim)
+            if not all(isinstance(d, int) for d in static):
+                raise RlxValueError(
+                    f"rlx.compile: {node.op} (node {node.id}) may have symbolic sequence lengths only; its batch, "
+                    f"heads and head dims must be static ({line})"
+                )
 
 
 def _clock(module: ir.Module):  # type: ignore[no-untyped-def]

@@ -26,7 +26,8 @@ BHSD, and that stride is the BLAS leading dimension, so no head is ever copied.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 from llvmlite import ir
 
@@ -73,6 +74,16 @@ class AttentionKernelSpec:
     threshold: float
     grads: Wrt | None  # None: the forward op
     block_q: int
+    symbols: tuple[str, ...] = ()  # the call's symbolic dimensions, in the order of the sizes table
+
+    @property
+    def is_static(self) -> bool:
+        return isinstance(self.dims.seq_q, int) and isinstance(self.dims.seq_k, int)
+
+    def resolve(self, sizes: Mapping[str, int]) -> AttentionKernelSpec:
+        """This spec with its symbolic sequence lengths replaced by one call's sizes (same code shape)."""
+        seq_q, seq_k = (sizes[d] if isinstance(d, str) else d for d in (self.dims.seq_q, self.dims.seq_k))
+        return replace(self, dims=replace(self.dims, seq_q=seq_q, seq_k=seq_k))
 
     @property
     def scale(self) -> float:
@@ -89,6 +100,7 @@ class AttentionKernelSpec:
 
     def strip_floats(self) -> int:
         """Floats in one scores strip, rounded up to keep every scratch buffer 64-byte aligned."""
+        assert isinstance(self.dims.seq_k, int), "resolve the sizes first"
         raw = self.block_q * self.dims.seq_k
         per_line = SCRATCH_ALIGN // 4
         return -(-raw // per_line) * per_line
@@ -134,7 +146,8 @@ class AttentionLowering:
     # ------------------------------------------------------------------ public
 
     def operand_slots(self) -> list[str]:
-        """Names of the pointers in ``args``, in order: operands then results."""
+        """Names of the pointers in ``args``, in order: operands, results, then (with symbolic
+        sequence lengths) the call's sizes table."""
         slots = ["q", "k", "v"]
         if self.spec.grads is not None:
             slots.append("dy")
@@ -144,7 +157,29 @@ class AttentionLowering:
             slots.append("out")
         else:
             slots += [f"d{flag!s}" for flag in self.spec.grads.members]
+        if not self.spec.is_static:
+            slots.append("sizes")
         return slots
+
+    def _load_seq(self, b: ir.IRBuilder, sizes: ir.Value | None) -> None:
+        """``self.sq`` / ``self.sk``: the sequence lengths, constants or read from the sizes table."""
+        lengths = []
+        for dim, label in ((self.spec.dims.seq_q, "sq"), (self.spec.dims.seq_k, "sk")):
+            if isinstance(dim, int):
+                lengths.append(i64(dim))
+            else:
+                assert sizes is not None
+                slot = gep(b, sizes, [i64(self.spec.symbols.index(dim))], I64)
+                lengths.append(b.load(slot, typ=I64, name=label))
+        self.sq, self.sk = lengths
+
+    def _strip_floats(self, b: ir.IRBuilder) -> ir.Value:
+        """:meth:`AttentionKernelSpec.strip_floats` for this call's ``Sk``."""
+        if self.spec.is_static:
+            return i64(self.spec.strip_floats())
+        per_line = SCRATCH_ALIGN // 4
+        raw = b.mul(self.sk, i64(self.spec.block_q))
+        return b.mul(b.sdiv(b.add(raw, i64(per_line - 1)), i64(per_line)), i64(per_line), name="strip.floats")
 
     def emit(self) -> ir.Function:
         spec, dims = self.spec, self.spec.dims
@@ -157,8 +192,9 @@ class AttentionLowering:
             slot: b.load(gep(b, args, [i64(i)], PTR), typ=PTR, name=f"{slot}.base")
             for i, slot in enumerate(self.operand_slots())
         }
+        self._load_seq(b, base.pop("sizes", None))
         strip_s = scratch
-        strip_dp = gep_f32(b, scratch, spec.strip_floats(), name="dp.strip") if spec.needs_dp else None
+        strip_dp = gep_f32(b, scratch, self._strip_floats(b), name="dp.strip") if spec.needs_dp else None
         if spec.grads is None:  # item = (batch, query head)
             batch = b.sdiv(item, i64(dims.heads), name="b")
             head = b.srem(item, i64(dims.heads), name="h")
@@ -170,7 +206,7 @@ class AttentionLowering:
             kv = self._head_pointers(b, base, batch, group, group)
             for slot in ("dk", "dv"):
                 if slot in kv:
-                    self._zero_rows(b, kv[slot], dims.seq_k, slot)
+                    self._zero_rows(b, kv[slot], self.sk, slot)
             with for_range(b, 0, dims.group, "member") as member:
                 head = b.add(b.mul(group, i64(dims.group)), member, name="h")
                 heads = self._head_pointers(b, base, batch, head, group)
@@ -199,19 +235,19 @@ class AttentionLowering:
         strip_s: ir.Value,
         strip_dp: ir.Value | None,
     ) -> None:
-        spec, dims = self.spec, self.spec.dims
+        spec = self.spec
         mask_base = self._mask_base(b, base.get("mask"), batch, head)
-        n_strips = -(-dims.seq_q // spec.block_q)
+        n_strips = b.sdiv(b.add(self.sq, i64(spec.block_q - 1)), i64(spec.block_q), name="strips")
         with for_range(b, 0, n_strips, "strip") as strip:
             i0 = b.mul(strip, i64(spec.block_q), name="i0")
-            rows = smin(b, i64(spec.block_q), b.sub(i64(dims.seq_q), i0), name="rows")
+            rows = smin(b, i64(spec.block_q), b.sub(self.sq, i0), name="rows")
             forward = spec.grads is None
             # The forward leaves rows as exp(s - m) and scales out rows by 1/sum after P·V (Dv
             # floats a row instead of nk); the backward needs P itself.
-            inverse = gep_f32(b, strip_s, spec.strip_floats(), name="inv.sums") if forward else ir.Constant(PTR, None)
+            inverse = gep_f32(b, strip_s, self._strip_floats(b), name="inv.sums") if forward else ir.Constant(PTR, None)
             keys = b.call(
                 self._softmax_function(),
-                [heads["q"], heads["k"], mask_base, strip_s, i0, rows, inverse],
+                [heads["q"], heads["k"], mask_base, strip_s, i0, rows, inverse, self.sq, self.sk],
                 name="keys",
             )
             ks, nk = b.extract_value(keys, 0, name="ks"), b.extract_value(keys, 1, name="nk")
@@ -223,18 +259,18 @@ class AttentionLowering:
 
     # ------------------------------------------------------------------ addressing
 
-    def _geometry(self, slot: str) -> tuple[int, int, int]:
+    def _geometry(self, slot: str) -> tuple[ir.Value, int, int]:
         """``(rows per head, heads, row width)`` of an operand: q-side, k-side or v-side."""
         dims = self.spec.dims
         return {
-            "q": (dims.seq_q, dims.heads, dims.head_dim),
-            "dq": (dims.seq_q, dims.heads, dims.head_dim),
-            "dy": (dims.seq_q, dims.heads, dims.value_dim),
-            "out": (dims.seq_q, dims.heads, dims.value_dim),
-            "k": (dims.seq_k, dims.kv_heads, dims.head_dim),
-            "dk": (dims.seq_k, dims.kv_heads, dims.head_dim),
-            "v": (dims.seq_k, dims.kv_heads, dims.value_dim),
-            "dv": (dims.seq_k, dims.kv_heads, dims.value_dim),
+            "q": (self.sq, dims.heads, dims.head_dim),
+            "dq": (self.sq, dims.heads, dims.head_dim),
+            "dy": (self.sq, dims.heads, dims.value_dim),
+            "out": (self.sq, dims.heads, dims.value_dim),
+            "k": (self.sk, dims.kv_heads, dims.head_dim),
+            "dk": (self.sk, dims.kv_heads, dims.head_dim),
+            "v": (self.sk, dims.kv_heads, dims.value_dim),
+            "dv": (self.sk, dims.kv_heads, dims.value_dim),
         }[slot]
 
     def _ld(self, slot: str) -> int:
@@ -253,11 +289,11 @@ class AttentionLowering:
         if mask is None:
             return ir.Constant(PTR, None)
         if self.spec.mask == MaskKind.CUSTOM:
-            return gep_f32(b, mask, b.mul(batch, i64(dims.seq_k)), name="pad.row")
+            return gep_f32(b, mask, b.mul(batch, self.sk), name="pad.row")
         plane = b.add(b.mul(batch, i64(dims.heads)), head)
-        return gep_f32(b, mask, b.mul(plane, i64(dims.seq_q * dims.seq_k)), name="bias.plane")
+        return gep_f32(b, mask, b.mul(plane, b.mul(self.sq, self.sk)), name="bias.plane")
 
-    def _zero_rows(self, b: ir.IRBuilder, head: ir.Value, rows: int, slot: str) -> None:
+    def _zero_rows(self, b: ir.IRBuilder, head: ir.Value, rows: ir.Value, slot: str) -> None:
         """Zero a head's rows before strips accumulate into them with beta = 1."""
         zero_rows(b, self.memset, head, rows, self._ld(slot), self._geometry(slot)[2])
 
@@ -265,29 +301,33 @@ class AttentionLowering:
 
     def _strip_keys(self, b: ir.IRBuilder, i0: ir.Value, rows: ir.Value) -> tuple[ir.Value, ir.Value]:
         """Keys ``[ks, ks + nk)`` that any row of the strip can see (all keys if none can)."""
-        dims, mask = self.spec.dims, self.spec.mask
+        mask = self.spec.mask
         if not mask.is_causal_like:
-            return i64(0), i64(dims.seq_k)
-        offset = max(dims.seq_k - dims.seq_q, 0)
-        end = smin(b, b.add(i0, b.add(rows, i64(offset))), i64(dims.seq_k), name="ke")
+            return i64(0), self.sk
+        offset = self._diagonal_offset(b)
+        end = smin(b, b.add(i0, b.add(rows, offset)), self.sk, name="ke")
         if mask.window is None:
             start = i64(0)
         else:
-            start = smax(b, b.sub(b.add(i0, i64(offset)), i64(mask.window)), i64(0), name="ks.raw")
+            start = smax(b, b.sub(b.add(i0, offset), i64(mask.window)), i64(0), name="ks.raw")
         empty = b.icmp_signed(">=", start, end)
         start = b.select(empty, i64(0), start, name="ks")
-        end = b.select(empty, i64(dims.seq_k), end, name="ke.full")
+        end = b.select(empty, self.sk, end, name="ke.full")
         return start, b.sub(end, start, name="nk")
 
     def _row_keys(self, b: ir.IRBuilder, gi: ir.Value, ks: ir.Value, nk: ir.Value) -> tuple[ir.Value, ir.Value]:
         """Causal-like masks: the columns ``[lo, hi)`` of the strip that query row ``gi`` sees."""
-        dims, mask = self.spec.dims, self.spec.mask
-        diagonal = b.add(gi, i64(max(dims.seq_k - dims.seq_q, 0)), name="diag")
+        mask = self.spec.mask
+        diagonal = b.add(gi, self._diagonal_offset(b), name="diag")
         hi = clamp(b, b.sub(b.add(diagonal, i64(1)), ks), i64(0), nk, name="hi")
         if mask.window is None:
             return i64(0), hi
         lo = clamp(b, b.sub(b.sub(diagonal, i64(mask.window)), ks), i64(0), hi, name="lo")
         return lo, hi
+
+    def _diagonal_offset(self, b: ir.IRBuilder) -> ir.Value:
+        """``max(Sk - Sq, 0)``: causal masks align the last query with the last key."""
+        return smax(b, b.sub(self.sk, self.sq), i64(0), name="diag.offset")
 
     def _key_padded(self, b: ir.IRBuilder, mask_base: ir.Value, gj: ir.Value, lanes: Lanes) -> ir.Value:
         """Custom mask: are keys ``gj ..`` hidden (``mask[b, gj] < threshold``)?"""
@@ -328,14 +368,18 @@ class AttentionLowering:
         if existing is not None:
             return existing  # type: ignore[return-value]
         keys_type = ir.LiteralStructType([I64, I64])
-        fn = ir.Function(self.module, ir.FunctionType(keys_type, [PTR, PTR, PTR, PTR, I64, I64, PTR]), name=name)
+        signature = ir.FunctionType(keys_type, [PTR, PTR, PTR, PTR, I64, I64, PTR, I64, I64])
+        fn = ir.Function(self.module, signature, name=name)
         fn.linkage = "internal"
-        q_head, k_head, mask_base, strip, i0, rows, inverse = fn.args
-        names = ("q.head", "k.head", "mask.base", "strip", "i0", "rows", "inverse")
+        q_head, k_head, mask_base, strip, i0, rows, inverse, sq, sk = fn.args
+        names = ("q.head", "k.head", "mask.base", "strip", "i0", "rows", "inverse", "sq", "sk")
         for arg, arg_name in zip(fn.args, names, strict=True):
             arg.name = arg_name
         b = ir.IRBuilder(fn.append_basic_block("entry"))
+        caller = self.sq, self.sk
+        self.sq, self.sk = sq, sk  # the lengths as this function sees them: its arguments
         ks, nk = self._scores_and_softmax(b, q_head, k_head, mask_base, strip, i0, rows, inverse)
+        self.sq, self.sk = caller
         keys = b.insert_value(ir.Constant(keys_type, ir.Undefined), ks, 0)
         b.ret(b.insert_value(keys, nk, 1))
         return fn
@@ -365,14 +409,14 @@ class AttentionLowering:
         ks.add_incoming(ks0, before)
         nk.add_incoming(nk0, before)
         ks.add_incoming(i64(0), retry)
-        nk.add_incoming(i64(dims.seq_k), retry)
+        nk.add_incoming(self.sk, retry)
         q_strip = gep_f32(b, q_head, b.mul(i0, i64(ldq)), name="q.strip")
         k_vis = gep_f32(b, k_head, b.mul(ks, i64(ldk)), name="k.vis")
         self._sgemm(
             b, NO_TRANS, TRANS, rows, nk, i64(dims.head_dim), spec.scale, q_strip, ldq, k_vis, ldk, 0.0, strip, nk
         )
         needs_all_keys = self._mask_softmax_rows(b, strip, i0, rows, ks, nk, mask_base, inverse)
-        partial = b.icmp_signed("<", nk, i64(dims.seq_k), name="partial")
+        partial = b.icmp_signed("<", nk, self.sk, name="partial")
         b.cbranch(b.and_(partial, needs_all_keys, name="redo"), retry, after)
         b.position_at_end(retry)
         b.branch(scores)
@@ -437,7 +481,7 @@ class AttentionLowering:
             )
             lanes.store(b, score, row, j)
         elif mask == MaskKind.BIAS:
-            bias = lanes.load(b, mask_base, b.add(b.mul(gi, i64(self.spec.dims.seq_k)), gj), name="bias")
+            bias = lanes.load(b, mask_base, b.add(b.mul(gi, self.sk), gj), name="bias")
             score = b.fadd(score, bias, name="s.biased")
             lanes.store(b, score, row, j)
         return score
@@ -603,12 +647,13 @@ def row_stride(layout: Layout, heads: int, width: int) -> int:
 
 
 def head_offset(
-    b: ir.IRBuilder, layout: Layout, batch: ir.Value, head: ir.Value, seq: int, heads: int, width: int
+    b: ir.IRBuilder, layout: Layout, batch: ir.Value, head: ir.Value, seq: int | ir.Value, heads: int, width: int
 ) -> ir.Value:
     """Element offset of row 0 of head (batch, head) in a tensor of ``heads`` heads of ``seq`` rows."""
+    seq = i64(seq) if isinstance(seq, int) else seq
     if layout is Layout.BSHD:  # ((b*S + s)*H + h)*W
-        return b.add(b.mul(batch, i64(seq * heads * width)), b.mul(head, i64(width)))
-    return b.mul(b.add(b.mul(batch, i64(heads)), head), i64(seq * width))  # ((b*H + h)*S + s)*W
+        return b.add(b.mul(batch, b.mul(seq, i64(heads * width))), b.mul(head, i64(width)))
+    return b.mul(b.add(b.mul(batch, i64(heads)), head), b.mul(seq, i64(width)))  # ((b*H + h)*S + s)*W
 
 
 def zero_rows(

@@ -120,14 +120,14 @@ class FlexLowering:
         self.memset = intrinsic(module, "llvm.memset.p0.i64", VOID, [PTR, I8, I64, I1])
         self.logf = intrinsic(module, "llvm.log.f32", F32, [F32])
         score = spec.score_mod
-        self.score_kinds = score.check([(t.shape, _kind(t)) for t in spec.captured]) if score is not None else []
+        self.score_kinds = score.check([(t.static_shape, _kind(t)) for t in spec.captured]) if score is not None else []
         mask = spec.mask_mod
-        self.mask_kinds = mask.check([(t.shape, _kind(t)) for t in spec.captured]) if mask is not None else []
+        self.mask_kinds = mask.check([(t.static_shape, _kind(t)) for t in spec.captured]) if mask is not None else []
         self.gradient: GradientRegion | None = None
         self.gradient_kinds: list[str] = []
         if score is not None and spec.needs_dp:
             gradient = score.gradient(self.score_kinds)
-            self.gradient_kinds = gradient.check([(t.shape, _kind(t)) for t in spec.captured])
+            self.gradient_kinds = gradient.check([(t.static_shape, _kind(t)) for t in spec.captured])
             self.gradient = gradient
 
     # ------------------------------------------------------------------ operands
@@ -590,7 +590,7 @@ class FlexLowering:
                 index = b.mul(batch, i64(d.kv_heads if by_h else 1))
             if by_h:
                 index = b.add(index, group)
-            numel = math.prod(self.spec.captured[tensor].shape)
+            numel = math.prod(self.spec.captured[tensor].static_shape)
             bases[tensor] = gep_f32(b, self.base[f"p{tensor}"], b.mul(index, i64(numel)))
         return bases
 

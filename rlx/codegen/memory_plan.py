@@ -26,8 +26,11 @@ ALIGN = 64
 
 @dataclass(frozen=True)
 class Location:
-    """``kind`` is ``"input"`` / ``"output"`` (index into the entry's buffer list), ``"arena"`` (byte
-    offset) or ``"constant"`` (data in the module; index is the constant's node id)."""
+    """``kind`` is ``"input"`` / ``"output"`` / ``"temp"`` (index into the entry's buffer list),
+    ``"arena"`` (byte offset) or ``"constant"`` (data in the module; index is the constant's node id).
+
+    A ``temp`` is an intermediate whose size is only known per call (a symbolic dimension): the
+    executable allocates it for each call, like an output."""
 
     kind: str
     index: int
@@ -122,6 +125,10 @@ def plan_memory(
 
     placed: list[tuple[int, int, int, int]] = []  # (offset, end, first, last)
     written = dict.fromkeys(value for _, writes, _ in accesses for value in writes)
+    for value in written:
+        if value not in locations and not value.type.is_static:
+            locations[value] = Location("temp", len(buffer_names))
+            buffer_names.append(f"%temp{len(buffer_names)}")
     intermediates = [v for v in written if v not in locations]
     intermediates.sort(key=lambda v: (-v.type.nbytes, live[v][0]))
     for value in intermediates:

@@ -51,7 +51,7 @@ def emit_team(
     steps: list[Step],
     threads: int,
     scratch: ir.Value,
-    stride: int,
+    stride: int | ir.Value,
     profile: ir.Value | None,
     now: Callable[[ir.IRBuilder], ir.Value] | None,
 ) -> None:
@@ -71,7 +71,7 @@ def emit_team(
         args_table,
         counters,
         scratch,
-        i64(stride),
+        i64(stride) if isinstance(stride, int) else stride,
         barrier,
         ready,
         profile if profile is not None else ir.Constant(PTR, None),

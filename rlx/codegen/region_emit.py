@@ -39,7 +39,7 @@ class Tensor:
     @property
     def strides(self) -> tuple[int, ...]:
         strides, step = [], 1
-        for size in reversed(self.type.shape):
+        for size in reversed(self.type.static_shape):
             strides.append(step)
             step *= size
         return tuple(reversed(strides))

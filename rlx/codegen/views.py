@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import cast
 
 from rlx.ir.graph import Value
 
+UNKNOWN_STRIDE = -1  # a stride across a symbolic dimension: known only per call
 
-def dense_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+
+def dense_strides(shape: tuple[int | str, ...]) -> tuple[int, ...]:
+    """Row-major strides; ``UNKNOWN_STRIDE`` outside a symbolic dimension (kernels that take
+    symbolic shapes address their operands themselves, from the call's sizes)."""
     strides = []
-    step = 1
+    step: int | None = 1
     for size in reversed(shape):
-        strides.append(step)
-        step *= size
+        strides.append(UNKNOWN_STRIDE if step is None else step)
+        step = None if step is None or isinstance(size, str) else step * size
     return tuple(reversed(strides))
 
 
@@ -34,7 +39,9 @@ class View:
 
     @staticmethod
     def dense(base: Value) -> View:
-        return View(base, 0, base.shape, dense_strides(base.shape))
+        # A symbolic shape only reaches kernels that address their operands from the call's sizes
+        # (attention), which read a view's offset alone.
+        return View(base, 0, cast(tuple[int, ...], base.shape), dense_strides(base.shape))
 
     @property
     def is_dense(self) -> bool:

@@ -21,7 +21,7 @@ import networkx as nx
 from rlx.errors import RlxKeyError, RlxTypeError, RlxValueError
 from rlx.ir.opdef import REGISTRY
 from rlx.ir.ops import InputAttrs, OpKind
-from rlx.ir.types import TensorType, as_dtype, check_shape
+from rlx.ir.types import Dim, TensorType, as_dtype, check_shape
 
 Attrs = Any
 
@@ -49,8 +49,13 @@ class Value:
         return self.node.types[self.index]
 
     @property
-    def shape(self) -> tuple[int, ...]:
+    def shape(self) -> tuple[Dim, ...]:
         return self.type.shape
+
+    @property
+    def static_shape(self) -> tuple[int, ...]:
+        """The shape as ints, where sizes are needed (``RlxValueError`` if a dimension is symbolic)."""
+        return self.type.static_shape
 
     @property
     def dtype(self):
@@ -264,7 +269,7 @@ class Graph:
 
     # ----------------------------------------------------------------- builders
 
-    def input(self, name: str, shape: Sequence[int], dtype: object = "float32") -> Value:
+    def input(self, name: str, shape: Sequence[int | str], dtype: object = "float32") -> Value:
         """Declare a graph input ``name`` of static ``shape`` and ``dtype`` (default float32)."""
         check_name(name, "input name")
         if name in self._inputs:
@@ -310,7 +315,17 @@ class Graph:
         for slot, value in enumerate(inputs):
             self._check_value(value, f"{what} operand {slot}")
         definition.check_arity(what, len(inputs))
-        types = definition.infer(what, [v.type for v in inputs], attrs)
+        operand_types = [v.type for v in inputs]
+        try:
+            types = definition.infer(what, operand_types, attrs)
+        except TypeError as exc:  # a rule doing arithmetic on a symbolic dimension
+            symbolic = [str(t) for t in operand_types if not t.is_static]
+            if not symbolic:
+                raise
+            raise RlxValueError(
+                f"{what}: {op} does not support symbolic dimensions in this position (operands {', '.join(symbolic)}); "
+                f"declare the input with a static size ({exc})"
+            ) from None
         return self._add(op, attrs, inputs, tuple(types))
 
     # ----------------------------------------------------------------- mutation

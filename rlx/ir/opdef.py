@@ -35,6 +35,11 @@ class EvalContext:
 
     config: RuntimeConfig
     inputs: Mapping[str, np.ndarray]
+    sizes: Mapping[str, int] = field(default_factory=dict)  # this call's symbolic dimensions
+
+    def resolve(self, shape: tuple[int | str, ...]) -> tuple[int, ...]:
+        """A shape attribute with its symbols replaced by this call's sizes."""
+        return tuple(self.sizes[d] if isinstance(d, str) else d for d in shape)
 
 
 ReferenceFn = Callable[[Sequence[np.ndarray], Any, EvalContext], "tuple[np.ndarray, ...] | np.ndarray"]

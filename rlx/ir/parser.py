@@ -8,7 +8,7 @@ Grammar (one statement per line; blank lines and ``//`` comments are skipped)::
     op        ::= VALUE (',' VALUE)* '=' OPNAME [VALUE (',' VALUE)*] [attrs] ':' type (',' type)*
     output    ::= 'output' NAME '=' VALUE (',' NAME '=' VALUE)*
     attrs     ::= '{' [NAME '=' attr_value (',' NAME '=' attr_value)*] '}'
-    type      ::= DTYPE '[' [INT (',' INT)*] ']'
+    type      ::= DTYPE '[' [DIM (',' DIM)*] ']'      DIM: INT or a symbol name (dynamic size)
 
     SYMBOL = '@' name, VALUE = '%' name, attr_value = tokens up to ',' or '}' outside brackets,
     STRING = a JSON string literal (the printer quotes every str attribute value this way).
@@ -189,6 +189,9 @@ class _Cursor:
         token = self.peek()
         return token.kind in ("punct", "name") and token.text == text
 
+    def at_kind(self, kind: str) -> bool:
+        return self.peek().kind == kind
+
     def accept(self, text: str) -> bool:
         if self.at(text):
             self.next()
@@ -273,16 +276,19 @@ def _convert(tp: object, tokens: list[Token]) -> object:
     raise ValueError(f"the parser does not know how to read a {tp}")
 
 
-def _convert_int_tuple(tp: object, tokens: list[Token], text: str) -> tuple[int, ...]:
-    """``(1, 2)``, ``(3,)`` or ``()`` for a ``tuple[int, ...]`` field."""
-    if typing.get_args(tp) not in ((int, Ellipsis),):
-        raise ValueError(f"the parser reads tuples of ints only, not {tp}")
+def _convert_int_tuple(tp: object, tokens: list[Token], text: str) -> tuple[int | str, ...]:
+    """``(1, 2)``, ``(3,)`` or ``()`` for a ``tuple[int, ...]`` field; a shape field
+    (``tuple[int | str, ...]``) also reads symbolic dimensions, ``(2, Sk, 64)``."""
+    args = typing.get_args(tp)
+    shape = args == (int | str, Ellipsis)
+    if args != (int, Ellipsis) and not shape:
+        raise ValueError(f"the parser reads tuples of ints (and shapes) only, not {tp}")
     if not (text.startswith("(") and text.endswith(")")):
         raise ValueError("expected a tuple like (1, 2)")
     inner = [token for token in tokens[1:-1] if token.text != ","]
-    if any(token.kind != "number" for token in inner):
-        raise ValueError("expected ints between the parentheses")
-    return tuple(_parse_int(token.text) for token in inner)
+    if any(token.kind != "number" and not (shape and token.kind == "name") for token in inner):
+        raise ValueError("expected ints between the parentheses" + (" (or symbolic dimensions)" if shape else ""))
+    return tuple(token.text if token.kind == "name" else _parse_int(token.text) for token in inner)
 
 
 def _convert_union(options: tuple[object, ...], tokens: list[Token], text: str) -> object:
@@ -492,12 +498,15 @@ class _Parser:
         if dtype.text not in DTYPE_NAMES:
             raise cursor.error(f"a dtype ({', '.join(DTYPE_NAMES)})", dtype)
         cursor.expect("[", f" after dtype {dtype.text}")
-        dims: list[int] = []
+        dims: list[int | str] = []
         while not cursor.at("]"):
-            dim = cursor.expect_kind("number", "a dimension (a positive int) or ']'")
-            if not dim.text.isdigit() or int(dim.text) < 1:
-                raise cursor.error("a dimension (a positive int)", dim)
-            dims.append(int(dim.text))
+            if cursor.at_kind("name"):  # a symbolic dimension, e.g. f32[2,Sk,4,64]
+                dims.append(cursor.expect_kind("name", "a symbolic dimension").text)
+            else:
+                dim = cursor.expect_kind("number", "a dimension (a positive int or a symbol) or ']'")
+                if not dim.text.isdigit() or int(dim.text) < 1:
+                    raise cursor.error("a dimension (a positive int)", dim)
+                dims.append(int(dim.text))
             if not cursor.accept(","):
                 break
         cursor.expect("]", " closing the shape")

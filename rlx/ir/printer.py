@@ -70,7 +70,10 @@ def quote(text: str) -> str:
 
 
 def format_attr_value(value: object) -> str:
-    """An attribute value as the parser reads it back: strings quoted, everything else ``str()``."""
+    """An attribute value as the parser reads it back: strings quoted, a shape's symbolic dimensions
+    bare (``(2, Sk, 64)``, as in types), everything else ``str()``."""
+    if isinstance(value, tuple) and any(isinstance(v, str) for v in value):
+        return "(" + ", ".join(str(v) for v in value) + ("," if len(value) == 1 else "") + ")"
     return quote(value) if isinstance(value, str) and not isinstance(value, enum.Enum) else str(value)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 import math
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -39,11 +41,23 @@ def as_dtype(dtype: object) -> np.dtype:
     return normalised
 
 
+Dim = int | str  # a size, or the name of a symbolic dimension whose size each call binds
+_SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def is_symbol(dim: object) -> bool:
+    """A symbolic dimension: an identifier like ``"Sk"`` (``g.input("k", (B, "Sk", H, D))``)."""
+    return isinstance(dim, str) and _SYMBOL.match(dim) is not None
+
+
 @dataclass(frozen=True)
 class TensorType:
-    """Static shape and dtype of a value; printed as ``f32[2,128,4,64]``."""
+    """Shape and dtype of a value; printed as ``f32[2,128,4,64]`` (``f32[2,Sk,4,64]`` with a symbol).
 
-    shape: tuple[int, ...]
+    A dimension is an int or a symbol (see :func:`is_symbol`): one name, one size per call.
+    """
+
+    shape: tuple[Dim, ...]
     dtype: np.dtype = np.dtype(np.float32)
 
     def __post_init__(self) -> None:
@@ -61,16 +75,46 @@ class TensorType:
         return _NAME_OF_DTYPE[self.dtype]
 
     @property
+    def symbols(self) -> tuple[str, ...]:
+        """The symbolic dimensions, in order of first appearance."""
+        return tuple(dict.fromkeys(d for d in self.shape if isinstance(d, str)))
+
+    @property
+    def is_static(self) -> bool:
+        return all(isinstance(d, int) for d in self.shape)
+
+    @property
     def nbytes(self) -> int:
         """Exact size in bytes (Python ints: ``np.prod`` in int64 wraps around for huge shapes)."""
-        return math.prod(self.shape) * self.dtype.itemsize
+        if not self.is_static:
+            raise RlxValueError(f"{self} has symbolic dimensions {list(self.symbols)}: its size is known per call")
+        return math.prod(self.static_shape) * self.dtype.itemsize
+
+    @property
+    def static_shape(self) -> tuple[int, ...]:
+        """The shape, for code that needs sizes (it is not reached with symbolic dimensions)."""
+        return static_shape(self.shape)
+
+    def resolve(self, sizes: Mapping[str, int]) -> TensorType:
+        """This type with every symbol replaced by its size in ``sizes``."""
+        if self.is_static:
+            return self
+        return TensorType(tuple(sizes[d] if isinstance(d, str) else d for d in self.shape), self.dtype)
 
     def __str__(self) -> str:
         return f"{self.dtype_name}[{','.join(str(d) for d in self.shape)}]"
 
 
-def check_shape(shape: object, what: str) -> tuple[int, ...]:
-    """Validate a user shape: a sequence of positive Python/NumPy ints; returns a tuple of ints."""
+def static_shape(shape: tuple[Dim, ...]) -> tuple[int, ...]:
+    """``shape`` as ints; ``RlxValueError`` if a dimension is symbolic (known only per call)."""
+    if not all(isinstance(d, int) for d in shape):
+        symbols = [d for d in shape if isinstance(d, str)]
+        raise RlxValueError(f"shape {shape} has symbolic dimensions {symbols}: its sizes are known per call only")
+    return shape  # type: ignore[return-value]
+
+
+def check_shape(shape: object, what: str) -> tuple[Dim, ...]:
+    """Validate a user shape: positive Python/NumPy ints and symbol names; returns a tuple."""
     if type(shape) is tuple and all(type(dim) is int and dim >= 1 for dim in shape):
         return shape  # the common case, already normal
     if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
@@ -80,10 +124,18 @@ def check_shape(shape: object, what: str) -> tuple[int, ...]:
     except TypeError:  # e.g. a 0-d array, which has __iter__ but cannot be iterated
         raise RlxTypeError(f"{what}: shape must be a tuple of ints, got {type(shape).__name__}") from None
     for dim in entries:
-        if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)):
-            raise RlxTypeError(f"{what}: shape entries must be ints, got {dim!r} in {entries}")
-    dims = tuple(int(dim) for dim in entries)
-    if any(dim < 1 for dim in dims):
+        if isinstance(dim, str):
+            if not is_symbol(dim):
+                raise RlxValueError(
+                    f"{what}: a symbolic dimension must be an identifier like 'Sk', got {dim!r} in {entries}"
+                )
+        elif isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)):
+            raise RlxTypeError(
+                f"{what}: shape entries must be ints, got {dim!r} in {entries} "
+                "(a symbolic dimension is a name like 'Sk')"
+            )
+    dims = tuple(dim if isinstance(dim, str) else int(dim) for dim in entries)
+    if any(isinstance(dim, int) and dim < 1 for dim in dims):
         raise RlxValueError(f"{what}: every dimension must be >= 1, got shape {dims}")
     return dims
 
@@ -94,7 +146,7 @@ class Layout(enum.Enum):
     BSHD = "bshd"
     BHSD = "bhsd"
 
-    def split(self, shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    def split(self, shape: tuple[Dim, ...]) -> tuple[Dim, Dim, Dim, Dim]:
         """Return ``(B, S, H, D)`` from a rank-4 shape in this layout."""
         if len(shape) != 4:
             raise RlxValueError(f"layout {self} needs a rank-4 shape, got {tuple(shape)}")
@@ -104,7 +156,7 @@ class Layout(enum.Enum):
             b, h, s, d = shape
         return b, s, h, d
 
-    def join(self, b: int, s: int, h: int, d: int) -> tuple[int, int, int, int]:
+    def join(self, b: Dim, s: Dim, h: Dim, d: Dim) -> tuple[Dim, Dim, Dim, Dim]:
         """Inverse of :meth:`split`."""
         return (b, s, h, d) if self is Layout.BSHD else (b, h, s, d)
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
-from rlx.ir.types import TensorType
+from rlx.ir.types import Dim, TensorType, is_symbol
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Value
@@ -59,7 +59,7 @@ def require_int(what: str, label: str, ty: TensorType) -> None:
         raise RlxTypeError(f"{what}: {label} must be int32 or int64, got {ty.dtype_name} ({ty})")
 
 
-def broadcast_shapes(what: str, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+def broadcast_shapes(what: str, *shapes: tuple[Dim, ...]) -> tuple[Dim, ...]:
     """NumPy broadcasting of ``shapes``; ``RlxValueError`` naming ``what`` if they do not broadcast."""
     rank = max(len(shape) for shape in shapes)
     result = []
@@ -67,7 +67,9 @@ def broadcast_shapes(what: str, *shapes: tuple[int, ...]) -> tuple[int, ...]:
         sizes = {shape[axis] for shape in shapes if len(shape) >= -axis} - {1}
         if len(sizes) > 1:
             listed = " and ".join(str(list(shape)) for shape in shapes)
-            raise RlxValueError(f"{what}: shapes {listed} do not broadcast (axis {axis}: sizes {sorted(sizes)})")
+            raise RlxValueError(
+                f"{what}: shapes {listed} do not broadcast (axis {axis}: sizes {sorted(sizes, key=str)})"
+            )
         result.append(sizes.pop() if sizes else 1)
     return tuple(result)
 
@@ -107,6 +109,23 @@ def int_tuple(what: str, label: str, values: object) -> tuple[int, ...]:
     return tuple(out)
 
 
+def dim_tuple(what: str, label: str, values: object) -> tuple[int | str, ...]:
+    """Like :func:`int_tuple`, but an entry may also name a symbolic dimension (``"Sk"``)."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise RlxTypeError(f"{what}: {label} must be a tuple of ints, got {type(values).__name__}")
+    out: list[int | str] = []
+    for v in values:
+        if isinstance(v, str):
+            if not is_symbol(v):
+                raise RlxValueError(f"{what}: {label}: a symbolic dimension must be an identifier, got {v!r}")
+            out.append(v)
+        elif isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            raise RlxTypeError(f"{what}: {label} entries must be ints, got {v!r} (or symbolic dimension names)")
+        else:
+            out.append(int(v))
+    return tuple(out)
+
+
 def to_f64(x: np.ndarray) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
@@ -114,7 +133,7 @@ def to_f64(x: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------- gradient helpers
 
 
-def sum_to_shape(graph: Graph, grad: Value, shape: tuple[int, ...]) -> Value:
+def sum_to_shape(graph: Graph, grad: Value, shape: tuple[Dim, ...]) -> Value:
     """Undo broadcasting: sum ``grad`` over the axes that broadcasting added or stretched."""
     if grad.shape == shape:
         return grad
@@ -126,13 +145,13 @@ def sum_to_shape(graph: Graph, grad: Value, shape: tuple[int, ...]) -> Value:
     return summed if summed.shape == shape else graph.reshape(summed, shape)
 
 
-def zeros(graph: Graph, shape: tuple[int, ...]) -> Value:
+def zeros(graph: Graph, shape: tuple[Dim, ...]) -> Value:
     """A float32 zero tensor of ``shape`` (a broadcast scalar: no buffer)."""
     zero = graph.constant(0.0)
     return zero if shape == () else graph.broadcast_to(zero, shape)
 
 
-def keep_axes(graph: Graph, reduced: Value, full: tuple[int, ...], axes: tuple[int, ...]) -> Value:
+def keep_axes(graph: Graph, reduced: Value, full: tuple[Dim, ...], axes: tuple[int, ...]) -> Value:
     """Reshape a reduction without keepdims back to rank ``len(full)`` (size 1 on ``axes``)."""
     shape = tuple(1 if i in axes else size for i, size in enumerate(full))
     return reduced if reduced.shape == shape else graph.reshape(reduced, shape)

@@ -18,7 +18,7 @@ import numpy as np
 from rlx.config import RuntimeConfig, resolve_config
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.opdef import EvalContext, OpDef, not_differentiable, register_op
-from rlx.ir.types import Layout, MaskKind, TensorType, Wrt
+from rlx.ir.types import Dim, Layout, MaskKind, TensorType, Wrt
 from rlx.ops._common import F32, op_kind
 
 if TYPE_CHECKING:
@@ -48,8 +48,8 @@ class AttentionDims:
 
     batch: int
     heads: int
-    seq_q: int
-    seq_k: int
+    seq_q: Dim  # the sequence lengths may be symbolic dimensions, sized per call
+    seq_k: Dim
     head_dim: int
     kv_heads: int = 0  # 0: as many as heads (k and v may have fewer: GQA / MQA)
     value_dim: int = 0  # 0: head_dim (v may have its own head dim)
@@ -90,12 +90,13 @@ def attention_dims(
             raise RlxValueError(f"{what}: {label} must have rank 4 ({_layout_names(layout)}), got {ty}")
     b, sq, h, d = layout.split(q.shape)
     kb, sk, hkv, kd = layout.split(k.shape)
+    dv = layout.split(v.shape)[3]
+    b, h, d, hkv, dv = static_sizes(what, layout, q, k, v, (b, h, d, hkv, dv))
     if (kb, kd) != (b, d) or hkv > h or h % hkv:
         raise RlxValueError(
             f"{what}: k must have batch {b}, heads {h} and head_dim {d} like q {q} "
             f"(or a number of heads dividing {h}: GQA) (layout {layout}: {_layout_names(layout)}), got {k}"
         )
-    dv = layout.split(v.shape)[3]
     want_v = layout.join(b, sk, hkv, dv)
     if v.shape != want_v:
         raise RlxValueError(f"{what}: v must be f32{list(want_v)} to match q {q} and k {k}, got {v}")
@@ -114,6 +115,18 @@ def attention_dims(
     elif mask_tensor is not None:
         raise RlxValueError(f"{what}: mask {mask} takes no mask_input tensor (only custom and bias do)")
     return AttentionDims(batch=b, heads=h, seq_q=sq, seq_k=sk, head_dim=d, kv_heads=hkv, value_dim=dv)
+
+
+def static_sizes(
+    what: str, layout: Layout, q: TensorType, k: TensorType, v: TensorType, sizes: tuple[Dim, ...]
+) -> tuple[int, ...]:
+    """Batch, heads and head dims as ints: only sequence lengths may be symbolic dimensions."""
+    if not all(isinstance(size, int) for size in sizes):
+        raise RlxValueError(
+            f"{what}: only the sequence lengths of attention operands may be symbolic dimensions; batch, heads and "
+            f"head dims must be static (layout {layout}: {_layout_names(layout)}), got q {q}, k {k}, v {v}"
+        )
+    return sizes  # type: ignore[return-value]
 
 
 def _layout_names(layout: Layout) -> str:

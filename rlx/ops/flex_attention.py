@@ -80,9 +80,14 @@ def flex_dims(what: str, q: TensorType, k: TensorType, v: TensorType, layout: La
         if ty.rank != 4:
             names = "[B, S, H, D]" if layout is Layout.BSHD else "[B, H, S, D]"
             raise RlxValueError(f"{what}: {label} must have rank 4 ({names}), got {ty}")
-    b, sq, h, d = layout.split(q.shape)
-    kb, sk, hkv, kd = layout.split(k.shape)
-    vb, vs, vh, dv = layout.split(v.shape)
+    if not (q.is_static and k.is_static and v.is_static):
+        raise RlxValueError(
+            f"{what}: programmable attention (score_mod / mask_mod) takes static sizes only so far; symbolic "
+            f"dimensions reach the fixed-mask attention kernels; got q {q}, k {k}, v {v}"
+        )
+    b, sq, h, d = (int(size) for size in layout.split(q.static_shape))
+    kb, sk, hkv, kd = (int(size) for size in layout.split(k.static_shape))
+    vb, vs, vh, dv = (int(size) for size in layout.split(v.static_shape))
     if kb != b or kd != d:
         raise RlxValueError(f"{what}: k must have batch {b} and head dim {d} like q {q} (layout {layout}), got {k}")
     if h % hkv:
@@ -93,7 +98,7 @@ def flex_dims(what: str, q: TensorType, k: TensorType, v: TensorType, layout: La
 
 
 def captured_kinds(types: Sequence[TensorType]) -> list[tuple[tuple[int, ...], str]]:
-    return [(t.shape, "f" if t.dtype.kind == "f" else "b" if t.dtype.kind == "b" else "i") for t in types]
+    return [(t.static_shape, "f" if t.dtype.kind == "f" else "b" if t.dtype.kind == "b" else "i") for t in types]
 
 
 def check_regions(
@@ -127,7 +132,7 @@ def _check_index_ranges(what: str, label: str, region: Region, dims: FlexDims, c
     }
 
     def read_bounds(step: int, tensor: int, index: list[Interval]) -> Interval:
-        shape = captured[tensor].shape
+        shape = captured[tensor].static_shape
         for axis, ((lo, hi), size) in enumerate(zip(index, shape, strict=True)):
             if not (float(lo) >= 0 and float(hi) <= size - 1):
                 raise RlxValueError(
@@ -349,7 +354,7 @@ def _tensor_grads(
     values = region.evaluate_all(grid | {"score": np.zeros((1, 1, 1, 1))}, captured)
     full = ds.shape
     partial_of = {tensor: (count, by_b, by_h) for tensor, count, by_b, by_h in tensor_grad_layout(region, shapes, dims)}
-    sums = {tensor: np.zeros((count, *shapes[tensor].shape)) for tensor, (count, _, _) in partial_of.items()}
+    sums = {tensor: np.zeros((count, *shapes[tensor].static_shape)) for tensor, (count, _, _) in partial_of.items()}
     batch = np.broadcast_to(grid["b"], full)
     kv_head = np.broadcast_to(grid["h"] // dims.group, full)
     for (step, tensor), local in zip(region.float_reads(kinds), read_grads, strict=True):
@@ -403,7 +408,7 @@ def _flex_grad(
     q, k, v = node.inputs[:3]
     captured = node.inputs[3:]
     if d_out is None:
-        d_out = graph.constant(np.zeros(out.shape, np.float32))
+        d_out = graph.constant(np.zeros(out.static_shape, np.float32))
     dlse = () if d_lse is None else (d_lse,)
     operands = (q, k, v, out, d_out, lse, *dlse, *captured)
 
@@ -492,7 +497,9 @@ def flex_attention(
         if mod is None or isinstance(mod, Region):
             regions.append(mod)
         else:
-            sizes = (layout.split(q.shape)[1], layout.split(k.shape)[1]) if _is_rank4(q, k) else None
+            sizes = None
+            if _is_rank4(q, k) and q.type.is_static and k.type.is_static:
+                sizes = (int(layout.split(q.static_shape)[1]), int(layout.split(k.static_shape)[1]))
             regions.append(trace(graph, mod, kind, tensors, sizes))
     attrs = FlexAttentionAttrs(regions[0], regions[1], scale, layout)
     out, lse = graph.add_node(op_kind("flex_attention"), (q, k, v, *tensors), attrs).outputs

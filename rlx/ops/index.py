@@ -61,7 +61,7 @@ def _embedding_grad(
     dy = cts[0]
     assert dy is not None
     table, ids = node.inputs
-    return [embedding_grad(graph, dy, ids, table.shape[0]), None]
+    return [embedding_grad(graph, dy, ids, table.static_shape[0]), None]
 
 
 def embedding(graph: Graph, table: object, ids: object) -> Value:
@@ -155,7 +155,7 @@ def _cross_entropy_grad(
     dy = cts[0]
     assert dy is not None
     logits, targets = node.inputs
-    count = int(np.prod(targets.shape, dtype=np.int64))
+    count = int(np.prod(targets.static_shape, dtype=np.int64))
     diff = graph.softmax(logits, axis=-1) - graph.one_hot(targets, logits.shape[-1])
     return [diff * (dy * (1.0 / count)), None]
 

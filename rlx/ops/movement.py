@@ -6,6 +6,7 @@ They work on any dtype. In compiled code they are strided views wherever the str
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -14,8 +15,8 @@ import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.opdef import EvalContext, OpDef, register_op
-from rlx.ir.types import TensorType
-from rlx.ops._common import as_value, int_tuple, normalize_axis, op_kind, sum_to_shape, zeros
+from rlx.ir.types import Dim, TensorType
+from rlx.ops._common import as_value, dim_tuple, int_tuple, normalize_axis, op_kind, sum_to_shape, zeros
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Node, Value
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ShapeAttrs:
-    shape: tuple[int, ...]
+    shape: tuple[Dim, ...]
 
 
 @dataclass(frozen=True)
@@ -47,28 +48,42 @@ class ConcatAttrs:
 
 def _reshape_infer(what: str, inputs: Sequence[TensorType], attrs: ShapeAttrs) -> tuple[TensorType, ...]:
     (x,) = inputs
-    shape = int_tuple(what, "shape", attrs.shape)
-    if any(d < 1 for d in shape):
+    shape = dim_tuple(what, "shape", attrs.shape)
+    if any(isinstance(d, int) and d < 1 for d in shape):
         raise RlxValueError(f"{what}: every dimension must be >= 1, got shape {shape}")
-    if math.prod(shape) != math.prod(x.shape):
+    if _elements(shape) != _elements(x.shape):
         raise RlxValueError(
-            f"{what}: cannot reshape {x} ({math.prod(x.shape)} elements) to {list(shape)} ({math.prod(shape)} elements)"
+            f"{what}: cannot reshape {x} ({_count(x.shape)} elements) to {list(shape)} ({_count(shape)} elements)"
         )
     return (TensorType(shape, x.dtype),)
 
 
-def reshape(graph: Graph, x: object, shape: Sequence[int]) -> Value:
-    """As ``numpy.reshape`` (row-major); one entry may be -1."""
+def _elements(shape: Sequence[Dim]) -> tuple[int, Counter[str]]:
+    """A shape's element count as (product of the static dims, multiset of symbols)."""
+    return math.prod(d for d in shape if isinstance(d, int)), Counter(d for d in shape if isinstance(d, str))
+
+
+def _count(shape: Sequence[Dim]) -> str:
+    static, symbols = _elements(shape)
+    return "*".join([str(static)] * (static != 1 or not symbols) + sorted(symbols.elements()))
+
+
+def reshape(graph: Graph, x: object, shape: Sequence[int | str]) -> Value:
+    """As ``numpy.reshape`` (row-major); one entry may be -1. A symbolic dimension of ``x`` (see
+    ``g.input``) may appear in ``shape`` by name; it stays one dimension (it is not merged)."""
     value = as_value(graph, x, "reshape: x")
-    dims = list(int_tuple("reshape", "shape", shape))
-    total = math.prod(value.shape)
+    dims: list[Dim] = list(dim_tuple("reshape", "shape", shape))
     if dims.count(-1) > 1:
         raise RlxValueError(f"reshape: at most one -1 is allowed, got {tuple(dims)}")
     if -1 in dims:
-        known = math.prod(d for d in dims if d != -1)
-        if known <= 0 or total % known:
-            raise RlxValueError(f"reshape: cannot reshape {value.type} ({total} elements) to {tuple(dims)}")
-        dims[dims.index(-1)] = total // known
+        total, symbols = _elements(value.shape)
+        known, named = _elements([d for d in dims if d != -1])
+        missing = symbols - named
+        if named - symbols or known <= 0 or total % known or (missing and (total // known != 1 or len(missing) > 1)):
+            raise RlxValueError(
+                f"reshape: cannot reshape {value.type} ({_count(value.shape)} elements) to {tuple(dims)}"
+            )
+        dims[dims.index(-1)] = next(iter(missing)) if missing else total // known
     return graph.add_node(op_kind("reshape"), [value], ShapeAttrs(tuple(dims))).outputs[0]
 
 
@@ -131,6 +146,10 @@ def split(graph: Graph, x: object, n: int | Sequence[int], axis: int = -1) -> tu
         raise RlxValueError("split: x must have at least one axis, got a scalar")
     ax = normalize_axis("split", axis, len(value.shape))
     length = value.shape[ax]
+    if isinstance(length, str):
+        raise RlxValueError(
+            f"split: axis {axis} of {value.type} is the symbolic dimension {length!r}; split along a static axis"
+        )
     if isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_)):
         if n < 1 or length % n:
             raise RlxValueError(
@@ -163,8 +182,11 @@ def _concat_infer(what: str, inputs: Sequence[TensorType], attrs: ConcatAttrs) -
         others = [d for a, d in enumerate(ty.shape) if a != attrs.axis]
         if ty.rank != first.rank or others != [d for a, d in enumerate(first.shape) if a != attrs.axis]:
             raise RlxValueError(f"{what}: part {i} {ty} does not match part 0 {first} except along axis {attrs.axis}")
+    lengths = [ty.shape[attrs.axis] for ty in inputs]
+    if not all(isinstance(n, int) for n in lengths):
+        raise RlxValueError(f"{what}: cannot concatenate along the symbolic dimension of {lengths} (axis {attrs.axis})")
     shape = list(first.shape)
-    shape[attrs.axis] = sum(ty.shape[attrs.axis] for ty in inputs)
+    shape[attrs.axis] = sum(n for n in lengths if isinstance(n, int))
     return (TensorType(tuple(shape), first.dtype),)
 
 
@@ -192,18 +214,22 @@ def _concat_grad(graph: Graph, node: Node, cts: Sequence[Value | None], needed: 
 
 def _broadcast_infer(what: str, inputs: Sequence[TensorType], attrs: ShapeAttrs) -> tuple[TensorType, ...]:
     (x,) = inputs
-    shape = int_tuple(what, "shape", attrs.shape)
+    shape = dim_tuple(what, "shape", attrs.shape)
     lead = len(shape) - x.rank
-    if lead < 0 or any(d < 1 for d in shape) or any(size not in (1, shape[lead + i]) for i, size in enumerate(x.shape)):
+    if (
+        lead < 0
+        or any(isinstance(d, int) and d < 1 for d in shape)
+        or any(size not in (1, shape[lead + i]) for i, size in enumerate(x.shape))
+    ):
         raise RlxValueError(f"{what}: cannot broadcast {x} to {list(shape)}")
     return (TensorType(shape, x.dtype),)
 
 
-def broadcast_to(graph: Graph, x: object, shape: Sequence[int]) -> Value:
-    """As ``numpy.broadcast_to``."""
+def broadcast_to(graph: Graph, x: object, shape: Sequence[int | str]) -> Value:
+    """As ``numpy.broadcast_to`` (``shape`` may name symbolic dimensions)."""
     value = as_value(graph, x, "broadcast_to: x")
     return graph.add_node(
-        op_kind("broadcast_to"), [value], ShapeAttrs(int_tuple("broadcast_to", "shape", shape))
+        op_kind("broadcast_to"), [value], ShapeAttrs(dim_tuple("broadcast_to", "shape", shape))
     ).outputs[0]
 
 
@@ -233,7 +259,7 @@ register_op(
         ("x",),
         ShapeAttrs,
         _reshape_infer,
-        lambda args, attrs, ctx: np.reshape(args[0], attrs.shape),
+        lambda args, attrs, ctx: np.reshape(args[0], ctx.resolve(attrs.shape)),
         _float_only(_reshape_grad),
         builder=reshape,
         view=True,
@@ -274,7 +300,7 @@ register_op(
         ("x",),
         ShapeAttrs,
         _broadcast_infer,
-        lambda args, attrs, ctx: np.broadcast_to(args[0], attrs.shape),
+        lambda args, attrs, ctx: np.broadcast_to(args[0], ctx.resolve(attrs.shape)),
         _broadcast_grad,
         builder=broadcast_to,
         view=True,

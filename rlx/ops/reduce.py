@@ -11,7 +11,7 @@ import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.opdef import EvalContext, OpDef, register_op
-from rlx.ir.types import TensorType
+from rlx.ir.types import Dim, TensorType
 from rlx.ops._common import F32, as_value, keep_axes, normalize_axes, op_kind, require_float
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ class ReduceAttrs:
     keepdims: bool = False
 
 
-def reduced_shape(shape: tuple[int, ...], axes: tuple[int, ...], keepdims: bool) -> tuple[int, ...]:
+def reduced_shape(shape: tuple[Dim, ...], axes: tuple[int, ...], keepdims: bool) -> tuple[Dim, ...]:
     if keepdims:
         return tuple(1 if i in axes else size for i, size in enumerate(shape))
     return tuple(size for i, size in enumerate(shape) if i not in axes)
@@ -57,8 +57,7 @@ def _sum_grad(graph: Graph, node: Node, cts: Sequence[Value | None], needed: Seq
 
 def _mean_grad(graph: Graph, node: Node, cts: Sequence[Value | None], needed: Sequence[bool]) -> list[Value | None]:
     assert cts[0] is not None
-    count = math.prod(node.inputs[0].shape[a] for a in node.attrs.axes)
-    return [_broadcast_back(graph, node, cts[0] * (1.0 / count))]
+    return [_broadcast_back(graph, node, cts[0] * _reciprocal_count(graph, node.inputs[0], node.attrs.axes))]
 
 
 def _max_grad(graph: Graph, node: Node, cts: Sequence[Value | None], needed: Sequence[bool]) -> list[Value | None]:
@@ -95,8 +94,18 @@ def _max_reference(args: Sequence[np.ndarray], attrs: ReduceAttrs, ctx: EvalCont
 
 def _decompose_mean(graph: Graph, node: Node) -> tuple[Value, ...]:
     x, attrs = node.inputs[0], node.attrs
-    count = math.prod(x.shape[a] for a in attrs.axes)
-    return (graph.sum(x, axis=attrs.axes, keepdims=attrs.keepdims) * (1.0 / count),)
+    return (graph.sum(x, axis=attrs.axes, keepdims=attrs.keepdims) * _reciprocal_count(graph, x, attrs.axes),)
+
+
+def _reciprocal_count(graph: Graph, x: Value, axes: tuple[int, ...]) -> float | Value:
+    """1 / (elements reduced): a number, or, over a symbolic dimension, a value computed per call."""
+    sizes = [x.shape[a] for a in axes]
+    static = math.prod(d for d in sizes if isinstance(d, int))
+    symbolic = tuple(a for a in axes if isinstance(x.shape[a], str))
+    if not symbolic:
+        return 1.0 / static
+    ones = graph.broadcast_to(graph.constant(1.0), tuple(x.shape[a] for a in symbolic))
+    return graph.div(1.0 / static, graph.sum(ones, axis=None))
 
 
 register_op(OpDef("sum", ("x",), ReduceAttrs, _infer, _reference(np.sum), _sum_grad, builder=_builder("sum")))

@@ -186,7 +186,7 @@ def _check_eps(name: str, eps: object) -> float:
 
 
 def _ones_like_last(graph: Graph, x: Value) -> Value:
-    return graph.constant(np.ones(x.shape[-1], np.float32))
+    return graph.constant(np.ones(x.static_shape[-1], np.float32))
 
 
 def rms_norm(graph: Graph, x: object, weight: object = None, eps: float = 1e-6) -> Value:

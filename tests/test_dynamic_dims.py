@@ -1,0 +1,213 @@
+"""Symbolic dimensions (SPEC 6): one compilation runs every size, checked per call."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+import rlx
+from rlx.codegen.executable import compile_count
+from rlx.ir.parser import parse
+
+B, H, D = 2, 4, 16
+MASKS = [
+    rlx.MaskKind.NONE,
+    rlx.MaskKind.CAUSAL,
+    rlx.MaskKind.sliding_window(3),
+    rlx.MaskKind.CUSTOM,
+    rlx.MaskKind.BIAS,
+]
+
+
+def _attention_graph(mask: rlx.MaskKind, layout: rlx.Layout, kv_heads: int = H, dv: int = D) -> rlx.Graph:
+    g = rlx.Graph()
+    q = g.input("q", layout.join(B, "Sq", H, D))
+    k = g.input("k", layout.join(B, "Sk", kv_heads, D))
+    v = g.input("v", layout.join(B, "Sk", kv_heads, dv))
+    extra = {}
+    if mask == rlx.MaskKind.CUSTOM:
+        extra["mask_input"] = g.input("m", (B, "Sk"))
+    if mask == rlx.MaskKind.BIAS:
+        extra["mask_input"] = g.input("m", (B, H, "Sq", "Sk"))
+    out = g.attention(q, k, v, mask=mask, layout=layout, **extra)
+    dy = g.input("dy", out.shape)
+    dq, dk, dv_ = rlx.grad(g, out, [q, k, v], dy)
+    g.output(o=out, dq=dq, dk=dk, dv=dv_)
+    return g
+
+
+def _arrays(
+    rng: np.random.Generator, mask: rlx.MaskKind, layout: rlx.Layout, sq: int, sk: int, kv_heads: int = H, dv: int = D
+) -> dict[str, np.ndarray]:
+    def normal(shape: tuple[int, ...]) -> np.ndarray:
+        return rng.standard_normal(shape, dtype=np.float32)
+
+    arrays = {
+        "q": normal(layout.join(B, sq, H, D)),
+        "k": normal(layout.join(B, sk, kv_heads, D)),
+        "v": normal(layout.join(B, sk, kv_heads, dv)),
+        "dy": normal(layout.join(B, sq, H, dv)),
+    }
+    if mask == rlx.MaskKind.CUSTOM:
+        arrays["m"] = (rng.random((B, sk)) > 0.3).astype(np.float32)
+    if mask == rlx.MaskKind.BIAS:
+        arrays["m"] = normal((B, H, sq, sk))
+    return arrays
+
+
+def _check_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].shape == want[name].shape, name
+        scale = float(np.abs(want[name]).max()) + 1e-6
+        assert float(np.abs(got[name] - want[name]).max()) <= 2e-5 * scale + 1e-6, name
+
+
+@pytest.mark.parametrize("layout", [rlx.Layout.BSHD, rlx.Layout.BHSD], ids=str)
+@pytest.mark.parametrize("mask", MASKS, ids=str)
+def test_attention_forward_and_backward_compile_once_for_every_length(mask: rlx.MaskKind, layout: rlx.Layout) -> None:
+    g = _attention_graph(mask, layout)
+    exe = rlx.compile(g)
+    before = compile_count()
+    rng = np.random.default_rng(0)
+    for sq, sk in ((1, 1), (1, 9), (3, 5), (5, 3), (130, 70), (200, 513)):
+        arrays = _arrays(rng, mask, layout, sq, sk)
+        _check_close(exe(**arrays), rlx.reference.run(g, **arrays))
+    assert compile_count() == before
+    assert exe.compile_count == 1
+
+
+def test_gqa_and_value_dim_with_one_symbol_for_both_lengths() -> None:
+    g = rlx.Graph()
+    q = g.input("q", (B, "S", 8, D))
+    k = g.input("k", (B, "S", 2, D))
+    v = g.input("v", (B, "S", 2, 24))
+    out = g.attention(q, k, v, mask=rlx.MaskKind.CAUSAL)
+    dy = g.input("dy", out.shape)
+    dq, dk, dv = rlx.grad(g, out, [q, k, v], dy)
+    g.output(o=out, dq=dq, dk=dk, dv=dv)
+    exe = rlx.compile(g)
+    rng = np.random.default_rng(1)
+    for s in (1, 17, 150):
+        arrays = {
+            "q": rng.standard_normal((B, s, 8, D), dtype=np.float32),
+            "k": rng.standard_normal((B, s, 2, D), dtype=np.float32),
+            "v": rng.standard_normal((B, s, 2, 24), dtype=np.float32),
+            "dy": rng.standard_normal((B, s, 8, 24), dtype=np.float32),
+        }
+        _check_close(exe(**arrays), rlx.reference.run(g, **arrays))
+
+
+def test_results_do_not_depend_on_the_thread_count() -> None:
+    g = _attention_graph(rlx.MaskKind.CAUSAL, rlx.Layout.BSHD)
+    arrays = _arrays(np.random.default_rng(2), rlx.MaskKind.CAUSAL, rlx.Layout.BSHD, 77, 300)
+    one = rlx.compile(g, config=rlx.RuntimeConfig(num_threads=1))(**arrays)
+    three = rlx.compile(g, config=rlx.RuntimeConfig(num_threads=3))(**arrays)
+    for name in one:
+        np.testing.assert_array_equal(one[name], three[name])
+
+
+def test_inputs_that_disagree_on_a_symbol_name_both() -> None:
+    g = _attention_graph(rlx.MaskKind.NONE, rlx.Layout.BSHD)
+    exe = rlx.compile(g)
+    arrays = _arrays(np.random.default_rng(3), rlx.MaskKind.NONE, rlx.Layout.BSHD, 4, 6)
+    arrays["v"] = arrays["v"][:, :5]
+    for run in (exe, lambda **a: rlx.reference.run(g, **a)):
+        with pytest.raises(rlx.RlxValueError, match=r"'k' and 'v'.*'Sk'.*Sk=6.*Sk=5"):
+            run(**arrays)
+
+
+def test_a_static_dimension_still_has_to_match() -> None:
+    g = _attention_graph(rlx.MaskKind.NONE, rlx.Layout.BSHD)
+    arrays = _arrays(np.random.default_rng(4), rlx.MaskKind.NONE, rlx.Layout.BSHD, 4, 6)
+    arrays["q"] = np.zeros((B, 4, H, D + 1), np.float32)
+    with pytest.raises(rlx.RlxValueError, match="input 'q'"):
+        rlx.compile(g)(**arrays)
+
+
+def test_symbolic_types_print_and_parse() -> None:
+    g = rlx.Graph()
+    x = g.input("x", (2, "S", 8))
+    y = g.reshape(x, (2, "S", 2, 4))
+    z = g.reshape(y, (2, -1, 8))
+    g.output(y=y, z=z, w=g.broadcast_to(g.constant(1.0), ("S", 1)))
+    text = str(g)
+    assert "f32[2,S,8]" in text and "shape = (2, S, 2, 4)" in text
+    assert z.shape == (2, "S", 8)
+    assert str(parse(text)) == text
+
+
+def test_shape_rules_carry_symbols() -> None:
+    g = rlx.Graph()
+    x = g.input("x", (2, "S", 8))
+    w = g.input("w", (8, 5))
+    assert (x @ w).shape == (2, "S", 5)
+    assert (x * 2.0 + x).shape == (2, "S", 8)
+    assert g.sum(x, axis=1).shape == (2, 8)
+    assert g.softmax(x, axis=1).shape == (2, "S", 8)
+    assert g.transpose(x, (1, 0, 2)).shape == ("S", 2, 8)
+    assert g.concat([x, x], axis=2).shape == (2, "S", 16)
+    assert g.matmul(x, g.transpose(x, (0, 2, 1))).shape == (2, "S", "S")
+
+
+@pytest.mark.parametrize(
+    ("build", "fragment"),
+    [
+        (lambda g, x: g.concat([x, x], axis=1), "symbolic"),
+        (lambda g, x: g.split(x, 2, axis=1), "symbolic dimension 'S'"),
+        (lambda g, x: g.reshape(x, (2, -1)), "cannot reshape"),
+        (lambda g, x: g.reshape(x, (16, "S")), None),
+        (lambda g, x: g.reshape(x, (2, "T", 8)), "cannot reshape"),
+        (lambda g, x: x + g.input("y", (2, 3, 8)), "do not broadcast"),
+        (lambda g, x: g.input("z", (2, "S-1")), "identifier"),
+    ],
+)
+def test_what_symbols_cannot_do_is_a_clear_error(build, fragment) -> None:  # type: ignore[no-untyped-def]
+    g = rlx.Graph()
+    x = g.input("x", (2, "S", 8))
+    if fragment is None:  # a legal reshape that keeps the symbol one dimension
+        assert build(g, x).shape == (16, "S")
+        return
+    with pytest.raises(rlx.RlxError, match=fragment):
+        build(g, x)
+
+
+def test_mean_over_a_symbolic_axis_divides_by_the_call_size() -> None:
+    g = rlx.Graph()
+    x = g.input("x", (2, "S", 8))
+    m = g.mean(x, axis=1)
+    (dx,) = rlx.grad(g, g.sum(m), [x])
+    g.output(m=m, dx=dx)
+    for s in (1, 5):
+        data = np.random.default_rng(s).standard_normal((2, s, 8)).astype(np.float32)
+        out = rlx.reference.run(g, x=data)
+        np.testing.assert_allclose(out["m"], data.mean(axis=1), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(out["dx"], np.full((2, s, 8), 1.0 / s), rtol=1e-6)
+
+
+def test_kernels_without_a_per_call_form_are_refused_at_compile_time() -> None:
+    g = rlx.Graph()
+    x = g.input("x", (2, "S", 8))
+    g.output(y=x * 2.0)
+    with pytest.raises(rlx.RlxValueError, match=r"mul \(node \d+\).*symbolic"):
+        rlx.compile(g)
+
+
+def test_attention_batch_and_heads_must_be_static() -> None:
+    g = rlx.Graph()
+    x = g.input("x", ("B", 4, 8, 16))
+    with pytest.raises(rlx.RlxValueError, match="only the sequence lengths"):
+        g.attention(x, x, x)
+
+
+def test_symbolic_executable_pickles() -> None:
+    g = _attention_graph(rlx.MaskKind.CAUSAL, rlx.Layout.BSHD)
+    exe = rlx.compile(g)
+    loaded = pickle.loads(pickle.dumps(exe))
+    arrays = _arrays(np.random.default_rng(5), rlx.MaskKind.CAUSAL, rlx.Layout.BSHD, 9, 33)
+    want = exe(**arrays)
+    got = loaded(**arrays)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
