@@ -53,19 +53,30 @@ def bind_inputs(
     return bound
 
 
-def symbol_sizes(graph: Graph, bound: Mapping[str, np.ndarray]) -> dict[str, int]:
+def symbol_sizes(
+    graph: Graph, bound: Mapping[str, np.ndarray], positions: list[tuple[str, int, str]] | None = None
+) -> dict[str, int]:
     """The size of every symbolic dimension in this call, read from the bound inputs.
 
     ``bind_inputs`` has checked that every input naming a symbol agrees; a symbol that only an
-    input left out names (one no output needs) is absent.
+    input left out names (one no output needs) is absent. ``positions`` is
+    :func:`symbol_positions` of the graph, for callers that bind many calls.
     """
     sizes: dict[str, int] = {}
-    for name, value in graph.inputs.items():
-        if name in bound:
-            for dim, size in zip(value.type.shape, bound[name].shape, strict=True):
-                if isinstance(dim, str):
-                    sizes.setdefault(dim, int(size))
+    for name, axis, symbol in symbol_positions(graph) if positions is None else positions:
+        if symbol not in sizes and name in bound:
+            sizes[symbol] = int(bound[name].shape[axis])
     return sizes
+
+
+def symbol_positions(graph: Graph) -> list[tuple[str, int, str]]:
+    """``(input name, axis, symbol)`` for every symbolic dimension of the graph's inputs."""
+    return [
+        (name, axis, dim)
+        for name, value in graph.inputs.items()
+        for axis, dim in enumerate(value.type.shape)
+        if isinstance(dim, str)
+    ]
 
 
 _LAYOUT_AXES = {"bshd": "[B, S, H, D]", "bhsd": "[B, H, S, D]"}

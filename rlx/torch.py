@@ -20,6 +20,7 @@ torch is an optional dependency (``pip install "rlx[torch]"``); ``import rlx`` n
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -422,6 +423,9 @@ def scaled_dot_product_attention(
         )
     if is_causal and attn_mask is not None:
         raise RlxValueError("scaled_dot_product_attention: give attn_mask or is_causal, not both (as torch)")
+    fixed = _fixed_plan(q, k, v, is_causal, scale) if attn_mask is None else None
+    if fixed is not None:
+        return _FixedFunction.apply(fixed, q, k, v)
     # SDPA's mods are fixed by the arguments' shapes and kinds, so a traced plan is reused without
     # tracing again: only the mask tensor (the one captured value) changes between calls.
     mask_kind = None if attn_mask is None else (tuple(attn_mask.shape), attn_mask.dtype)
@@ -459,6 +463,103 @@ def scaled_dot_product_attention(
         _sdpa_plans[plan_key] = plan
     out, _ = _FlexFunction.apply(plan, q, k, v, *plan.captured)
     return out
+
+
+@dataclass
+class _FixedPlan:
+    """SDPA without a mask tensor, on the fixed-mask kernels: compiled once for every sequence length.
+
+    The graphs declare the sequence lengths as symbolic dimensions (``"Sq"``/``"Sk"``, or one
+    ``"S"`` when causal), so a decode loop whose KV cache grows by a token a step, or training on
+    batches of varying length, reuses one compilation. Calls below :data:`SMALL_ATTENTION_FLOPS`
+    run on a one-thread build (compiled on first need), the others on rlx's default threads.
+    """
+
+    forward_graph: Graph
+    backward_graph: Graph
+    executables: dict[tuple[str, bool], Executable]
+
+    def executable(self, which: str, flops: float) -> Executable:
+        small = flops < SMALL_ATTENTION_FLOPS
+        key = (which, small)
+        exe = self.executables.get(key)
+        if exe is None:
+            graph = self.forward_graph if which == "forward" else self.backward_graph
+            exe = rlx.compile(graph, config=rlx.RuntimeConfig(num_threads=1) if small else None)
+            with _plans_lock:
+                self.executables[key] = exe
+        return exe
+
+
+_fixed_plans: dict[tuple[Any, ...], _FixedPlan] = {}
+
+
+def _fixed_plan(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None
+) -> _FixedPlan | None:
+    """The plan for SDPA on the fixed-mask kernels, or None where they cannot express the call.
+
+    They scale by ``1/sqrt(D)`` and align a causal mask bottom-right; torch's ``is_causal`` is
+    top-left, the same only when ``Sq == Sk``. Other scales and causal calls with ``Sq != Sk``
+    take the programmable-attention path (compiled per shape).
+    """
+    batch, heads, seq_q, dim = q.shape
+    kv_heads, seq_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    if scale is not None and abs(scale * math.sqrt(dim) - 1.0) > 1e-7:
+        return None
+    if is_causal and seq_q != seq_k:
+        return None
+    key = (batch, heads, kv_heads, dim, value_dim, is_causal)
+    plan = _fixed_plans.get(key)
+    if plan is None:
+        sq, sk = ("S", "S") if is_causal else ("Sq", "Sk")
+        mask = rlx.MaskKind.CAUSAL if is_causal else rlx.MaskKind.NONE
+        forward = Graph("sdpa")
+        qi = forward.input("q", (batch, heads, sq, dim))
+        ki = forward.input("k", (batch, kv_heads, sk, dim))
+        vi = forward.input("v", (batch, kv_heads, sk, value_dim))
+        forward.output(out=forward.attention(qi, ki, vi, mask=mask, layout=Layout.BHSD))
+        backward = forward.copy()
+        qb, kb, vb = (backward.inputs[name] for name in "qkv")
+        out = backward.outputs["out"]
+        backward.remove_output("out")
+        dq, dk, dv = rlx.grad(backward, out, [qb, kb, vb], backward.input("dy", out.shape))
+        backward.output(dq=dq, dk=dk, dv=dv)
+        plan = _FixedPlan(forward, backward, {})
+        with _plans_lock:
+            plan = _fixed_plans.setdefault(key, plan)
+    return plan
+
+
+def _attention_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
+    return 2.0 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * (q.shape[3] + v.shape[3])
+
+
+class _FixedFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+        flops = _attention_flops(q, k, v)
+        result = plan.executable("forward", flops)(q=_array(q), k=_array(k), v=_array(v))
+        ctx.plan, ctx.flops = plan, flops
+        ctx.save_for_backward(q, k, v)
+        ctx.set_materialize_grads(False)
+        return _tensor(result["out"], q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, d_out: torch.Tensor | None) -> Any:
+        q, k, v = ctx.saved_tensors
+        if d_out is None:
+            return None, None, None, None
+        exe = ctx.plan.executable("backward", 2.5 * ctx.flops)
+        grads = exe(q=_array(q), k=_array(k), v=_array(v), dy=_array(d_out))
+        needs = ctx.needs_input_grad[1:]
+        return (
+            None,
+            *(
+                _tensor(grads[f"d{n}"], t.dtype) if need else None
+                for n, t, need in zip("qkv", (q, k, v), needs, strict=True)
+            ),
+        )
 
 
 def _indexed(mask: torch.Tensor, combine: Callable[..., Any], with_score: bool = False) -> Callable[..., Any]:

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 
 SGEMM = "scipy_cblas_sgemm"
+SGEMV = "scipy_cblas_sgemv"
 SET_THREADS = "scipy_openblas_set_num_threads"
 
 # CBLAS enum values (cblas.h).
@@ -28,6 +29,7 @@ class Blas:
     library: ctypes.CDLL
     sgemm_address: int
     set_threads_address: int
+    sgemv_address: int
 
 
 @functools.cache
@@ -44,7 +46,9 @@ def load_blas() -> Blas:
     assert address, f"{SGEMM} not found in {path}"
     threads_address = ctypes.cast(set_threads, ctypes.c_void_p).value
     assert threads_address, f"{SET_THREADS} not found in {path}"
-    return Blas(path=path, library=library, sgemm_address=int(address), set_threads_address=int(threads_address))
+    gemv_address = ctypes.cast(getattr(library, SGEMV), ctypes.c_void_p).value
+    assert gemv_address, f"{SGEMV} not found in {path}"
+    return Blas(path, library, int(address), int(threads_address), int(gemv_address))
 
 
 @functools.cache

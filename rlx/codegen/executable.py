@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rlx.bind import bind_inputs, check_index_inputs, index_bounds, symbol_sizes
+from rlx.bind import bind_inputs, check_index_inputs, index_bounds, symbol_positions, symbol_sizes
 from rlx.codegen.jit import CompiledLibrary, cache_key, compile_ir
 from rlx.codegen.lower import (
     CallData,
@@ -78,6 +78,7 @@ class Program:
     pass_names: tuple[str, ...] | None = None
     options: CodegenOptions = field(default_factory=CodegenOptions)
     dynamic: DynamicScratch | None = None  # graphs with symbolic dimensions: the per-call sizes table
+    symbol_positions: list[tuple[str, int, str]] = field(default_factory=list)  # where calls bind each symbol
 
 
 _cache: OrderedDict[tuple, Program] = OrderedDict()
@@ -250,6 +251,7 @@ def _build(
         pass_names,
         options,
         lowered.dynamic,
+        symbol_positions(working),
     )
 
 
@@ -327,12 +329,13 @@ class Executable:
         dynamic, sizes, table = program.dynamic, {}, None
         arena_bytes = program.arena_bytes
         if dynamic is not None:  # symbolic dimensions: sizes from the inputs, scratch sized for them
-            sizes = symbol_sizes(program.graph, bound)
+            sizes = symbol_sizes(program.graph, bound, program.symbol_positions)
             table = dynamic.table(sizes)
             arena_bytes = dynamic.offset + int(table[-1]) * program.threads
         for name in plan.buffer_names[len(buffers) :]:
             ty = program.output_types[name]
-            buffers.append(np.empty(ty.resolve(sizes).static_shape, dtype=ty.dtype))
+            shape = tuple(sizes[d] if isinstance(d, str) else d for d in ty.shape)
+            buffers.append(np.empty(shape, dtype=ty.dtype))
         pointers = (ctypes.c_void_p * max(1, len(buffers)))(*(array.ctypes.data for array in buffers))
         arena = self._arena(arena_bytes)
         if table is not None:
@@ -350,8 +353,10 @@ class Executable:
     def _arena(self, nbytes: int) -> np.ndarray:
         """A per-Python-thread arena, reused across calls: concurrent calls never share one."""
         arena = getattr(self._arenas, "buffer", None)
-        if arena is None or arena.nbytes < nbytes:
-            arena = np.empty(max(nbytes, 64) + 64, dtype=np.uint8)
+        if arena is None or arena.nbytes < nbytes + 64:
+            # Grown by half again at least: a decode loop's scratch grows a little every step.
+            grown = nbytes if arena is None else max(nbytes, arena.nbytes * 3 // 2)
+            arena = np.empty(max(grown, 64) + 64, dtype=np.uint8)
             self._arenas.buffer = arena
         offset = (-arena.ctypes.data) % 64
         return arena[offset : offset + max(nbytes, 1)]

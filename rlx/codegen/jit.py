@@ -23,7 +23,7 @@ from pathlib import Path
 import llvmlite
 import llvmlite.binding as llvm
 
-from rlx.codegen.blas import SET_THREADS, SGEMM, libc_symbol, load_blas
+from rlx.codegen.blas import SET_THREADS, SGEMM, SGEMV, libc_symbol, load_blas
 from rlx.errors import RlxError
 
 ENTRY = "rlx_entry"
@@ -194,6 +194,7 @@ def _load(object_code: bytes, llvm_ir: str, optimized_ir: str | None, times: dic
     start = time.perf_counter()
     library = llvm.JITLibraryBuilder().add_object_img(object_code).add_current_process()
     library.import_symbol(SGEMM, load_blas().sgemm_address)
+    library.import_symbol(SGEMV, load_blas().sgemv_address)
     library.import_symbol(SET_THREADS, load_blas().set_threads_address)
     for name in _IMPORTED_LIBC:
         library.import_symbol(name, libc_symbol(name))

@@ -216,10 +216,11 @@ class DynamicScratch:
     def stride(self, sizes: Mapping[str, int]) -> int:
         """Bytes of scratch per thread for this call's sizes (BLAS limits checked on the way)."""
         most = self.static_stride
-        for what, spec in self.specs:
-            resolved = spec.resolve(sizes)
-            check_blas_limits(what, resolved)
-            most = max(most, resolved.scratch_bytes())
+        for what, spec in self.specs:  # per call, so no new spec: the sizes go in directly
+            seq_q, seq_k = (sizes[d] if isinstance(d, str) else d for d in (spec.dims.seq_q, spec.dims.seq_k))
+            if max(seq_q, seq_k, spec.block_q * seq_k) > _INT32_MAX:
+                check_blas_limits(what, spec.resolve(sizes))
+            most = max(most, spec.scratch_bytes(seq_k))
         return -(-most // 64) * 64
 
     def table(self, sizes: Mapping[str, int]) -> np.ndarray:

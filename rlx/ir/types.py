@@ -65,6 +65,7 @@ class TensorType:
         # Python ints and one of the supported NumPy dtypes (``"float32"`` becomes ``np.float32``).
         object.__setattr__(self, "shape", check_shape(self.shape, "TensorType"))
         object.__setattr__(self, "dtype", as_dtype(self.dtype))
+        object.__setattr__(self, "_static", all(isinstance(d, int) for d in self.shape))  # not a field
 
     @property
     def rank(self) -> int:
@@ -81,7 +82,7 @@ class TensorType:
 
     @property
     def is_static(self) -> bool:
-        return all(isinstance(d, int) for d in self.shape)
+        return self._static  # type: ignore[attr-defined, no-any-return]
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,95 @@
+"""rlx.torch with dynamic sequence lengths: SDPA compiles once for every length (SPEC 5-6)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from rlx.codegen.executable import compile_count
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.torch
+rt = pytest.importorskip("rlx.torch")
+F = torch.nn.functional
+
+
+def _tensors(shapes: list[tuple[int, ...]], seed: int) -> list[Any]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen, dtype=torch.float64).float().requires_grad_(True) for s in shapes]
+
+
+def _forward_backward(fn: Any, tensors: list[Any], dy: Any, **kwargs: Any) -> tuple[Any, list[Any]]:
+    for t in tensors:
+        t.grad = None
+    out = fn(*tensors, **kwargs)
+    out.backward(dy)
+    return out.detach(), [t.grad.clone() for t in tensors]
+
+
+def _close(got: Any, want: Any, tol: float = 2e-5) -> None:
+    scale = float(want.abs().max()) + 1e-6
+    assert float((got - want).abs().max()) <= tol * scale, float((got - want).abs().max())
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_sdpa_runs_every_key_length_on_one_compilation(gqa: bool) -> None:
+    heads, kv_heads = (4, 2) if gqa else (4, 4)
+    q, k, v = _tensors([(2, heads, 1, 16), (2, kv_heads, 1, 16), (2, kv_heads, 1, 24)], seed=0)
+    rt.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)  # the one compilation (forward)
+    before = compile_count()
+    for seq_k in (2, 7, 64, 300):
+        q, k, v = _tensors([(2, heads, 1, 16), (2, kv_heads, seq_k, 16), (2, kv_heads, seq_k, 24)], seed=seq_k)
+        got = rt.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        _close(got.detach(), F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa).detach())
+    assert compile_count() == before
+
+
+def test_sdpa_backward_with_varying_lengths_matches_torch_and_compiles_once() -> None:
+    seen = None
+    for step, (seq_q, seq_k) in enumerate(((5, 9), (1, 33), (40, 17), (128, 130))):
+        tensors = _tensors([(2, 3, seq_q, 16), (2, 3, seq_k, 16), (2, 3, seq_k, 16)], seed=step)
+        dy = torch.randn(2, 3, seq_q, 16, generator=torch.Generator().manual_seed(99))
+        out, grads = _forward_backward(rt.scaled_dot_product_attention, tensors, dy)
+        want_out, want_grads = _forward_backward(F.scaled_dot_product_attention, tensors, dy)
+        _close(out, want_out)
+        for got, want in zip(grads, want_grads, strict=True):
+            _close(got, want, 5e-5)
+        if step == 0:
+            seen = compile_count()  # forward and backward compiled by the first call
+    assert compile_count() == seen
+
+
+def test_causal_sdpa_over_training_batches_of_varying_length() -> None:
+    seen = None
+    for step, seq in enumerate((12, 31, 96, 5)):
+        tensors = _tensors([(1, 2, seq, 8)] * 3, seed=10 + step)
+        dy = torch.randn(1, 2, seq, 8, generator=torch.Generator().manual_seed(step))
+        out, grads = _forward_backward(rt.scaled_dot_product_attention, tensors, dy, is_causal=True)
+        want_out, want_grads = _forward_backward(F.scaled_dot_product_attention, tensors, dy, is_causal=True)
+        _close(out, want_out)
+        for got, want in zip(grads, want_grads, strict=True):
+            _close(got, want, 5e-5)
+        if step == 0:
+            seen = compile_count()
+    assert compile_count() == seen
+
+
+def test_causal_with_more_keys_than_queries_keeps_torchs_top_left_alignment() -> None:
+    q, k, v = _tensors([(1, 2, 3, 8), (1, 2, 7, 8), (1, 2, 7, 8)], seed=5)
+    got = rt.scaled_dot_product_attention(q, k, v, is_causal=True)
+    _close(got.detach(), F.scaled_dot_product_attention(q, k, v, is_causal=True).detach())
+
+
+def test_a_scale_other_than_the_default_is_honoured() -> None:
+    q, k, v = _tensors([(1, 2, 6, 8), (1, 2, 9, 8), (1, 2, 9, 8)], seed=6)
+    got = rt.scaled_dot_product_attention(q, k, v, scale=0.7)
+    _close(got.detach(), F.scaled_dot_product_attention(q, k, v, scale=0.7).detach())
+
+
+def test_bfloat16_decode_step_returns_bfloat16() -> None:
+    q, k, v = (t.detach().bfloat16() for t in _tensors([(1, 2, 1, 8), (1, 2, 11, 8), (1, 2, 11, 8)], seed=7))
+    got = rt.scaled_dot_product_attention(q, k, v)
+    assert got.dtype == torch.bfloat16
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    _close(got.float(), want, 1e-2)
