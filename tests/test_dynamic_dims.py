@@ -187,12 +187,110 @@ def test_mean_over_a_symbolic_axis_divides_by_the_call_size() -> None:
         np.testing.assert_allclose(out["dx"], np.full((2, s, 8), 1.0 / s), rtol=1e-6)
 
 
-def test_kernels_without_a_per_call_form_are_refused_at_compile_time() -> None:
+def _compile_and_compare(g: rlx.Graph, make, sizes, threads=None) -> rlx.Executable:  # type: ignore[no-untyped-def]
+    """Compile once, then every size against the reference, with no compilation in between."""
+    config = rlx.RuntimeConfig(num_threads=threads) if threads else None
+    exe = rlx.compile(g, config=config)
+    before = compile_count()
+    for size in sizes:
+        arrays = make(size)
+        _check_close(exe(**arrays), rlx.reference.run(g, **arrays))
+    assert compile_count() == before
+    return exe
+
+
+def test_fused_loop_nests_take_their_sizes_per_call() -> None:
+    rng = np.random.default_rng(6)
     g = rlx.Graph()
     x = g.input("x", (2, "S", 8))
-    g.output(y=x * 2.0)
-    with pytest.raises(rlx.RlxValueError, match=r"mul \(node \d+\).*symbolic"):
-        rlx.compile(g)
+    w = g.input("w", (8,))
+    g.output(
+        soft=g.softmax(x * 2.0 + w, axis=1),  # a reduction over the symbolic axis
+        mean=g.mean(x, axis=1),
+        rows=g.sum(x, axis=2),
+        norm=g.layer_norm(x, w, w),
+        back=g.transpose(g.exp(x), (1, 0, 2)),
+    )
+
+    def make(s: int) -> dict[str, np.ndarray]:
+        return {"x": rng.standard_normal((2, s, 8), dtype=np.float32), "w": rng.standard_normal(8, dtype=np.float32)}
+
+    _compile_and_compare(g, make, (1, 3, 17, 300))
+
+
+def test_matmuls_take_their_sizes_per_call() -> None:
+    rng = np.random.default_rng(7)
+    g = rlx.Graph()
+    x = g.input("x", (2, "S", 8))
+    w = g.input("w", (8, 5))
+    g.output(h=g.gelu(x @ w), gram=g.matmul(x, g.transpose(x, (0, 2, 1))), wide=g.transpose(x, (0, 2, 1)) @ x)
+
+    def make(s: int) -> dict[str, np.ndarray]:
+        return {
+            "x": rng.standard_normal((2, s, 8), dtype=np.float32),
+            "w": rng.standard_normal((8, 5), dtype=np.float32),
+        }
+
+    _compile_and_compare(g, make, (1, 2, 70, 301))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_transformer_block_trains_on_any_sequence_length(threads: int) -> None:
+    from rlx.models import BLOCK_WEIGHTS, block_training_graph, init_params
+
+    g = block_training_graph(2, "S", 32, 4)
+    params = init_params(g, [g.inputs[name] for name in BLOCK_WEIGHTS])
+    rng = np.random.default_rng(8)
+
+    def make(s: int) -> dict[str, np.ndarray]:
+        return {"x": rng.standard_normal((2, s, 32), dtype=np.float32), **params}
+
+    _compile_and_compare(g, make, (1, 5, 64, 129), threads)
+
+
+def test_embedding_and_cross_entropy_over_a_symbolic_length() -> None:
+    rng = np.random.default_rng(9)
+    g = rlx.Graph()
+    tokens = g.input("tokens", (2, "S"), "int32")
+    targets = g.input("targets", (2, "S"), "int32")
+    table = g.input("embed", (11, 16))
+    head = g.input("head", (16, 11))
+    loss = g.cross_entropy(g.embedding(table, tokens) @ head, targets)
+    d_table, d_head = rlx.grad(g, loss, [table, head])
+    g.output(loss=loss, d_table=d_table, d_head=d_head)
+
+    def make(s: int) -> dict[str, np.ndarray]:
+        return {
+            "tokens": rng.integers(0, 11, (2, s)).astype(np.int32),
+            "targets": rng.integers(0, 11, (2, s)).astype(np.int32),
+            "embed": rng.standard_normal((11, 16), dtype=np.float32),
+            "head": rng.standard_normal((16, 11), dtype=np.float32),
+        }
+
+    exe = _compile_and_compare(g, make, (1, 4, 100))
+    bad = make(3)
+    bad["tokens"][0, 1] = 11
+    with pytest.raises(rlx.RlxValueError, match="tokens"):
+        exe(**bad)
+
+
+def test_general_results_do_not_depend_on_the_thread_count() -> None:
+    from rlx.models import BLOCK_WEIGHTS, block_training_graph, init_params
+
+    g = block_training_graph(2, "S", 32, 4)
+    arrays = init_params(g, [g.inputs[name] for name in BLOCK_WEIGHTS])
+    arrays["x"] = np.random.default_rng(10).standard_normal((2, 77, 32), dtype=np.float32)
+    one = rlx.compile(g, config=rlx.RuntimeConfig(num_threads=1))(**arrays)
+    three = rlx.compile(g, config=rlx.RuntimeConfig(num_threads=3))(**arrays)
+    for name in one:
+        np.testing.assert_array_equal(one[name], three[name])
+
+
+def test_programmable_attention_needs_static_sizes() -> None:
+    g = rlx.Graph()
+    x = g.input("x", (2, "S", 4, 8))
+    with pytest.raises(rlx.RlxValueError, match="static sizes"):
+        g.attention(x, x, x, mask_mod=rlx.mods.causal)
 
 
 def test_attention_batch_and_heads_must_be_static() -> None:

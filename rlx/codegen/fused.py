@@ -21,8 +21,7 @@ depend on the thread count.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -32,9 +31,11 @@ from llvmlite import ir
 from rlx.codegen.expf import define_expf
 from rlx.codegen.irutil import CONTRACT, F32, I1, I8, I32, I64, REDUCE, alloca_entry, declare, gep, i64, intrinsic, smin
 from rlx.codegen.schedule import Kernel, Schedule, inline_values, is_unit_reshape, reduces_last_axis, reduction_of
+from rlx.codegen.sizes import Size, SizeLike, ceil_div, emit_size, nominal, product
 from rlx.codegen.vector import WIDTH, fold_lanes, splat
 from rlx.codegen.views import View
 from rlx.ir.graph import Value
+from rlx.ir.types import Dim
 
 LIBM = {"log": "logf", "pow": "powf"}
 MIN_ITEM_ELEMENTS = 1 << 14  # elements per parallel work item at least: thread overhead pays off
@@ -123,8 +124,13 @@ class FusedEmitter:
     kernel: Kernel
     pointer: Callable[[Value], ir.Value]  # base pointer of a materialised value's buffer
     constant: Callable[[Value], ir.Value]  # the data of a constant (even one that is also a graph output)
+    symbols: Mapping[str, ir.Value] = field(default_factory=dict)  # this call's symbolic dimensions
     stack: list[Loop] = field(default_factory=list)
     memo: dict[tuple[object, ...], Lane] = field(default_factory=dict)
+
+    def size(self, value: Dim | Size) -> ir.Value:
+        """A size or stride as an i64 here: a constant, or computed from the call's symbols."""
+        return emit_size(self.b, value, self.symbols)
 
     # ------------------------------------------------------------------ loops
 
@@ -210,7 +216,7 @@ class FusedEmitter:
         if view is not None:  # a constant's data, or a buffer this kernel reads
             return self.load(view, idx, value.dtype)
         if op == "broadcast_to":
-            return self.eval(node.inputs[0], self._broadcast_index(idx, node.inputs[0].static_shape))
+            return self.eval(node.inputs[0], self._broadcast_index(idx, node.inputs[0].shape))
         if op == "transpose":
             inner = [ZERO] * len(idx)
             for out_dim, in_dim in enumerate(node.attrs.perm):
@@ -223,7 +229,7 @@ class FusedEmitter:
             return self.eval(node.inputs[0], tuple(shifted))
         if op == "reshape":
             if is_unit_reshape(node):
-                index = _unit_reshape_index(idx, value.static_shape, node.inputs[0].static_shape)
+                index = _unit_reshape_index(idx, value.shape, node.inputs[0].shape)
                 return self.eval(node.inputs[0], index)
             source = self.schedule.view(node.inputs[0])  # the scheduler made sure this view exists
             assert source is not None
@@ -236,7 +242,7 @@ class FusedEmitter:
             return self.embedding(value, idx)
         definition = node.op.definition
         assert definition.scalar is not None, f"no scalar formula for {op}"
-        operands = [self.eval(v, self._broadcast_index(idx, v.static_shape)) for v in node.inputs]
+        operands = [self.eval(v, self._broadcast_index(idx, v.shape)) for v in node.inputs]
         width = max(lane.width for lane in operands)
         math_ = LaneMath(self, width)
         args = [math_.widen(lane) for lane in operands]
@@ -245,7 +251,7 @@ class FusedEmitter:
         return Lane(result, width, kind)
 
     @staticmethod
-    def _broadcast_index(idx: tuple[Ix, ...], shape: tuple[int, ...]) -> tuple[Ix, ...]:
+    def _broadcast_index(idx: tuple[Ix, ...], shape: tuple[Dim, ...]) -> tuple[Ix, ...]:
         """The index of an operand of ``shape`` that broadcasts to the current one (right-aligned)."""
         lead = len(idx) - len(shape)
         return tuple(ZERO if size == 1 else idx[lead + i] for i, size in enumerate(shape))
@@ -300,7 +306,7 @@ class FusedEmitter:
                 nested[dim] = Ix(loop, 0, loop.level)
                 nest(position + 1, nested, loop.vector)
 
-            size = i64(operand.static_shape[dim])
+            size = self.size(operand.shape[dim])
             if innermost:
                 self.vector_and_rest(i64(0), size, f"{kind}.{dim}", body)
             else:
@@ -334,12 +340,12 @@ class FusedEmitter:
 
     # ------------------------------------------------------------------ memory
 
-    def address(self, view: View, idx: tuple[Ix, ...]) -> tuple[ir.Value, int, Loop | None]:
+    def address(self, view: View, idx: tuple[Ix, ...]) -> tuple[ir.Value, SizeLike, Loop | None]:
         """Scalar element offset for lane 0, the lane stride, and the vector loop the lanes follow."""
         b = self.b
-        offset: ir.Value = i64(view.offset)
+        offset: ir.Value = self.size(view.offset)
         vector_loop: Loop | None = None
-        lane_stride = 0
+        lane_stride: SizeLike = 0
         for ix, size, stride in zip(idx, view.shape, view.strides, strict=True):
             if stride == 0 or size == 1:
                 continue
@@ -354,9 +360,9 @@ class FusedEmitter:
                 term = ix.loop.var if term is None else b.add(ix.loop.var, term)
                 if ix.loop.vector:
                     vector_loop = ix.loop
-                    lane_stride += stride
+                    lane_stride = lane_stride + stride
             if term is not None:
-                offset = b.add(offset, b.mul(term, i64(stride)))
+                offset = b.add(offset, b.mul(term, self.size(stride)))
         return offset, lane_stride, vector_loop
 
     def load(self, view: View, idx: tuple[Ix, ...], dtype: np.dtype) -> Lane:
@@ -372,7 +378,7 @@ class FusedEmitter:
             loaded = b.load(gep(b, base, [offset], element), typ=vec, align=element.width // 8 if element != F32 else 4)
         else:
             lanes = [
-                b.load(gep(b, base, [b.add(offset, i64(lane * lane_stride))], element), typ=element)
+                b.load(gep(b, base, [b.add(offset, self.size(lane * lane_stride))], element), typ=element)
                 for lane in range(WIDTH)
             ]
             loaded = _pack(b, lanes, element)
@@ -393,7 +399,7 @@ class FusedEmitter:
         else:
             for i in range(WIDTH):
                 scalar = b.extract_element(value, ir.Constant(I32, i))
-                b.store(scalar, gep(b, base, [b.add(offset, i64(i * lane_stride))], element))
+                b.store(scalar, gep(b, base, [b.add(offset, self.size(i * lane_stride))], element))
 
     # ------------------------------------------------------------------ the kernel
 
@@ -403,36 +409,37 @@ class FusedEmitter:
         assert kernel.root is not None and kernel.out is not None
         shape = kernel.out.shape
         row_dims = shape if chunking.row_mode else shape[:-1]
-        columns = 1 if chunking.row_mode else shape[-1]
+        columns = self.size(1 if chunking.row_mode else shape[-1])
         if chunking.column_chunk:
-            per_row = -(-columns // chunking.column_chunk)
+            assert isinstance(shape[-1], int), "column chunks are planned for static rows only"
+            per_row = -(-shape[-1] // chunking.column_chunk)
             row = b.sdiv(item, i64(per_row), name="row")
             chunk = b.srem(item, i64(per_row))
             col0 = b.mul(chunk, i64(chunking.column_chunk), name="col0")
-            col1 = smin(b, b.add(col0, i64(chunking.column_chunk)), i64(columns))
+            col1 = smin(b, b.add(col0, i64(chunking.column_chunk)), columns)
             self.emit_row(row, row_dims, col0, col1)
             return
         first = b.mul(item, i64(chunking.rows_per_item), name="row0")
-        last = smin(b, b.add(first, i64(chunking.rows_per_item)), i64(chunking.rows))
+        last = smin(b, b.add(first, i64(chunking.rows_per_item)), self.size(chunking.rows))
 
         def row_body(loop: Loop) -> None:
             self.stack.remove(loop)  # rows are not part of the nest the expressions see
             saved = self.memo
             self.memo = {}
-            self.emit_row(loop.var, row_dims, i64(0), i64(columns))
+            self.emit_row(loop.var, row_dims, i64(0), columns)
             self.memo = saved
             self.stack.append(loop)
 
         self.loop(first, last, "row", False, row_body)
 
-    def emit_row(self, row: ir.Value, row_dims: tuple[int, ...], col0: ir.Value, col1: ir.Value) -> None:
+    def emit_row(self, row: ir.Value, row_dims: tuple[Dim, ...], col0: ir.Value, col1: ir.Value) -> None:
         kernel, b = self.kernel, self.b
         assert kernel.root is not None and kernel.out is not None
         indices: list[Ix] = []
         rest = row
         for size in reversed(row_dims):
-            indices.append(Ix(None, b.srem(rest, i64(size)) if size > 1 else 0, 0))
-            rest = b.sdiv(rest, i64(size)) if size > 1 else rest
+            indices.append(Ix(None, b.srem(rest, self.size(size)) if size != 1 else 0, 0))
+            rest = b.sdiv(rest, self.size(size)) if size != 1 else rest
         row_idx = tuple(reversed(indices))
         out_dtype = kernel.out.base.dtype
         if len(row_dims) == len(kernel.out.shape):  # row mode: one element per row
@@ -453,10 +460,22 @@ class Chunking:
     """How a fused kernel's index space is split into parallel work items."""
 
     row_mode: bool  # one output element per row (reductions over the last axis)
-    rows: int
+    rows: SizeLike  # rows of the index space (column-chunk mode: (row, chunk) pairs); a Size if symbolic
     rows_per_item: int
     column_chunk: int  # 0: whole rows per item
-    items: int
+
+    @property
+    def items(self) -> SizeLike | None:
+        """Work items, or None when only a call knows (see :meth:`emit_items`)."""
+        if not isinstance(self.rows, int):
+            return None
+        return -(-self.rows // self.rows_per_item)
+
+    def emit_items(self, b: ir.IRBuilder, symbols: Mapping[str, ir.Value]) -> int | ir.Value:
+        """The item count: an int, or computed at ``b`` from the call's symbols."""
+        if isinstance(self.rows, int):
+            return -(-self.rows // self.rows_per_item)
+        return ceil_div(b, emit_size(b, self.rows, symbols), self.rows_per_item)
 
 
 def plan_chunking(kernel: Kernel, schedule: Schedule, threads: int) -> Chunking:
@@ -464,14 +483,16 @@ def plan_chunking(kernel: Kernel, schedule: Schedule, threads: int) -> Chunking:
     shape = kernel.out.shape
     reduction = reduction_of(kernel.root)
     row_mode = not shape or shape[-1] == 1 or (reduction is not None and reduces_last_axis(reduction))
-    rows = math.prod(shape if row_mode else shape[:-1])
-    columns = 1 if row_mode else shape[-1]
-    work = max(1, _work_per_element(kernel, schedule) * columns)
+    rows = product(shape if row_mode else shape[:-1])
+    columns = product([] if row_mode else [shape[-1]])
+    work = max(1, _work_per_element(kernel, schedule) * nominal(columns))
+    if not isinstance(rows, int) or not isinstance(columns, int):  # sizes known per call: a fixed grain
+        return Chunking(row_mode, rows, max(1, MIN_ITEM_ELEMENTS // work), 0)
     if not row_mode and rows < 2 * threads and columns >= 4 * WIDTH and threads > 1:
         chunk = max(WIDTH, -(-columns // (4 * threads)) // WIDTH * WIDTH)
-        return Chunking(row_mode, rows, 1, chunk, rows * -(-columns // chunk))
+        return Chunking(row_mode, rows * -(-columns // chunk), 1, chunk)
     rows_per_item = max(1, min(rows, max(MIN_ITEM_ELEMENTS // work, -(-rows // (8 * max(threads, 1))))))
-    return Chunking(row_mode, rows, rows_per_item, 0, -(-rows // rows_per_item))
+    return Chunking(row_mode, rows, rows_per_item, 0)
 
 
 def _work_per_element(kernel: Kernel, schedule: Schedule) -> int:
@@ -481,11 +502,11 @@ def _work_per_element(kernel: Kernel, schedule: Schedule) -> int:
     for value in inline_values(schedule, kernel.root):
         node = value.node
         if node.op.value in ("sum", "max"):
-            work += math.prod(node.inputs[0].shape[a] for a in node.attrs.axes)
+            work += nominal(product(node.inputs[0].shape[a] for a in node.attrs.axes))
     return work
 
 
-def _unit_reshape_index(idx: tuple[Ix, ...], shape: tuple[int, ...], source: tuple[int, ...]) -> tuple[Ix, ...]:
+def _unit_reshape_index(idx: tuple[Ix, ...], shape: tuple[Dim, ...], source: tuple[Dim, ...]) -> tuple[Ix, ...]:
     """Map an index through a reshape that only adds or drops size-1 dimensions."""
     entries = [ix for ix, size in zip(idx, shape, strict=True) if size != 1]
     it = iter(entries)

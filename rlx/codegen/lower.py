@@ -257,6 +257,7 @@ class _Lowering:
     symbols: tuple[str, ...] = ()
     sizes: ir.Value | None = None  # the per-call sizes table (graphs with symbolic dimensions)
     attention_specs: list[tuple[str, AttentionKernelSpec]] = field(default_factory=list)
+    _entry_symbols: dict[str, ir.Value] | None = None
 
     def base_pointer(self, value: Value) -> ir.Value:
         """The address of a materialised value's first element, in the entry function."""
@@ -279,7 +280,9 @@ class _Lowering:
             return base
         return gep(self.b, base, [i64(view.offset * view.base.dtype.itemsize)], I8)
 
-    def call(self, item_fn: ir.Function, pointers: list[ir.Value], items: int, serial: bool, tag: str) -> None:
+    def call(
+        self, item_fn: ir.Function, pointers: list[ir.Value], items: int | ir.Value, serial: bool, tag: str
+    ) -> None:
         """Add a step to the call's parallel region: ``item_fn`` over ``items`` items."""
         b = self.b
         args = alloca_entry(b, PTR, f"args.{tag}", max(1, len(pointers)))
@@ -309,19 +312,26 @@ class _Lowering:
         elif op == "matmul":
             a, bm = (self.schedule.view(v) for v in node.inputs)
             assert a is not None and bm is not None
-            gemm = gemm_spec(a, bm, node.outputs[0].static_shape, self.threads)
-            item_fn = emit_gemm_item(self.module, gemm, f"matmul.{node.id}")
+            gemm = gemm_spec(a, bm, node.outputs[0].shape, self.threads)
+            symbols = self.symbols if self.sizes is not None else ()
+            item_fn = emit_gemm_item(self.module, gemm, f"matmul.{node.id}", symbols)
             pointers = [self.base_pointer(a.base), self.base_pointer(bm.base), self.base_pointer(node.outputs[0])]
-            self.call(item_fn, pointers, gemm.items, gemm.blas_threads > 1, str(node.id))
+            if self.sizes is not None:
+                pointers.append(self.sizes)
+            items = gemm.emit_items(self.b, self.entry_symbols())
+            self.call(item_fn, pointers, items, gemm.blas_threads > 1, str(node.id))
         elif op == "embedding_grad":
             dy, ids = (self.schedule.view(v) for v in node.inputs)
             assert dy is not None and ids is not None
             out = node.outputs[0]
             rows, width = out.static_shape
+            symbols = self.symbols if self.sizes is not None else ()
             item_fn = emit_scatter_item(
-                self.module, dy, ids, (rows, width), ids.base.dtype.itemsize, f"embedding_grad.{node.id}"
+                self.module, dy, ids, (rows, width), ids.base.dtype.itemsize, f"embedding_grad.{node.id}", symbols
             )
             pointers = [self.base_pointer(dy.base), self.base_pointer(ids.base), self.base_pointer(out)]
+            if self.sizes is not None:
+                pointers.append(self.sizes)
             self.call(item_fn, pointers, 1, True, str(node.id))
         else:
             raise AssertionError(f"no lowering for {op}")
@@ -369,14 +379,29 @@ class _Lowering:
         pointers: dict[Value, ir.Value] = {}
         for slot, value in enumerate(bases):
             pointers[value] = builder.load(gep(builder, args, [i64(slot)], PTR), typ=PTR, name=f"buf{slot}")
+        arguments = [self.base_pointer(v) for v in bases]
+        symbols: dict[str, ir.Value] = {}
+        if self.sizes is not None:  # the sizes table, after the buffers
+            table = builder.load(gep(builder, args, [i64(len(bases))], PTR), typ=PTR, name="sizes")
+            symbols = load_symbols(builder, table, self.symbols)
+            arguments.append(self.sizes)
 
         def constant(value: Value) -> ir.Value:
             return opaque(builder, self.constants[value])
 
-        emitter = FusedEmitter(self.module, builder, self.schedule, kernel, pointers.__getitem__, constant)
+        emitter = FusedEmitter(self.module, builder, self.schedule, kernel, pointers.__getitem__, constant, symbols)
         emitter.emit_item(item, chunking)
         builder.ret_void()
-        self.call(fn, [self.base_pointer(v) for v in bases], chunking.items, False, f"k{index}")
+        items = chunking.emit_items(self.b, self.entry_symbols())
+        self.call(fn, arguments, items, False, f"k{index}")
+
+    def entry_symbols(self) -> dict[str, ir.Value]:
+        """The call's symbol values in the entry function (loaded once, in its first block)."""
+        if self._entry_symbols is None:
+            self._entry_symbols = {}
+            if self.sizes is not None:
+                self._entry_symbols = load_symbols(self.b, self.sizes, self.symbols)
+        return self._entry_symbols
 
 
 def emit_zero_item(module: ir.Module, sizes: list[int], name: str) -> ir.Function:
@@ -430,35 +455,29 @@ def lower_graph(
     return LoweredModule(str(module), tuple(state.call_data), call_data_offset(plan), timings, dynamic)
 
 
-SYMBOLIC_OPS = frozenset({"input", "attention", "attention_bwd"})
+def load_symbols(b: ir.IRBuilder, sizes: ir.Value, symbols: tuple[str, ...]) -> dict[str, ir.Value]:
+    """Each symbol's size this call, read from the sizes table at ``b``."""
+    return {
+        name: b.load(gep(b, sizes, [i64(slot)], I64), typ=I64, name=f"size.{name}") for slot, name in enumerate(symbols)
+    }
 
 
 def check_symbolic_support(graph: Graph) -> None:
     """Refuse, naming the node, a symbolic dimension that reaches a kernel without a per-call form.
 
-    So far the attention kernels read their sequence lengths per call; batch, heads and head
-    dims, and every other kernel, are compiled for static sizes.
+    Fused loop nests, matmuls, the embedding scatter-add and the fixed-mask attention kernels
+    read their sizes per call; programmable attention (checked when the node is built) and
+    attention's batch, heads and head dims are static.
     """
     names = None
     for node in graph.nodes:
-        types = [*(v.type for v in node.inputs), *node.types]
-        if all(ty.is_static for ty in types):
+        if node.op.value not in FLEX_OPS or all(v.type.is_static for v in (*node.inputs, *node.outputs)):
             continue
         names = names or value_names(graph)
-        line = format_node(node, names)
-        if node.op.value not in SYMBOLIC_OPS:
-            raise RlxValueError(
-                f"rlx.compile: {node.op} (node {node.id}) cannot run on a symbolic dimension yet: only attention "
-                f"kernels take their sequence lengths per call; give the input a static size ({line})"
-            )
-        if node.op.value != "input":
-            dims = kernel_spec(node, RuntimeConfig(), CodegenOptions()).dims
-            static = (dims.batch, dims.heads, dims.kv_heads, dims.head_dim, dims.value_dim)
-            if not all(isinstance(d, int) for d in static):
-                raise RlxValueError(
-                    f"rlx.compile: {node.op} (node {node.id}) may have symbolic sequence lengths only; its batch, "
-                    f"heads and head dims must be static ({line})"
-                )
+        raise RlxValueError(
+            f"rlx.compile: {node.op} (node {node.id}) cannot run on a symbolic dimension yet "
+            f"({format_node(node, names)})"
+        )
 
 
 def _clock(module: ir.Module):  # type: ignore[no-untyped-def]

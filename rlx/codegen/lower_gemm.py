@@ -14,14 +14,17 @@ whatever the thread count.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from llvmlite import ir
 
 from rlx.codegen.blas import NO_TRANS, ROW_MAJOR, SET_THREADS, SGEMM, TRANS
 from rlx.codegen.irutil import F32, I32, I64, PTR, VOID, declare, gep, i32, i64
+from rlx.codegen.sizes import SizeLike, at_least, ceil_div, emit_size, product, size_of
 from rlx.codegen.views import View
 from rlx.errors import RlxValueError
+from rlx.ir.types import Dim
 
 _INT32_MAX = 2**31 - 1
 # Up to this many multiply-adds a single product runs on OpenBLAS's threads, which share packed
@@ -29,6 +32,7 @@ _INT32_MAX = 2**31 - 1
 # rlx's team are as fast, and they leave no OpenBLAS worker spinning for ~0.1 s after the call
 # (measured: attention in the same call ran 2x slower beside those spinning workers).
 BLAS_THREADED_MACS = 1 << 28
+SYMBOLIC_BLOCK_ROWS = 64  # row block of a product whose row count is known per call
 
 
 @dataclass(frozen=True)
@@ -36,86 +40,98 @@ class Operand:
     """One matrix operand of every batch item: transpose flag, leading dim, batch strides, row stride."""
 
     trans: int
-    ld: int
-    batch_strides: tuple[int, ...]
-    row_stride: int  # elements between consecutive rows of the (un-transposed) matrix
-    offset: int
+    ld: SizeLike
+    batch_strides: tuple[SizeLike, ...]
+    row_stride: SizeLike  # elements between consecutive rows of the (un-transposed) matrix
+    offset: SizeLike
 
 
 @dataclass(frozen=True)
 class GemmSpec:
-    batch: tuple[int, ...]
-    m: int
-    n: int
-    k: int
+    """One matmul's BLAS calls; sizes are :class:`~rlx.codegen.sizes.Size` where a call sets them."""
+
+    batch: tuple[SizeLike, ...]
+    m: SizeLike
+    n: SizeLike
+    k: SizeLike
     a: Operand
     b: Operand
     block_rows: int
     blas_threads: int = 1  # > 1: one call on that many OpenBLAS threads (a single large matrix)
 
     @property
-    def blocks(self) -> int:
-        return -(-self.m // self.block_rows)
+    def items(self) -> int | None:
+        """Work items (batch x row blocks), or None when they depend on the call's sizes."""
+        if not isinstance(self.m, int) or not all(isinstance(d, int) for d in self.batch):
+            return None
+        return math.prod(d for d in self.batch if isinstance(d, int)) * -(-self.m // self.block_rows)
 
-    @property
-    def items(self) -> int:
-        return math.prod(self.batch) * self.blocks
+    def emit_items(self, b: ir.IRBuilder, symbols: Mapping[str, ir.Value]) -> int | ir.Value:
+        items = self.items
+        if items is not None:
+            return items
+        blocks = ceil_div(b, emit_size(b, self.m, symbols), self.block_rows)
+        return b.mul(emit_size(b, product(self.batch), symbols), blocks, name="gemm.items")
 
 
 def blas_reads_in_place(view: View) -> bool:
     """Whether sgemm can read this matrix view as it is: one unit stride, the other at least the
-    row length (the leading dimension). The scheduler copies any other operand first."""
+    row length (the leading dimension), for every call. The scheduler copies any other operand first."""
     rows, cols = view.shape[-2], view.shape[-1]
     row_stride, col_stride = view.strides[-2], view.strides[-1]
     if col_stride == 1 or cols == 1:
-        return row_stride >= max(cols, 1) or rows == 1
+        return at_least(row_stride, cols) or rows == 1
     if row_stride == 1 or rows == 1:
-        return col_stride >= max(rows, 1) or cols == 1
+        return at_least(col_stride, rows) or cols == 1
     return False
 
 
-def _operand(view: View, batch: tuple[int, ...]) -> Operand:
+def _operand(view: View, batch: tuple[SizeLike, ...]) -> Operand:
     rows, cols = view.shape[-2], view.shape[-1]
     row_stride, col_stride = view.strides[-2], view.strides[-1]
+    # Every dimension is >= 1, and an in-place view's stride across rows is at least a row.
     if col_stride == 1 or cols == 1:
-        trans, ld = NO_TRANS, max(row_stride, cols, 1) if rows > 1 else max(cols, 1)
+        trans, ld = NO_TRANS, row_stride if rows != 1 and at_least(row_stride, cols) else size_of(cols)
     else:
-        trans, ld = TRANS, max(col_stride, rows, 1) if cols > 1 else max(rows, 1)
+        trans, ld = TRANS, col_stride if cols != 1 and at_least(col_stride, rows) else size_of(rows)
     lead = len(batch) - (len(view.shape) - 2)
     strides = [0] * lead + [0 if size == 1 else s for size, s in zip(view.shape[:-2], view.strides[:-2], strict=True)]
     return Operand(trans, ld, tuple(strides), row_stride, view.offset)
 
 
-def gemm_spec(a: View, b: View, out_shape: tuple[int, ...], threads: int = 1) -> GemmSpec:
-    batch = out_shape[:-2]
-    m, n, k = out_shape[-2], out_shape[-1], a.shape[-1]
+def gemm_spec(a: View, b: View, out_shape: tuple[Dim, ...], threads: int = 1) -> GemmSpec:
+    batch = tuple(size_of(d) for d in out_shape[:-2])
+    m, n, k = size_of(out_shape[-2]), size_of(out_shape[-1]), size_of(a.shape[-1])
     op_a, op_b = _operand(a, batch), _operand(b, batch)
     # Fold the batch into the rows when b is shared and a's rows are evenly spaced across it.
     if batch and all(s == 0 for s in op_b.batch_strides) and op_a.trans == NO_TRANS:
-        spacing = op_a.row_stride if m > 1 else op_a.ld
+        spacing = op_a.row_stride if m != 1 else op_a.ld
         expected = spacing * m
         foldable = True
         for size, stride in zip(reversed(batch), reversed(op_a.batch_strides), strict=True):
-            if size > 1 and stride != expected:
+            if size != 1 and stride != expected:
                 foldable = False
                 break
-            expected *= size
+            expected = expected * size
         if foldable:
-            m = m * math.prod(batch)
+            m = m * product(batch)
             batch = ()
             op_a = Operand(op_a.trans, spacing, (), spacing, op_a.offset)
             op_b = Operand(op_b.trans, op_b.ld, (), op_b.row_stride, op_b.offset)
     for size in (m, n, k, op_a.ld, op_b.ld):
-        if size > _INT32_MAX:
+        if isinstance(size, int) and size > _INT32_MAX:
             raise RlxValueError(f"matmul: a matrix dimension of {size} exceeds the 32-bit BLAS limit")
-    if not batch and threads > 1 and m * n * k <= BLAS_THREADED_MACS:
+    if not isinstance(m, int):  # rows known per call: blocks of a fixed height
+        return GemmSpec(batch, m, n, k, op_a, op_b, SYMBOLIC_BLOCK_ROWS)
+    if not batch and threads > 1 and isinstance(n, int) and isinstance(k, int) and m * n * k <= BLAS_THREADED_MACS:
         return GemmSpec(batch, m, n, k, op_a, op_b, m, threads)
     block_rows = max(16, min(256, -(-m // 8)))
     return GemmSpec(batch, m, n, k, op_a, op_b, block_rows)
 
 
-def emit_gemm_item(module: ir.Module, spec: GemmSpec, name: str) -> ir.Function:
-    """``void item(ptr args, i64 item, ptr scratch)``: args = [a, b, out] base pointers."""
+def emit_gemm_item(module: ir.Module, spec: GemmSpec, name: str, symbols: tuple[str, ...] = ()) -> ir.Function:
+    """``void item(ptr args, i64 item, ptr scratch)``: args = [a, b, out] base pointers (then, with
+    ``symbols``, the call's sizes table)."""
     sgemm = declare(module, SGEMM, VOID, [I32] * 6 + [F32, PTR, I32, PTR, I32, F32, PTR, I32])
     fn = ir.Function(module, ir.FunctionType(VOID, [PTR, I64, PTR]), name=name)
     fn.linkage = "internal"
@@ -124,24 +140,33 @@ def emit_gemm_item(module: ir.Module, spec: GemmSpec, name: str) -> ir.Function:
     a_base = bld.load(gep(bld, args, [i64(0)], PTR), typ=PTR, name="a")
     b_base = bld.load(gep(bld, args, [i64(1)], PTR), typ=PTR, name="b")
     c_base = bld.load(gep(bld, args, [i64(2)], PTR), typ=PTR, name="c")
-    batch_index = bld.sdiv(item, i64(spec.blocks), name="batch")
-    block = bld.srem(item, i64(spec.blocks), name="block")
+    sizes: dict[str, ir.Value] = {}
+    if symbols:
+        table = bld.load(gep(bld, args, [i64(3)], PTR), typ=PTR, name="sizes")
+        sizes = {n: bld.load(gep(bld, table, [i64(i)], I64), typ=I64, name=f"size.{n}") for i, n in enumerate(symbols)}
+
+    def size(value: SizeLike) -> ir.Value:
+        return emit_size(bld, value, sizes)
+
+    blocks = ceil_div(bld, size(spec.m), spec.block_rows)
+    batch_index = bld.sdiv(item, blocks, name="batch")
+    block = bld.srem(item, blocks, name="block")
     m0 = bld.mul(block, i64(spec.block_rows), name="m0")
-    rows = bld.sub(i64(spec.m), m0)
+    rows = bld.sub(size(spec.m), m0)
     rows = bld.select(bld.icmp_signed("<", rows, i64(spec.block_rows)), rows, i64(spec.block_rows), name="rows")
-    a_off: ir.Value = i64(spec.a.offset)
-    b_off: ir.Value = i64(spec.b.offset)
-    c_off: ir.Value = bld.mul(batch_index, i64(spec.m * spec.n))
+    a_off: ir.Value = size(spec.a.offset)
+    b_off: ir.Value = size(spec.b.offset)
+    c_off: ir.Value = bld.mul(batch_index, size(spec.m * spec.n))
     rest = batch_index
-    for size, sa, sb in zip(
+    for dim, sa, sb in zip(
         reversed(spec.batch), reversed(spec.a.batch_strides), reversed(spec.b.batch_strides), strict=True
     ):
-        digit = bld.srem(rest, i64(size))
-        rest = bld.sdiv(rest, i64(size))
-        a_off = bld.add(a_off, bld.mul(digit, i64(sa)))
-        b_off = bld.add(b_off, bld.mul(digit, i64(sb)))
-    a_off = bld.add(a_off, bld.mul(m0, i64(spec.a.row_stride)))
-    c_off = bld.add(c_off, bld.mul(m0, i64(spec.n)))
+        digit = bld.srem(rest, size(dim))
+        rest = bld.sdiv(rest, size(dim))
+        a_off = bld.add(a_off, bld.mul(digit, size(sa)))
+        b_off = bld.add(b_off, bld.mul(digit, size(sb)))
+    a_off = bld.add(a_off, bld.mul(m0, size(spec.a.row_stride)))
+    c_off = bld.add(c_off, bld.mul(m0, size(spec.n)))
     a_ptr = gep(bld, a_base, [a_off], F32, "a.block")
     b_ptr = gep(bld, b_base, [b_off], F32, "b.item")
     c_ptr = gep(bld, c_base, [c_off], F32, "c.block")
@@ -156,16 +181,16 @@ def emit_gemm_item(module: ir.Module, spec: GemmSpec, name: str) -> ir.Function:
             i32(spec.a.trans),
             i32(spec.b.trans),
             rows32,
-            i32(spec.n),
-            i32(spec.k),
+            bld.trunc(size(spec.n), I32),
+            bld.trunc(size(spec.k), I32),
             ir.Constant(F32, 1.0),
             a_ptr,
-            i32(spec.a.ld),
+            bld.trunc(size(spec.a.ld), I32),
             b_ptr,
-            i32(spec.b.ld),
+            bld.trunc(size(spec.b.ld), I32),
             ir.Constant(F32, 0.0),
             c_ptr,
-            i32(max(spec.n, 1)),
+            bld.trunc(size(spec.n), I32),
         ],
     )
     if spec.blas_threads > 1:

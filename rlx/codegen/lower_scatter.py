@@ -10,26 +10,36 @@ from __future__ import annotations
 from llvmlite import ir
 
 from rlx.codegen.irutil import I32, I64, PTR, VOID, for_range, gep, gep_f32, i64
+from rlx.codegen.sizes import emit_size, product
 from rlx.codegen.vector import Lanes, vector_fill, vector_loop
 from rlx.codegen.views import View
 
 
 def emit_scatter_item(
-    module: ir.Module, dy: View, ids: View, out_shape: tuple[int, int], ids_itemsize: int, name: str
+    module: ir.Module,
+    dy: View,
+    ids: View,
+    out_shape: tuple[int, int],
+    ids_itemsize: int,
+    name: str,
+    symbols: tuple[str, ...] = (),
 ) -> ir.Function:
-    """``void item(ptr args, i64 item, ptr scratch)``; args = [dy, ids, out]; one item."""
+    """``void item(ptr args, i64 item, ptr scratch)``; args = [dy, ids, out] (then, with
+    ``symbols``, the call's sizes table); one item."""
     fn = ir.Function(module, ir.FunctionType(VOID, [PTR, I64, PTR]), name=name)
     fn.linkage = "internal"
     args = fn.args[0]
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    dy_ptr = gep_f32(b, b.load(gep(b, args, [i64(0)], PTR), typ=PTR), dy.offset, "dy")
+    sizes = {}
+    if symbols:
+        table = b.load(gep(b, args, [i64(3)], PTR), typ=PTR, name="sizes")
+        sizes = {n: b.load(gep(b, table, [i64(i)], I64), typ=I64, name=f"size.{n}") for i, n in enumerate(symbols)}
+    dy_ptr = gep_f32(b, b.load(gep(b, args, [i64(0)], PTR), typ=PTR), emit_size(b, dy.offset, sizes), "dy")
     id_type = I32 if ids_itemsize == 4 else I64
-    ids_ptr = gep(b, b.load(gep(b, args, [i64(1)], PTR), typ=PTR), [i64(ids.offset)], id_type, "ids")
+    ids_ptr = gep(b, b.load(gep(b, args, [i64(1)], PTR), typ=PTR), [emit_size(b, ids.offset, sizes)], id_type, "ids")
     out_ptr = b.load(gep(b, args, [i64(2)], PTR), typ=PTR, name="out")
     rows, width = out_shape
-    count = 1
-    for size in ids.shape:
-        count *= size
+    count = emit_size(b, product(ids.shape), sizes)
     vector_fill(b, out_ptr, i64(0), i64(rows * width), 0.0, "zero")
     with for_range(b, 0, count, "r") as r:
         row_id = b.load(gep(b, ids_ptr, [r], id_type), typ=id_type)

@@ -22,8 +22,9 @@ from rlx.codegen.irutil import I8, I32, I64, PTR, VOID, alloca_entry, declare, f
 
 BARRIER_BYTES = 128  # >= sizeof(pthread_barrier_t) on every glibc target (32 on x86-64)
 
-# Shared by the members: step arguments, counters, scratch, its stride, barrier, start flag, profile.
-_SHARED = ir.LiteralStructType([PTR, PTR, PTR, I64, PTR, PTR, PTR])
+# Shared by the members: step arguments, counters, scratch, its stride, barrier, start flag, profile,
+# and each step's item count (for steps whose count only a call knows: symbolic dimensions).
+_SHARED = ir.LiteralStructType([PTR, PTR, PTR, I64, PTR, PTR, PTR, PTR])
 _THREAD_ARG = ir.LiteralStructType([PTR, I64])
 
 
@@ -33,7 +34,7 @@ class Step:
 
     item_fn: ir.Function
     args: ir.Value  # the kernel's argument array, filled in the entry block
-    items: int
+    items: int | ir.Value  # an i64 of the entry function when it depends on the call's sizes
     serial: bool = False  # run by member 0 alone (its item function may use OpenBLAS threads)
 
 
@@ -59,9 +60,11 @@ def emit_team(
     team = _emit_team_main(module, steps, now if profile is not None else None)
     args_table = alloca_entry(b, PTR, "steps.args", max(1, len(steps)))
     counters = alloca_entry(b, I64, "steps.counters", max(1, len(steps)))
+    limits = alloca_entry(b, I64, "steps.items", max(1, len(steps)))
     for index, step in enumerate(steps):
         b.store(step.args, gep(b, args_table, [i64(index)], PTR))
         b.store(i64(0), gep(b, counters, [i64(index)], I64))
+        b.store(i64(step.items) if isinstance(step.items, int) else step.items, gep(b, limits, [i64(index)], I64))
     barrier = alloca_entry(b, ir.ArrayType(I8, BARRIER_BYTES), "barrier")
     barrier.align = 16
     ready = alloca_entry(b, I32, "ready")
@@ -75,6 +78,7 @@ def emit_team(
         barrier,
         ready,
         profile if profile is not None else ir.Constant(PTR, None),
+        limits,
     )
     for index, value in enumerate(values):
         b.store(value, _field(b, _SHARED, shared, index))
@@ -131,6 +135,7 @@ def _emit_team_main(
     barrier = _load(b, _SHARED, shared, 4, "barrier")
     ready = _load(b, _SHARED, shared, 5, "ready")
     profile = _load(b, _SHARED, shared, 6, "profile")
+    limits = _load(b, _SHARED, shared, 7, "limits")
     wait = declare(module, "pthread_barrier_wait", I32, [PTR])
     yield_ = declare(module, "sched_yield", I32, [])
 
@@ -162,7 +167,11 @@ def _emit_team_main(
             b.branch(take)
             b.position_at_end(take)
             item = b.atomic_rmw("add", counter, i64(1), "monotonic", name="item")
-            b.cbranch(b.icmp_signed("<", item, i64(step.items)), work, done)
+            if isinstance(step.items, int):
+                limit: ir.Value = i64(step.items)
+            else:
+                limit = b.load(gep(b, limits, [i64(index)], I64), typ=I64, name=f"items.{index}")
+            b.cbranch(b.icmp_signed("<", item, limit), work, done)
             b.position_at_end(work)
             b.call(step.item_fn, [args, item, mine])
             b.branch(take)

@@ -12,19 +12,18 @@ import math
 from dataclasses import dataclass, replace
 from typing import cast
 
+from rlx.codegen.sizes import SizeLike, size_of
 from rlx.ir.graph import Value
+from rlx.ir.types import Dim
 
-UNKNOWN_STRIDE = -1  # a stride across a symbolic dimension: known only per call
 
-
-def dense_strides(shape: tuple[int | str, ...]) -> tuple[int, ...]:
-    """Row-major strides; ``UNKNOWN_STRIDE`` outside a symbolic dimension (kernels that take
-    symbolic shapes address their operands themselves, from the call's sizes)."""
-    strides = []
-    step: int | None = 1
+def dense_strides(shape: tuple[Dim, ...]) -> tuple[SizeLike, ...]:
+    """Row-major strides (a :class:`~rlx.codegen.sizes.Size` outside a symbolic dimension)."""
+    strides: list[SizeLike] = []
+    step: SizeLike = 1
     for size in reversed(shape):
-        strides.append(UNKNOWN_STRIDE if step is None else step)
-        step = None if step is None or isinstance(size, str) else step * size
+        strides.append(step)
+        step = step * size_of(size)
     return tuple(reversed(strides))
 
 
@@ -33,15 +32,13 @@ class View:
     """``base`` is the materialised value whose buffer this views."""
 
     base: Value
-    offset: int
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
+    offset: SizeLike
+    shape: tuple[Dim, ...]  # a symbolic dimension by name
+    strides: tuple[SizeLike, ...]
 
     @staticmethod
     def dense(base: Value) -> View:
-        # A symbolic shape only reaches kernels that address their operands from the call's sizes
-        # (attention), which read a view's offset alone.
-        return View(base, 0, cast(tuple[int, ...], base.shape), dense_strides(base.shape))
+        return View(base, 0, base.shape, dense_strides(base.shape))
 
     @property
     def is_dense(self) -> bool:
@@ -52,7 +49,7 @@ class View:
     def transpose(self, perm: tuple[int, ...]) -> View:
         return replace(self, shape=tuple(self.shape[p] for p in perm), strides=tuple(self.strides[p] for p in perm))
 
-    def broadcast_to(self, shape: tuple[int, ...]) -> View:
+    def broadcast_to(self, shape: tuple[Dim, ...]) -> View:
         lead = len(shape) - len(self.shape)
         strides = [0] * lead + [
             0 if size == 1 and shape[lead + i] != 1 else s
@@ -65,7 +62,7 @@ class View:
         shape[axis] = size
         return replace(self, offset=self.offset + start * self.strides[axis], shape=tuple(shape))
 
-    def reshape(self, shape: tuple[int, ...]) -> View | None:
+    def reshape(self, shape: tuple[Dim, ...]) -> View | None:
         """The same elements in row-major order under a new shape, if strides can express it."""
         if self.is_dense:
             return replace(self, shape=tuple(shape), strides=dense_strides(tuple(shape)))
@@ -74,9 +71,20 @@ class View:
 
 
 def _nocopy_reshape(
+    old_shape: tuple[Dim, ...], old_strides: tuple[SizeLike, ...], new_shape: tuple[Dim, ...]
+) -> tuple[int, ...] | None:
+    """NumPy's ``_attempt_nocopy_reshape``: strides for ``new_shape`` over the same memory, or None
+    (also for symbolic sizes: the caller then copies the view to a dense buffer first)."""
+    if not all(isinstance(x, int) for x in (*old_shape, *old_strides, *new_shape)):
+        return None
+    return _nocopy_reshape_static(
+        cast(tuple[int, ...], old_shape), cast(tuple[int, ...], old_strides), cast(tuple[int, ...], new_shape)
+    )
+
+
+def _nocopy_reshape_static(
     old_shape: tuple[int, ...], old_strides: tuple[int, ...], new_shape: tuple[int, ...]
 ) -> tuple[int, ...] | None:
-    """NumPy's ``_attempt_nocopy_reshape``: strides for ``new_shape`` over the same memory, or None."""
     old = [(size, stride) for size, stride in zip(old_shape, old_strides, strict=True) if size != 1]
     if math.prod(old_shape) != math.prod(new_shape):
         return None

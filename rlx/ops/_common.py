@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -155,3 +156,14 @@ def keep_axes(graph: Graph, reduced: Value, full: tuple[Dim, ...], axes: tuple[i
     """Reshape a reduction without keepdims back to rank ``len(full)`` (size 1 on ``axes``)."""
     shape = tuple(1 if i in axes else size for i, size in enumerate(full))
     return reduced if reduced.shape == shape else graph.reshape(reduced, shape)
+
+
+def reciprocal_count(graph: Graph, x: Value, axes: tuple[int, ...]) -> float | Value:
+    """1 / (elements reduced): a number, or, over a symbolic dimension, a value computed per call."""
+    sizes = [x.shape[a] for a in axes]
+    static = math.prod(d for d in sizes if isinstance(d, int))
+    symbolic = tuple(a for a in axes if isinstance(x.shape[a], str))
+    if not symbolic:
+        return 1.0 / static
+    ones = graph.broadcast_to(graph.constant(1.0), tuple(x.shape[a] for a in symbolic))
+    return graph.div(1.0 / static, graph.sum(ones, axis=None))

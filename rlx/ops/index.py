@@ -15,7 +15,7 @@ import numpy as np
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.opdef import EvalContext, IndexOperand, OpDef, no_gradient, register_op
 from rlx.ir.types import TensorType
-from rlx.ops._common import F32, as_value, op_kind, require_float, require_int
+from rlx.ops._common import F32, as_value, op_kind, reciprocal_count, require_float, require_int
 from rlx.ops.elementwise import NoAttrs
 
 if TYPE_CHECKING:
@@ -155,9 +155,8 @@ def _cross_entropy_grad(
     dy = cts[0]
     assert dy is not None
     logits, targets = node.inputs
-    count = int(np.prod(targets.static_shape, dtype=np.int64))
     diff = graph.softmax(logits, axis=-1) - graph.one_hot(targets, logits.shape[-1])
-    return [diff * (dy * (1.0 / count)), None]
+    return [diff * (dy * reciprocal_count(graph, targets, tuple(range(len(targets.shape))))), None]
 
 
 def cross_entropy(graph: Graph, logits: object, targets: object) -> Value:

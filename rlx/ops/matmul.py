@@ -50,20 +50,22 @@ def _grad(graph: Graph, node: Node, cts: Sequence[Value | None], needed: Sequenc
     """``dA = dY B^T`` and ``dB = A^T dY``, summed over broadcast batch dims.
 
     A weight shared by a batch (``x [B, S, E] @ w [E, F]``) gets ``dW = X^T dY`` with the batch
-    folded into the rows: one large GEMM instead of a batch of small ones and a reduction.
+    folded into the rows: one large GEMM instead of a batch of small ones and a reduction. (Not
+    with a symbolic dimension among the rows: a shape names a symbol only as a whole dimension.)
     """
     dy = cts[0]
     assert dy is not None
     a, b = node.inputs
     da = db = None
+    foldable = all(isinstance(d, int) for d in dy.shape[:-1])
     if needed[0]:
-        if len(a.shape) == 2 and len(dy.shape) > 2:  # a shared by the batch of b
+        if len(a.shape) == 2 and len(dy.shape) > 2 and all(isinstance(d, int) for d in (*dy.shape[:-2], dy.shape[-1])):
             rows_dy = _flatten_rows(graph, swap_last(graph, dy))  # [batch * N, M]
             da = graph.matmul(swap_last(graph, rows_dy), _flatten_rows(graph, swap_last(graph, b)))
         else:
             da = sum_to_shape(graph, graph.matmul(dy, swap_last(graph, b)), a.shape)
     if needed[1]:
-        if len(b.shape) == 2 and len(dy.shape) > 2:
+        if len(b.shape) == 2 and len(dy.shape) > 2 and foldable:
             db = graph.matmul(swap_last(graph, _flatten_rows(graph, a)), _flatten_rows(graph, dy))
         else:
             db = sum_to_shape(graph, graph.matmul(swap_last(graph, a), dy), b.shape)

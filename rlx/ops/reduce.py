@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -12,7 +11,7 @@ import numpy as np
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.opdef import EvalContext, OpDef, register_op
 from rlx.ir.types import Dim, TensorType
-from rlx.ops._common import F32, as_value, keep_axes, normalize_axes, op_kind, require_float
+from rlx.ops._common import F32, as_value, keep_axes, normalize_axes, op_kind, reciprocal_count, require_float
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Node, Value
@@ -57,7 +56,7 @@ def _sum_grad(graph: Graph, node: Node, cts: Sequence[Value | None], needed: Seq
 
 def _mean_grad(graph: Graph, node: Node, cts: Sequence[Value | None], needed: Sequence[bool]) -> list[Value | None]:
     assert cts[0] is not None
-    return [_broadcast_back(graph, node, cts[0] * _reciprocal_count(graph, node.inputs[0], node.attrs.axes))]
+    return [_broadcast_back(graph, node, cts[0] * reciprocal_count(graph, node.inputs[0], node.attrs.axes))]
 
 
 def _max_grad(graph: Graph, node: Node, cts: Sequence[Value | None], needed: Sequence[bool]) -> list[Value | None]:
@@ -94,18 +93,7 @@ def _max_reference(args: Sequence[np.ndarray], attrs: ReduceAttrs, ctx: EvalCont
 
 def _decompose_mean(graph: Graph, node: Node) -> tuple[Value, ...]:
     x, attrs = node.inputs[0], node.attrs
-    return (graph.sum(x, axis=attrs.axes, keepdims=attrs.keepdims) * _reciprocal_count(graph, x, attrs.axes),)
-
-
-def _reciprocal_count(graph: Graph, x: Value, axes: tuple[int, ...]) -> float | Value:
-    """1 / (elements reduced): a number, or, over a symbolic dimension, a value computed per call."""
-    sizes = [x.shape[a] for a in axes]
-    static = math.prod(d for d in sizes if isinstance(d, int))
-    symbolic = tuple(a for a in axes if isinstance(x.shape[a], str))
-    if not symbolic:
-        return 1.0 / static
-    ones = graph.broadcast_to(graph.constant(1.0), tuple(x.shape[a] for a in symbolic))
-    return graph.div(1.0 / static, graph.sum(ones, axis=None))
+    return (graph.sum(x, axis=attrs.axes, keepdims=attrs.keepdims) * reciprocal_count(graph, x, attrs.axes),)
 
 
 register_op(OpDef("sum", ("x",), ReduceAttrs, _infer, _reference(np.sum), _sum_grad, builder=_builder("sum")))

@@ -1,0 +1,141 @@
+"""Sizes known only per call: polynomials over a graph's symbolic dimensions.
+
+A graph input may name a dimension (``g.input("k", (B, "Sk", H, D))``); everything codegen derives
+from it (a stride ``Sk*H*D``, an element count ``B*Sk``) is then a :class:`Size`, a polynomial
+with integer coefficients in the symbols. Code that works on static shapes keeps its ints: a
+``Size`` only appears where a symbol is involved, and arithmetic between ints and ``Size`` stays
+exact. Two equal polynomials compare equal (the form is canonical), which is what view and
+GEMM planning need ("is this stride the row length?"). Native code evaluates a ``Size`` from the
+call's sizes table (:func:`emit_size`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from llvmlite import ir
+
+from rlx.codegen.irutil import i64
+
+Monomial = tuple[str, ...]  # sorted symbol names, a name repeated for its power
+
+
+@dataclass(frozen=True)
+class Size:
+    """``sum(coefficient * product(symbols))`` in a canonical order; build with :func:`size_of`."""
+
+    terms: tuple[tuple[Monomial, int], ...]
+
+    @staticmethod
+    def make(terms: Mapping[Monomial, int]) -> int | Size:
+        """The canonical value of ``terms``: an int when no symbol is left."""
+        kept = tuple(sorted((m, c) for m, c in terms.items() if c != 0))
+        if not kept:
+            return 0
+        if len(kept) == 1 and kept[0][0] == ():
+            return kept[0][1]
+        return Size(kept)
+
+    def _terms(self) -> dict[Monomial, int]:
+        return dict(self.terms)
+
+    def __add__(self, other: int | Size) -> int | Size:
+        terms = self._terms()
+        for monomial, coefficient in _terms_of(other).items():
+            terms[monomial] = terms.get(monomial, 0) + coefficient
+        return Size.make(terms)
+
+    __radd__ = __add__
+
+    def __sub__(self, other: int | Size) -> int | Size:
+        return self + (-1) * other
+
+    def __rsub__(self, other: int | Size) -> int | Size:
+        return other + (-1) * self
+
+    def __mul__(self, other: int | Size) -> int | Size:
+        terms: dict[Monomial, int] = {}
+        for m1, c1 in self.terms:
+            for m2, c2 in _terms_of(other).items():
+                monomial = tuple(sorted(m1 + m2))
+                terms[monomial] = terms.get(monomial, 0) + c1 * c2
+        return Size.make(terms)
+
+    __rmul__ = __mul__
+
+    def __str__(self) -> str:
+        parts = []
+        for monomial, coefficient in self.terms:
+            factors = ([str(coefficient)] if coefficient != 1 or not monomial else []) + list(monomial)
+            parts.append("*".join(factors))
+        return " + ".join(parts)
+
+
+SizeLike = int | Size
+
+
+def _terms_of(value: SizeLike) -> dict[Monomial, int]:
+    return value._terms() if isinstance(value, Size) else {(): value}
+
+
+def size_of(dim: int | str | Size) -> SizeLike:
+    """A shape entry as a size: an int as is, a symbol name as the polynomial of that symbol."""
+    if isinstance(dim, str):
+        return Size((((dim,), 1),))
+    return dim
+
+
+def product(dims: Iterable[int | str | Size]) -> SizeLike:
+    """The product of shape entries (an int when they are all static)."""
+    total: SizeLike = 1
+    for dim in dims:
+        total = total * size_of(dim)
+    return total
+
+
+def symbols_of(value: SizeLike) -> set[str]:
+    return {name for monomial, _ in value.terms for name in monomial} if isinstance(value, Size) else set()
+
+
+def at_least(a: int | str | Size, b: int | str | Size) -> bool:
+    """``a >= b`` for every call, where that is provable: ``a - b`` is a polynomial whose symbol
+    terms have positive coefficients, and which is >= 0 with every symbol at its least, 1."""
+    difference = size_of(a) - size_of(b)
+    if isinstance(difference, int):
+        return difference >= 0
+    if any(c < 0 for m, c in difference.terms if m):
+        return False
+    return sum(c for _, c in difference.terms) >= 0
+
+
+def emit_size(b: ir.IRBuilder, value: int | str | Size, symbols: Mapping[str, ir.Value]) -> ir.Value:
+    """``value`` as an i64 at ``b``: a constant, or computed from the call's symbol values."""
+    value = size_of(value)
+    if isinstance(value, int):
+        return i64(value)
+    total: ir.Value | None = None
+    for monomial, coefficient in value.terms:
+        term: ir.Value | None = None
+        for name in monomial:
+            term = symbols[name] if term is None else b.mul(term, symbols[name])
+        if term is None or coefficient != 1:
+            term = i64(coefficient) if term is None else b.mul(term, i64(coefficient))
+        total = term if total is None else b.add(total, term)
+    assert total is not None
+    return total
+
+
+def ceil_div(b: ir.IRBuilder, value: ir.Value, divisor: int) -> ir.Value:
+    """``ceil(value / divisor)`` for a non-negative i64 ``value``."""
+    if divisor == 1:
+        return value
+    return b.sdiv(b.add(value, i64(divisor - 1)), i64(divisor))
+
+
+def nominal(value: int | str | Size, guess: int = 256) -> int:
+    """A stand-in number for a size (every symbol ``guess``), for heuristics such as work per item."""
+    value = size_of(value)
+    if isinstance(value, int):
+        return value
+    return max(1, sum(c * guess ** len(m) for m, c in value.terms))
