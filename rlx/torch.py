@@ -499,17 +499,18 @@ def _fixed_plan(
 ) -> _FixedPlan | None:
     """The plan for SDPA on the fixed-mask kernels, or None where they cannot express the call.
 
-    They scale by ``1/sqrt(D)`` and align a causal mask bottom-right; torch's ``is_causal`` is
-    top-left, the same only when ``Sq == Sk``. Other scales and causal calls with ``Sq != Sk``
-    take the programmable-attention path (compiled per shape).
+    They align a causal mask bottom-right; torch's ``is_causal`` is top-left, the same only when
+    ``Sq == Sk``. Causal calls with ``Sq != Sk`` take the programmable-attention path (compiled
+    per shape), as do calls with an ``attn_mask``.
     """
     batch, heads, seq_q, dim = q.shape
     kv_heads, seq_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
-    if scale is not None and abs(scale * math.sqrt(dim) - 1.0) > 1e-7:
-        return None
     if is_causal and seq_q != seq_k:
         return None
-    key = (batch, heads, kv_heads, dim, value_dim, is_causal)
+    # The kernels scale scores by 1/sqrt(D); another scale multiplies q first (in the graph, so
+    # its gradient follows).
+    factor = 1.0 if scale is None else float(scale) * math.sqrt(dim)
+    key = (batch, heads, kv_heads, dim, value_dim, is_causal, factor)
     plan = _fixed_plans.get(key)
     if plan is None:
         sq, sk = ("S", "S") if is_causal else ("Sq", "Sk")
@@ -518,7 +519,8 @@ def _fixed_plan(
         qi = forward.input("q", (batch, heads, sq, dim))
         ki = forward.input("k", (batch, kv_heads, sk, dim))
         vi = forward.input("v", (batch, kv_heads, sk, value_dim))
-        forward.output(out=forward.attention(qi, ki, vi, mask=mask, layout=Layout.BHSD))
+        scaled = qi if factor == 1.0 else qi * factor
+        forward.output(out=forward.attention(scaled, ki, vi, mask=mask, layout=Layout.BHSD))
         backward = forward.copy()
         qb, kb, vb = (backward.inputs[name] for name in "qkv")
         out = backward.outputs["out"]
@@ -638,6 +640,7 @@ class _GraphFunction(torch.autograd.Function):
         result = compiled.forward(**arrays)
         ctx.compiled = compiled
         ctx.arrays = arrays
+        ctx.shapes = {name: array.shape for name, array in result.items()}  # symbolic dims resolved
         ctx.dtypes = [t.dtype for t in tensors]
         ctx.set_materialize_grads(False)
         dtype = next((t.dtype for t in tensors if t.is_floating_point()), torch.float32)
@@ -658,8 +661,7 @@ class _GraphFunction(torch.autograd.Function):
         for name, ct in zip(compiled.outputs, cotangents, strict=True):
             if compiled.graph.outputs[name].dtype != np.float32:
                 continue
-            shape = compiled.graph.outputs[name].shape
-            arrays[_COTANGENT + name] = _array(ct) if ct is not None else np.zeros(shape, np.float32)
+            arrays[_COTANGENT + name] = _array(ct) if ct is not None else np.zeros(ctx.shapes[name], np.float32)
         grads = exe(**{name: arrays[name] for name in exe.graph.inputs})
         result: list[torch.Tensor | None] = [None]
         for name, dtype, needed in zip(compiled.names, ctx.dtypes, ctx.needs_input_grad[1:], strict=True):

@@ -93,3 +93,40 @@ def test_bfloat16_decode_step_returns_bfloat16() -> None:
     assert got.dtype == torch.bfloat16
     want = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
     _close(got.float(), want, 1e-2)
+
+
+def test_scaled_sdpa_also_compiles_once() -> None:
+    seen = None
+    for step, seq in enumerate((4, 19, 50)):
+        tensors = _tensors([(1, 2, seq, 8)] * 3, seed=20 + step)
+        dy = torch.randn(1, 2, seq, 8, generator=torch.Generator().manual_seed(step))
+        out, grads = _forward_backward(rt.scaled_dot_product_attention, tensors, dy, scale=0.3)
+        want_out, want_grads = _forward_backward(F.scaled_dot_product_attention, tensors, dy, scale=0.3)
+        _close(out, want_out)
+        for got, want in zip(grads, want_grads, strict=True):
+            _close(got, want, 5e-5)
+        if step == 0:
+            seen = compile_count()
+    assert compile_count() == seen
+
+
+def test_compiled_graph_with_a_symbolic_length_differentiates_every_length() -> None:
+    import rlx
+
+    g = rlx.Graph()
+    x = g.input("x", (2, "S", 8))
+    w = g.input("w", (8, 8))
+    h = g.tanh(x @ w)
+    g.output(y=g.sum(h * h, axis=1), h=h)
+    f = rt.compile(g)
+    seen = None
+    for step, seq in enumerate((1, 6, 33)):
+        xs, ws = _tensors([(2, seq, 8), (8, 8)], seed=30 + step)
+        f(x=xs, w=ws)["y"].sum().backward()  # no cotangent reaches "h": zeros of this call's shape
+        x2, w2 = (t.detach().double().requires_grad_(True) for t in (xs, ws))
+        torch.tanh(x2 @ w2).pow(2).sum(dim=1).sum().backward()
+        _close(xs.grad, x2.grad.float(), 1e-5)
+        _close(ws.grad, w2.grad.float(), 1e-5)
+        if step == 0:
+            seen = compile_count()
+    assert compile_count() == seen
