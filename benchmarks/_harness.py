@@ -57,6 +57,7 @@ def cpu_flags() -> list[str]:
 
 def git_revision(repo: Path) -> dict[str, object]:
     """Commit and dirty flag of the tree being measured: the kernels change under active tuning."""
+
     def git(*args: str) -> str | None:
         try:
             done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10)
@@ -231,8 +232,21 @@ def extra_peak_bytes(call: Callable[[], object]) -> tuple[int | None, object]:
 
 
 _SGEMM_TYPE = ctypes.CFUNCTYPE(
-    None, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-    ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
+    None,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_float,
+    ctypes.c_void_p,
+    ctypes.c_int,
+    ctypes.c_void_p,
+    ctypes.c_int,
+    ctypes.c_float,
+    ctypes.c_void_p,
+    ctypes.c_int,
 )
 
 
@@ -328,8 +342,15 @@ def measure_sgemm(blas: RlxOpenBlas, n: int, threads: int, repeat: int, gap: flo
         blas.set_threads(previous)
     if not np.allclose(c[:2, :2], a[:2] @ b[:, :2], rtol=1e-3, atol=1e-2):
         raise RuntimeError("sgemm through rlx's OpenBLAS returned a wrong product; the rate would be meaningless")
-    return SgemmRate(n, threads, statistics.median(rates[threads]), statistics.median(rates[1]),
-                     tuple(rates[threads]), tuple(rates[1]), foreign.cores())
+    return SgemmRate(
+        n,
+        threads,
+        statistics.median(rates[threads]),
+        statistics.median(rates[1]),
+        tuple(rates[threads]),
+        tuple(rates[1]),
+        foreign.cores(),
+    )
 
 
 # ----------------------------------------------------------------------------- NumPy's own BLAS threads
@@ -378,3 +399,61 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
     rule = "|" + "|".join("-" * (width + 1) + ":" for width in widths) + "|"
     return "\n".join([line(header), rule, *(line(row) for row in rows)])
+
+
+# ----------------------------------------------------------------------------- roofline and breakdown
+
+
+def measure_bandwidth(megabytes: int = 256, repeat: int = 5) -> float:
+    """Memory bandwidth in GB/s: the best of ``repeat`` copies of an array far larger than the
+    caches (bytes read plus bytes written, one thread: NumPy's copy)."""
+    source = np.ones(megabytes * (1 << 20) // 4, dtype=np.float32)
+    target = np.empty_like(source)
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        np.copyto(target, source)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.nbytes / best / 1e9
+
+
+def attention_breakdown(executable: object, arrays: Mapping[str, np.ndarray], repeat: int = 3) -> dict[str, float]:
+    """Fractions of an attention call's kernel time (CPU time over all threads) spent in BLAS,
+    in the softmax (mask, max, exp, sums), in dS (the softmax backward) and elsewhere, from a
+    build compiled with ``CodegenOptions(profile=True)``; the median of ``repeat`` calls."""
+    runs = [executable.attention_breakdown(**arrays) for _ in range(repeat)]  # type: ignore[attr-defined]
+    median = {name: float(np.median([run[name] for run in runs])) for name in runs[0]}
+    total = median["kernel"] or 1.0
+    fractions = {name: median[name] / total for name in ("blas", "softmax", "softmax_backward")}
+    fractions["other"] = max(0.0, 1.0 - sum(fractions.values()))
+    return fractions
+
+
+def roofline(flops: float, nbytes: float, seconds: float, gflops: float, bandwidth_gbs: float) -> dict[str, float]:
+    """Where a measured call sits against the machine's two ceilings, both measured in the run:
+    the bound is ``max(flops / sgemm rate, bytes / bandwidth)``; ``attained`` is bound / measured."""
+    compute_s = flops / (gflops * 1e9)
+    memory_s = nbytes / (bandwidth_gbs * 1e9)
+    bound = max(compute_s, memory_s)
+    return {
+        "flops": flops,
+        "bytes": nbytes,
+        "intensity": flops / nbytes,
+        "compute_bound_s": compute_s,
+        "memory_bound_s": memory_s,
+        "bound": "compute" if compute_s >= memory_s else "memory",
+        "attained": bound / seconds,
+    }
+
+
+def breakdown_table(rows: Sequence[tuple[str, dict[str, float], dict[str, float]]]) -> str:
+    """One line per case: roofline numbers and the time split of the profiled kernel."""
+    header = ["case", "GFLOP", "MB moved", "FLOP/B", "bound", "% of bound", "BLAS", "softmax+mask", "dS", "other"]
+    lines = []
+    for label, roof, split in rows:
+        lines.append([
+            label, f"{roof['flops'] / 1e9:.2f}", f"{roof['bytes'] / 1e6:.1f}", f"{roof['intensity']:.0f}",
+            roof["bound"], f"{roof['attained']:.0%}", f"{split['blas']:.0%}", f"{split['softmax']:.0%}",
+            f"{split['softmax_backward']:.0%}", f"{split['other']:.0%}",
+        ])  # fmt: skip
+    return markdown_table(header, lines)

@@ -34,6 +34,8 @@ from _harness import (
     RlxOpenBlas,
     SgemmRate,
     Stats,
+    attention_breakdown,
+    breakdown_table,
     core_count,
     cpu_flags,
     cpu_model,
@@ -41,9 +43,11 @@ from _harness import (
     geomean,
     git_revision,
     markdown_table,
+    measure_bandwidth,
     measure_sgemm,
     median_or_none,
     numpy_blas_info,
+    roofline,
     set_numpy_blas_threads,
     time_interleaved,
     timed,
@@ -51,6 +55,8 @@ from _harness import (
 
 import rlx
 from rlx import Graph, Layout, MaskKind, OpKind, RuntimeConfig, Wrt
+from rlx.codegen.executable import compile_graph
+from rlx.codegen.lower import CodegenOptions
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_JSON = REPO / "benchmarks" / "results" / "attention_bwd.json"
@@ -61,10 +67,14 @@ PROBE_MARK = "PROBE-RESULT "
 MIB = 1024.0**2
 
 # Targets from the issue.
-TARGET_TORCH_OVER_FUSED = 1.5
+# The attention-kernel issue's targets: geomean and median over the five headline cases, and
+# every one of them above a floor.
+TARGET_TORCH_OVER_FUSED = 2.5
+TARGET_TORCH_OVER_FUSED_EACH = 1.8
+TARGET_SGEMM_FRACTION_EACH = 0.60
 TARGET_UNFUSED_OVER_FUSED = 1.4
 SGEMM_LOAD_LIMIT = 0.25  # cores of foreign load above which the measured sgemm rate is suspect
-TARGET_SGEMM_FRACTION = 0.5
+TARGET_SGEMM_FRACTION = 0.75
 TARGET_LONG_MEMORY_RATIO = 3.0
 TARGET_COLD_COMPILE_S = 0.200
 TARGET_CACHED_COMPILE_S = 0.005
@@ -488,7 +498,9 @@ def run_case(index: int, case: Case, args: argparse.Namespace, torch: ModuleType
               flush=True)
     result["repeat"] = repeat
     result["stats"] = {name: asdict(Stats.of(times)) for name, times in samples.items()}
-    del benches, arrays, fused, unfused
+    profiled = compile_graph(build_bwd_graph(case), config=config, options=CodegenOptions(profile=True))
+    result["breakdown"] = attention_breakdown(profiled, arrays)
+    del benches, arrays, fused, unfused, profiled
     gc.collect()
 
     result["memory"] = {}
@@ -554,6 +566,8 @@ def summarize(results: list[dict[str, Any]], sgemm_gflops: float, sgemm_multi_gf
     fusion_speedup = geomean(x for r in headline if (x := ratio(r, "rlx_unfused")) is not None)
     sgemm_fraction = median_or_none(g / sgemm_gflops for r in headline if (g := gflops(r, "rlx_fused")))
     multi_fraction = median_or_none(g / sgemm_multi_gflops for r in headline if (g := gflops(r, "rlx_fused")))
+    torch_lowest = min((x for r in headline if (x := ratio(r, "torch")) is not None), default=None)
+    fraction_lowest = min((g / sgemm_multi_gflops for r in headline if (g := gflops(r, "rlx_fused"))), default=None)
     long = next((r for r in results if r["index"] == LONG_CASE), None)
     long_memory = memory_ratio(long) if long else None
 
@@ -567,6 +581,13 @@ def summarize(results: list[dict[str, Any]], sgemm_gflops: float, sgemm_multi_gf
             "value": torch_speedup, "target": f">= {TARGET_TORCH_OVER_FUSED}",
             "status": verdict(torch_speedup, (torch_speedup or 0) >= TARGET_TORCH_OVER_FUSED)
             if torch_present else "n/a (torch not installed)"},
+        "torch_over_fused_every_case": {
+            "value": torch_lowest, "target": f"> {TARGET_TORCH_OVER_FUSED_EACH}",
+            "status": verdict(torch_lowest, (torch_lowest or 0) > TARGET_TORCH_OVER_FUSED_EACH)
+            if torch_present else "n/a (torch not installed)"},
+        "fused_sgemm_fraction_every_case": {
+            "value": fraction_lowest, "target": f">= {TARGET_SGEMM_FRACTION_EACH}",
+            "status": verdict(fraction_lowest, (fraction_lowest or 0) >= TARGET_SGEMM_FRACTION_EACH)},
         "unfused_over_fused_geomean": {
             "value": fusion_speedup, "target": f">= {TARGET_UNFUSED_OVER_FUSED}",
             "status": verdict(fusion_speedup, (fusion_speedup or 0) >= TARGET_UNFUSED_OVER_FUSED)},
@@ -668,6 +689,11 @@ def summary_lines(summary: dict[str, Any], sgemm: list[SgemmRate], demo: dict[st
         + f" cores; yardstick = best 1-thread rate x {s0.threads} = {summary['sgemm_gflops_reference']:.1f} GFLOP/s",
         f"torch/fused geomean over cases {cases}: {fmt(t['torch_over_fused_geomean']['value'], '.2f', 'x')}  "
         f"[target >= {TARGET_TORCH_OVER_FUSED}x: {t['torch_over_fused_geomean']['status']}]",
+        f"torch/fused lowest over cases {cases}: {fmt(t['torch_over_fused_every_case']['value'], '.2f', 'x')}  "
+        f"[target > {TARGET_TORCH_OVER_FUSED_EACH}x: {t['torch_over_fused_every_case']['status']}]",
+        f"fused/sgemm lowest over cases {cases}: "
+        f"{fmt(_percent(t['fused_sgemm_fraction_every_case']['value']), '.1f', '%')}  "
+        f"[target >= {TARGET_SGEMM_FRACTION_EACH:.0%}: {t['fused_sgemm_fraction_every_case']['status']}]",
         f"unfused/fused geomean over cases {cases}: {fmt(t['unfused_over_fused_geomean']['value'], '.2f', 'x')}  "
         f"[target >= {TARGET_UNFUSED_OVER_FUSED}x: {t['unfused_over_fused_geomean']['status']}]",
         f"fused GFLOP/s / measured {s0.threads}-thread sgemm GFLOP/s, median over cases {cases}: "
@@ -815,6 +841,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sgemm = [measure_sgemm(blas, 2048, args.threads, sgemm_repeat, args.gap)]
     print(f"sgemm 2048^3: {sgemm[0].gflops_single:.1f} GFLOP/s on 1 thread, {sgemm[0].gflops_multi:.1f} on "
           f"{args.threads}; others' load {fmt(sgemm[0].foreign_load_cores, '.2f')} cores", flush=True)
+    bandwidth = measure_bandwidth()
+    print(f"memory bandwidth (copy, 1 thread): {bandwidth:.1f} GB/s", flush=True)
     print("demo-graph compile in fresh processes ...", flush=True)
     demo = measure_demo_compile(args.threads, 1 if args.quick else 3)
 
@@ -832,18 +860,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = summarize(results, reference, measured_multi, demo, torch is not None, args.threads, sgemm_load)
     for result in results:
         result["derived"] = derived(result, reference, measured_multi)
+        if "stats" in result:
+            seconds = median_s(result, "rlx_fused")
+            assert seconds is not None
+            result["roofline"] = roofline(result["flops"], result["seven_tensor_bytes"], seconds, reference, bandwidth)
     print("\n### Time per backward call, median (min) over interleaved rounds\n")
     print(timing_table(results))
     print(f"\n### Effective rate (10·B·H·S²·D flops, half for causal); sgemm yardstick {reference:.1f} GFLOP/s "
           f"(1 thread x {args.threads}), measured on {args.threads} threads {measured_multi:.1f}\n")
     print(rate_table(results, reference, measured_multi))
+    print(f"\n### Where the time goes (rlx fused): roofline against sgemm {reference:.1f} GFLOP/s and copy "
+          f"bandwidth {bandwidth:.1f} GB/s (bytes: the seven tensors once), and the kernel's own split of its "
+          "CPU time (profiling build: BLAS calls, mask+softmax rows, dS rows, the rest)\n")
+    print(breakdown_table([
+        (r["label"], r["roofline"], r["breakdown"]) for r in results if "breakdown" in r and "roofline" in r
+    ]))
     print("\n### Extra peak RSS of one call (fresh process) and rlx fused compile times\n")
     print(memory_table(results))
     print("\n### Summary\n")
     for line in summary_lines(summary, sgemm, demo, results):
         print(line)
 
-    report = {"environment": env, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    report = {"bandwidth_gbs": bandwidth,
+              "environment": env, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "sgemm": [asdict(s) for s in sgemm], "demo_compile": demo, "cases": results, "summary": summary}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2, default=_json_default) + "\n")

@@ -29,6 +29,8 @@ import _harness as h  # noqa: E402
 
 import rlx  # noqa: E402
 from rlx import Graph, Layout, MaskKind  # noqa: E402
+from rlx.codegen.executable import compile_graph  # noqa: E402
+from rlx.codegen.lower import CodegenOptions  # noqa: E402
 
 DEFAULT_JSON = REPO / "benchmarks" / "results" / "attention_fwd.json"
 TARGET_TORCH = 2.0
@@ -73,11 +75,15 @@ class Call:
         return self.fn()
 
 
-def rlx_fixed(case: Case, arrays: dict[str, np.ndarray]) -> Call:
+def fixed_graph(case: Case, arrays: dict[str, np.ndarray]) -> Graph:
     g = Graph("fwd")
     q, k, v = (g.input(n, arrays[n].shape) for n in "qkv")
     g.output(out=g.attention(q, k, v, mask=MaskKind.CAUSAL if case.causal else MaskKind.NONE, layout=Layout.BHSD))
-    exe = rlx.compile(g)
+    return g
+
+
+def rlx_fixed(case: Case, arrays: dict[str, np.ndarray]) -> Call:
+    exe = rlx.compile(fixed_graph(case, arrays))
     return Call(lambda: exe(**arrays))
 
 
@@ -107,6 +113,7 @@ def main() -> int:
         torch = None
     repeat = 3 if args.quick else args.repeat
     sgemm = h.measure_sgemm(h.RlxOpenBlas(), 2048, threads, 5, args.gap)
+    bandwidth = h.measure_bandwidth()
     results = []
     for case in CASES:
         rng = np.random.default_rng(0)
@@ -125,7 +132,11 @@ def main() -> int:
                     raise RuntimeError(f"{case.label}: {name} differs from torch by {error:.1e}")
         samples = h.time_interleaved(calls, repeat, args.gap)
         medians = {name: float(np.median(values)) for name, values in samples.items()}
-        results.append({"case": case.label, "flops": case.flops, "median_s": medians, "samples_s": samples})
+        profiled = compile_graph(fixed_graph(case, arrays), options=CodegenOptions(profile=True))
+        breakdown = h.attention_breakdown(profiled, arrays)
+        nbytes = 4 * arrays["q"].nbytes  # q, k, v read and out written once
+        results.append({"case": case.label, "flops": case.flops, "bytes": nbytes, "median_s": medians,
+                        "samples_s": samples, "breakdown": breakdown})  # fmt: skip
         print(f"  {case.label}: " + ", ".join(f"{n} {m * 1e3:.2f} ms" for n, m in medians.items()), flush=True)
     again = h.measure_sgemm(h.RlxOpenBlas(), 2048, threads, 5, args.gap)
     rate = max(sgemm.gflops_multi, again.gflops_multi)
@@ -146,6 +157,13 @@ def main() -> int:
     print(f"\nCPU: {h.cpu_model()}, {threads} threads; sgemm {rate:.0f} GFLOP/s (2048³, rlx's OpenBLAS)")
     header = ["case", "rlx ms", "rlx flex+lse ms", "torch ms", "torch/rlx", "torch/flex", "rlx % sgemm", "flex % sgemm"]
     print(h.markdown_table(header, rows))
+    for r in results:
+        r["roofline"] = h.roofline(r["flops"], r["bytes"], r["median_s"]["rlx"], rate, bandwidth)
+    print(
+        f"\nWhere the time goes (rlx fixed): roofline against sgemm {rate:.0f} GFLOP/s and copy bandwidth "
+        f"{bandwidth:.1f} GB/s (bytes: q, k, v, out once); the kernel's split of its CPU time (profiling build)"
+    )
+    print(h.breakdown_table([(r["case"], r["roofline"], r["breakdown"]) for r in results]))
     summary: dict[str, Any] = {}
     if torch is not None:
         summary["geomean_torch_over_rlx"] = h.geomean(r["median_s"]["torch"] / r["median_s"]["rlx"] for r in results)
@@ -167,6 +185,7 @@ def main() -> int:
         "cpu": h.cpu_model(),
         "threads": threads,
         "sgemm_gflops": rate,
+        "bandwidth_gbs": bandwidth,
         "git": h.git_revision(REPO),
         "cases": results,
         **summary,

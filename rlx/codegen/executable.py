@@ -312,6 +312,30 @@ class Executable:
         nanoseconds = np.frombuffer(arena, dtype=np.int64, count=len(program.kernels), offset=offset)
         return [(info, float(ns) * 1e-9) for info, ns in zip(program.kernels, nanoseconds, strict=True)]
 
+    def attention_breakdown(self, **arrays: object) -> dict[str, float]:
+        """Run one call and return where its attention kernels spent their time, in CPU seconds
+        summed over threads: ``blas`` (sgemm calls), ``softmax`` (mask, max, exp and row sums),
+        ``softmax_backward`` (dS) and ``kernel`` (the whole items; the rest is addressing, zeroing
+        dK/dV and the forward's row scaling). Compile with ``CodegenOptions(profile=True)``."""
+        from rlx.codegen.lower_attention import BREAKDOWN
+
+        program = self._program
+        if program.profile is None:
+            raise RlxValueError("this executable was not compiled for profiling: pass CodegenOptions(profile=True)")
+        plan = program.plan
+        if plan.scratch_stride < 64:
+            raise RlxValueError("this executable runs no attention kernel of static shape to profile")
+        arena = self._arena(program.arena_bytes)
+        starts = [plan.scratch_offset + t * plan.scratch_stride + plan.scratch_stride - 64 for t in range(plan.threads)]
+        for start in starts:  # the counters start from zero each call
+            arena[start : start + 64] = 0
+        self(**arrays)
+        arena = self._arena(program.arena_bytes)
+        totals = np.zeros(len(BREAKDOWN), dtype=np.int64)
+        for start in starts:
+            totals += np.frombuffer(arena[start : start + 8 * len(BREAKDOWN)].tobytes(), dtype=np.int64)
+        return {name: float(ns) * 1e-9 for name, ns in zip(BREAKDOWN, totals, strict=True)}
+
     def __call__(self, *args: object, **arrays: object) -> dict[str, np.ndarray]:
         program = self._program
         if args:

@@ -13,14 +13,14 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 from llvmlite import ir
 
 from rlx.codegen.fused import FusedEmitter, plan_chunking
-from rlx.codegen.irutil import I8, I64, PTR, VOID, alloca_entry, declare, gep, i64
+from rlx.codegen.irutil import I8, I64, PTR, VOID, alloca_entry, clock, declare, gep, i64
 from rlx.codegen.jit import ENTRY
 from rlx.codegen.lower_attention import AttentionKernelSpec, AttentionLowering, choose_block_q
 from rlx.codegen.lower_gemm import emit_gemm_item, gemm_spec
@@ -94,6 +94,7 @@ def kernel_spec(
         grads,
         block_q,
         symbols,
+        options.profile,
     )
     if spec.is_static:
         check_blas_limits(f"node {node.id} ({node.op})", spec)
@@ -300,6 +301,8 @@ class _Lowering:
         op = node.op.value
         if op in ("attention", "attention_bwd"):
             spec = kernel_spec(node, self.config, self.options, self.symbols)
+            if spec.profile:  # every attention node counts into the last 64 bytes of the thread's scratch
+                spec = replace(spec, counters_at=self.plan.scratch_stride - 64)
             item_fn = AttentionLowering(self.module, spec, f"{node.op}.{node.id}").emit()
             pointers = [self.view_pointer(v) for v in node.inputs] + [self.base_pointer(v) for v in node.outputs]
             if not spec.is_static:
@@ -441,7 +444,7 @@ def lower_graph(
         state.lower(index, kernel)
     timings = call_data_offset(plan) + state.call_data_bytes  # after the arena proper and the call data
     profile = gep(b, arena, [i64(timings)], I8, "profile") if options.profile else None
-    now = _clock(module) if options.profile else None
+    now = clock(module) if options.profile else None
     stride: int | ir.Value = plan.scratch_stride
     scratch = gep(b, arena, [i64(plan.scratch_offset)], I8, "scratch")
     if state.symbols:
@@ -478,21 +481,6 @@ def check_symbolic_support(graph: Graph) -> None:
             f"rlx.compile: {node.op} (node {node.id}) cannot run on a symbolic dimension yet "
             f"({format_node(node, names)})"
         )
-
-
-def _clock(module: ir.Module):  # type: ignore[no-untyped-def]
-    """``now(b)``: ``clock_gettime(CLOCK_MONOTONIC)`` in nanoseconds, for profiling builds."""
-    fn = declare(module, "clock_gettime", ir.IntType(32), [ir.IntType(32), PTR])
-    spec_type = ir.ArrayType(I64, 2)
-
-    def now(b: ir.IRBuilder) -> ir.Value:
-        spec = alloca_entry(b, spec_type, "timespec")
-        b.call(fn, [ir.Constant(ir.IntType(32), 1), spec])
-        sec = b.load(gep(b, spec, [i64(0), i64(0)], spec_type), typ=I64)
-        nsec = b.load(gep(b, spec, [i64(0), i64(1)], spec_type), typ=I64)
-        return b.add(b.mul(sec, i64(1_000_000_000)), nsec)
-
-    return now
 
 
 def opaque(b: ir.IRBuilder, variable: ir.GlobalVariable) -> ir.Value:

@@ -26,7 +26,7 @@ BHSD, and that stride is the BLAS leading dimension, so no head is ever copied.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from llvmlite import ir
@@ -42,6 +42,7 @@ from rlx.codegen.irutil import (
     VOID,
     alloca_entry,
     clamp,
+    clock,
     declare,
     f32,
     for_range,
@@ -61,6 +62,8 @@ from rlx.ir.types import Layout, MaskKind, Wrt
 # summed over 10^7 keys that is far under float32 rounding of the row sum (which is >= 1).
 SKIP_MARGIN = -50.0
 SCRATCH_ALIGN = 64
+# Where a profiling build's attention time goes: nanoseconds per thread, kept after its scratch.
+BREAKDOWN = ("blas", "softmax", "softmax_backward", "kernel")
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,8 @@ class AttentionKernelSpec:
     grads: Wrt | None  # None: the forward op
     block_q: int
     symbols: tuple[str, ...] = ()  # the call's symbolic dimensions, in the order of the sizes table
+    profile: bool = False  # time BLAS, softmax and dS into per-thread counters (static shapes)
+    counters_at: int = 0  # byte offset of those counters in a thread's scratch (its last 64 bytes)
 
     @property
     def is_static(self) -> bool:
@@ -108,7 +113,13 @@ class AttentionKernelSpec:
 
     def scratch_bytes(self, seq_k: int | None = None) -> int:
         """Per-thread scratch: the P strip, plus the dP/dS strip when dQ or dK are wanted; the
-        forward keeps one reciprocal row sum per strip row instead."""
+        forward keeps one reciprocal row sum per strip row instead. A profiling build keeps its
+        counters (:data:`BREAKDOWN`) in the last 64 bytes of the thread's scratch."""
+        if self.profile and self.is_static:
+            return self._strips_bytes(seq_k) + 64
+        return self._strips_bytes(seq_k)
+
+    def _strips_bytes(self, seq_k: int | None) -> int:
         if self.grads is None:
             return self.strip_floats(seq_k) * 4 + -(-self.block_q // 16) * 64
         return self.strip_floats(seq_k) * 4 * (2 if self.needs_dp else 1)
@@ -143,6 +154,9 @@ class AttentionLowering:
         self.memset = intrinsic(module, "llvm.memset.p0.i64", VOID, [PTR, I8, I64, I1])
         self.sgemm = declare_sgemm(module)
         self.neg = f32(spec.neg)
+        self.profiling = spec.profile and spec.is_static
+        self.now = clock(module) if self.profiling else None
+        self.counters: ir.Value | None = None  # this thread's counters, in the function being emitted
 
     # ------------------------------------------------------------------ public
 
@@ -194,6 +208,7 @@ class AttentionLowering:
             for i, slot in enumerate(self.operand_slots())
         }
         self._load_seq(b, base.pop("sizes", None))
+        started = self._start_counting(b, scratch)
         strip_s = scratch
         strip_dp = gep_f32(b, scratch, self._strip_floats(b), name="dp.strip") if spec.needs_dp else None
         if spec.grads is None:  # item = (batch, query head)
@@ -212,8 +227,32 @@ class AttentionLowering:
                 head = b.add(b.mul(group, i64(dims.group)), member, name="h")
                 heads = self._head_pointers(b, base, batch, head, group)
                 self._strips(b, heads, base, batch, head, strip_s, strip_dp)
+        self._count(b, "kernel", started)
         b.ret_void()
         return fn
+
+    # ------------------------------------------------------------------ profiling
+
+    def _start_counting(self, b: ir.IRBuilder, scratch: ir.Value) -> ir.Value | None:
+        """Point ``self.counters`` at this thread's counters (profiling builds); the time now."""
+        if not self.profiling:
+            return None
+        self.counters = gep(b, scratch, [i64(self.spec.counters_at)], I8, "counters")
+        assert self.now is not None
+        return self.now(b)
+
+    def _count(self, b: ir.IRBuilder, what: str, started: ir.Value | None) -> None:
+        """Add the nanoseconds since ``started`` to counter ``what``."""
+        if started is None or self.counters is None or self.now is None:
+            return
+        slot = gep(b, self.counters, [i64(BREAKDOWN.index(what))], I64)
+        b.store(b.add(b.load(slot, typ=I64), b.sub(self.now(b), started)), slot)
+
+    def _timed(self, b: ir.IRBuilder, what: str, emit: Callable[[], object]) -> None:
+        """Emit ``emit()`` and, in a profiling build, count its time as ``what``."""
+        started = self.now(b) if self.now is not None and self.counters is not None else None
+        emit()
+        self._count(b, what, started)
 
     def _head_pointers(
         self, b: ir.IRBuilder, base: dict[str, ir.Value], batch: ir.Value, head: ir.Value, group: ir.Value
@@ -377,10 +416,12 @@ class AttentionLowering:
         for arg, arg_name in zip(fn.args, names, strict=True):
             arg.name = arg_name
         b = ir.IRBuilder(fn.append_basic_block("entry"))
-        caller = self.sq, self.sk
+        caller = self.sq, self.sk, self.counters
         self.sq, self.sk = sq, sk  # the lengths as this function sees them: its arguments
+        if self.profiling:  # the strip is the thread's scratch
+            self.counters = gep(b, strip, [i64(self.spec.counters_at)], I8, "counters")
         ks, nk = self._scores_and_softmax(b, q_head, k_head, mask_base, strip, i0, rows, inverse)
-        self.sq, self.sk = caller
+        self.sq, self.sk, self.counters = caller
         keys = b.insert_value(ir.Constant(keys_type, ir.Undefined), ks, 0)
         b.ret(b.insert_value(keys, nk, 1))
         return fn
@@ -416,7 +457,9 @@ class AttentionLowering:
         self._sgemm(
             b, NO_TRANS, TRANS, rows, nk, i64(dims.head_dim), spec.scale, q_strip, ldq, k_vis, ldk, 0.0, strip, nk
         )
+        started = self.now(b) if self.now is not None else None
         needs_all_keys = self._mask_softmax_rows(b, strip, i0, rows, ks, nk, mask_base, inverse)
+        self._count(b, "softmax", started)
         partial = b.icmp_signed("<", nk, self.sk, name="partial")
         b.cbranch(b.and_(partial, needs_all_keys, name="redo"), retry, after)
         b.position_at_end(retry)
@@ -613,7 +656,7 @@ class AttentionLowering:
             return
         # dP = dY_strip V_vis^T, then dS in place
         self._sgemm(b, NO_TRANS, TRANS, rows, nk, i64(dv_width), 1.0, dy_strip, ldo, v_vis, ldv, 0.0, dp, nk)
-        self._softmax_backward_rows(b, p, dp, i0, rows, ks, nk, mask_base)
+        self._timed(b, "softmax_backward", lambda: self._softmax_backward_rows(b, p, dp, i0, rows, ks, nk, mask_base))
         if grads & Wrt.QUERY:  # dQ_strip = scale · dS K_vis
             dq = gep_f32(b, heads["dq"], b.mul(i0, i64(ldq)), name="dq.strip")
             self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(d), nk, spec.scale, dp, nk, k_vis, ldk, 0.0, dq, ldq)
@@ -638,7 +681,11 @@ class AttentionLowering:
         c: ir.Value,
         ldc: int | ir.Value,
     ) -> None:
-        emit_sgemm(b, self.sgemm, trans_a, trans_b, m, n, k, alpha, a, lda, b_mat, ldb, beta, c, ldc)
+        self._timed(
+            b,
+            "blas",
+            lambda: emit_sgemm(b, self.sgemm, trans_a, trans_b, m, n, k, alpha, a, lda, b_mat, ldb, beta, c, ldc),
+        )
 
 
 def row_stride(layout: Layout, heads: int, width: int) -> int:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from rlx.errors import RlxError, RlxTypeError, RlxValueError
 from rlx.ir.graph import Graph, Value
 from rlx.ir.ops import OpKind
-from rlx.ir.types import DTYPE_NAMES, Layout, MaskKind, TensorType, Wrt
+from rlx.ir.types import DTYPE_NAMES, Layout, MaskKind, TensorType, Wrt, is_symbol
 
 _PUNCTUATION = "=,:{}[]()|-+"
 _OPENERS = {"(": ")", "[": "]", "{": "}"}
@@ -286,7 +286,9 @@ def _convert_int_tuple(tp: object, tokens: list[Token], text: str) -> tuple[int 
     if not (text.startswith("(") and text.endswith(")")):
         raise ValueError("expected a tuple like (1, 2)")
     inner = [token for token in tokens[1:-1] if token.text != ","]
-    if any(token.kind != "number" and not (shape and token.kind == "name") for token in inner):
+    if any(
+        token.kind != "number" and not (shape and token.kind == "name" and is_symbol(token.text)) for token in inner
+    ):
         raise ValueError("expected ints between the parentheses" + (" (or symbolic dimensions)" if shape else ""))
     return tuple(token.text if token.kind == "name" else _parse_int(token.text) for token in inner)
 
@@ -501,7 +503,10 @@ class _Parser:
         dims: list[int | str] = []
         while not cursor.at("]"):
             if cursor.at_kind("name"):  # a symbolic dimension, e.g. f32[2,Sk,4,64]
-                dims.append(cursor.expect_kind("name", "a symbolic dimension").text)
+                symbol = cursor.expect_kind("name", "a symbolic dimension")
+                if not is_symbol(symbol.text):
+                    raise cursor.error("a dimension (a positive int, or a symbol such as Sk)", symbol)
+                dims.append(symbol.text)
             else:
                 dim = cursor.expect_kind("number", "a dimension (a positive int or a symbol) or ']'")
                 if not dim.text.isdigit() or int(dim.text) < 1:
