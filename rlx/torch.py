@@ -36,7 +36,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
 import rlx
 import rlx.mods as _mods
 from rlx.codegen.executable import Executable
-from rlx.errors import RlxTypeError, RlxValueError
+from rlx.errors import RlxError, RlxTypeError, RlxValueError
 from rlx.ir.graph import Graph, Value
 from rlx.ir.types import Layout, Wrt
 
@@ -204,12 +204,13 @@ class _Plan:
     forward: Executable
     captured: list[torch.Tensor]
     backward_exe: dict[tuple[bool, bool], Executable]
+    config: rlx.RuntimeConfig | None = None
 
     def backward(self, tensor_grads: bool, lse_grad: bool) -> Executable:
         key = (tensor_grads, lse_grad)
         if key not in self.backward_exe:
             self.backward_exe[key] = rlx.compile(
-                _backward_graph(self.graph, tensor_grads, lse_grad), config=_config_for(self.graph)
+                _backward_graph(self.graph, tensor_grads, lse_grad), config=self.config
             )
         return self.backward_exe[key]
 
@@ -250,10 +251,31 @@ def _plan(
     mask_mod: Callable[..., Any] | None,
     scale: float | None,
 ) -> _Plan:
+    """Trace the mods and find (or compile) the plan. The sequence lengths are symbolic, so one
+    compilation serves every length, unless the mods need them static (they read captured
+    tensors, or use the lengths themselves): then the graph has this call's sizes."""
+    config = _config_for(_attention_flops(q, k, v))
+    try:
+        graph, captured = _flex_graph(q, k, v, score_mod, mask_mod, scale, symbolic=True)
+    except RlxError:
+        graph, captured = _flex_graph(q, k, v, score_mod, mask_mod, scale, symbolic=False)
+    return _plan_cache(graph, captured, config)
+
+
+def _flex_graph(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    score_mod: Callable[..., Any] | None,
+    mask_mod: Callable[..., Any] | None,
+    scale: float | None,
+    symbolic: bool,
+) -> tuple[Graph, list[torch.Tensor]]:
     g = Graph("flex")
-    qi = g.input("q", tuple(q.shape))
-    ki = g.input("k", tuple(k.shape))
-    vi = g.input("v", tuple(v.shape))
+    seq_q, seq_k = ("Sq", "Sk") if symbolic else (q.shape[2], k.shape[2])
+    qi = g.input("q", (q.shape[0], q.shape[1], seq_q, q.shape[3]))
+    ki = g.input("k", (k.shape[0], k.shape[1], seq_k, k.shape[3]))
+    vi = g.input("v", (v.shape[0], v.shape[1], seq_k, v.shape[3]))
     capture = _Capture(g)
     _capturing.current = capture
     try:
@@ -263,10 +285,10 @@ def _plan(
     finally:
         _capturing.current = None
     g.output(out=out, lse=lse)
-    return _plan_cache(g, capture.tensors)
+    return g, capture.tensors
 
 
-_plans: dict[str, tuple[Executable, dict[tuple[bool, bool], Executable]]] = {}
+_plans: dict[tuple[str, bool], tuple[Executable, dict[tuple[bool, bool], Executable]]] = {}
 _sdpa_plans: dict[tuple[Any, ...], _Plan] = {}  # SDPA calls by shapes and mask kind: no tracing
 _plans_lock = threading.Lock()
 
@@ -280,23 +302,22 @@ char-LM example (head dim 16, ~17 MFLOP a call), two threads made the run 1.5x s
 """
 
 
-def _config_for(graph: Graph) -> rlx.RuntimeConfig | None:
+def _config_for(flops: float) -> rlx.RuntimeConfig | None:
     """One thread for small attention calls (see :data:`SMALL_ATTENTION_FLOPS`), else rlx's default."""
-    q, k, v = (graph.inputs[name].static_shape for name in "qkv")
-    flops = 2.0 * q[0] * q[1] * q[2] * k[2] * (q[3] + v[3])
     return rlx.RuntimeConfig(num_threads=1) if flops < SMALL_ATTENTION_FLOPS else None
 
 
-def _plan_cache(graph: Graph, captured: list[torch.Tensor]) -> _Plan:
-    """One forward and its backwards per distinct traced graph (shapes, dtypes and mods)."""
-    key = str(graph)
+def _plan_cache(graph: Graph, captured: list[torch.Tensor], config: rlx.RuntimeConfig | None) -> _Plan:
+    """One forward and its backwards per distinct traced graph (shapes, dtypes and mods) and
+    thread setting (a graph with symbolic lengths has a small-call and a large-call build)."""
+    key = (str(graph), config is None)
     with _plans_lock:
         found = _plans.get(key)
     if found is None:
-        found = (rlx.compile(graph, config=_config_for(graph)), {})
+        found = (rlx.compile(graph, config=config), {})
         with _plans_lock:
             _plans[key] = found
-    return _Plan(graph, found[0], captured, found[1])
+    return _Plan(graph, found[0], captured, found[1], config)
 
 
 class _FlexFunction(torch.autograd.Function):
@@ -434,7 +455,7 @@ def scaled_dot_product_attention(
     if cached is not None:
         captured = [] if attn_mask is None else [_check_tensor(attn_mask, "attn_mask", kinds="any")]
         captured = [c.reshape((1,) * (4 - c.ndim) + tuple(c.shape)) for c in captured]
-        plan = _Plan(cached.graph, cached.forward, captured, cached.backward_exe)
+        plan = _Plan(cached.graph, cached.forward, captured, cached.backward_exe, cached.config)
         out, _ = _FlexFunction.apply(plan, q, k, v, *captured)
         return out
     score_mod = mask_mod = None

@@ -286,11 +286,49 @@ def test_general_results_do_not_depend_on_the_thread_count() -> None:
         np.testing.assert_array_equal(one[name], three[name])
 
 
-def test_programmable_attention_needs_static_sizes() -> None:
+FLEX_MODS = [
+    (None, None),
+    (None, rlx.mods.causal),
+    (None, rlx.mods.sliding_window(20, 0)),
+    (rlx.mods.softcap(30.0), rlx.mods.causal),
+    (lambda s, b, h, q, k: s - 0.1 * rlx.abs(q - k), None),  # integer index arithmetic in a mod
+]
+
+
+@pytest.mark.parametrize(("score_mod", "mask_mod"), FLEX_MODS)
+def test_programmable_attention_compiles_once_for_every_length(score_mod, mask_mod) -> None:  # type: ignore[no-untyped-def]
+    g = rlx.Graph()
+    q = g.input("q", (2, "Sq", 4, 16))
+    k = g.input("k", (2, "Sk", 2, 16))
+    v = g.input("v", (2, "Sk", 2, 24))
+    out, lse = g.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, return_lse=True)
+    dq, dk, dv = rlx.grad(g, out, [q, k, v], g.input("dy", out.shape))
+    g.output(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+    exe = rlx.compile(g)
+    before = compile_count()
+    rng = np.random.default_rng(11)
+    for sq, sk in ((1, 1), (5, 3), (64, 64), (100, 130), (300, 257)):
+        arrays = {
+            "q": rng.standard_normal((2, sq, 4, 16), dtype=np.float32),
+            "k": rng.standard_normal((2, sk, 2, 16), dtype=np.float32),
+            "v": rng.standard_normal((2, sk, 2, 24), dtype=np.float32),
+            "dy": rng.standard_normal((2, sq, 4, 24), dtype=np.float32),
+        }
+        got, want = exe(**arrays), rlx.reference.run(g, **arrays)
+        for name in want:
+            finite = np.isfinite(want[name])  # lse is -inf on rows that see no key
+            np.testing.assert_array_equal(np.isfinite(got[name]), finite)
+            scale = float(np.abs(want[name][finite]).max(initial=0.0)) + 1.0
+            assert float(np.abs(got[name][finite] - want[name][finite]).max(initial=0.0)) <= 2e-5 * scale, name
+    assert compile_count() == before
+
+
+def test_mods_that_read_tensors_need_static_lengths() -> None:
     g = rlx.Graph()
     x = g.input("x", (2, "S", 4, 8))
-    with pytest.raises(rlx.RlxValueError, match="static sizes"):
-        g.attention(x, x, x, mask_mod=rlx.mods.causal)
+    bias = g.input("bias", (4, 8, 8))
+    with pytest.raises(rlx.RlxValueError, match="static sequence lengths"):
+        g.attention(x, x, x, score_mod=lambda s, b, h, q, k: s + bias[h, q, k])
 
 
 def test_attention_batch_and_heads_must_be_static() -> None:

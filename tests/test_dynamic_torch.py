@@ -130,3 +130,29 @@ def test_compiled_graph_with_a_symbolic_length_differentiates_every_length() -> 
         if step == 0:
             seen = compile_count()
     assert compile_count() == seen
+
+
+def test_flex_attention_with_index_mods_compiles_once_for_every_length() -> None:
+    def causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return q_idx >= kv_idx
+
+    def softcap(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return 20.0 * torch.tanh(score / 20.0)
+
+    seen = None
+    for step, seq in enumerate((16, 33, 100)):
+        tensors = _tensors([(1, 2, seq, 8)] * 3, seed=40 + step)
+        dy = torch.randn(1, 2, seq, 8, generator=torch.Generator().manual_seed(step))
+        out, grads = _forward_backward(rt.flex_attention, tensors, dy, score_mod=softcap, mask_mod=causal)
+        x2 = [t.detach().double().requires_grad_(True) for t in tensors]
+        scores = (x2[0] @ x2[1].transpose(-1, -2)) / 8**0.5
+        scores = 20.0 * torch.tanh(scores / 20.0)
+        keep = torch.ones(seq, seq, dtype=torch.bool).tril()
+        want = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ x2[2]
+        want.backward(dy.double())
+        _close(out, want.detach().float())
+        for got, ref in zip(grads, x2, strict=True):
+            _close(got, ref.grad.float(), 5e-5)
+        if step == 0:
+            seen = compile_count()
+    assert compile_count() == seen

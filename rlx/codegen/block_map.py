@@ -31,8 +31,8 @@ class TileGrid:
 
     batch: int
     heads: int
-    seq_q: int
-    seq_k: int
+    seq_q: int | str  # a symbolic length: resolve the grid per call (``dataclasses.replace``)
+    seq_k: int | str
     block_q: int
     block_k: int
     by_batch: bool  # the mask depends on b: one map per batch
@@ -40,11 +40,11 @@ class TileGrid:
 
     @property
     def strips(self) -> int:
-        return -(-self.seq_q // self.block_q)
+        return -(-int(self.seq_q) // self.block_q)
 
     @property
     def tiles(self) -> int:
-        return -(-self.seq_k // self.block_k)
+        return -(-int(self.seq_k) // self.block_k)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:

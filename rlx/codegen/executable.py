@@ -14,7 +14,7 @@ import pickle
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -79,6 +79,7 @@ class Program:
     options: CodegenOptions = field(default_factory=CodegenOptions)
     dynamic: DynamicScratch | None = None  # graphs with symbolic dimensions: the per-call sizes table
     symbol_positions: list[tuple[str, int, str]] = field(default_factory=list)  # where calls bind each symbol
+    call_buffers: dict[str, Callable[[Mapping[str, np.ndarray]], np.ndarray]] = field(default_factory=dict)
 
 
 _cache: OrderedDict[tuple, Program] = OrderedDict()
@@ -155,6 +156,7 @@ class _Lowered(NamedTuple):
     call_data_offset: int
     profile_offset: int
     dynamic: DynamicScratch | None
+    call_buffers: dict[str, Callable[[Mapping[str, np.ndarray]], np.ndarray]]
 
 
 def _lower(
@@ -199,6 +201,7 @@ def _lower(
         lowered.call_data_offset,
         lowered.profile_offset,
         lowered.dynamic,
+        dict(lowered.call_buffers),
     )
 
 
@@ -252,6 +255,7 @@ def _build(
         options,
         lowered.dynamic,
         symbol_positions(working),
+        lowered.call_buffers,
     )
 
 
@@ -357,6 +361,9 @@ class Executable:
             table = dynamic.table(sizes)
             arena_bytes = dynamic.offset + int(table[-1]) * program.threads
         for name in plan.buffer_names[len(buffers) :]:
+            if name in program.call_buffers:  # e.g. a block map for this call's lengths
+                buffers.append(program.call_buffers[name](bound))
+                continue
             ty = program.output_types[name]
             shape = tuple(sizes[d] if isinstance(d, str) else d for d in ty.shape)
             buffers.append(np.empty(shape, dtype=ty.dtype))

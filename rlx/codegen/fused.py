@@ -566,7 +566,10 @@ class LaneMath:
         return self.b.call(self._intrinsic("sqrt"), [x])
 
     def abs(self, x: ir.Value) -> ir.Value:
-        return self.b.call(self._intrinsic("fabs"), [x])
+        if _is_float(x):
+            return self.b.call(self._intrinsic("fabs"), [x])
+        zero = ir.Constant(x.type, None)  # an integer (index arithmetic in a mod): |x| by a select
+        return self.b.select(self.b.icmp_signed("<", x, zero), self.b.sub(zero, x), x)
 
     def maximum(self, a: ir.Value, b: ir.Value) -> ir.Value:
         if _is_float(a):

@@ -32,7 +32,6 @@ from rlx.config import RuntimeConfig
 from rlx.errors import RlxValueError
 from rlx.ir.graph import Graph, Node, Value
 from rlx.ir.ops import AttentionAttrs, AttentionBwdAttrs, OpKind, attention_dims
-from rlx.ir.printer import format_node, value_names
 from rlx.ir.types import Wrt
 from rlx.ops.flex_attention import FlexAttentionBwdAttrs, bwd_operands, flex_dims, tensor_grad_layout
 
@@ -120,7 +119,10 @@ def flex_captured(node: Node) -> tuple[Value, ...]:
     return node.inputs[bwd_operands(node.attrs) :]
 
 
-def flex_spec(node: Node, options: CodegenOptions) -> FlexKernelSpec:
+SYMBOLIC_FLEX_BLOCK_Q = 64  # strip height of a flex kernel whose lengths are known per call
+
+
+def flex_spec(node: Node, options: CodegenOptions, symbols: tuple[str, ...] = ()) -> FlexKernelSpec:
     """The kernel shape of a flex_attention / flex_attention_bwd node (its block map kind included)."""
     # The flex modules load on first use: graphs without programmable attention never pay for them.
     from rlx.codegen.block_map import TileGrid, choose_blocks
@@ -134,9 +136,13 @@ def flex_spec(node: Node, options: CodegenOptions) -> FlexKernelSpec:
     grads = attrs.wrt if backward else None
     tensor_grads = tuple(tensor_grad_layout(attrs.score_mod, captured, dims)) if backward and attrs.tensor_grads else ()
     needs_dp = backward and (bool(attrs.wrt & (Wrt.QUERY | Wrt.KEY)) or bool(tensor_grads))
-    block_q, block_k = choose_blocks(dims.seq_q, dims.seq_k, needs_dp)
-    if options.block_q:
-        block_q = max(1, min(options.block_q, dims.seq_q))
+    static = isinstance(dims.seq_q, int) and isinstance(dims.seq_k, int)
+    if isinstance(dims.seq_q, int) and isinstance(dims.seq_k, int):
+        block_q, block_k = choose_blocks(dims.seq_q, dims.seq_k, needs_dp)
+        if options.block_q:
+            block_q = max(1, min(options.block_q, dims.seq_q))
+    else:  # one kernel for every length: tiles of a fixed size, the last ones cut at the length
+        block_q, block_k = options.block_q or SYMBOLIC_FLEX_BLOCK_Q, 64
     mask = attrs.mask_mod
     deps = set().union(*mask.dependences()) if mask is not None else set()
     grid = TileGrid(dims.batch, dims.heads, dims.seq_q, dims.seq_k, block_q, block_k, "b" in deps, "h" in deps)
@@ -145,11 +151,11 @@ def flex_spec(node: Node, options: CodegenOptions) -> FlexKernelSpec:
     elif any(flex_captured(node)[t].node.op is OpKind.INPUT for _, t in mask.reads()):
         kind = "dynamic"
     else:
-        kind = "static"
+        kind = "static" if static else "call"  # a map of indices alone, made per call for its lengths
     scale = attrs.scale if attrs.scale is not None else 1.0 / math.sqrt(dims.head_dim)
     lse_grad = bool(getattr(attrs, "lse_grad", False))
     return FlexKernelSpec(
-        dims, attrs.layout, scale, attrs.score_mod, mask, captured, grads, tensor_grads, lse_grad, grid, kind
+        dims, attrs.layout, scale, attrs.score_mod, mask, captured, grads, tensor_grads, lse_grad, grid, kind, symbols
     )
 
 
@@ -191,7 +197,8 @@ def scratch_bytes(node: Node, config: RuntimeConfig, options: CodegenOptions) ->
         spec = kernel_spec(node, config, options)
         return spec.scratch_bytes() if spec.is_static else 0
     if node.op.value in FLEX_OPS:
-        return flex_spec(node, options).scratch_bytes()
+        flex = flex_spec(node, options)
+        return flex.scratch_bytes() if flex.is_static else 0
     return 0
 
 
@@ -210,7 +217,7 @@ class DynamicScratch:
     static part, its stride read by native code from the last entry of the sizes table."""
 
     symbols: tuple[str, ...]
-    specs: tuple[tuple[str, AttentionKernelSpec], ...]  # (what, spec) per attention node
+    specs: tuple[tuple[str, AttentionKernelSpec | FlexKernelSpec], ...]  # (what, spec) per attention node
     static_stride: int  # what the kernels of static shape need
     offset: int  # arena offset of the scratch (after everything of static size)
 
@@ -219,8 +226,10 @@ class DynamicScratch:
         most = self.static_stride
         for what, spec in self.specs:  # per call, so no new spec: the sizes go in directly
             seq_q, seq_k = (sizes[d] if isinstance(d, str) else d for d in (spec.dims.seq_q, spec.dims.seq_k))
-            if max(seq_q, seq_k, spec.block_q * seq_k) > _INT32_MAX:
-                check_blas_limits(what, spec.resolve(sizes))
+            block_q = spec.block_q if isinstance(spec, AttentionKernelSpec) else spec.grid.block_q
+            biggest = max(seq_q, seq_k, block_q * seq_k)
+            if biggest > _INT32_MAX:
+                raise RlxValueError(f"{what}: a matrix dimension of {biggest} exceeds the 32-bit BLAS limit")
             most = max(most, spec.scratch_bytes(seq_k))
         return -(-most // 64) * 64
 
@@ -236,6 +245,7 @@ class LoweredModule:
     call_data_offset: int  # arena offset of the call data
     profile_offset: int  # arena offset of the per-kernel timings (profiling builds)
     dynamic: DynamicScratch | None = None  # graphs with symbolic dimensions
+    call_buffers: tuple[tuple[str, Callable[[Mapping[str, np.ndarray]], np.ndarray]], ...] = ()  # made per call
 
 
 @dataclass
@@ -257,7 +267,9 @@ class _Lowering:
     call_data_bytes: int = 0
     symbols: tuple[str, ...] = ()
     sizes: ir.Value | None = None  # the per-call sizes table (graphs with symbolic dimensions)
-    attention_specs: list[tuple[str, AttentionKernelSpec]] = field(default_factory=list)
+    attention_specs: list[tuple[str, AttentionKernelSpec | FlexKernelSpec]] = field(default_factory=list)
+    call_buffers: list[tuple[str, Callable[[Mapping[str, np.ndarray]], np.ndarray]]] = field(default_factory=list)
+    graph: Graph | None = None
     _entry_symbols: dict[str, ir.Value] | None = None
 
     def base_pointer(self, value: Value) -> ir.Value:
@@ -342,18 +354,32 @@ class _Lowering:
     def lower_flex(self, node: Node) -> None:
         from rlx.codegen.lower_flex import FlexLowering
 
-        spec = flex_spec(node, self.options)
+        spec = flex_spec(node, self.options, self.symbols)
+        if not spec.is_static:
+            self.attention_specs.append((f"node {node.id} ({node.op})", spec))
         if spec.tensor_grads:  # partial gradient slices are accumulated into: zero them first
             partials = node.outputs[len(spec.grads.members) if spec.grads else 0 :]
             zero = emit_zero_item(self.module, [math.prod(v.static_shape) * 4 for v in partials], f"zero.{node.id}")
             self.call(zero, [self.base_pointer(v) for v in partials], 1, True, f"z{node.id}")
         item_fn = FlexLowering(self.module, spec, f"{node.op}.{node.id}").emit()
         pointers = [self.view_pointer(v) for v in node.inputs] + [self.base_pointer(v) for v in node.outputs]
-        pointers.append(self.block_map_pointer(node, spec.map_kind))
+        pointers.append(self.block_map_pointer(node, spec))
+        if not spec.is_static:
+            assert self.sizes is not None
+            pointers.append(self.sizes)
         self.call(item_fn, pointers, spec.work_items, False, str(node.id))
 
-    def block_map_pointer(self, node: Node, kind: str) -> ir.Value:
-        """Where the kernel reads its tile states: module data (static), call data (dynamic) or nowhere."""
+    def block_map_pointer(self, node: Node, spec: FlexKernelSpec) -> ir.Value:
+        """Where the kernel reads its tile states: module data (static), call data (dynamic), a
+        buffer made for each call's lengths (call), or nowhere."""
+        kind = spec.map_kind
+        if kind == "call":
+            assert self.graph is not None
+            name = f"%blockmap{node.id}"
+            self.call_buffers.append((name, functools.partial(_lengths_map, self.graph, spec)))
+            slot = len(self.plan.buffer_names)
+            self.plan.buffer_names.append(name)
+            return self.b.load(gep(self.b, self.buffers, [i64(slot)], PTR), typ=PTR, name=f"blockmap.{node.id}")
         if kind == "static":
             states = block_map_arrays(node, None, self.options)
             return opaque(self.b, _bytes_global(self.module, f"blockmap.{node.id}", states.tobytes()))
@@ -436,6 +462,7 @@ def lower_graph(
     constants = {node.outputs[0]: _constant_global(module, node) for node in plan.order if node.op is OpKind.CONSTANT}
     state = _Lowering(plan, schedule, config, options, threads, module, b, buffers, arena, constants)
     state.symbols = graph_symbols(graph)
+    state.graph = graph
     dynamic = None
     if state.symbols:  # the sizes table comes first in the call data: [size of each symbol..., scratch stride]
         state.sizes = gep(b, arena, [i64(call_data_offset(plan))], I8, "sizes")
@@ -455,7 +482,26 @@ def lower_graph(
         scratch = gep(b, arena, [i64(end)], I8, "scratch")  # after everything of static size
     emit_team(module, b, state.steps, threads, scratch, stride, profile, now)
     b.ret_void()
-    return LoweredModule(str(module), tuple(state.call_data), call_data_offset(plan), timings, dynamic)
+    return LoweredModule(
+        str(module), tuple(state.call_data), call_data_offset(plan), timings, dynamic, tuple(state.call_buffers)
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _map_for_lengths(spec: FlexKernelSpec, seq_q: int, seq_k: int) -> np.ndarray:
+    from rlx.codegen.block_map import tile_states
+
+    assert spec.mask_mod is not None
+    return tile_states(spec.mask_mod, replace(spec.grid, seq_q=seq_q, seq_k=seq_k), [])
+
+
+def _lengths_map(graph: Graph, spec: FlexKernelSpec, bound: Mapping[str, np.ndarray]) -> np.ndarray:
+    """The tile states of a mask of indices alone at one call's lengths (cached by lengths)."""
+    from rlx.bind import symbol_sizes
+
+    sizes = symbol_sizes(graph, bound)
+    seq_q, seq_k = (sizes[d] if isinstance(d, str) else d for d in (spec.dims.seq_q, spec.dims.seq_k))
+    return _map_for_lengths(spec, seq_q, seq_k)
 
 
 def load_symbols(b: ir.IRBuilder, sizes: ir.Value, symbols: tuple[str, ...]) -> dict[str, ir.Value]:
@@ -466,21 +512,10 @@ def load_symbols(b: ir.IRBuilder, sizes: ir.Value, symbols: tuple[str, ...]) -> 
 
 
 def check_symbolic_support(graph: Graph) -> None:
-    """Refuse, naming the node, a symbolic dimension that reaches a kernel without a per-call form.
-
-    Fused loop nests, matmuls, the embedding scatter-add and the fixed-mask attention kernels
-    read their sizes per call; programmable attention (checked when the node is built) and
-    attention's batch, heads and head dims are static.
-    """
-    names = None
-    for node in graph.nodes:
-        if node.op.value not in FLEX_OPS or all(v.type.is_static for v in (*node.inputs, *node.outputs)):
-            continue
-        names = names or value_names(graph)
-        raise RlxValueError(
-            f"rlx.compile: {node.op} (node {node.id}) cannot run on a symbolic dimension yet "
-            f"({format_node(node, names)})"
-        )
+    """Every kernel reads symbolic sizes per call (programmable attention's limits are checked
+    when its node is built): nothing is refused here today. Kept as the one place a kernel
+    without a per-call form would be refused, naming its node."""
+    del graph
 
 
 def opaque(b: ir.IRBuilder, variable: ir.GlobalVariable) -> ir.Value:

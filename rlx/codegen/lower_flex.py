@@ -53,6 +53,7 @@ from rlx.codegen.lower_attention import (
     zero_rows,
 )
 from rlx.codegen.region_emit import LaneValue, RegionEmitter, Tensor, lane_indices
+from rlx.codegen.sizes import ceil_div
 from rlx.codegen.vector import Lanes, fold_lanes, vector_fill, vector_loop, vector_reduce
 from rlx.ir.region import GradientRegion, Region
 from rlx.ir.types import Layout, TensorType, Wrt
@@ -75,7 +76,12 @@ class FlexKernelSpec:
     tensor_grads: tuple[tuple[int, int, bool, bool], ...]  # (tensor, partials, by_batch, by_kv_head)
     lse_grad: bool
     grid: TileGrid
-    map_kind: str  # "none" (no mask: all FULL), "all" (every tile PARTIAL), "static", "dynamic"
+    map_kind: str  # "none" (no mask: all FULL), "all" (every tile PARTIAL), "static", "dynamic", "call"
+    symbols: tuple[str, ...] = ()  # the graph's symbolic dimensions, in the order of the sizes table
+
+    @property
+    def is_static(self) -> bool:
+        return isinstance(self.dims.seq_q, int) and isinstance(self.dims.seq_k, int)
 
     @property
     def backward(self) -> bool:
@@ -97,16 +103,18 @@ class FlexKernelSpec:
         d = self.dims
         return d.batch * (d.kv_heads if self.backward else d.heads)
 
-    def strip_floats(self) -> int:
-        raw = self.grid.block_q * self.dims.seq_k
+    def strip_floats(self, seq_k: int | None = None) -> int:
+        """Floats of one strip (``seq_k``: the call's, when it is symbolic)."""
+        length = self.dims.seq_k if seq_k is None else seq_k
+        assert isinstance(length, int), "give the call's Sk"
         per_line = SCRATCH_ALIGN // 4
-        return -(-raw // per_line) * per_line
+        return -(-(self.grid.block_q * length) // per_line) * per_line
 
-    def scratch_bytes(self) -> int:
+    def scratch_bytes(self, seq_k: int | None = None) -> int:
         """The strips, then (forward) one reciprocal row sum per strip row."""
         buffers = 1 + int(self.needs_dp) + int(self.keeps_raw)
         sums = 0 if self.backward else -(-self.grid.block_q // 16) * 64
-        return self.strip_floats() * 4 * buffers + sums
+        return self.strip_floats(seq_k) * 4 * buffers + sums
 
 
 class FlexLowering:
@@ -145,7 +153,29 @@ class FlexLowering:
         else:
             slots += ["out", "lse"]
         slots.append("map")
+        if not spec.is_static:
+            slots.append("sizes")
         return slots
+
+    def _load_lengths(self, b: ir.IRBuilder) -> None:
+        """``sq``, ``sk`` and the strip and tile counts: constants, or from the call's sizes table."""
+        lengths = []
+        for dim in (self.spec.dims.seq_q, self.spec.dims.seq_k):
+            if isinstance(dim, int):
+                lengths.append(i64(dim))
+            else:
+                slot = gep(b, self.base["sizes"], [i64(self.spec.symbols.index(dim))], I64)
+                lengths.append(b.load(slot, typ=I64, name=f"size.{dim}"))
+        self.sq, self.sk = lengths
+        grid = self.spec.grid
+        self.strips = ceil_div(b, self.sq, grid.block_q)
+        self.tiles = ceil_div(b, self.sk, grid.block_k)
+
+    def _strip_floats(self, b: ir.IRBuilder) -> ir.Value:
+        if self.spec.is_static:
+            return i64(self.spec.strip_floats())
+        per_line = SCRATCH_ALIGN // 4
+        return b.mul(ceil_div(b, b.mul(self.sk, i64(self.spec.grid.block_q)), per_line), i64(per_line))
 
     # ------------------------------------------------------------------ addressing
 
@@ -153,7 +183,7 @@ class FlexLowering:
         return row_stride(self.spec.layout, heads, width)
 
     def _head(
-        self, b: ir.IRBuilder, base: ir.Value, batch: ir.Value, head: ir.Value, seq: int, heads: int, width: int
+        self, b: ir.IRBuilder, base: ir.Value, batch: ir.Value, head: ir.Value, seq: ir.Value, heads: int, width: int
     ) -> ir.Value:
         return gep_f32(b, base, head_offset(b, self.spec.layout, batch, head, seq, heads, width))
 
@@ -170,9 +200,11 @@ class FlexLowering:
             for i, slot in enumerate(self.operand_slots())
         }
         self.tensors = [Tensor(self.base[f"c{i}"], t) for i, t in enumerate(self.spec.captured)]
+        self._load_lengths(b)
         strip = scratch
-        second = gep_f32(b, scratch, self.spec.strip_floats(), name="dp.strip")
-        third = gep_f32(b, scratch, 2 * self.spec.strip_floats(), name="raw.strip")
+        floats = self._strip_floats(b)
+        second = gep_f32(b, scratch, floats, name="dp.strip")
+        third = gep_f32(b, scratch, b.mul(floats, i64(2)), name="raw.strip")
         dims = self.spec.dims
         if not self.spec.backward:
             batch = b.sdiv(item, i64(dims.heads), name="b")
@@ -192,10 +224,10 @@ class FlexLowering:
 
     def _map_row(self, b: ir.IRBuilder, batch: ir.Value, head: ir.Value, strip: ir.Value) -> ir.Value:
         grid = self.spec.grid
-        _, hm, ns, nk = grid.shape
+        hm = grid.heads if grid.by_head else 1
         mb = batch if grid.by_batch else i64(0)
         mh = head if grid.by_head else i64(0)
-        index = b.mul(b.add(b.mul(b.add(b.mul(mb, i64(hm)), mh), i64(ns)), strip), i64(nk))
+        index = b.mul(b.add(b.mul(b.add(b.mul(mb, i64(hm)), mh), self.strips), strip), self.tiles)
         return gep(b, self.base["map"], [index], I8, name="map.row")
 
     def _state(self, b: ir.IRBuilder, map_row: ir.Value, tile: ir.Value) -> ir.Value:
@@ -208,12 +240,12 @@ class FlexLowering:
 
     def _visible_tiles(self, b: ir.IRBuilder, map_row: ir.Value) -> tuple[ir.Value, ir.Value]:
         """First and last non-empty tile of the strip (first > last: none)."""
-        tiles = self.spec.grid.tiles
+        tiles = self.tiles
         if self.spec.map_kind in ("none", "all"):
-            return i64(0), i64(tiles - 1)
+            return i64(0), b.sub(tiles, i64(1))
         first = alloca_entry(b, I64, "first.tile")
         last = alloca_entry(b, I64, "last.tile")
-        b.store(i64(tiles), first)
+        b.store(tiles, first)
         b.store(i64(-1), last)
         with for_range(b, 0, tiles, "scan") as t:
             visible = b.icmp_unsigned("!=", self._state(b, map_row, t), ir.Constant(I8, EMPTY))
@@ -233,7 +265,7 @@ class FlexLowering:
         """``body(b, c0, c1, is_first_run)`` for each run of consecutive non-empty tiles, as key columns."""
         grid = self.spec.grid
         if self.spec.map_kind in ("none", "all"):
-            body(b, i64(0), i64(grid.seq_k), ir.Constant(I1, 1))
+            body(b, i64(0), self.sk, ir.Constant(I1, 1))
             return
         cursor = alloca_entry(b, I64, "run.cursor")
         started = alloca_entry(b, I1, "run.started")
@@ -269,7 +301,7 @@ class FlexLowering:
                 b.position_at_end(grown)
                 u_end = b.load(end, typ=I64)
                 c0 = b.mul(t, i64(grid.block_k))
-                c1 = smin(b, b.mul(u_end, i64(grid.block_k)), i64(grid.seq_k))
+                c1 = smin(b, b.mul(u_end, i64(grid.block_k)), self.sk)
                 is_first = b.not_(b.load(started, typ=I1))
                 body(b, c0, c1, is_first)
                 b.store(ir.Constant(I1, 1), started)
@@ -384,9 +416,9 @@ class FlexLowering:
     # ------------------------------------------------------------------ forward
 
     def _strip_bounds(self, b: ir.IRBuilder, strip: ir.Value) -> tuple[ir.Value, ir.Value]:
-        block_q, seq_q = self.spec.grid.block_q, self.spec.dims.seq_q
+        block_q = self.spec.grid.block_q
         i0 = b.mul(strip, i64(block_q), name="i0")
-        return i0, smin(b, i64(block_q), b.sub(i64(seq_q), i0), name="rows")
+        return i0, smin(b, i64(block_q), b.sub(self.sq, i0), name="rows")
 
     def _scores(
         self,
@@ -435,15 +467,15 @@ class FlexLowering:
         P·V GEMM, which touches ``Dv`` floats a row instead of the strip's ``nk``."""
         d, grid = self.spec.dims, self.spec.grid
         group = b.sdiv(head, i64(d.group), name="g")
-        q_head = self._head(b, self.base["q"], batch, head, d.seq_q, d.heads, d.head_dim)
-        k_head = self._head(b, self.base["k"], batch, group, d.seq_k, d.kv_heads, d.head_dim)
-        v_head = self._head(b, self.base["v"], batch, group, d.seq_k, d.kv_heads, d.value_dim)
-        out_head = self._head(b, self.base["out"], batch, head, d.seq_q, d.heads, d.value_dim)
-        lse_row = gep_f32(b, self.base["lse"], b.mul(b.add(b.mul(batch, i64(d.heads)), head), i64(d.seq_q)))
+        q_head = self._head(b, self.base["q"], batch, head, self.sq, d.heads, d.head_dim)
+        k_head = self._head(b, self.base["k"], batch, group, self.sk, d.kv_heads, d.head_dim)
+        v_head = self._head(b, self.base["v"], batch, group, self.sk, d.kv_heads, d.value_dim)
+        out_head = self._head(b, self.base["out"], batch, head, self.sq, d.heads, d.value_dim)
+        lse_row = gep_f32(b, self.base["lse"], b.mul(b.add(b.mul(batch, i64(d.heads)), head), self.sq))
         ldq = self._row_stride(d.heads, d.head_dim)
         ldv = self._row_stride(d.kv_heads, d.value_dim)
         ldo = self._row_stride(d.heads, d.value_dim)
-        with for_range(b, 0, grid.strips, "strip") as strip:
+        with for_range(b, 0, self.strips, "strip") as strip:
             i0, rows = self._strip_bounds(b, strip)
             map_row = self._map_row(b, batch, head, strip)
             first, last = self._visible_tiles(b, map_row)
@@ -454,7 +486,7 @@ class FlexLowering:
                     vector_fill(b, lse_row, i0, b.add(i0, rows), NEG_INF, "lse.none")
                 with something:
                     ks = b.mul(first, i64(grid.block_k), name="ks")
-                    ke = smin(b, b.mul(b.add(last, i64(1)), i64(grid.block_k)), i64(d.seq_k))
+                    ke = smin(b, b.mul(b.add(last, i64(1)), i64(grid.block_k)), self.sk)
                     nk = b.sub(ke, ks, name="nk")
                     q_strip = gep_f32(b, q_head, b.mul(i0, i64(ldq)))
                     self._scores(b, map_row, first, last, ks, nk, q_strip, k_head, rows, strip_buf)
@@ -577,8 +609,8 @@ class FlexLowering:
         d = self.spec.dims
         for slot, width in (("dk", d.head_dim), ("dv", d.value_dim)):
             if slot in self.base:
-                head = self._head(b, self.base[slot], batch, group, d.seq_k, d.kv_heads, width)
-                self._zero_rows(b, head, i64(d.seq_k), self._row_stride(d.kv_heads, width), width)
+                head = self._head(b, self.base[slot], batch, group, self.sk, d.kv_heads, width)
+                self._zero_rows(b, head, self.sk, self._row_stride(d.kv_heads, width), width)
 
     def _partial_base(self, b: ir.IRBuilder, batch: ir.Value, group: ir.Value) -> dict[int, ir.Value]:
         """Where this item accumulates each score-mod tensor's gradient: its own partial slice."""
@@ -607,12 +639,12 @@ class FlexLowering:
         spec, d, grid = self.spec, self.spec.dims, self.spec.grid
         grads = spec.grads
         assert grads is not None
-        q_head = self._head(b, self.base["q"], batch, head, d.seq_q, d.heads, d.head_dim)
-        k_head = self._head(b, self.base["k"], batch, group, d.seq_k, d.kv_heads, d.head_dim)
-        v_head = self._head(b, self.base["v"], batch, group, d.seq_k, d.kv_heads, d.value_dim)
-        out_head = self._head(b, self.base["out"], batch, head, d.seq_q, d.heads, d.value_dim)
-        dy_head = self._head(b, self.base["dy"], batch, head, d.seq_q, d.heads, d.value_dim)
-        plane = b.mul(b.add(b.mul(batch, i64(d.heads)), head), i64(d.seq_q))
+        q_head = self._head(b, self.base["q"], batch, head, self.sq, d.heads, d.head_dim)
+        k_head = self._head(b, self.base["k"], batch, group, self.sk, d.kv_heads, d.head_dim)
+        v_head = self._head(b, self.base["v"], batch, group, self.sk, d.kv_heads, d.value_dim)
+        out_head = self._head(b, self.base["out"], batch, head, self.sq, d.heads, d.value_dim)
+        dy_head = self._head(b, self.base["dy"], batch, head, self.sq, d.heads, d.value_dim)
+        plane = b.mul(b.add(b.mul(batch, i64(d.heads)), head), self.sq)
         lse_row = gep_f32(b, self.base["lse"], plane)
         dlse_row = gep_f32(b, self.base["dlse"], plane) if spec.lse_grad else None
         ldq = self._row_stride(d.heads, d.head_dim)
@@ -620,7 +652,7 @@ class FlexLowering:
         ldv = self._row_stride(d.kv_heads, d.value_dim)
         ldo = self._row_stride(d.heads, d.value_dim)
         partials = self._partial_base(b, batch, group)
-        with for_range(b, 0, grid.strips, "strip") as strip:
+        with for_range(b, 0, self.strips, "strip") as strip:
             i0, rows = self._strip_bounds(b, strip)
             map_row = self._map_row(b, batch, head, strip)
             first, last = self._visible_tiles(b, map_row)
@@ -628,7 +660,7 @@ class FlexLowering:
             dy_strip = gep_f32(b, dy_head, b.mul(i0, i64(ldo)))
             dq_strip = (
                 gep_f32(
-                    b, self._head(b, self.base["dq"], batch, head, d.seq_q, d.heads, d.head_dim), b.mul(i0, i64(ldq))
+                    b, self._head(b, self.base["dq"], batch, head, self.sq, d.heads, d.head_dim), b.mul(i0, i64(ldq))
                 )
                 if grads & Wrt.QUERY
                 else None
@@ -639,7 +671,7 @@ class FlexLowering:
                         self._zero_rows(b, dq_strip, rows, ldq, d.head_dim)
                 with something:
                     ks = b.mul(first, i64(grid.block_k), name="ks")
-                    ke = smin(b, b.mul(b.add(last, i64(1)), i64(grid.block_k)), i64(d.seq_k))
+                    ke = smin(b, b.mul(b.add(last, i64(1)), i64(grid.block_k)), self.sk)
                     nk = b.sub(ke, ks, name="nk")
                     self._scores(b, map_row, first, last, ks, nk, q_strip, k_head, rows, p_buf)
                     with for_range(b, 0, rows, "r") as r:
@@ -650,7 +682,7 @@ class FlexLowering:
                         self._probability_row(b, row, raw_row, batch, head, gi, lse, map_row, first, last, ks, nk)
 
                     if grads & Wrt.VALUE:  # dV_run += P_run^T dY_strip
-                        dv_head = self._head(b, self.base["dv"], batch, group, d.seq_k, d.kv_heads, d.value_dim)
+                        dv_head = self._head(b, self.base["dv"], batch, group, self.sk, d.kv_heads, d.value_dim)
 
                         def dv_gemm(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value) -> None:
                             emit_sgemm(
@@ -752,7 +784,7 @@ class FlexLowering:
 
                             self._for_runs(b, map_row, first, last, dq_gemm)
                         if grads & Wrt.KEY:
-                            dk_head = self._head(b, self.base["dk"], batch, group, d.seq_k, d.kv_heads, d.head_dim)
+                            dk_head = self._head(b, self.base["dk"], batch, group, self.sk, d.kv_heads, d.head_dim)
 
                             def dk_gemm(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value) -> None:
                                 emit_sgemm(

@@ -26,9 +26,9 @@ import numpy as np
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.opdef import EvalContext, OpDef, not_differentiable, register_op
 from rlx.ir.region import GradientRegion, Interval, Region
-from rlx.ir.types import Layout, TensorType, Wrt
+from rlx.ir.types import Dim, Layout, TensorType, Wrt
 from rlx.ops._common import F32, op_kind
-from rlx.ops.attention import from_heads, to_heads
+from rlx.ops.attention import from_heads, static_sizes, to_heads
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Node, Value
@@ -62,8 +62,8 @@ class FlexDims:
     batch: int
     heads: int
     kv_heads: int
-    seq_q: int
-    seq_k: int
+    seq_q: Dim  # the sequence lengths may be symbolic dimensions, sized per call
+    seq_k: Dim
     head_dim: int
     value_dim: int
 
@@ -80,21 +80,17 @@ def flex_dims(what: str, q: TensorType, k: TensorType, v: TensorType, layout: La
         if ty.rank != 4:
             names = "[B, S, H, D]" if layout is Layout.BSHD else "[B, H, S, D]"
             raise RlxValueError(f"{what}: {label} must have rank 4 ({names}), got {ty}")
-    if not (q.is_static and k.is_static and v.is_static):
-        raise RlxValueError(
-            f"{what}: programmable attention (score_mod / mask_mod) takes static sizes only so far; symbolic "
-            f"dimensions reach the fixed-mask attention kernels; got q {q}, k {k}, v {v}"
-        )
-    b, sq, h, d = (int(size) for size in layout.split(q.static_shape))
-    kb, sk, hkv, kd = (int(size) for size in layout.split(k.static_shape))
-    vb, vs, vh, dv = (int(size) for size in layout.split(v.static_shape))
+    b, sq, h, d = layout.split(q.shape)
+    kb, sk, hkv, kd = layout.split(k.shape)
+    vb, vs, vh, dv = layout.split(v.shape)
+    b, h, d, hkv, dv = static_sizes(what, layout, q, k, v, (b, h, d, hkv, dv))
     if kb != b or kd != d:
         raise RlxValueError(f"{what}: k must have batch {b} and head dim {d} like q {q} (layout {layout}), got {k}")
     if h % hkv:
         raise RlxValueError(f"{what}: q's {h} heads must be a multiple of k's {hkv} heads (GQA), got q {q}, k {k}")
     if (vb, vs, vh) != (b, sk, hkv):
         raise RlxValueError(f"{what}: v must have batch {b}, {sk} keys and {hkv} heads like k {k}, got {v}")
-    return FlexDims(b, h, hkv, sq, sk, d, dv)
+    return FlexDims(b, h, hkv, sq, sk, d, dv)  # only the sequence lengths may be symbolic
 
 
 def captured_kinds(types: Sequence[TensorType]) -> list[tuple[tuple[int, ...], str]]:
@@ -119,7 +115,13 @@ def check_regions(
             raise RlxTypeError(f"{what}: {label} must give a {want}, its result is {kinds[-1]!r}")
         if label == "mask_mod" and "score" in set().union(*region.dependences()):
             raise RlxValueError(f"{what}: mask_mod cannot read the score")
-        _check_index_ranges(what, label, region, dims, captured)
+        if isinstance(dims.seq_q, int) and isinstance(dims.seq_k, int):
+            _check_index_ranges(what, label, region, dims, captured)
+        elif region.reads():
+            raise RlxValueError(
+                f"{what}: a {label} that reads captured tensors needs static sequence lengths so far (its indices "
+                "are checked against the tensors' sizes when the node is built)"
+            )
 
 
 def _check_index_ranges(what: str, label: str, region: Region, dims: FlexDims, captured: Sequence[TensorType]) -> None:
@@ -127,8 +129,8 @@ def _check_index_ranges(what: str, label: str, region: Region, dims: FlexDims, c
         "score": (np.float64(-np.inf), np.float64(np.inf)),
         "b": (np.float64(0), np.float64(dims.batch - 1)),
         "h": (np.float64(0), np.float64(dims.heads - 1)),
-        "q_idx": (np.float64(0), np.float64(dims.seq_q - 1)),
-        "kv_idx": (np.float64(0), np.float64(dims.seq_k - 1)),
+        "q_idx": (np.float64(0), np.float64(int(dims.seq_q) - 1)),
+        "kv_idx": (np.float64(0), np.float64(int(dims.seq_k) - 1)),
     }
 
     def read_bounds(step: int, tensor: int, index: list[Interval]) -> Interval:
@@ -249,7 +251,7 @@ def _visible(mask_mod: Region | None, dims: FlexDims, tensors: Sequence[np.ndarr
     if mask_mod is None:
         return np.ones((1, 1, 1, 1), dtype=bool)
     return np.broadcast_to(
-        mask_mod.evaluate(_symbols(dims, None), tensors), (dims.batch, dims.heads, dims.seq_q, dims.seq_k)
+        mask_mod.evaluate(_symbols(dims, None), tensors), (dims.batch, dims.heads, int(dims.seq_q), int(dims.seq_k))
     )
 
 
@@ -296,7 +298,7 @@ def flex_attention_backward(
     dims = FlexDims(qh.shape[0], qh.shape[1], kh.shape[1], qh.shape[2], kh.shape[2], qh.shape[3], vh.shape[3])
     scale = 1.0 / math.sqrt(dims.head_dim) if attrs.scale is None else attrs.scale
     grid = _symbols(dims, None)
-    full = (dims.batch, dims.heads, dims.seq_q, dims.seq_k)
+    full = (dims.batch, dims.heads, int(dims.seq_q), int(dims.seq_k))
     with np.errstate(all="ignore"):
         raw = _scores(qh, kh, dims, attrs.scale)
         g_score: np.ndarray = np.ones(full)
