@@ -332,7 +332,7 @@ def trace(
     if ref[0] != "t" or int(ref[1]) != len(tracer.steps) - 1:
         tracer.emit("id", ref)
     region = Region(tuple(tracer.steps))
-    shapes = [(v.static_shape, v.dtype.kind if v.dtype.kind != "u" else "i") for v in captured]
+    shapes = [(v.shape, v.dtype.kind if v.dtype.kind != "u" else "i") for v in captured]
     kinds = [("f" if k == "f" else "b" if k == "b" else "i") for _, k in shapes]
     try:
         result_kind = region.result_kind([(s, k) for (s, _), k in zip(shapes, kinds, strict=True)])

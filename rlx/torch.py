@@ -87,17 +87,19 @@ def _rlx_dtype(tensor: torch.Tensor) -> str:
 class _Capture:
     """The torch tensors one trace captured, each a graph input named ``c0``, ``c1``, ..."""
 
-    def __init__(self, graph: Graph) -> None:
+    def __init__(self, graph: Graph, declared: dict[int, tuple[int | str, ...]] | None = None) -> None:
         self.graph = graph
         self.tensors: list[torch.Tensor] = []
         self.values: list[Value] = []
+        self.declared = declared or {}  # id(tensor) -> the shape to declare (symbolic sequence dims)
 
     def value(self, tensor: torch.Tensor) -> Value:
         for known, value in zip(self.tensors, self.values, strict=True):
             if known is tensor:
                 return value
         _check_tensor(tensor, f"a tensor captured by a mod (shape {tuple(tensor.shape)})", kinds="any")
-        value = self.graph.input(f"c{len(self.tensors)}", tuple(tensor.shape), dtype=_rlx_dtype(tensor))
+        shape = self.declared.get(id(tensor), tuple(tensor.shape))
+        value = self.graph.input(f"c{len(self.tensors)}", shape, dtype=_rlx_dtype(tensor))
         self.tensors.append(tensor)
         self.values.append(value)
         return value
@@ -250,13 +252,16 @@ def _plan(
     score_mod: Callable[..., Any] | None,
     mask_mod: Callable[..., Any] | None,
     scale: float | None,
+    declared: dict[int, tuple[int | str, ...]] | None = None,
 ) -> _Plan:
     """Trace the mods and find (or compile) the plan. The sequence lengths are symbolic, so one
-    compilation serves every length, unless the mods need them static (they read captured
-    tensors, or use the lengths themselves): then the graph has this call's sizes."""
+    compilation serves every length, unless the mods need them static (they use the lengths
+    themselves, or a captured tensor needs its gradient): then the graph has this call's sizes."""
     config = _config_for(_attention_flops(q, k, v))
     try:
-        graph, captured = _flex_graph(q, k, v, score_mod, mask_mod, scale, symbolic=True)
+        graph, captured = _flex_graph(q, k, v, score_mod, mask_mod, scale, symbolic=True, declared=declared)
+        if any(t.is_floating_point() and t.requires_grad for t in captured):
+            raise RlxValueError("gradients of captured tensors need static sizes so far")
     except RlxError:
         graph, captured = _flex_graph(q, k, v, score_mod, mask_mod, scale, symbolic=False)
     return _plan_cache(graph, captured, config)
@@ -270,13 +275,14 @@ def _flex_graph(
     mask_mod: Callable[..., Any] | None,
     scale: float | None,
     symbolic: bool,
+    declared: dict[int, tuple[int | str, ...]] | None = None,
 ) -> tuple[Graph, list[torch.Tensor]]:
     g = Graph("flex")
     seq_q, seq_k = ("Sq", "Sk") if symbolic else (q.shape[2], k.shape[2])
     qi = g.input("q", (q.shape[0], q.shape[1], seq_q, q.shape[3]))
     ki = g.input("k", (k.shape[0], k.shape[1], seq_k, k.shape[3]))
     vi = g.input("v", (v.shape[0], v.shape[1], seq_k, v.shape[3]))
-    capture = _Capture(g)
+    capture = _Capture(g, declared if symbolic else None)
     _capturing.current = capture
     try:
         out, lse = g.attention(
@@ -450,7 +456,21 @@ def scaled_dot_product_attention(
     # SDPA's mods are fixed by the arguments' shapes and kinds, so a traced plan is reused without
     # tracing again: only the mask tensor (the one captured value) changes between calls.
     mask_kind = None if attn_mask is None else (tuple(attn_mask.shape), attn_mask.dtype)
-    plan_key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), is_causal, scale, mask_kind)
+    plan_key: tuple[Any, ...] = (tuple(q.shape), tuple(k.shape), tuple(v.shape), is_causal, scale, mask_kind)
+    mask_shape: tuple[int | str, ...] | None = None
+    if attn_mask is not None and not (attn_mask.is_floating_point() and attn_mask.requires_grad):
+        # A mask's query and key axes follow the sequence lengths: declared symbolic, so one
+        # compilation serves every length (a mask that needs a gradient stays static for now).
+        shape = (1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape)
+        mask_shape = (
+            shape[0],
+            shape[1],
+            "Sq" if shape[2] == q.shape[2] and shape[2] != 1 else shape[2],
+            "Sk" if shape[3] == k.shape[2] and shape[3] != 1 else shape[3],
+        )
+        symbolic_key = (q.shape[:2], q.shape[3], k.shape[:2], v.shape[3], scale, mask_shape, attn_mask.dtype)
+        if symbolic_key in _sdpa_plans:
+            plan_key = symbolic_key
     cached = _sdpa_plans.get(plan_key)
     if cached is not None:
         captured = [] if attn_mask is None else [_check_tensor(attn_mask, "attn_mask", kinds="any")]
@@ -479,7 +499,10 @@ def scaled_dot_product_attention(
             score_mod = _indexed(full, lambda value, score, b, h, q_idx, kv_idx: score + value, with_score=True)
         else:
             raise RlxTypeError(f"scaled_dot_product_attention: attn_mask must be bool or float, got {mask.dtype}")
-    plan = _plan(q, k, v, score_mod, mask_mod, scale)
+    declared = None if mask_shape is None or attn_mask is None else {id(full): mask_shape}
+    plan = _plan(q, k, v, score_mod, mask_mod, scale, declared)
+    if mask_shape is not None and attn_mask is not None and not plan.graph.inputs["q"].type.is_static:
+        plan_key = (q.shape[:2], q.shape[3], k.shape[:2], v.shape[3], scale, mask_shape, attn_mask.dtype)
     with _plans_lock:
         _sdpa_plans[plan_key] = plan
     out, _ = _FlexFunction.apply(plan, q, k, v, *plan.captured)

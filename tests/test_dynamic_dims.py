@@ -323,14 +323,6 @@ def test_programmable_attention_compiles_once_for_every_length(score_mod, mask_m
     assert compile_count() == before
 
 
-def test_mods_that_read_tensors_need_static_lengths() -> None:
-    g = rlx.Graph()
-    x = g.input("x", (2, "S", 4, 8))
-    bias = g.input("bias", (4, 8, 8))
-    with pytest.raises(rlx.RlxValueError, match="static sequence lengths"):
-        g.attention(x, x, x, score_mod=lambda s, b, h, q, k: s + bias[h, q, k])
-
-
 def test_attention_batch_and_heads_must_be_static() -> None:
     g = rlx.Graph()
     x = g.input("x", ("B", 4, 8, 16))
@@ -347,3 +339,54 @@ def test_symbolic_executable_pickles() -> None:
     got = loaded(**arrays)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name])
+
+
+def test_mods_reading_tensors_of_symbolic_shape() -> None:
+    g = rlx.Graph()
+    q, k, v = (g.input(name, (2, "S", 4, 16)) for name in "qkv")
+    bias = g.input("bias", (2, 4, "S", "S"))
+    doc = g.input("doc", (2, "S"), "int32")
+    out, lse = g.attention(
+        q,
+        k,
+        v,
+        score_mod=lambda s, b, h, qi, ki: s + bias[b, h, qi, ki],
+        mask_mod=rlx.mods.and_(rlx.mods.causal, lambda b, h, qi, ki: doc[b, qi] == doc[b, ki]),
+        return_lse=True,
+    )
+    dq, dk, dv = rlx.grad(g, out, [q, k, v], g.input("dy", out.shape))
+    g.output(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+    rng = np.random.default_rng(12)
+
+    def make(s: int) -> dict[str, np.ndarray]:
+        arrays = {name: rng.standard_normal((2, s, 4, 16), dtype=np.float32) for name in ("q", "k", "v", "dy")}
+        arrays["bias"] = rng.standard_normal((2, 4, s, s), dtype=np.float32)
+        arrays["doc"] = np.sort(rng.integers(0, 4, (2, s)), axis=1).astype(np.int32)
+        return arrays
+
+    exe = rlx.compile(g)
+    before = compile_count()
+    for s in (1, 9, 100, 200):
+        arrays = make(s)
+        got, want = exe(**arrays), rlx.reference.run(g, **arrays)
+        for name in want:
+            finite = np.isfinite(want[name])
+            np.testing.assert_array_equal(np.isfinite(got[name]), finite)
+            scale = float(np.abs(want[name][finite]).max(initial=0.0)) + 1.0
+            assert float(np.abs(got[name][finite] - want[name][finite]).max(initial=0.0)) <= 2e-5 * scale, name
+    assert compile_count() == before
+
+
+def test_an_index_out_of_a_static_tensor_is_refused_per_call() -> None:
+    g = rlx.Graph()
+    x = g.input("x", (1, "S", 2, 8))
+    bias = g.input("bias", (2, 64, 64))
+    out, _ = g.attention(x, x, x, score_mod=lambda s, b, h, qi, ki: s + bias[h, qi, ki], return_lse=True)
+    g.output(out=out)
+    exe = rlx.compile(g)
+    ok = {"x": np.zeros((1, 64, 2, 8), np.float32), "bias": np.zeros((2, 64, 64), np.float32)}
+    exe(**ok)
+    bad = {"x": np.zeros((1, 65, 2, 8), np.float32), "bias": ok["bias"]}
+    for run in (exe, lambda **a: rlx.reference.run(g, **a)):
+        with pytest.raises(rlx.RlxValueError, match="outside"):
+            run(**bad)

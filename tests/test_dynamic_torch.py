@@ -156,3 +156,26 @@ def test_flex_attention_with_index_mods_compiles_once_for_every_length() -> None
         if step == 0:
             seen = compile_count()
     assert compile_count() == seen
+
+
+@pytest.mark.parametrize("kind", ["bool", "float", "padding"])
+def test_sdpa_with_a_mask_tensor_compiles_once_for_every_length(kind: str) -> None:
+    seen = None
+    for step, (seq_q, seq_k) in enumerate(((5, 9), (40, 40), (128, 130), (7, 300))):
+        gen = torch.Generator().manual_seed(step)
+        tensors = _tensors([(2, 3, seq_q, 16), (2, 3, seq_k, 16), (2, 3, seq_k, 16)], seed=50 + step)
+        if kind == "bool":
+            mask = torch.rand(2, 3, seq_q, seq_k, generator=gen) > 0.2
+        elif kind == "float":
+            mask = torch.randn(seq_q, seq_k, generator=gen)
+        else:  # key padding, as a batch of variable-length sequences uses
+            mask = (torch.arange(seq_k) < seq_k - 2).view(1, 1, 1, seq_k).expand(2, 1, 1, seq_k)
+        dy = torch.randn(2, 3, seq_q, 16, generator=gen)
+        out, grads = _forward_backward(rt.scaled_dot_product_attention, tensors, dy, attn_mask=mask)
+        want_out, want_grads = _forward_backward(F.scaled_dot_product_attention, tensors, dy, attn_mask=mask)
+        _close(out, want_out)
+        for got, want in zip(grads, want_grads, strict=True):
+            _close(got, want, 5e-5)
+        if step == 0:
+            seen = compile_count()
+    assert compile_count() == seen

@@ -26,6 +26,7 @@ from rlx.codegen.lower import (
     CallData,
     CodegenOptions,
     DynamicScratch,
+    call_checks,
     check_symbolic_support,
     graph_symbols,
     lower_graph,
@@ -80,6 +81,7 @@ class Program:
     dynamic: DynamicScratch | None = None  # graphs with symbolic dimensions: the per-call sizes table
     symbol_positions: list[tuple[str, int, str]] = field(default_factory=list)  # where calls bind each symbol
     call_buffers: dict[str, Callable[[Mapping[str, np.ndarray]], np.ndarray]] = field(default_factory=dict)
+    call_checks: list[Callable[[Mapping[str, int]], None]] = field(default_factory=list)  # need the call's sizes
 
 
 _cache: OrderedDict[tuple, Program] = OrderedDict()
@@ -256,6 +258,7 @@ def _build(
         lowered.dynamic,
         symbol_positions(working),
         lowered.call_buffers,
+        call_checks(working),
     )
 
 
@@ -358,6 +361,8 @@ class Executable:
         arena_bytes = program.arena_bytes
         if dynamic is not None:  # symbolic dimensions: sizes from the inputs, scratch sized for them
             sizes = symbol_sizes(program.graph, bound, program.symbol_positions)
+            for check in program.call_checks:  # before any pointer reaches native code
+                check(sizes)
             table = dynamic.table(sizes)
             arena_bytes = dynamic.offset + int(table[-1]) * program.threads
         for name in plan.buffer_names[len(buffers) :]:

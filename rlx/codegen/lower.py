@@ -136,7 +136,7 @@ def flex_spec(node: Node, options: CodegenOptions, symbols: tuple[str, ...] = ()
     grads = attrs.wrt if backward else None
     tensor_grads = tuple(tensor_grad_layout(attrs.score_mod, captured, dims)) if backward and attrs.tensor_grads else ()
     needs_dp = backward and (bool(attrs.wrt & (Wrt.QUERY | Wrt.KEY)) or bool(tensor_grads))
-    static = isinstance(dims.seq_q, int) and isinstance(dims.seq_k, int)
+    static = isinstance(dims.seq_q, int) and isinstance(dims.seq_k, int) and all(t.is_static for t in captured)
     if isinstance(dims.seq_q, int) and isinstance(dims.seq_k, int):
         block_q, block_k = choose_blocks(dims.seq_q, dims.seq_k, needs_dp)
         if options.block_q:
@@ -148,10 +148,12 @@ def flex_spec(node: Node, options: CodegenOptions, symbols: tuple[str, ...] = ()
     grid = TileGrid(dims.batch, dims.heads, dims.seq_q, dims.seq_k, block_q, block_k, "b" in deps, "h" in deps)
     if mask is None:
         kind = "none"
+    elif not static:
+        kind = "call"  # made for each call's lengths (and tensors), in a buffer of its own
     elif any(flex_captured(node)[t].node.op is OpKind.INPUT for _, t in mask.reads()):
         kind = "dynamic"
     else:
-        kind = "static" if static else "call"  # a map of indices alone, made per call for its lengths
+        kind = "static"
     scale = attrs.scale if attrs.scale is not None else 1.0 / math.sqrt(dims.head_dim)
     lse_grad = bool(getattr(attrs, "lse_grad", False))
     return FlexKernelSpec(
@@ -355,7 +357,8 @@ class _Lowering:
         from rlx.codegen.lower_flex import FlexLowering
 
         spec = flex_spec(node, self.options, self.symbols)
-        if not spec.is_static:
+        per_call = not spec.is_static or not all(t.is_static for t in spec.captured)
+        if per_call:
             self.attention_specs.append((f"node {node.id} ({node.op})", spec))
         if spec.tensor_grads:  # partial gradient slices are accumulated into: zero them first
             partials = node.outputs[len(spec.grads.members) if spec.grads else 0 :]
@@ -364,7 +367,7 @@ class _Lowering:
         item_fn = FlexLowering(self.module, spec, f"{node.op}.{node.id}").emit()
         pointers = [self.view_pointer(v) for v in node.inputs] + [self.base_pointer(v) for v in node.outputs]
         pointers.append(self.block_map_pointer(node, spec))
-        if not spec.is_static:
+        if per_call:
             assert self.sizes is not None
             pointers.append(self.sizes)
         self.call(item_fn, pointers, spec.work_items, False, str(node.id))
@@ -376,7 +379,8 @@ class _Lowering:
         if kind == "call":
             assert self.graph is not None
             name = f"%blockmap{node.id}"
-            self.call_buffers.append((name, functools.partial(_lengths_map, self.graph, spec)))
+            fill = functools.partial(_call_map, self.graph, spec, flex_captured(node))
+            self.call_buffers.append((name, fill))
             slot = len(self.plan.buffer_names)
             self.plan.buffer_names.append(name)
             return self.b.load(gep(self.b, self.buffers, [i64(slot)], PTR), typ=PTR, name=f"blockmap.{node.id}")
@@ -495,13 +499,58 @@ def _map_for_lengths(spec: FlexKernelSpec, seq_q: int, seq_k: int) -> np.ndarray
     return tile_states(spec.mask_mod, replace(spec.grid, seq_q=seq_q, seq_k=seq_k), [])
 
 
-def _lengths_map(graph: Graph, spec: FlexKernelSpec, bound: Mapping[str, np.ndarray]) -> np.ndarray:
-    """The tile states of a mask of indices alone at one call's lengths (cached by lengths)."""
+def _call_map(
+    graph: Graph, spec: FlexKernelSpec, captured: tuple[Value, ...], bound: Mapping[str, np.ndarray]
+) -> np.ndarray:
+    """The tile states at one call's lengths: from its tensors when the mask reads any, else
+    (a mask of indices alone) cached by the lengths."""
     from rlx.bind import symbol_sizes
+    from rlx.codegen.block_map import tile_states
 
+    assert spec.mask_mod is not None
     sizes = symbol_sizes(graph, bound)
     seq_q, seq_k = (sizes[d] if isinstance(d, str) else d for d in (spec.dims.seq_q, spec.dims.seq_k))
-    return _map_for_lengths(spec, seq_q, seq_k)
+    if not spec.mask_mod.reads():
+        return _map_for_lengths(spec, seq_q, seq_k)
+    tensors: list[np.ndarray | None] = []
+    for value in captured:
+        source = value.node
+        tensors.append(
+            source.attrs.value.array if source.op is OpKind.CONSTANT else np.asarray(bound[source.attrs.name])
+        )
+    return tile_states(spec.mask_mod, replace(spec.grid, seq_q=seq_q, seq_k=seq_k), tensors)
+
+
+def call_checks(graph: Graph) -> list[Callable[[Mapping[str, int]], None]]:
+    """Checks that need a call's sizes: the index ranges of mods reading tensors of symbolic shape."""
+    return [
+        _IndexRangeCheck(node)
+        for node in graph.nodes
+        if node.op.value in FLEX_OPS and not all(v.type.is_static for v in (*node.inputs[:3], *flex_captured(node)))
+    ]
+
+
+class _IndexRangeCheck:
+    """One flex node's index-range check at a call's sizes (each distinct sizes checked once)."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.done: set[tuple[tuple[str, int], ...]] = set()
+
+    def __call__(self, sizes: Mapping[str, int]) -> None:
+        from rlx.ops.flex_attention import check_index_ranges_per_call
+
+        key = tuple(sorted(sizes.items()))
+        if key in self.done:
+            return
+        node, attrs = self.node, self.node.attrs
+        what = f"node {node.id} ({node.op})"
+        q, k, v = (x.type.resolve(sizes) for x in node.inputs[:3])
+        captured = [x.type.resolve(sizes) for x in flex_captured(node)]
+        dims = flex_dims(what, q, k, v, attrs.layout)
+        check_index_ranges_per_call(what, attrs.score_mod, attrs.mask_mod, dims, captured)
+        if len(self.done) < 256:
+            self.done.add(key)
 
 
 def load_symbols(b: ir.IRBuilder, sizes: ir.Value, symbols: tuple[str, ...]) -> dict[str, ir.Value]:

@@ -53,8 +53,9 @@ from rlx.codegen.lower_attention import (
     zero_rows,
 )
 from rlx.codegen.region_emit import LaneValue, RegionEmitter, Tensor, lane_indices
-from rlx.codegen.sizes import ceil_div
+from rlx.codegen.sizes import ceil_div, emit_size
 from rlx.codegen.vector import Lanes, fold_lanes, vector_fill, vector_loop, vector_reduce
+from rlx.codegen.views import dense_strides
 from rlx.ir.region import GradientRegion, Region
 from rlx.ir.types import Layout, TensorType, Wrt
 from rlx.ops.flex_attention import FlexDims
@@ -128,14 +129,14 @@ class FlexLowering:
         self.memset = intrinsic(module, "llvm.memset.p0.i64", VOID, [PTR, I8, I64, I1])
         self.logf = intrinsic(module, "llvm.log.f32", F32, [F32])
         score = spec.score_mod
-        self.score_kinds = score.check([(t.static_shape, _kind(t)) for t in spec.captured]) if score is not None else []
+        self.score_kinds = score.check([(t.shape, _kind(t)) for t in spec.captured]) if score is not None else []
         mask = spec.mask_mod
-        self.mask_kinds = mask.check([(t.static_shape, _kind(t)) for t in spec.captured]) if mask is not None else []
+        self.mask_kinds = mask.check([(t.shape, _kind(t)) for t in spec.captured]) if mask is not None else []
         self.gradient: GradientRegion | None = None
         self.gradient_kinds: list[str] = []
         if score is not None and spec.needs_dp:
             gradient = score.gradient(self.score_kinds)
-            self.gradient_kinds = gradient.check([(t.static_shape, _kind(t)) for t in spec.captured])
+            self.gradient_kinds = gradient.check([(t.shape, _kind(t)) for t in spec.captured])
             self.gradient = gradient
 
     # ------------------------------------------------------------------ operands
@@ -153,7 +154,7 @@ class FlexLowering:
         else:
             slots += ["out", "lse"]
         slots.append("map")
-        if not spec.is_static:
+        if not spec.is_static or not all(t.is_static for t in spec.captured):
             slots.append("sizes")
         return slots
 
@@ -167,9 +168,18 @@ class FlexLowering:
                 slot = gep(b, self.base["sizes"], [i64(self.spec.symbols.index(dim))], I64)
                 lengths.append(b.load(slot, typ=I64, name=f"size.{dim}"))
         self.sq, self.sk = lengths
+        self.symbols = {}
+        if not self.spec.is_static or not all(t.is_static for t in self.spec.captured):
+            table = self.base["sizes"]
+            for slot, name in enumerate(self.spec.symbols):
+                self.symbols[name] = b.load(gep(b, table, [i64(slot)], I64), typ=I64, name=f"size.{name}")
         grid = self.spec.grid
         self.strips = ceil_div(b, self.sq, grid.block_q)
         self.tiles = ceil_div(b, self.sk, grid.block_k)
+
+    def _runtime_strides(self, b: ir.IRBuilder, ty: TensorType) -> tuple[ir.Value, ...]:
+        """Row-major strides of a captured tensor whose shape names symbols, for this call."""
+        return tuple(emit_size(b, stride, self.symbols) for stride in dense_strides(ty.shape))
 
     def _strip_floats(self, b: ir.IRBuilder) -> ir.Value:
         if self.spec.is_static:
@@ -199,8 +209,11 @@ class FlexLowering:
             slot: b.load(gep(b, args, [i64(i)], PTR), typ=PTR, name=f"{slot}.base")
             for i, slot in enumerate(self.operand_slots())
         }
-        self.tensors = [Tensor(self.base[f"c{i}"], t) for i, t in enumerate(self.spec.captured)]
         self._load_lengths(b)
+        self.tensors = [
+            Tensor(self.base[f"c{i}"], t, None if t.is_static else self._runtime_strides(b, t))
+            for i, t in enumerate(self.spec.captured)
+        ]
         strip = scratch
         floats = self._strip_floats(b)
         second = gep_f32(b, scratch, floats, name="dp.strip")

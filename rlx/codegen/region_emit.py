@@ -35,9 +35,12 @@ class Tensor:
 
     pointer: ir.Value
     type: TensorType
+    runtime_strides: tuple[ir.Value, ...] | None = None  # i64 values, when the shape names symbols
 
     @property
-    def strides(self) -> tuple[int, ...]:
+    def strides(self) -> tuple[int | ir.Value, ...]:
+        if self.runtime_strides is not None:
+            return self.runtime_strides
         strides, step = [], 1
         for size in reversed(self.type.static_shape):
             strides.append(step)
@@ -195,11 +198,13 @@ class RegionEmitter:
         total: ir.Value | None = None
         for lane, stride in zip(lanes, tensor.strides, strict=True):
             value = lane.value if uniform else self._widen(lane)
-            term = (
-                value
-                if stride == 1
-                else self.b.mul(value, ir.Constant(value.type, stride if width == 1 else [stride] * width))
-            )
+            if isinstance(stride, ir.Value):  # known per call
+                factor = stride if width == 1 else splat(self.b, stride, width)
+                term = self.b.mul(value, factor)
+            elif stride == 1:
+                term = value
+            else:
+                term = self.b.mul(value, ir.Constant(value.type, stride if width == 1 else [stride] * width))
             total = term if total is None else self.b.add(total, term)
         if total is None:
             total = ir.Constant(I64, 0)

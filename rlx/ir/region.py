@@ -121,7 +121,7 @@ class Region:
 
     # ------------------------------------------------------------------ structure
 
-    def check(self, captured: Sequence[tuple[tuple[int, ...], str]] | None) -> list[str]:
+    def check(self, captured: Sequence[tuple[tuple[int | str, ...], str]] | None) -> list[str]:
         """Validate the steps and return each step's kind (``f``/``i``/``b``).
 
         ``captured`` gives each captured tensor's shape and kind; ``None`` checks only what
@@ -153,7 +153,7 @@ class Region:
             kinds.append(_result_kind(index, step, arg_kinds, captured))
         return kinds
 
-    def result_kind(self, captured: Sequence[tuple[tuple[int, ...], str]] | None = None) -> str:
+    def result_kind(self, captured: Sequence[tuple[tuple[int | str, ...], str]] | None = None) -> str:
         return self.check(captured)[-1]
 
     def dependences(self) -> list[frozenset[str]]:
@@ -306,7 +306,7 @@ def _promote(*kinds: str) -> str:
 
 
 def _result_kind(
-    index: int, step: RegionStep, args: list[str], captured: Sequence[tuple[tuple[int, ...], str]] | None
+    index: int, step: RegionStep, args: list[str], captured: Sequence[tuple[tuple[int | str, ...], str]] | None
 ) -> str:
     op = step.op
     arity = {"where": 3, "read": None, "logical_not": 1}.get(op, 1 if op in FLOAT_UNARY + SAME_UNARY else 2)

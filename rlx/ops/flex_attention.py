@@ -93,8 +93,8 @@ def flex_dims(what: str, q: TensorType, k: TensorType, v: TensorType, layout: La
     return FlexDims(b, h, hkv, sq, sk, d, dv)  # only the sequence lengths may be symbolic
 
 
-def captured_kinds(types: Sequence[TensorType]) -> list[tuple[tuple[int, ...], str]]:
-    return [(t.static_shape, "f" if t.dtype.kind == "f" else "b" if t.dtype.kind == "b" else "i") for t in types]
+def captured_kinds(types: Sequence[TensorType]) -> list[tuple[tuple[Dim, ...], str]]:
+    return [(t.shape, "f" if t.dtype.kind == "f" else "b" if t.dtype.kind == "b" else "i") for t in types]
 
 
 def check_regions(
@@ -115,13 +115,18 @@ def check_regions(
             raise RlxTypeError(f"{what}: {label} must give a {want}, its result is {kinds[-1]!r}")
         if label == "mask_mod" and "score" in set().union(*region.dependences()):
             raise RlxValueError(f"{what}: mask_mod cannot read the score")
-        if isinstance(dims.seq_q, int) and isinstance(dims.seq_k, int):
+        if isinstance(dims.seq_q, int) and all(t.is_static for t in captured) and isinstance(dims.seq_k, int):
             _check_index_ranges(what, label, region, dims, captured)
-        elif region.reads():
-            raise RlxValueError(
-                f"{what}: a {label} that reads captured tensors needs static sequence lengths so far (its indices "
-                "are checked against the tensors' sizes when the node is built)"
-            )
+        # else: the sizes are known per call, and so is the check (check_index_ranges_per_call)
+
+
+def check_index_ranges_per_call(
+    what: str, score_mod: Region | None, mask_mod: Region | None, dims: FlexDims, captured: Sequence[TensorType]
+) -> None:
+    """The interval check of :func:`check_regions` at one call's sizes (dims and types resolved)."""
+    for label, region in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if region is not None and region.reads():
+            _check_index_ranges(what, label, region, dims, captured)
 
 
 def _check_index_ranges(what: str, label: str, region: Region, dims: FlexDims, captured: Sequence[TensorType]) -> None:
@@ -221,6 +226,11 @@ def _flex_bwd_infer(what: str, inputs: Sequence[TensorType], attrs: FlexAttentio
     by_flag = {Wrt.QUERY: q, Wrt.KEY: k, Wrt.VALUE: v}
     results = [by_flag[flag] for flag in attrs.wrt.members]
     if attrs.tensor_grads:
+        if not all(t.is_static for t in (q, k, *captured)):
+            raise RlxValueError(
+                f"{what}: gradients of captured tensors need static sizes so far (got q {q}, k {k} and captured "
+                f"{', '.join(str(t) for t in captured)})"
+            )
         for tensor, partials, _, _ in tensor_grad_layout(attrs.score_mod, captured, dims):
             results.append(TensorType((partials, *captured[tensor].shape), F32))
     return tuple(TensorType(t.shape, F32) for t in results)
@@ -265,6 +275,7 @@ def flex_attention_forward(
     """``(out, lse)`` in float64, materialising the scores: the oracle of the compiled kernels."""
     qh, kh, vh = (to_heads(x, attrs.layout) for x in (q, k, v))
     dims = FlexDims(qh.shape[0], qh.shape[1], kh.shape[1], qh.shape[2], kh.shape[2], qh.shape[3], vh.shape[3])
+    check_index_ranges_per_call("flex_attention", attrs.score_mod, attrs.mask_mod, dims, _types(captured))
     with np.errstate(all="ignore"):
         s = _scores(qh, kh, dims, attrs.scale)
         if attrs.score_mod is not None:
@@ -296,6 +307,7 @@ def flex_attention_backward(
     layout = attrs.layout
     qh, kh, vh, oh, dyh = (to_heads(x, layout) for x in (q, k, v, out, dy))
     dims = FlexDims(qh.shape[0], qh.shape[1], kh.shape[1], qh.shape[2], kh.shape[2], qh.shape[3], vh.shape[3])
+    check_index_ranges_per_call("flex_attention_bwd", attrs.score_mod, attrs.mask_mod, dims, _types(captured))
     scale = 1.0 / math.sqrt(dims.head_dim) if attrs.scale is None else attrs.scale
     grid = _symbols(dims, None)
     full = (dims.batch, dims.heads, int(dims.seq_q), int(dims.seq_k))
@@ -378,6 +390,11 @@ def _tensor_grads(
 def _symbol_or_literal(ref: Any, grid: dict[str, np.ndarray]) -> np.ndarray:
     kind, value = ref
     return grid[value] if kind == "s" else np.asarray(value)
+
+
+def _types(arrays: Sequence[np.ndarray]) -> list[TensorType]:
+    """The types of captured arrays as a node declares them (floats are f32)."""
+    return [TensorType(np.shape(a), F32 if np.asarray(a).dtype.kind == "f" else np.asarray(a).dtype) for a in arrays]
 
 
 def _flex_reference(args: Sequence[np.ndarray], attrs: FlexAttentionAttrs, ctx: EvalContext) -> tuple[np.ndarray, ...]:
