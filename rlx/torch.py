@@ -256,12 +256,11 @@ def _plan(
 ) -> _Plan:
     """Trace the mods and find (or compile) the plan. The sequence lengths are symbolic, so one
     compilation serves every length, unless the mods need them static (they use the lengths
-    themselves, or a captured tensor needs its gradient): then the graph has this call's sizes."""
+    themselves): then the graph has this call's sizes. Captured tensors keep their own shapes
+    (an SDPA mask's sequence axes excepted, see ``declared``)."""
     config = _config_for(_attention_flops(q, k, v))
     try:
         graph, captured = _flex_graph(q, k, v, score_mod, mask_mod, scale, symbolic=True, declared=declared)
-        if any(t.is_floating_point() and t.requires_grad for t in captured):
-            raise RlxValueError("gradients of captured tensors need static sizes so far")
     except RlxError:
         graph, captured = _flex_graph(q, k, v, score_mod, mask_mod, scale, symbolic=False)
     return _plan_cache(graph, captured, config)

@@ -179,3 +179,31 @@ def test_sdpa_with_a_mask_tensor_compiles_once_for_every_length(kind: str) -> No
         if step == 0:
             seen = compile_count()
     assert compile_count() == seen
+
+
+def test_flex_attention_with_a_learnable_bias_compiles_once_for_every_length() -> None:
+    bias = torch.randn(2, 64, 64, generator=torch.Generator().manual_seed(3), requires_grad=True)
+
+    def score_mod(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return score + bias[h, q_idx, kv_idx]
+
+    seen = None
+    for step, seq in enumerate((16, 33, 64)):
+        tensors = _tensors([(1, 2, seq, 8)] * 3, seed=60 + step)
+        dy = torch.randn(1, 2, seq, 8, generator=torch.Generator().manual_seed(step))
+        bias.grad = None
+        out, grads = _forward_backward(rt.flex_attention, tensors, dy, score_mod=score_mod)
+        x2 = [t.detach().double().requires_grad_(True) for t in tensors]
+        b2 = bias.detach().double().requires_grad_(True)
+        scores = (x2[0] @ x2[1].transpose(-1, -2)) / 8**0.5 + b2[:, :seq, :seq]
+        want = torch.softmax(scores, dim=-1) @ x2[2]
+        want.backward(dy.double())
+        _close(out, want.detach().float())
+        for got, ref in zip([*grads, bias.grad], [*x2, b2], strict=True):
+            _close(got, ref.grad.float(), 5e-5)
+        if step == 0:
+            seen = compile_count()
+    assert compile_count() == seen
+    too_long = _tensors([(1, 2, 65, 8)] * 3, seed=70)
+    with pytest.raises(ValueError, match="outside"):  # the bias has 64 rows: refused before native code
+        rt.flex_attention(*too_long, score_mod=score_mod)

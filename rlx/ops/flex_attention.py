@@ -226,9 +226,9 @@ def _flex_bwd_infer(what: str, inputs: Sequence[TensorType], attrs: FlexAttentio
     by_flag = {Wrt.QUERY: q, Wrt.KEY: k, Wrt.VALUE: v}
     results = [by_flag[flag] for flag in attrs.wrt.members]
     if attrs.tensor_grads:
-        if not all(t.is_static for t in (q, k, *captured)):
+        if not all(t.is_static for t in captured):
             raise RlxValueError(
-                f"{what}: gradients of captured tensors need static sizes so far (got q {q}, k {k} and captured "
+                f"{what}: gradients of captured tensors need their shapes static so far (got "
                 f"{', '.join(str(t) for t in captured)})"
             )
         for tensor, partials, _, _ in tensor_grad_layout(attrs.score_mod, captured, dims):
