@@ -237,7 +237,8 @@ class DynamicScratch:
 
     def table(self, sizes: Mapping[str, int]) -> np.ndarray:
         """The sizes table native code reads: each symbol's size, then the scratch stride."""
-        return np.array([sizes[name] for name in self.symbols] + [self.stride(sizes)], dtype=np.int64)
+        # A symbol only an omitted input names (one no output needs) reaches no kernel: any size.
+        return np.array([sizes.get(name, 1) for name in self.symbols] + [self.stride(sizes)], dtype=np.int64)
 
 
 @dataclass(frozen=True)
