@@ -27,8 +27,6 @@ from rlx.codegen.lower import (
     CodegenOptions,
     DynamicScratch,
     call_checks,
-    check_symbolic_support,
-    graph_symbols,
     lower_graph,
     scratch_bytes,
 )
@@ -180,8 +178,6 @@ def _lower(
         raise RlxValueError(f"rlx.compile: graph {graph.name!r} has no outputs; mark some with g.output(...)")
     run_passes(working, list(pass_names) if pass_names is not None else default_pipeline())
     decompose(working)  # codegen sees primitives only, whatever the passes were
-    if graph_symbols(working):
-        check_symbolic_support(working)
     bounds = index_bounds(working)  # refuses index operands that cannot be checked before a call
     times["passes"] = time.perf_counter() - start
 

@@ -28,6 +28,7 @@ from rlx.codegen.lower_scatter import emit_scatter_item
 from rlx.codegen.memory_plan import MemoryPlan
 from rlx.codegen.parallel import Step, emit_team
 from rlx.codegen.schedule import Kernel, Schedule
+from rlx.codegen.sizes import load_symbols
 from rlx.config import RuntimeConfig
 from rlx.errors import RlxValueError
 from rlx.ir.graph import Graph, Node, Value
@@ -552,20 +553,6 @@ class _IndexRangeCheck:
         check_index_ranges_per_call(what, attrs.score_mod, attrs.mask_mod, dims, captured)
         if len(self.done) < 256:
             self.done.add(key)
-
-
-def load_symbols(b: ir.IRBuilder, sizes: ir.Value, symbols: tuple[str, ...]) -> dict[str, ir.Value]:
-    """Each symbol's size this call, read from the sizes table at ``b``."""
-    return {
-        name: b.load(gep(b, sizes, [i64(slot)], I64), typ=I64, name=f"size.{name}") for slot, name in enumerate(symbols)
-    }
-
-
-def check_symbolic_support(graph: Graph) -> None:
-    """Every kernel reads symbolic sizes per call (programmable attention's limits are checked
-    when its node is built): nothing is refused here today. Kept as the one place a kernel
-    without a per-call form would be refused, naming its node."""
-    del graph
 
 
 def opaque(b: ir.IRBuilder, variable: ir.GlobalVariable) -> ir.Value:

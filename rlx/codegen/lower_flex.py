@@ -53,7 +53,7 @@ from rlx.codegen.lower_attention import (
     zero_rows,
 )
 from rlx.codegen.region_emit import LaneValue, RegionEmitter, Tensor, lane_indices
-from rlx.codegen.sizes import ceil_div, emit_size
+from rlx.codegen.sizes import ceil_div, emit_size, load_symbols
 from rlx.codegen.vector import Lanes, fold_lanes, vector_fill, vector_loop, vector_reduce
 from rlx.codegen.views import dense_strides
 from rlx.ir.region import GradientRegion, Region
@@ -170,9 +170,7 @@ class FlexLowering:
         self.sq, self.sk = lengths
         self.symbols = {}
         if not self.spec.is_static or not all(t.is_static for t in self.spec.captured):
-            table = self.base["sizes"]
-            for slot, name in enumerate(self.spec.symbols):
-                self.symbols[name] = b.load(gep(b, table, [i64(slot)], I64), typ=I64, name=f"size.{name}")
+            self.symbols = load_symbols(b, self.base["sizes"], self.spec.symbols)
         grid = self.spec.grid
         self.strips = ceil_div(b, self.sq, grid.block_q)
         self.tiles = ceil_div(b, self.sk, grid.block_k)

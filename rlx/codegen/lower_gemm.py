@@ -21,7 +21,7 @@ from llvmlite import ir
 
 from rlx.codegen.blas import NO_TRANS, ROW_MAJOR, SET_THREADS, SGEMM, TRANS
 from rlx.codegen.irutil import F32, I32, I64, PTR, VOID, declare, gep, i32, i64
-from rlx.codegen.sizes import SizeLike, at_least, ceil_div, emit_size, product, size_of
+from rlx.codegen.sizes import SizeLike, at_least, ceil_div, emit_size, load_symbols, product, size_of
 from rlx.codegen.views import View
 from rlx.errors import RlxValueError
 from rlx.ir.types import Dim
@@ -143,7 +143,7 @@ def emit_gemm_item(module: ir.Module, spec: GemmSpec, name: str, symbols: tuple[
     sizes: dict[str, ir.Value] = {}
     if symbols:
         table = bld.load(gep(bld, args, [i64(3)], PTR), typ=PTR, name="sizes")
-        sizes = {n: bld.load(gep(bld, table, [i64(i)], I64), typ=I64, name=f"size.{n}") for i, n in enumerate(symbols)}
+        sizes = load_symbols(bld, table, symbols)
 
     def size(value: SizeLike) -> ir.Value:
         return emit_size(bld, value, sizes)

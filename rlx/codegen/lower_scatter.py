@@ -10,7 +10,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from rlx.codegen.irutil import I32, I64, PTR, VOID, for_range, gep, gep_f32, i64
-from rlx.codegen.sizes import emit_size, product
+from rlx.codegen.sizes import emit_size, load_symbols, product
 from rlx.codegen.vector import Lanes, vector_fill, vector_loop
 from rlx.codegen.views import View
 
@@ -33,7 +33,7 @@ def emit_scatter_item(
     sizes = {}
     if symbols:
         table = b.load(gep(b, args, [i64(3)], PTR), typ=PTR, name="sizes")
-        sizes = {n: b.load(gep(b, table, [i64(i)], I64), typ=I64, name=f"size.{n}") for i, n in enumerate(symbols)}
+        sizes = load_symbols(b, table, symbols)
     dy_ptr = gep_f32(b, b.load(gep(b, args, [i64(0)], PTR), typ=PTR), emit_size(b, dy.offset, sizes), "dy")
     id_type = I32 if ids_itemsize == 4 else I64
     ids_ptr = gep(b, b.load(gep(b, args, [i64(1)], PTR), typ=PTR), [emit_size(b, ids.offset, sizes)], id_type, "ids")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from llvmlite import ir
 
-from rlx.codegen.irutil import i64
+from rlx.codegen.irutil import I64, gep, i64
 
 Monomial = tuple[str, ...]  # sorted symbol names, a name repeated for its power
 
@@ -139,3 +139,10 @@ def nominal(value: int | str | Size, guess: int = 256) -> int:
     if isinstance(value, int):
         return value
     return max(1, sum(c * guess ** len(m) for m, c in value.terms))
+
+
+def load_symbols(b: ir.IRBuilder, sizes: ir.Value, symbols: tuple[str, ...]) -> dict[str, ir.Value]:
+    """Each symbol's size this call, read from the sizes table at ``b``."""
+    return {
+        name: b.load(gep(b, sizes, [i64(slot)], I64), typ=I64, name=f"size.{name}") for slot, name in enumerate(symbols)
+    }
