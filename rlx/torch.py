@@ -457,6 +457,7 @@ def scaled_dot_product_attention(
     mask_kind = None if attn_mask is None else (tuple(attn_mask.shape), attn_mask.dtype)
     plan_key: tuple[Any, ...] = (tuple(q.shape), tuple(k.shape), tuple(v.shape), is_causal, scale, mask_kind)
     mask_shape: tuple[int | str, ...] | None = None
+    symbolic_key: tuple[Any, ...] | None = None
     if attn_mask is not None and not (attn_mask.is_floating_point() and attn_mask.requires_grad):
         # A mask's query and key axes follow the sequence lengths: declared symbolic, so one
         # compilation serves every length (a mask that needs a gradient stays static for now).
@@ -498,10 +499,10 @@ def scaled_dot_product_attention(
             score_mod = _indexed(full, lambda value, score, b, h, q_idx, kv_idx: score + value, with_score=True)
         else:
             raise RlxTypeError(f"scaled_dot_product_attention: attn_mask must be bool or float, got {mask.dtype}")
-    declared = None if mask_shape is None or attn_mask is None else {id(full): mask_shape}
+    declared = None if mask_shape is None else {id(full): mask_shape}
     plan = _plan(q, k, v, score_mod, mask_mod, scale, declared)
-    if mask_shape is not None and attn_mask is not None and not plan.graph.inputs["q"].type.is_static:
-        plan_key = (q.shape[:2], q.shape[3], k.shape[:2], v.shape[3], scale, mask_shape, attn_mask.dtype)
+    if symbolic_key is not None and not plan.graph.inputs["q"].type.is_static:
+        plan_key = symbolic_key
     with _plans_lock:
         _sdpa_plans[plan_key] = plan
     out, _ = _FlexFunction.apply(plan, q, k, v, *plan.captured)
@@ -523,12 +524,12 @@ class _FixedPlan:
     executables: dict[tuple[str, bool], Executable]
 
     def executable(self, which: str, flops: float) -> Executable:
-        small = flops < SMALL_ATTENTION_FLOPS
-        key = (which, small)
+        config = _config_for(flops)
+        key = (which, config is None)
         exe = self.executables.get(key)
         if exe is None:
             graph = self.forward_graph if which == "forward" else self.backward_graph
-            exe = rlx.compile(graph, config=rlx.RuntimeConfig(num_threads=1) if small else None)
+            exe = rlx.compile(graph, config=config)
             with _plans_lock:
                 self.executables[key] = exe
         return exe

@@ -13,9 +13,13 @@ import functools
 import os
 from dataclasses import dataclass
 
+from rlx.errors import RlxValueError
+
 SGEMM = "scipy_cblas_sgemm"
 SGEMV = "scipy_cblas_sgemv"
 SET_THREADS = "scipy_openblas_set_num_threads"
+
+INT32_MAX = 2**31 - 1  # BLAS (LP64 here) takes 32-bit sizes and leading dimensions
 
 # CBLAS enum values (cblas.h).
 ROW_MAJOR = 101
@@ -57,3 +61,10 @@ def libc_symbol(name: str) -> int:
     address = ctypes.cast(getattr(ctypes.CDLL(None), name), ctypes.c_void_p).value
     assert address, f"{name} not found in the C library"
     return int(address)
+
+
+def refuse_beyond_blas(what: str, *sizes: int) -> None:
+    """``RlxValueError`` if a matrix dimension passes the 32-bit sizes BLAS takes."""
+    biggest = max(sizes, default=0)
+    if biggest > INT32_MAX:
+        raise RlxValueError(f"{what}: a matrix dimension of {biggest} exceeds the 32-bit BLAS limit")

@@ -23,6 +23,7 @@ import numpy as np
 from rlx.bind import bind_inputs, check_index_inputs, index_bounds, symbol_positions, symbol_sizes
 from rlx.codegen.jit import CompiledLibrary, cache_key, compile_ir
 from rlx.codegen.lower import (
+    CallBufferFill,
     CallData,
     CodegenOptions,
     DynamicScratch,
@@ -36,7 +37,7 @@ from rlx.config import RuntimeConfig, resolve_config, resolve_num_threads
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.graph import Graph, Value
 from rlx.ir.printer import value_names
-from rlx.ir.types import TensorType
+from rlx.ir.types import TensorType, resolve_dims
 
 _ENTRY_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
 _CACHE_SIZE = 64
@@ -78,7 +79,7 @@ class Program:
     options: CodegenOptions = field(default_factory=CodegenOptions)
     dynamic: DynamicScratch | None = None  # graphs with symbolic dimensions: the per-call sizes table
     symbol_positions: list[tuple[str, int, str]] = field(default_factory=list)  # where calls bind each symbol
-    call_buffers: dict[str, Callable[[Mapping[str, np.ndarray]], np.ndarray]] = field(default_factory=dict)
+    call_buffers: dict[str, CallBufferFill] = field(default_factory=dict)
     call_checks: list[Callable[[Mapping[str, int]], None]] = field(default_factory=list)  # need the call's sizes
 
 
@@ -156,7 +157,7 @@ class _Lowered(NamedTuple):
     call_data_offset: int
     profile_offset: int
     dynamic: DynamicScratch | None
-    call_buffers: dict[str, Callable[[Mapping[str, np.ndarray]], np.ndarray]]
+    call_buffers: dict[str, CallBufferFill]
 
 
 def _lower(
@@ -363,11 +364,10 @@ class Executable:
             arena_bytes = dynamic.offset + int(table[-1]) * program.threads
         for name in plan.buffer_names[len(buffers) :]:
             if name in program.call_buffers:  # e.g. a block map for this call's lengths
-                buffers.append(program.call_buffers[name](bound))
+                buffers.append(program.call_buffers[name](bound, sizes))
                 continue
             ty = program.output_types[name]
-            shape = tuple(sizes[d] if isinstance(d, str) else d for d in ty.shape)
-            buffers.append(np.empty(shape, dtype=ty.dtype))
+            buffers.append(np.empty(resolve_dims(ty.shape, sizes), dtype=ty.dtype))
         pointers = (ctypes.c_void_p * max(1, len(buffers)))(*(array.ctypes.data for array in buffers))
         arena = self._arena(arena_bytes)
         if table is not None:

@@ -465,7 +465,7 @@ class Chunking:
     column_chunk: int  # 0: whole rows per item
 
     @property
-    def items(self) -> SizeLike | None:
+    def items(self) -> int | None:
         """Work items, or None when only a call knows (see :meth:`emit_items`)."""
         if not isinstance(self.rows, int):
             return None
@@ -473,8 +473,9 @@ class Chunking:
 
     def emit_items(self, b: ir.IRBuilder, symbols: Mapping[str, ir.Value]) -> int | ir.Value:
         """The item count: an int, or computed at ``b`` from the call's symbols."""
-        if isinstance(self.rows, int):
-            return -(-self.rows // self.rows_per_item)
+        items = self.items
+        if items is not None:
+            return items
         return ceil_div(b, emit_size(b, self.rows, symbols), self.rows_per_item)
 
 

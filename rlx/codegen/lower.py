@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from llvmlite import ir
 
+from rlx.codegen.blas import refuse_beyond_blas
 from rlx.codegen.fused import FusedEmitter, plan_chunking
 from rlx.codegen.irutil import I8, I64, PTR, VOID, alloca_entry, clock, declare, gep, i64
 from rlx.codegen.jit import ENTRY
@@ -30,16 +31,14 @@ from rlx.codegen.parallel import Step, emit_team
 from rlx.codegen.schedule import Kernel, Schedule
 from rlx.codegen.sizes import load_symbols
 from rlx.config import RuntimeConfig
-from rlx.errors import RlxValueError
 from rlx.ir.graph import Graph, Node, Value
 from rlx.ir.ops import AttentionAttrs, AttentionBwdAttrs, OpKind, attention_dims
-from rlx.ir.types import Wrt
+from rlx.ir.types import Wrt, resolve_dims
 from rlx.ops.flex_attention import FlexAttentionBwdAttrs, bwd_operands, flex_dims, tensor_grad_layout
 
 if TYPE_CHECKING:
+    from rlx.codegen.block_map import TileGrid
     from rlx.codegen.lower_flex import FlexKernelSpec
-
-_INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -105,9 +104,7 @@ def check_blas_limits(what: str, spec: AttentionKernelSpec) -> None:
     """BLAS takes 32-bit sizes: refuse shapes (at compile time, or per call for symbolic ones) beyond them."""
     dims = spec.dims
     assert isinstance(dims.seq_q, int) and isinstance(dims.seq_k, int)
-    biggest = max(dims.seq_q, dims.seq_k, dims.heads * dims.head_dim, spec.block_q * dims.seq_k)
-    if biggest > _INT32_MAX:
-        raise RlxValueError(f"{what}: a matrix dimension of {biggest} exceeds the 32-bit BLAS limit")
+    refuse_beyond_blas(what, dims.seq_q, dims.seq_k, dims.heads * dims.head_dim, spec.block_q * dims.seq_k)
 
 
 FLEX_OPS = ("flex_attention", "flex_attention_bwd")
@@ -172,8 +169,12 @@ def block_map_arrays(
 
 
 def _tile_states(
-    spec: FlexKernelSpec, captured: tuple[Value, ...], bound: Mapping[str, np.ndarray] | None
+    spec: FlexKernelSpec,
+    captured: tuple[Value, ...],
+    bound: Mapping[str, np.ndarray] | None,
+    grid: TileGrid | None = None,
 ) -> np.ndarray:
+    """Tile states on ``grid`` (default: the spec's; a grid resolved to one call's lengths)."""
     from rlx.codegen.block_map import tile_states
 
     assert spec.mask_mod is not None
@@ -186,12 +187,7 @@ def _tile_states(
             tensors.append(np.asarray(bound[source.attrs.name]))
         else:
             tensors.append(None)
-    return tile_states(spec.mask_mod, spec.grid, tensors)
-
-
-def _per_call_map(spec: FlexKernelSpec, captured: tuple[Value, ...], bound: Mapping[str, np.ndarray]) -> np.ndarray:
-    """A dynamic block map from one call's inputs (the kernel shape is worked out once, at compile time)."""
-    return _tile_states(spec, captured, bound)
+    return tile_states(spec.mask_mod, spec.grid if grid is None else grid, tensors)
 
 
 def scratch_bytes(node: Node, config: RuntimeConfig, options: CodegenOptions) -> int:
@@ -214,6 +210,10 @@ class CallData:
     fill: Callable[[Mapping[str, np.ndarray]], np.ndarray]
 
 
+CallBufferFill = Callable[[Mapping[str, np.ndarray], Mapping[str, int]], np.ndarray]
+"""``fill(bound inputs, symbol sizes)``: a buffer made for one call (a block map at its lengths)."""
+
+
 @dataclass(frozen=True)
 class DynamicScratch:
     """Per-thread scratch of a graph with symbolic dimensions: sized per call, after the arena's
@@ -228,11 +228,9 @@ class DynamicScratch:
         """Bytes of scratch per thread for this call's sizes (BLAS limits checked on the way)."""
         most = self.static_stride
         for what, spec in self.specs:  # per call, so no new spec: the sizes go in directly
-            seq_q, seq_k = (sizes[d] if isinstance(d, str) else d for d in (spec.dims.seq_q, spec.dims.seq_k))
+            seq_q, seq_k = resolve_dims((spec.dims.seq_q, spec.dims.seq_k), sizes)
             block_q = spec.block_q if isinstance(spec, AttentionKernelSpec) else spec.grid.block_q
-            biggest = max(seq_q, seq_k, block_q * seq_k)
-            if biggest > _INT32_MAX:
-                raise RlxValueError(f"{what}: a matrix dimension of {biggest} exceeds the 32-bit BLAS limit")
+            refuse_beyond_blas(what, seq_q, seq_k, block_q * seq_k)
             most = max(most, spec.scratch_bytes(seq_k))
         return -(-most // 64) * 64
 
@@ -249,7 +247,7 @@ class LoweredModule:
     call_data_offset: int  # arena offset of the call data
     profile_offset: int  # arena offset of the per-kernel timings (profiling builds)
     dynamic: DynamicScratch | None = None  # graphs with symbolic dimensions
-    call_buffers: tuple[tuple[str, Callable[[Mapping[str, np.ndarray]], np.ndarray]], ...] = ()  # made per call
+    call_buffers: tuple[tuple[str, CallBufferFill], ...] = ()  # made per call
 
 
 @dataclass
@@ -272,8 +270,7 @@ class _Lowering:
     symbols: tuple[str, ...] = ()
     sizes: ir.Value | None = None  # the per-call sizes table (graphs with symbolic dimensions)
     attention_specs: list[tuple[str, AttentionKernelSpec | FlexKernelSpec]] = field(default_factory=list)
-    call_buffers: list[tuple[str, Callable[[Mapping[str, np.ndarray]], np.ndarray]]] = field(default_factory=list)
-    graph: Graph | None = None
+    call_buffers: list[tuple[str, CallBufferFill]] = field(default_factory=list)
     _entry_symbols: dict[str, ir.Value] | None = None
 
     def base_pointer(self, value: Value) -> ir.Value:
@@ -359,8 +356,7 @@ class _Lowering:
         from rlx.codegen.lower_flex import FlexLowering
 
         spec = flex_spec(node, self.options, self.symbols)
-        per_call = not spec.is_static or not all(t.is_static for t in spec.captured)
-        if per_call:
+        if spec.per_call:
             self.attention_specs.append((f"node {node.id} ({node.op})", spec))
         if spec.tensor_grads:  # partial gradient slices are accumulated into: zero them first
             partials = node.outputs[len(spec.grads.members) if spec.grads else 0 :]
@@ -369,7 +365,7 @@ class _Lowering:
         item_fn = FlexLowering(self.module, spec, f"{node.op}.{node.id}").emit()
         pointers = [self.view_pointer(v) for v in node.inputs] + [self.base_pointer(v) for v in node.outputs]
         pointers.append(self.block_map_pointer(node, spec))
-        if per_call:
+        if spec.per_call:
             assert self.sizes is not None
             pointers.append(self.sizes)
         self.call(item_fn, pointers, spec.work_items, False, str(node.id))
@@ -379,9 +375,8 @@ class _Lowering:
         buffer made for each call's lengths (call), or nowhere."""
         kind = spec.map_kind
         if kind == "call":
-            assert self.graph is not None
             name = f"%blockmap{node.id}"
-            fill = functools.partial(_call_map, self.graph, spec, flex_captured(node))
+            fill = functools.partial(_call_map, spec, flex_captured(node))
             self.call_buffers.append((name, fill))
             slot = len(self.plan.buffer_names)
             self.plan.buffer_names.append(name)
@@ -394,7 +389,7 @@ class _Lowering:
             offset = self.call_data_bytes
             self.call_data.append(
                 CallData(
-                    offset, nbytes, functools.partial(_per_call_map, flex_spec(node, self.options), flex_captured(node))
+                    offset, nbytes, functools.partial(_tile_states, flex_spec(node, self.options), flex_captured(node))
                 )
             )
             self.call_data_bytes += -(-nbytes // 64) * 64
@@ -468,7 +463,6 @@ def lower_graph(
     constants = {node.outputs[0]: _constant_global(module, node) for node in plan.order if node.op is OpKind.CONSTANT}
     state = _Lowering(plan, schedule, config, options, threads, module, b, buffers, arena, constants)
     state.symbols = graph_symbols(graph)
-    state.graph = graph
     dynamic = None
     if state.symbols:  # the sizes table comes first in the call data: [size of each symbol..., scratch stride]
         state.sizes = gep(b, arena, [i64(call_data_offset(plan))], I8, "sizes")
@@ -495,32 +489,19 @@ def lower_graph(
 
 @functools.lru_cache(maxsize=256)
 def _map_for_lengths(spec: FlexKernelSpec, seq_q: int, seq_k: int) -> np.ndarray:
-    from rlx.codegen.block_map import tile_states
-
-    assert spec.mask_mod is not None
-    return tile_states(spec.mask_mod, replace(spec.grid, seq_q=seq_q, seq_k=seq_k), [])
+    return _tile_states(spec, (), None, replace(spec.grid, seq_q=seq_q, seq_k=seq_k))
 
 
 def _call_map(
-    graph: Graph, spec: FlexKernelSpec, captured: tuple[Value, ...], bound: Mapping[str, np.ndarray]
+    spec: FlexKernelSpec, captured: tuple[Value, ...], bound: Mapping[str, np.ndarray], sizes: Mapping[str, int]
 ) -> np.ndarray:
     """The tile states at one call's lengths: from its tensors when the mask reads any, else
     (a mask of indices alone) cached by the lengths."""
-    from rlx.bind import symbol_sizes
-    from rlx.codegen.block_map import tile_states
-
     assert spec.mask_mod is not None
-    sizes = symbol_sizes(graph, bound)
-    seq_q, seq_k = (sizes[d] if isinstance(d, str) else d for d in (spec.dims.seq_q, spec.dims.seq_k))
+    seq_q, seq_k = resolve_dims((spec.dims.seq_q, spec.dims.seq_k), sizes)
     if not spec.mask_mod.reads():
         return _map_for_lengths(spec, seq_q, seq_k)
-    tensors: list[np.ndarray | None] = []
-    for value in captured:
-        source = value.node
-        tensors.append(
-            source.attrs.value.array if source.op is OpKind.CONSTANT else np.asarray(bound[source.attrs.name])
-        )
-    return tile_states(spec.mask_mod, replace(spec.grid, seq_q=seq_q, seq_k=seq_k), tensors)
+    return _tile_states(spec, captured, bound, replace(spec.grid, seq_q=seq_q, seq_k=seq_k))
 
 
 def call_checks(graph: Graph) -> list[Callable[[Mapping[str, int]], None]]:

@@ -26,8 +26,8 @@ BHSD, and that stride is the BLAS leading dimension, so no head is ever copied.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from llvmlite import ir
 
@@ -54,6 +54,7 @@ from rlx.codegen.irutil import (
     smax,
     smin,
 )
+from rlx.codegen.sizes import ceil_div, emit_size, load_symbols
 from rlx.codegen.vector import Lanes, vector_fill, vector_loop, vector_reduce
 from rlx.ir.ops import AttentionDims
 from rlx.ir.types import Layout, MaskKind, Wrt
@@ -84,11 +85,6 @@ class AttentionKernelSpec:
     @property
     def is_static(self) -> bool:
         return isinstance(self.dims.seq_q, int) and isinstance(self.dims.seq_k, int)
-
-    def resolve(self, sizes: Mapping[str, int]) -> AttentionKernelSpec:
-        """This spec with its symbolic sequence lengths replaced by one call's sizes (same code shape)."""
-        seq_q, seq_k = (sizes[d] if isinstance(d, str) else d for d in (self.dims.seq_q, self.dims.seq_k))
-        return replace(self, dims=replace(self.dims, seq_q=seq_q, seq_k=seq_k))
 
     @property
     def scale(self) -> float:
@@ -123,6 +119,13 @@ class AttentionKernelSpec:
         if self.grads is None:
             return self.strip_floats(seq_k) * 4 + -(-self.block_q // 16) * 64
         return self.strip_floats(seq_k) * 4 * (2 if self.needs_dp else 1)
+
+
+def emit_strip_floats(b: ir.IRBuilder, block_q: int, seq_k: ir.Value) -> ir.Value:
+    """Floats in one scores strip of ``block_q`` rows and ``seq_k`` keys known per call, rounded
+    up to whole cache lines as the specs' ``strip_floats`` round them."""
+    per_line = SCRATCH_ALIGN // 4
+    return b.mul(ceil_div(b, b.mul(seq_k, i64(block_q)), per_line), i64(per_line), name="strip.floats")
 
 
 SCRATCH_BUDGET = 64 << 20  # bytes of strip buffers per thread at most
@@ -178,23 +181,15 @@ class AttentionLowering:
 
     def _load_seq(self, b: ir.IRBuilder, sizes: ir.Value | None) -> None:
         """``self.sq`` / ``self.sk``: the sequence lengths, constants or read from the sizes table."""
-        lengths = []
-        for dim, label in ((self.spec.dims.seq_q, "sq"), (self.spec.dims.seq_k, "sk")):
-            if isinstance(dim, int):
-                lengths.append(i64(dim))
-            else:
-                assert sizes is not None
-                slot = gep(b, sizes, [i64(self.spec.symbols.index(dim))], I64)
-                lengths.append(b.load(slot, typ=I64, name=label))
-        self.sq, self.sk = lengths
+        symbols = load_symbols(b, sizes, self.spec.symbols) if sizes is not None else {}
+        self.sq = emit_size(b, self.spec.dims.seq_q, symbols)
+        self.sk = emit_size(b, self.spec.dims.seq_k, symbols)
 
     def _strip_floats(self, b: ir.IRBuilder) -> ir.Value:
         """:meth:`AttentionKernelSpec.strip_floats` for this call's ``Sk``."""
         if self.spec.is_static:
             return i64(self.spec.strip_floats())
-        per_line = SCRATCH_ALIGN // 4
-        raw = b.mul(self.sk, i64(self.spec.block_q))
-        return b.mul(b.sdiv(b.add(raw, i64(per_line - 1)), i64(per_line)), i64(per_line), name="strip.floats")
+        return emit_strip_floats(b, self.spec.block_q, self.sk)
 
     def emit(self) -> ir.Function:
         spec, dims = self.spec, self.spec.dims

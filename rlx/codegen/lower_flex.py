@@ -48,6 +48,7 @@ from rlx.codegen.lower_attention import (
     SCRATCH_ALIGN,
     declare_sgemm,
     emit_sgemm,
+    emit_strip_floats,
     head_offset,
     row_stride,
     zero_rows,
@@ -83,6 +84,11 @@ class FlexKernelSpec:
     @property
     def is_static(self) -> bool:
         return isinstance(self.dims.seq_q, int) and isinstance(self.dims.seq_k, int)
+
+    @property
+    def per_call(self) -> bool:
+        """Whether the kernel reads sizes from the call's table (lengths or captured shapes symbolic)."""
+        return not self.is_static or not all(t.is_static for t in self.captured)
 
     @property
     def backward(self) -> bool:
@@ -154,23 +160,15 @@ class FlexLowering:
         else:
             slots += ["out", "lse"]
         slots.append("map")
-        if not spec.is_static or not all(t.is_static for t in spec.captured):
+        if spec.per_call:
             slots.append("sizes")
         return slots
 
     def _load_lengths(self, b: ir.IRBuilder) -> None:
         """``sq``, ``sk`` and the strip and tile counts: constants, or from the call's sizes table."""
-        lengths = []
-        for dim in (self.spec.dims.seq_q, self.spec.dims.seq_k):
-            if isinstance(dim, int):
-                lengths.append(i64(dim))
-            else:
-                slot = gep(b, self.base["sizes"], [i64(self.spec.symbols.index(dim))], I64)
-                lengths.append(b.load(slot, typ=I64, name=f"size.{dim}"))
-        self.sq, self.sk = lengths
-        self.symbols = {}
-        if not self.spec.is_static or not all(t.is_static for t in self.spec.captured):
-            self.symbols = load_symbols(b, self.base["sizes"], self.spec.symbols)
+        self.symbols = load_symbols(b, self.base["sizes"], self.spec.symbols) if self.spec.per_call else {}
+        self.sq = emit_size(b, self.spec.dims.seq_q, self.symbols)
+        self.sk = emit_size(b, self.spec.dims.seq_k, self.symbols)
         grid = self.spec.grid
         self.strips = ceil_div(b, self.sq, grid.block_q)
         self.tiles = ceil_div(b, self.sk, grid.block_k)
@@ -182,8 +180,7 @@ class FlexLowering:
     def _strip_floats(self, b: ir.IRBuilder) -> ir.Value:
         if self.spec.is_static:
             return i64(self.spec.strip_floats())
-        per_line = SCRATCH_ALIGN // 4
-        return b.mul(ceil_div(b, b.mul(self.sk, i64(self.spec.grid.block_q)), per_line), i64(per_line))
+        return emit_strip_floats(b, self.spec.grid.block_q, self.sk)
 
     # ------------------------------------------------------------------ addressing
 

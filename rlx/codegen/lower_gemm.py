@@ -19,14 +19,12 @@ from dataclasses import dataclass
 
 from llvmlite import ir
 
-from rlx.codegen.blas import NO_TRANS, ROW_MAJOR, SET_THREADS, SGEMM, TRANS
+from rlx.codegen.blas import NO_TRANS, ROW_MAJOR, SET_THREADS, SGEMM, TRANS, refuse_beyond_blas
 from rlx.codegen.irutil import F32, I32, I64, PTR, VOID, declare, gep, i32, i64
 from rlx.codegen.sizes import SizeLike, at_least, ceil_div, emit_size, load_symbols, product, size_of
 from rlx.codegen.views import View
-from rlx.errors import RlxValueError
 from rlx.ir.types import Dim
 
-_INT32_MAX = 2**31 - 1
 # Up to this many multiply-adds a single product runs on OpenBLAS's threads, which share packed
 # panels (1024x256x768 in a block: 43 ms against 53 for row blocks); above it, row blocks on
 # rlx's team are as fast, and they leave no OpenBLAS worker spinning for ~0.1 s after the call
@@ -118,9 +116,7 @@ def gemm_spec(a: View, b: View, out_shape: tuple[Dim, ...], threads: int = 1) ->
             batch = ()
             op_a = Operand(op_a.trans, spacing, (), spacing, op_a.offset)
             op_b = Operand(op_b.trans, op_b.ld, (), op_b.row_stride, op_b.offset)
-    for size in (m, n, k, op_a.ld, op_b.ld):
-        if isinstance(size, int) and size > _INT32_MAX:
-            raise RlxValueError(f"matmul: a matrix dimension of {size} exceeds the 32-bit BLAS limit")
+    refuse_beyond_blas("matmul", *(size for size in (m, n, k, op_a.ld, op_b.ld) if isinstance(size, int)))
     if not isinstance(m, int):  # rows known per call: blocks of a fixed height
         return GemmSpec(batch, m, n, k, op_a, op_b, SYMBOLIC_BLOCK_ROWS)
     if not batch and threads > 1 and isinstance(n, int) and isinstance(k, int) and m * n * k <= BLAS_THREADED_MACS:

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 from llvmlite import ir
 
 from rlx.codegen.fused import LaneMath
 from rlx.codegen.irutil import F32, I1, I8, I32, I64, gep
 from rlx.codegen.vector import splat
+from rlx.codegen.views import dense_strides
 from rlx.ir.opdef import REGISTRY
 from rlx.ir.region import Ref, Region
 from rlx.ir.types import TensorType
@@ -41,11 +43,7 @@ class Tensor:
     def strides(self) -> tuple[int | ir.Value, ...]:
         if self.runtime_strides is not None:
             return self.runtime_strides
-        strides, step = [], 1
-        for size in reversed(self.type.static_shape):
-            strides.append(step)
-            step *= size
-        return tuple(reversed(strides))
+        return cast(tuple[int, ...], dense_strides(self.type.static_shape))  # a static shape: ints
 
 
 class _Shim:

@@ -94,10 +94,6 @@ def product(dims: Iterable[int | str | Size]) -> SizeLike:
     return total
 
 
-def symbols_of(value: SizeLike) -> set[str]:
-    return {name for monomial, _ in value.terms for name in monomial} if isinstance(value, Size) else set()
-
-
 def at_least(a: int | str | Size, b: int | str | Size) -> bool:
     """``a >= b`` for every call, where that is provable: ``a - b`` is a polynomial whose symbol
     terms have positive coefficients, and which is >= 0 with every symbol at its least, 1."""

@@ -20,6 +20,7 @@ import numpy as np
 
 from rlx.config import RuntimeConfig
 from rlx.errors import RlxValueError
+from rlx.ir.types import resolve_dims
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Node, Value
@@ -39,7 +40,7 @@ class EvalContext:
 
     def resolve(self, shape: tuple[int | str, ...]) -> tuple[int, ...]:
         """A shape attribute with its symbols replaced by this call's sizes."""
-        return tuple(self.sizes[d] if isinstance(d, str) else d for d in shape)
+        return resolve_dims(shape, self.sizes)
 
 
 ReferenceFn = Callable[[Sequence[np.ndarray], Any, EvalContext], "tuple[np.ndarray, ...] | np.ndarray"]

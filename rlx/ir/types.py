@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -100,10 +100,15 @@ class TensorType:
         """This type with every symbol replaced by its size in ``sizes``."""
         if self.is_static:
             return self
-        return TensorType(tuple(sizes[d] if isinstance(d, str) else d for d in self.shape), self.dtype)
+        return TensorType(resolve_dims(self.shape, sizes), self.dtype)
 
     def __str__(self) -> str:
         return f"{self.dtype_name}[{','.join(str(d) for d in self.shape)}]"
+
+
+def resolve_dims(dims: Sequence[Dim], sizes: Mapping[str, int]) -> tuple[int, ...]:
+    """``dims`` with every symbol replaced by its size in ``sizes`` (one call's)."""
+    return tuple(sizes[d] if isinstance(d, str) else d for d in dims)
 
 
 def static_shape(shape: tuple[Dim, ...]) -> tuple[int, ...]:
