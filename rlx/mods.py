@@ -24,6 +24,7 @@ import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.region import Ref, Region, RegionStep
+from rlx.ir.types import MaskKind
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Value
@@ -40,7 +41,6 @@ class _Tracer:
     what: str
     steps: list[RegionStep] = field(default_factory=list)
     captured: list[Value] = field(default_factory=list)
-    sizes: tuple[int, int] | None = None  # (Sq, Sk) of the node being built, for lower-right masks
 
     def emit(self, op: str, *args: Ref) -> Sym:
         self.steps.append(RegionStep(op, args))
@@ -301,18 +301,15 @@ def _holds_array(cell: types.CellType) -> bool:
         return False
 
 
-def trace(
-    graph: Graph, fn: Callable[..., Any], kind: str, captured: list[Value], sizes: tuple[int, int] | None = None
-) -> Region:
+def trace(graph: Graph, fn: Callable[..., Any], kind: str, captured: list[Value]) -> Region:
     """Trace ``fn`` (a score_mod if ``kind == "score_mod"``, else a mask_mod) into a region.
 
     ``captured`` is the node's list of captured values, shared by both mods; reads append to it.
-    ``sizes`` is the node's ``(Sq, Sk)``, which :func:`causal_lower_right` used as a mask reads.
     """
     what = f"attention {kind} {getattr(fn, '__name__', type(fn).__name__)!r}"
     if not callable(fn):
         raise RlxTypeError(f"attention: {kind} must be a function, got {type(fn).__name__}")
-    tracer = _Tracer(graph, what, captured=captured, sizes=sizes)
+    tracer = _Tracer(graph, what, captured=captured)
     names = ("score", "b", "h", "q_idx", "kv_idx") if kind == "score_mod" else ("b", "h", "q_idx", "kv_idx")
     args = [Sym(tracer, ("s", name)) for name in names]
     _check_arity(fn, len(args), what)
@@ -423,18 +420,26 @@ def causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
     return q_idx >= kv_idx
 
 
+def seq_lengths() -> tuple[Sym, Sym]:
+    """Inside a mod: the attention's query and key lengths ``(Sq, Sk)`` as symbolic ints.
+
+    They are the node's own lengths, constant over a call, so a mod built on them (say a mask
+    aligned to the last key) serves every length when the lengths are symbolic dimensions.
+    """
+    tracer = _tracer("rlx.mods.seq_lengths")
+    return Sym(tracer, ("s", "q_len")), Sym(tracer, ("s", "kv_len"))
+
+
 def causal_lower_right(*args: Any) -> Any:
     """Causal aligned bottom-right: the last query sees the last key (``j <= i + Sk - Sq``).
 
     Use it as a mask directly (``mask_mod=rlx.mods.causal_lower_right``: Sq and Sk are the
-    attention's own), or make one for given sizes with ``causal_lower_right(Sq, Sk)``.
+    attention's own, read per call when symbolic), or make one for given sizes with
+    ``causal_lower_right(Sq, Sk)``.
     """
     if len(args) == 4:  # called as a mask_mod on the symbols
         _, _, q_idx, kv_idx = args
-        tracer = _tracer("rlx.mods.causal_lower_right")
-        if tracer.sizes is None:
-            raise RlxValueError("causal_lower_right needs the attention's sizes; use causal_lower_right(Sq, Sk)")
-        seq_q, seq_k = tracer.sizes
+        seq_q, seq_k = seq_lengths()
         return q_idx + (seq_k - seq_q) >= kv_idx
     if len(args) != 2:
         raise RlxTypeError("causal_lower_right: use it as a mask_mod, or call causal_lower_right(Sq, Sk)")
@@ -558,6 +563,64 @@ def chain(*score_mods: ScoreMod) -> ScoreMod:
     return chain
 
 
+# ----------------------------------------------------------------------------- the MaskKinds as mods
+
+
+def from_mask_kind(
+    mask: MaskKind, mask_input: Any = None, *, neg: float = -1e9, threshold: float = 0.5
+) -> tuple[ScoreMod | None, MaskMod | None]:
+    """The ``(score_mod, mask_mod)`` that mean what ``mask`` means in SPEC section 1.
+
+    This is what a ``MaskKind`` is: attention's reference runs it as these mods, and
+    ``rlx.passes.masks_as_mods`` rewrites fixed-mask nodes into programmable ones with them.
+    Causal and sliding-window masks align the last query with the last key (``off = max(Sk -
+    Sq, 0)``, read from the lengths, so symbolic lengths work); ``CUSTOM`` hides keys whose
+    ``mask_input[b, j] < threshold``; ``BIAS`` adds ``mask_input[b, h, i, j]``. A hidden score is
+    *replaced* by ``neg``: with ``neg = -inf`` that is a mask_mod (hidden tiles are skipped);
+    with a finite ``neg`` it is ``where(hidden, neg, score)``, a score_mod whose derivative is 0
+    where it hides, so no gradient flows through replaced scores and a fully hidden row gets a
+    uniform softmax, exactly as the fixed kernels do. ``neg`` and ``threshold`` are rounded to
+    float32 first, as the kernels compare and write them.
+    """
+    if not isinstance(mask, MaskKind):
+        raise RlxTypeError(f"from_mask_kind: mask must be an rlx.MaskKind, got {type(mask).__name__}")
+    if mask.needs_tensor and mask_input is None:
+        raise RlxValueError(f"from_mask_kind: mask {mask} needs its mask_input tensor")
+    with np.errstate(over="ignore"):
+        neg32, threshold32 = float(np.float32(neg)), float(np.float32(threshold))
+    tensor = _captured(mask_input) if mask.needs_tensor else None
+    window = mask.window
+
+    def hidden(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        if mask == MaskKind.CUSTOM:
+            assert tensor is not None
+            return tensor[b, kv_idx] < threshold32
+        seq_q, seq_k = seq_lengths()
+        diagonal = q_idx + maximum(seq_k - seq_q, 0)
+        if window is None:
+            return kv_idx > diagonal
+        return (kv_idx > diagonal) | (kv_idx < diagonal - window)
+
+    if mask == MaskKind.NONE:
+        return None, None
+    if mask == MaskKind.BIAS:
+        assert tensor is not None
+        return bias(tensor), None
+    if neg32 == -np.inf:
+
+        def visible(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return ~hidden(b, h, q_idx, kv_idx)
+
+        visible.__name__ = f"{mask}".replace("(", "_").replace(")", "")
+        return None, visible
+
+    def replaced(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return where(hidden(b, h, q_idx, kv_idx), neg32, score)
+
+    replaced.__name__ = f"{mask}".replace("(", "_").replace(")", "")
+    return replaced, None
+
+
 __all__ = [
     "CapturedArray",
     "Sym",
@@ -569,12 +632,14 @@ __all__ = [
     "chain",
     "document",
     "exp",
+    "from_mask_kind",
     "key_lengths",
     "log",
     "maximum",
     "minimum",
     "or_",
     "prefix_lm",
+    "seq_lengths",
     "sigmoid",
     "sliding_window",
     "softcap",

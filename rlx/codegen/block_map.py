@@ -68,6 +68,8 @@ class TileGrid:
             "q_idx": (q_lo.reshape(1, 1, -1, 1), q_hi.reshape(1, 1, -1, 1)),
             "kv_idx": (k_lo.reshape(1, 1, 1, -1), k_hi.reshape(1, 1, 1, -1)),
             "score": (np.float64(-np.inf), np.float64(np.inf)),
+            "q_len": (np.float64(self.seq_q), np.float64(self.seq_q)),
+            "kv_len": (np.float64(self.seq_k), np.float64(self.seq_k)),
         }
 
 

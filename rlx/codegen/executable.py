@@ -169,7 +169,7 @@ def _lower(
     times: dict[str, float],
 ) -> _Lowered:
     """Copy the graph, run the passes, schedule, plan memory and render LLVM IR (no machine code yet)."""
-    from rlx.passes import decompose
+    from rlx.passes import decompose, masks_as_mods
     from rlx.passes import run as run_passes
 
     start = time.perf_counter()
@@ -178,6 +178,8 @@ def _lower(
     if not working.outputs:
         raise RlxValueError(f"rlx.compile: graph {graph.name!r} has no outputs; mark some with g.output(...)")
     run_passes(working, list(pass_names) if pass_names is not None else default_pipeline())
+    if options.masks_as_mods:
+        masks_as_mods(working, config)
     decompose(working)  # codegen sees primitives only, whatever the passes were
     bounds = index_bounds(working)  # refuses index operands that cannot be checked before a call
     times["passes"] = time.perf_counter() - start

@@ -48,6 +48,7 @@ class CodegenOptions:
     block_q: int | None = None  # query rows per strip; None: chosen from the shapes
     order_seed: int | None = None  # plan a random topological order (planner fuzzing)
     profile: bool = False  # time every kernel of a call (``Executable.profile``)
+    masks_as_mods: bool = False  # fixed-mask attention through the programmable kernels (rlx.passes.masks_as_mods)
 
 
 SYMBOLIC_BLOCK_Q = 128  # query rows per strip when the sequence lengths are only known per call
@@ -154,8 +155,21 @@ def flex_spec(node: Node, options: CodegenOptions, symbols: tuple[str, ...] = ()
         kind = "static"
     scale = attrs.scale if attrs.scale is not None else 1.0 / math.sqrt(dims.head_dim)
     lse_grad = bool(getattr(attrs, "lse_grad", False))
+    recompute = bool(getattr(attrs, "recompute", False))
     return FlexKernelSpec(
-        dims, attrs.layout, scale, attrs.score_mod, mask, captured, grads, tensor_grads, lse_grad, grid, kind, symbols
+        dims,
+        attrs.layout,
+        scale,
+        attrs.score_mod,
+        mask,
+        captured,
+        grads,
+        tensor_grads,
+        lse_grad,
+        grid,
+        kind,
+        symbols,
+        recompute,
     )
 
 

@@ -80,6 +80,7 @@ class FlexKernelSpec:
     grid: TileGrid
     map_kind: str  # "none" (no mask: all FULL), "all" (every tile PARTIAL), "static", "dynamic", "call"
     symbols: tuple[str, ...] = ()  # the graph's symbolic dimensions, in the order of the sizes table
+    recompute: bool = False  # backward: row statistics from the scores, not from out and lse operands
 
     @property
     def is_static(self) -> bool:
@@ -150,7 +151,9 @@ class FlexLowering:
     def operand_slots(self) -> list[str]:
         spec = self.spec
         slots = ["q", "k", "v"]
-        if spec.backward:
+        if spec.backward and spec.recompute:
+            slots += ["dy"]
+        elif spec.backward:
             slots += ["out", "dy", "lse"] + (["dlse"] if spec.lse_grad else [])
         slots += [f"c{i}" for i in range(len(spec.captured))]
         if spec.backward:
@@ -342,7 +345,13 @@ class FlexLowering:
     # ------------------------------------------------------------------ region pieces
 
     def _symbols(self, b: ir.IRBuilder, batch: ir.Value, head: ir.Value, gi: ir.Value) -> dict[str, LaneValue]:
-        return {"b": LaneValue(batch, True), "h": LaneValue(head, True), "q_idx": LaneValue(gi, True)}
+        return {
+            "b": LaneValue(batch, True),
+            "h": LaneValue(head, True),
+            "q_idx": LaneValue(gi, True),
+            "q_len": LaneValue(self.sq, True),
+            "kv_len": LaneValue(self.sk, True),
+        }
 
     def _element_symbols(
         self, b: ir.IRBuilder, row_symbols: dict[str, LaneValue], gj: ir.Value, width: int, score: ir.Value | None
@@ -650,10 +659,11 @@ class FlexLowering:
         q_head = self._head(b, self.base["q"], batch, head, self.sq, d.heads, d.head_dim)
         k_head = self._head(b, self.base["k"], batch, group, self.sk, d.kv_heads, d.head_dim)
         v_head = self._head(b, self.base["v"], batch, group, self.sk, d.kv_heads, d.value_dim)
-        out_head = self._head(b, self.base["out"], batch, head, self.sq, d.heads, d.value_dim)
         dy_head = self._head(b, self.base["dy"], batch, head, self.sq, d.heads, d.value_dim)
         plane = b.mul(b.add(b.mul(batch, i64(d.heads)), head), self.sq)
-        lse_row = gep_f32(b, self.base["lse"], plane)
+        if not spec.recompute:
+            out_head = self._head(b, self.base["out"], batch, head, self.sq, d.heads, d.value_dim)
+            lse_row = gep_f32(b, self.base["lse"], plane)
         dlse_row = gep_f32(b, self.base["dlse"], plane) if spec.lse_grad else None
         ldq = self._row_stride(d.heads, d.head_dim)
         ldk = self._row_stride(d.kv_heads, d.head_dim)
@@ -686,8 +696,11 @@ class FlexLowering:
                         gi = b.add(i0, r, name="gi")
                         row = gep_f32(b, p_buf, b.mul(r, nk))
                         raw_row = gep_f32(b, raw_buf, b.mul(r, nk)) if spec.keeps_raw else None
-                        lse = b.load(gep_f32(b, lse_row, gi), typ=F32, name="lse.i")
-                        self._probability_row(b, row, raw_row, batch, head, gi, lse, map_row, first, last, ks, nk)
+                        if spec.recompute:
+                            self._softmax_row(b, row, raw_row, batch, head, gi, map_row, first, last, ks, nk)
+                        else:
+                            lse = b.load(gep_f32(b, lse_row, gi), typ=F32, name="lse.i")
+                            self._probability_row(b, row, raw_row, batch, head, gi, lse, map_row, first, last, ks, nk)
 
                     if grads & Wrt.VALUE:  # dV_run += P_run^T dY_strip
                         dv_head = self._head(b, self.base["dv"], batch, group, self.sk, d.kv_heads, d.value_dim)
@@ -734,23 +747,27 @@ class FlexLowering:
                             )
 
                         self._for_runs(b, map_row, first, last, dp_gemm)
-                        out_strip = gep_f32(b, out_head, b.mul(i0, i64(ldo)))
+                        if not spec.recompute:
+                            out_strip = gep_f32(b, out_head, b.mul(i0, i64(ldo)))
                         with for_range(b, 0, rows, "r.ds") as r:
                             gi = b.add(i0, r, name="gi")
-                            delta = vector_reduce(
-                                b,
-                                i64(0),
-                                i64(d.value_dim),
-                                "delta",
-                                "add",
-                                lambda b, j, lanes: b.fmul(
-                                    lanes.load(b, dy_strip, b.add(b.mul(r, i64(ldo)), j)),
-                                    lanes.load(b, out_strip, b.add(b.mul(r, i64(ldo)), j)),
-                                ),
-                            )
+                            offset = b.mul(r, nk)
+                            if spec.recompute:  # D = rowsum(P * dP); hidden keys (P = 0) add nothing
+                                delta = self._row_dot(b, gep_f32(b, p_buf, offset), gep_f32(b, dp_buf, offset), nk)
+                            else:  # D = rowsum(dY * out)
+                                delta = vector_reduce(
+                                    b,
+                                    i64(0),
+                                    i64(d.value_dim),
+                                    "delta",
+                                    "add",
+                                    lambda b, j, lanes: b.fmul(
+                                        lanes.load(b, dy_strip, b.add(b.mul(r, i64(ldo)), j)),
+                                        lanes.load(b, out_strip, b.add(b.mul(r, i64(ldo)), j)),
+                                    ),
+                                )
                             if dlse_row is not None:
                                 delta = b.fsub(delta, b.load(gep_f32(b, dlse_row, gi), typ=F32))
-                            offset = b.mul(r, nk)
                             raw_row = gep_f32(b, raw_buf, offset) if spec.keeps_raw else None
                             self._ds_row(
                                 b,
@@ -814,6 +831,47 @@ class FlexLowering:
                                 )
 
                             self._for_runs(b, map_row, first, last, dk_gemm)
+
+    def _softmax_row(
+        self,
+        b: ir.IRBuilder,
+        row: ir.Value,
+        raw_row: ir.Value | None,
+        batch: ir.Value,
+        head: ir.Value,
+        gi: ir.Value,
+        map_row: ir.Value,
+        first: ir.Value,
+        last: ir.Value,
+        ks: ir.Value,
+        nk: ir.Value,
+    ) -> None:
+        """``row = softmax(mods(row))`` in place, its statistics from the row itself (recompute mode);
+        raw scores kept if asked. Hidden keys get 0; a row with none visible is all 0."""
+        if raw_row is not None:
+            vector_loop(b, i64(0), nk, "raw", lambda b, j, lanes: lanes.store(b, lanes.load(b, row, j), raw_row, j))
+        m = self._mod_rows(b, row, batch, head, gi, map_row, first, last, ks, nk)
+        inverse = alloca_entry(b, F32, "inv.sum")
+        self._exp_row(b, row, nk, m, inverse)
+        factor = b.load(inverse, typ=F32, name="inv")
+        vector_loop(
+            b,
+            i64(0),
+            nk,
+            "normalise",
+            lambda b, j, lanes: lanes.store(b, b.fmul(lanes.load(b, row, j), lanes.splat(b, factor)), row, j),
+        )
+
+    def _row_dot(self, b: ir.IRBuilder, p_row: ir.Value, dp_row: ir.Value, nk: ir.Value) -> ir.Value:
+        """``sum(P * dP)`` over a row; where P is 0 (hidden, or a skipped tile whose dP was never
+        computed) the term is 0."""
+
+        def term(b: ir.IRBuilder, j: ir.Value, lanes: Lanes) -> ir.Value:
+            p = lanes.load(b, p_row, j)
+            product = b.fmul(p, lanes.load(b, dp_row, j))
+            return b.select(b.fcmp_ordered("==", p, lanes.const(0.0)), lanes.const(0.0), product)
+
+        return vector_reduce(b, i64(0), nk, "delta", "add", term)
 
     def _probability_row(
         self,
@@ -902,6 +960,8 @@ class FlexLowering:
                         g_score = emitter.get(gradient.outputs[1], "f")
                         self._accumulate_tensor_grads(b, lanes, emitter, gradient, ds, zero, partials)
                         ds = b.fmul(ds, g_score)
+                        # d s / d score = 0 (a replaced score) passes nothing, not even a NaN
+                        zero = b.or_(zero, b.fcmp_ordered("==", g_score, lanes.const(0.0)))
                     lanes.store(b, b.select(zero, lanes.const(0.0), ds), dp_row, j)
 
                 vector_loop(b, c0, c1, "ds", body)

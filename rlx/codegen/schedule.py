@@ -31,6 +31,7 @@ CALL_OUT_OPS = frozenset(
 VIEW_OPS = frozenset({"reshape", "transpose", "split", "broadcast_to"})
 REDUCE_OPS = frozenset({"sum", "max"})
 LEAF_OPS = frozenset({"input", "constant"})
+EXACT_COMPARISONS = frozenset({"equal", "not_equal"})
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,13 @@ def _decide_buffers(schedule: Schedule, order: list[Node], materialise, needs_bu
                 materialise(node.outputs[0])
         elif op == "embedding":
             needs_buffer(node.inputs[0])  # table rows are loaded at ids computed inline
+        elif op in EXACT_COMPARISONS:
+            # ``x == max(x)`` (a max's gradient) holds only if both sides see the same bits of x:
+            # x recomputed inline in two kernels may round differently (a reduction inside it),
+            # so a float operand computed inline gets a buffer, computed once.
+            for operand in node.inputs:
+                if operand.type.dtype.kind == "f" and schedule.view(operand) is None:
+                    needs_buffer(operand)
         elif op == "reshape" and not is_unit_reshape(node):
             # A general reshape would divide indices: read it as a view of a buffer instead,
             # copying the operand densely first if strides cannot express the reshape.

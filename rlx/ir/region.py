@@ -1,8 +1,9 @@
 """A traced attention mod: a straight-line program over one score and its indices.
 
 A ``score_mod`` or ``mask_mod`` (SPEC section 4) is traced once into a :class:`Region`: steps
-that each apply one op to earlier results, the symbols ``%score %b %h %q_idx %kv_idx``,
-literal numbers, and reads of the attention node's captured tensors (``read(%c0, %b, %q_idx)``).
+that each apply one op to earlier results, the symbols ``%score %b %h %q_idx %kv_idx`` (and
+the lengths ``%q_len %kv_len``, constant over a call), literal numbers, and reads of the
+attention node's captured tensors (``read(%c0, %b, %q_idx)``).
 The last step is the result. Printed, a region is one quoted line::
 
     "div(%score, 30.0); tanh(%t0); mul(%t1, 30.0)"
@@ -24,10 +25,9 @@ from typing import Any
 
 import numpy as np
 
-SYMBOLS = ("score", "b", "h", "q_idx", "kv_idx")
-"""The region's free variables: the scaled score (float) and its four indices (ints)."""
-
-INDEX_SYMBOLS = SYMBOLS[1:]
+SYMBOLS = ("score", "b", "h", "q_idx", "kv_idx", "q_len", "kv_len")
+"""The region's free variables: the scaled score (float), its four indices and the attention's
+query and key lengths (ints; the lengths may be symbolic dimensions, known per call)."""
 
 # Result kind of each op from its operand kinds: "f" float, "i" int, "b" bool.
 FLOAT_UNARY = ("exp", "log", "tanh", "sigmoid", "sqrt")
@@ -74,7 +74,7 @@ def format_ref(ref: Ref) -> str:
     return repr(value)  # floats always show a '.', 'e', 'inf' or 'nan'; ints never do
 
 
-_REF = re.compile(r"%(score|b|h|q_idx|kv_idx)$|%([tc])(\d+)$")
+_REF = re.compile(r"%(score|b|h|q_idx|kv_idx|q_len|kv_len)$|%([tc])(\d+)$")
 _STEP = re.compile(r"^([a-z_]+)\((.*)\)$")
 
 
@@ -92,7 +92,8 @@ def parse_ref(text: str) -> Ref:
         return ("k", float(text))
     except ValueError:
         raise ValueError(
-            f"bad region operand {text!r}; expected %score, %b, %h, %q_idx, %kv_idx, %tN, %cN or a number"
+            f"bad region operand {text!r}; expected %score, %b, %h, %q_idx, %kv_idx, %q_len, %kv_len, %tN, %cN "
+            "or a number"
         ) from None
 
 

@@ -8,7 +8,7 @@ a half-used one (:func:`_narrow_attention_bwd`). The lowering is ``rlx/codegen/l
 
 from __future__ import annotations
 
-import math
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,6 +23,7 @@ from rlx.ops._common import F32, op_kind
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Node, Value
+    from rlx.ir.region import Region
 
 
 @dataclass(frozen=True)
@@ -186,15 +187,18 @@ def attention_forward(
     mask_tensor: np.ndarray | None = None,
     config: RuntimeConfig | None = None,
 ) -> np.ndarray:
-    """``out = softmax(mask(Q K^T / sqrt(D))) V`` in float64 (a new array in ``layout``)."""
+    """``out = softmax(mask(Q K^T / sqrt(D))) V`` in float64 (a new array in ``layout``).
+
+    The mask runs as the mods it stands for (:func:`mask_regions`), through programmable
+    attention's reference: one definition of what attention computes.
+    """
+    from rlx.ops.flex_attention import FlexAttentionAttrs, flex_attention_forward
+
     config = resolve_config(config)
     _check_shapes("attention_forward", q, k, v, None, mask, layout, mask_tensor)
-    with np.errstate(all="ignore"):  # NaN/Inf in the inputs propagate by design; no warnings
-        qh, kh, vh = (to_heads(x, layout) for x in (q, k, v))
-        group = qh.shape[1] // kh.shape[1]
-        kh, vh = np.repeat(kh, group, axis=1), np.repeat(vh, group, axis=1)  # GQA: each kv head serves a group
-        probs, _ = _probabilities(qh, kh, mask, mask_tensor, config)
-        return from_heads(probs @ vh, layout)
+    score_mod, mask_mod, captured = _as_mods(mask, mask_tensor, config)
+    out, _ = flex_attention_forward(q, k, v, captured, FlexAttentionAttrs(score_mod, mask_mod, None, layout))
+    return out
 
 
 def attention_backward(
@@ -211,38 +215,59 @@ def attention_backward(
 ) -> tuple[np.ndarray, ...]:
     """The gradients selected by ``wrt``, in Q, K, V order, in float64 (new arrays in ``layout``).
 
-    ``dS`` is zero wherever the mask replaced a score: those scores are constants, so no
-    gradient may reach Q or K through them (even though a fully masked row has a uniform P).
+    ``dS`` is zero wherever the mask replaced a score: those scores are constants (the mask's
+    score_mod ``where(hidden, neg, score)`` has derivative 0 there), so no gradient reaches Q or
+    K through them, even though a fully masked row has a uniform P.
     """
+    from rlx.ops.flex_attention import (
+        FlexAttentionAttrs,
+        FlexAttentionBwdAttrs,
+        flex_attention_backward,
+        flex_attention_forward,
+    )
+
     config = resolve_config(config)
     _check_shapes("attention_backward", q, k, v, dy, mask, layout, mask_tensor)
-    with np.errstate(all="ignore"):
-        qh, kh, vh, dyh = (to_heads(x, layout) for x in (q, k, v, dy))
-        kv_heads = kh.shape[1]
-        group = qh.shape[1] // kv_heads
-        kh, vh = np.repeat(kh, group, axis=1), np.repeat(vh, group, axis=1)
+    score_mod, mask_mod, captured = _as_mods(mask, mask_tensor, config)
+    out, _ = flex_attention_forward(q, k, v, captured, FlexAttentionAttrs(score_mod, mask_mod, None, layout))
+    attrs = FlexAttentionBwdAttrs(wrt, score_mod=score_mod, mask_mod=mask_mod, layout=layout)
+    shapes = [TensorType(np.shape(t), F32) for t in captured]
+    return flex_attention_backward(q, k, v, out, dy, None, None, captured, attrs, shapes)
 
-        def group_sum(x: np.ndarray) -> np.ndarray:  # dK, dV of a kv head: the sum over its query heads
-            return x.reshape(x.shape[0], kv_heads, group, *x.shape[2:]).sum(axis=2)
 
-        probs, replaced = _probabilities(qh, kh, mask, mask_tensor, config)
-        grads: dict[Wrt, np.ndarray] = {}
-        if wrt & Wrt.VALUE:
-            grads[Wrt.VALUE] = group_sum(_transpose(probs) @ dyh)
-        if wrt & (Wrt.QUERY | Wrt.KEY):
-            dprobs = dyh @ _transpose(vh)
-            dscores = probs * (dprobs - np.sum(probs * dprobs, axis=-1, keepdims=True)) / math.sqrt(qh.shape[-1])
-            if replaced is not None:
-                dscores = np.where(replaced, 0.0, dscores)
-            grads[Wrt.QUERY] = dscores @ kh
-            grads[Wrt.KEY] = group_sum(_transpose(dscores) @ qh)
-        return tuple(from_heads(grads[flag], layout) for flag in wrt.members)
+def _as_mods(
+    mask: MaskKind, mask_tensor: np.ndarray | None, config: RuntimeConfig
+) -> tuple[Region | None, Region | None, list[np.ndarray]]:
+    """The mask's traced regions and the arrays they read."""
+    captured = [mask_tensor] if mask_tensor is not None and mask.needs_tensor else []
+    mask_type = TensorType(tuple(np.shape(captured[0])), F32) if captured else None
+    score_mod, mask_mod = mask_regions(mask, mask_type, config.attn_mask_neg_inf, config.mask_binary_threshold)
+    return score_mod, mask_mod, captured
+
+
+@functools.lru_cache(maxsize=256)
+def mask_regions(
+    mask: MaskKind, mask_type: TensorType | None, neg: float, threshold: float
+) -> tuple[Region | None, Region | None]:
+    """``(score_mod, mask_mod)`` regions of a MaskKind (:func:`rlx.mods.from_mask_kind`), whose
+    one captured tensor, if any, is the node's ``mask_input`` of type ``mask_type``."""
+    from rlx.ir.graph import Graph
+    from rlx.mods import from_mask_kind, trace
+
+    graph = Graph("mask")
+    tensor = graph.input("mask_input", mask_type.shape, mask_type.dtype) if mask_type is not None else None
+    score_mod, mask_mod = from_mask_kind(mask, tensor, neg=neg, threshold=threshold)
+    captured: list[Value] = []
+    score = trace(graph, score_mod, "score_mod", captured) if score_mod is not None else None
+    masked = trace(graph, mask_mod, "mask_mod", captured) if mask_mod is not None else None
+    return score, masked
 
 
 def masked_positions(
     mask: MaskKind, mask_tensor: np.ndarray | None, seq_q: int, seq_k: int, threshold: float
 ) -> np.ndarray | None:
-    """Where the mask REPLACES scores by ``neg``, broadcastable to ``[B, H, Sq, Sk]``.
+    """Where the mask REPLACES scores by ``neg``, broadcastable to ``[B, H, Sq, Sk]``: SPEC 1's
+    formula written out, independent of the mods (tests check the two against each other).
 
     ``None`` when nothing is replaced (NONE, and BIAS, which adds instead of replacing).
     """
@@ -269,19 +294,6 @@ def safe_softmax(scores: np.ndarray) -> np.ndarray:
     return exps / np.where(total == 0.0, 1.0, total)  # total is 0 only for all -inf rows
 
 
-def _probabilities(
-    qh: np.ndarray, kh: np.ndarray, mask: MaskKind, mask_tensor: np.ndarray | None, config: RuntimeConfig
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """Softmax probabilities ``[B, H, Sq, Sk]`` and the positions whose scores the mask replaced."""
-    scores = (qh @ _transpose(kh)) / math.sqrt(qh.shape[-1])
-    if mask == MaskKind.BIAS:
-        scores = scores + np.asarray(mask_tensor, dtype=np.float64)
-    replaced = masked_positions(mask, mask_tensor, qh.shape[-2], kh.shape[-2], config.mask_binary_threshold)
-    if replaced is not None:
-        scores = np.where(replaced, config.attn_mask_neg_inf, scores)  # assignment, not addition
-    return safe_softmax(scores), replaced
-
-
 def to_heads(x: np.ndarray, layout: Layout) -> np.ndarray:
     """float64 view in ``[B, H, S, D]`` so that each head is a trailing ``[S, D]`` matrix."""
     x = np.asarray(x, dtype=np.float64)
@@ -291,10 +303,6 @@ def to_heads(x: np.ndarray, layout: Layout) -> np.ndarray:
 def from_heads(x: np.ndarray, layout: Layout) -> np.ndarray:
     """Inverse of :func:`to_heads` (the BSHD swap is its own inverse), as a new dense array."""
     return np.ascontiguousarray(x if layout is Layout.BHSD else x.transpose(0, 2, 1, 3))
-
-
-def _transpose(x: np.ndarray) -> np.ndarray:
-    return x.swapaxes(-1, -2)
 
 
 def _check_shapes(

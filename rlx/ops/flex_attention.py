@@ -16,6 +16,7 @@ fixed order: deterministic whatever the thread count.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -55,6 +56,9 @@ class FlexAttentionBwdAttrs:
     mask_mod: Region | None = None
     scale: float | None = None
     layout: Layout = Layout.BSHD
+    # Recompute the row statistics from the scores (operands q, k, v, dy only), as the fixed-mask
+    # backward does: exact where exp(s - lse) is not (rows of huge scores, a MaskKind's finite neg).
+    recompute: bool = False
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,8 @@ def _check_index_ranges(what: str, label: str, region: Region, dims: FlexDims, c
         "h": (np.float64(0), np.float64(dims.heads - 1)),
         "q_idx": (np.float64(0), np.float64(int(dims.seq_q) - 1)),
         "kv_idx": (np.float64(0), np.float64(int(dims.seq_k) - 1)),
+        "q_len": (np.float64(dims.seq_q), np.float64(dims.seq_q)),
+        "kv_len": (np.float64(dims.seq_k), np.float64(dims.seq_k)),
     }
 
     def read_bounds(step: int, tensor: int, index: list[Interval]) -> Interval:
@@ -200,25 +206,35 @@ def _check_scale(what: str, scale: object) -> None:
         raise RlxValueError(f"{what}: scale must be a finite float or None, got {scale!r}")
 
 
+def bwd_slots(attrs: FlexAttentionBwdAttrs) -> tuple[str, ...]:
+    """The operands before the captured tensors: q, k, v, out, dy, lse and (lse_grad) dlse, or
+    with ``recompute`` just q, k, v and dy."""
+    if attrs.recompute:
+        return ("q", "k", "v", "dy")
+    return ("q", "k", "v", "out", "dy", "lse") + (("dlse",) if attrs.lse_grad else ())
+
+
 def bwd_operands(attrs: FlexAttentionBwdAttrs) -> int:
-    """Operands before the captured tensors: q, k, v, out, dy, lse and (lse_grad) dlse."""
-    return 7 if attrs.lse_grad else 6
+    """How many operands come before the captured tensors (:func:`bwd_slots`)."""
+    return len(bwd_slots(attrs))
 
 
 def _flex_bwd_infer(what: str, inputs: Sequence[TensorType], attrs: FlexAttentionBwdAttrs) -> tuple[TensorType, ...]:
-    fixed = bwd_operands(attrs)
-    if len(inputs) < fixed:
-        raise RlxValueError(f"{what}: flex_attention_bwd takes q, k, v, out, dy, lse, [dlse] and the captured tensors")
-    q, k, v, out, dy, lse = inputs[:6]
+    slots = bwd_slots(attrs)
+    if attrs.recompute and attrs.lse_grad:
+        raise RlxValueError(f"{what}: a backward that recomputes the row statistics takes no dlse (lse_grad)")
+    if len(inputs) < len(slots):
+        raise RlxValueError(f"{what}: flex_attention_bwd takes {', '.join(slots)} and the captured tensors")
+    named = dict(zip(slots, inputs, strict=False))
+    q, k, v = named["q"], named["k"], named["v"]
     dims = flex_dims(what, q, k, v, attrs.layout)
-    captured = inputs[fixed:]
+    captured = inputs[len(slots) :]
     check_regions(what, attrs.score_mod, attrs.mask_mod, dims, captured)
     _check_scale(what, attrs.scale)
     want_out = TensorType(attrs.layout.join(dims.batch, dims.seq_q, dims.heads, dims.value_dim), F32)
     want_lse = TensorType((dims.batch, dims.heads, dims.seq_q), F32)
-    for label, ty, want in (("out", out, want_out), ("dy", dy, want_out), ("lse", lse, want_lse)) + (
-        (("dlse", inputs[6], want_lse),) if attrs.lse_grad else ()
-    ):
+    wants = {"out": want_out, "dy": want_out, "lse": want_lse, "dlse": want_lse}
+    for label, ty, want in ((label, named[label], wants[label]) for label in slots[3:]):
         if ty != want:
             raise RlxValueError(f"{what}: {label} must be {want}, got {ty}")
     if not attrs.wrt and not attrs.tensor_grads:
@@ -245,6 +261,8 @@ def _symbols(dims: FlexDims, scores: np.ndarray | None) -> dict[str, np.ndarray]
         "h": np.arange(dims.heads).reshape(1, -1, 1, 1),
         "q_idx": np.arange(dims.seq_q).reshape(1, 1, -1, 1),
         "kv_idx": np.arange(dims.seq_k).reshape(1, 1, 1, -1),
+        "q_len": np.asarray(dims.seq_q),
+        "kv_len": np.asarray(dims.seq_k),
     }
     if scores is not None:
         grid["score"] = scores
@@ -265,6 +283,19 @@ def _visible(mask_mod: Region | None, dims: FlexDims, tensors: Sequence[np.ndarr
     )
 
 
+def _softmax_and_lse(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row softmax of ``s`` (``-inf`` hides) and its log-sum-exp; an all-hidden row gives 0 and -inf."""
+    m = np.max(s, axis=-1, keepdims=True)
+    m = np.where(np.isneginf(m), 0.0, m)
+    e = np.exp(s - m)
+    total = np.sum(e, axis=-1, keepdims=True)
+    return e / np.where(total == 0.0, 1.0, total), (np.log(total) + m)[..., 0]
+
+
+def _softmax(s: np.ndarray) -> np.ndarray:
+    return _softmax_and_lse(s)[0]
+
+
 def flex_attention_forward(
     q: np.ndarray,
     k: np.ndarray,
@@ -281,12 +312,7 @@ def flex_attention_forward(
         if attrs.score_mod is not None:
             s = np.broadcast_to(attrs.score_mod.evaluate(_symbols(dims, s), captured), s.shape).astype(np.float64)
         s = np.where(_visible(attrs.mask_mod, dims, captured), s, -np.inf)
-        m = np.max(s, axis=-1, keepdims=True)
-        m = np.where(np.isneginf(m), 0.0, m)
-        e = np.exp(s - m)
-        total = np.sum(e, axis=-1, keepdims=True)
-        p = e / np.where(total == 0.0, 1.0, total)
-        lse = (np.log(total) + m)[..., 0]
+        p, lse = _softmax_and_lse(s)
         out = p @ np.repeat(vh, dims.group, axis=1)
     return from_heads(out, attrs.layout), lse
 
@@ -295,17 +321,23 @@ def flex_attention_backward(
     q: np.ndarray,
     k: np.ndarray,
     v: np.ndarray,
-    out: np.ndarray,
+    out: np.ndarray | None,
     dy: np.ndarray,
-    lse: np.ndarray,
+    lse: np.ndarray | None,
     dlse: np.ndarray | None,
     captured: Sequence[np.ndarray],
     attrs: FlexAttentionBwdAttrs,
     shapes: Sequence[TensorType],
 ) -> tuple[np.ndarray, ...]:
-    """The gradients ``attrs`` asks for, from ``out`` and ``lse`` as the compiled backward does."""
+    """The gradients ``attrs`` asks for, from ``out`` and ``lse`` as the compiled backward does.
+
+    ``out=None, lse=None`` recompute the softmax from the scores instead (and ``D`` as
+    ``rowsum(P * dP)``): exact even where every score of
+    a row is huge (a fully masked row at a finite ``neg`` of -1e9), where ``exp(s - lse)`` would
+    lose the row's few significant bits to cancellation.
+    """
     layout = attrs.layout
-    qh, kh, vh, oh, dyh = (to_heads(x, layout) for x in (q, k, v, out, dy))
+    qh, kh, vh, dyh = (to_heads(x, layout) for x in (q, k, v, dy))
     dims = FlexDims(qh.shape[0], qh.shape[1], kh.shape[1], qh.shape[2], kh.shape[2], qh.shape[3], vh.shape[3])
     check_index_ranges_per_call("flex_attention_bwd", attrs.score_mod, attrs.mask_mod, dims, _types(captured))
     scale = 1.0 / math.sqrt(dims.head_dim) if attrs.scale is None else attrs.scale
@@ -328,16 +360,23 @@ def flex_attention_backward(
 
             s, g_score, *read_grads = (output(ref) for ref in gradient.outputs)
         visible = _visible(attrs.mask_mod, dims, captured)
-        lse64 = np.asarray(lse, dtype=np.float64)[..., None]
-        p = np.where(visible & ~np.isneginf(lse64), np.exp(s - lse64), 0.0)
-        delta = np.sum(dyh * oh, axis=-1, keepdims=True)
-        if dlse is not None:
-            delta = delta - np.asarray(dlse, dtype=np.float64)[..., None]
+        if lse is None:  # the row statistics recomputed from the scores, as the fixed-mask kernels do
+            p = _softmax(np.where(visible, s, -np.inf))
+        else:
+            lse64 = np.asarray(lse, dtype=np.float64)[..., None]
+            p = np.where(visible & ~np.isneginf(lse64), np.exp(s - lse64), 0.0)
         vg = np.repeat(vh, dims.group, axis=1)
         dp = dyh @ vg.swapaxes(-1, -2)
+        if out is None:  # recomputed statistics: D = rowsum(P * dP), which equals rowsum(dY * out)
+            delta = np.sum(np.where(p == 0.0, 0.0, p * dp), axis=-1, keepdims=True)
+        else:
+            delta = np.sum(dyh * to_heads(out, layout), axis=-1, keepdims=True)
+        if dlse is not None:
+            delta = delta - np.asarray(dlse, dtype=np.float64)[..., None]
         ds = np.where(visible, p * (dp - delta), 0.0)
-        ds_raw = ds * g_score
-        ds_raw = np.where(visible, ds_raw, 0.0)
+        # A score the mod does not depend on (d s / d score = 0: a `where` that replaces it, as a
+        # MaskKind's finite neg does) passes no gradient, not even a NaN from elsewhere in its row.
+        ds_raw = np.where(visible & (g_score != 0.0), ds * g_score, 0.0)
 
         def group_sum(x: np.ndarray) -> np.ndarray:
             return x.reshape(dims.batch, dims.kv_heads, dims.group, *x.shape[2:]).sum(axis=2)
@@ -404,14 +443,15 @@ def _flex_reference(args: Sequence[np.ndarray], attrs: FlexAttentionAttrs, ctx: 
 def _flex_bwd_reference(
     args: Sequence[np.ndarray], attrs: FlexAttentionBwdAttrs, ctx: EvalContext
 ) -> tuple[np.ndarray, ...]:
-    fixed = bwd_operands(attrs)
-    captured = list(args[fixed:])
+    slots = bwd_slots(attrs)
+    captured = list(args[len(slots) :])
     shapes = [
         TensorType(np.shape(a), np.asarray(a).dtype if np.asarray(a).dtype.kind != "f" else F32) for a in captured
     ]
-    dlse = args[6] if attrs.lse_grad else None
-    q, k, v, out, dy, lse = args[:6]
-    return flex_attention_backward(q, k, v, out, dy, lse, dlse, captured, attrs, shapes)
+    named: dict[str, np.ndarray | None] = {"out": None, "lse": None, "dlse": None}
+    named.update(zip(slots, args, strict=False))
+    q, k, v, dy = (np.asarray(named[slot]) for slot in ("q", "k", "v", "dy"))
+    return flex_attention_backward(q, k, v, named["out"], dy, named["lse"], named["dlse"], captured, attrs, shapes)
 
 
 # ----------------------------------------------------------------------------- gradient rule
@@ -462,9 +502,7 @@ def _narrow_flex_bwd(graph: Graph, node: Node, used: list[Value]) -> None:
             wrt |= flags[value.index]
         else:
             tensor_used = True
-    narrow_attrs = FlexAttentionBwdAttrs(
-        wrt, tensor_used, attrs.lse_grad, attrs.score_mod, attrs.mask_mod, attrs.scale, attrs.layout
-    )
+    narrow_attrs = dataclasses.replace(attrs, wrt=wrt, tensor_grads=tensor_used)
     narrow = graph.add_node(op_kind("flex_attention_bwd"), node.inputs, narrow_attrs)
     new_flags = wrt.members
     for value in used:
@@ -477,10 +515,6 @@ def _narrow_flex_bwd(graph: Graph, node: Node, used: list[Value]) -> None:
 
 
 # ----------------------------------------------------------------------------- builder
-
-
-def _is_rank4(*values: object) -> bool:
-    return all(len(getattr(value, "shape", ())) == 4 for value in values)
 
 
 def flex_attention(
@@ -516,10 +550,7 @@ def flex_attention(
         if mod is None or isinstance(mod, Region):
             regions.append(mod)
         else:
-            sizes = None
-            if _is_rank4(q, k) and q.type.is_static and k.type.is_static:
-                sizes = (int(layout.split(q.static_shape)[1]), int(layout.split(k.static_shape)[1]))
-            regions.append(trace(graph, mod, kind, tensors, sizes))
+            regions.append(trace(graph, mod, kind, tensors))
     attrs = FlexAttentionAttrs(regions[0], regions[1], scale, layout)
     out, lse = graph.add_node(op_kind("flex_attention"), (q, k, v, *tensors), attrs).outputs
     return (out, lse) if return_lse else out

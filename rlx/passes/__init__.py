@@ -13,6 +13,7 @@ from rlx.passes.decompose import decompose
 from rlx.passes.fuse_attention_bwd import fuse_attention_bwd
 from rlx.passes.fuse_elementwise import fuse_elementwise
 from rlx.passes.manager import resolve, run
+from rlx.passes.masks_as_mods import masks_as_mods
 
 DEFAULT_PIPELINE: tuple[str, ...] = ("cse", "fuse-attention-bwd", "decompose", "cse", "fuse-elementwise", "dce")
 """What ``rlx.compile`` runs when ``passes`` is None: dedupe, fuse attention siblings, rebuild
@@ -29,6 +30,7 @@ __all__ = [
     "decompose",
     "fuse_attention_bwd",
     "fuse_elementwise",
+    "masks_as_mods",
     "register",
     "resolve",
     "run",

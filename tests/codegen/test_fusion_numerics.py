@@ -146,3 +146,22 @@ def test_causal_512_fused_unfused_reference(rng: np.random.Generator) -> None:
 def test_causal_4096_fused_unfused_reference(rng: np.random.Generator) -> None:
     """(1, 1, 4096, 64) causal: long-sequence accumulation in dK/dV stays at float32 accuracy."""
     _long_causal(1, 1, 4096, 64, rng)
+
+
+def test_max_gradient_sees_the_same_bits_as_the_max() -> None:
+    """``x == max(x)`` picks the max's argument only if both sides read the same bits of x.
+
+    Found by the graph fuzzer: a softmax recomputed inline in two kernels rounded differently
+    (its sum is a reduction inside the loop nest), the equality missed, and the gradient of
+    ``max(softmax(silu(x)), axis=0)`` went to the wrong entry with the wrong sign.
+    """
+    g = Graph("max_grad")
+    x = g.input("x", (2, 2))
+    weights = g.constant(np.array([0.27392337, -0.46042657], np.float32))
+    loss = g.sum(g.max(g.softmax(g.silu(x), axis=0), axis=0) * weights)
+    (dx,) = rlx.grad(g, loss, [x])
+    g.output(loss=loss, dx=dx)
+    arrays = {"x": np.random.default_rng(1).uniform(-1.5, 1.5, (2, 2)).astype(np.float32)}
+    got = rlx.compile(g)(**arrays)
+    want = rlx.reference.run(g, **arrays)
+    np.testing.assert_allclose(got["dx"], want["dx"], rtol=1e-5, atol=1e-6)
