@@ -33,6 +33,7 @@ from rlx.codegen.sizes import load_symbols
 from rlx.config import RuntimeConfig
 from rlx.ir.graph import Graph, Node, Value
 from rlx.ir.ops import AttentionAttrs, AttentionBwdAttrs, OpKind, attention_dims
+from rlx.ir.region import Region
 from rlx.ir.types import Wrt, resolve_dims
 from rlx.ops.flex_attention import FlexAttentionBwdAttrs, bwd_operands, flex_dims, tensor_grad_layout
 
@@ -142,7 +143,9 @@ def flex_spec(node: Node, options: CodegenOptions, symbols: tuple[str, ...] = ()
             block_q = max(1, min(options.block_q, dims.seq_q))
     else:  # one kernel for every length: tiles of a fixed size, the last ones cut at the length
         block_q, block_k = options.block_q or SYMBOLIC_FLEX_BLOCK_Q, 64
-    mask = attrs.mask_mod
+    # The tile map comes from the mask_mod and from a score_mod that replaces the scores outside
+    # some index condition by a constant (a MaskKind with a finite neg): hidden tiles skipped.
+    mask, masked_value = map_mask(attrs.score_mod, attrs.mask_mod)
     deps = set().union(*mask.dependences()) if mask is not None else set()
     grid = TileGrid(dims.batch, dims.heads, dims.seq_q, dims.seq_k, block_q, block_k, "b" in deps, "h" in deps)
     if mask is None:
@@ -161,7 +164,7 @@ def flex_spec(node: Node, options: CodegenOptions, symbols: tuple[str, ...] = ()
         attrs.layout,
         scale,
         attrs.score_mod,
-        mask,
+        attrs.mask_mod,
         captured,
         grads,
         tensor_grads,
@@ -170,7 +173,24 @@ def flex_spec(node: Node, options: CodegenOptions, symbols: tuple[str, ...] = ()
         kind,
         symbols,
         recompute,
+        mask,
+        masked_value,
     )
+
+
+def map_mask(score_mod: Region | None, mask_mod: Region | None) -> tuple[Region | None, float]:
+    """The region a node's tile map is built from, and the score its hidden tiles stand for.
+
+    ``mask_mod`` hides scores as ``-inf``. A score_mod ``where(cond, value, x)`` with ``cond`` of
+    indices (and tensors) replaces scores by ``value``: its tiles outside ``cond`` are skipped
+    too, which is exact while ``exp(value - rowmax)`` vanishes; the kernels check that per row
+    and recompute the strip over every key when it does not (``masked_value`` finite).
+    """
+    replaced = score_mod.replaced_where() if score_mod is not None else None
+    if replaced is None:
+        return mask_mod, -math.inf
+    visible, value = replaced
+    return (visible if mask_mod is None else mask_mod.conjoin(visible)), value
 
 
 def block_map_arrays(
@@ -191,7 +211,7 @@ def _tile_states(
     """Tile states on ``grid`` (default: the spec's; a grid resolved to one call's lengths)."""
     from rlx.codegen.block_map import tile_states
 
-    assert spec.mask_mod is not None
+    assert spec.map_mask is not None
     tensors: list[np.ndarray | None] = []
     for value in captured:
         source = value.node
@@ -201,7 +221,7 @@ def _tile_states(
             tensors.append(np.asarray(bound[source.attrs.name]))
         else:
             tensors.append(None)
-    return tile_states(spec.mask_mod, spec.grid if grid is None else grid, tensors)
+    return tile_states(spec.map_mask, spec.grid if grid is None else grid, tensors)
 
 
 def scratch_bytes(node: Node, config: RuntimeConfig, options: CodegenOptions) -> int:
@@ -511,9 +531,9 @@ def _call_map(
 ) -> np.ndarray:
     """The tile states at one call's lengths: from its tensors when the mask reads any, else
     (a mask of indices alone) cached by the lengths."""
-    assert spec.mask_mod is not None
+    assert spec.map_mask is not None
     seq_q, seq_k = resolve_dims((spec.dims.seq_q, spec.dims.seq_k), sizes)
-    if not spec.mask_mod.reads():
+    if not spec.map_mask.reads():
         return _map_for_lengths(spec, seq_q, seq_k)
     return _tile_states(spec, captured, bound, replace(spec.grid, seq_q=seq_q, seq_k=seq_k))
 

@@ -81,6 +81,23 @@ class FlexKernelSpec:
     map_kind: str  # "none" (no mask: all FULL), "all" (every tile PARTIAL), "static", "dynamic", "call"
     symbols: tuple[str, ...] = ()  # the graph's symbolic dimensions, in the order of the sizes table
     recompute: bool = False  # backward: row statistics from the scores, not from out and lse operands
+    map_mask: Region | None = None  # what the tile map is built from (lower.map_mask)
+    masked_value: float = -math.inf  # the score hidden tiles stand for; finite: checked per row
+
+    @property
+    def identity_on_full_tiles(self) -> bool:
+        """The score_mod is ``where(cond, value, score)``: on a tile the map shows wholly visible
+        (cond holds throughout) it is the identity, with derivative 1, and is not evaluated."""
+        replaced = self.score_mod.replaced_where() if self.score_mod is not None else None
+        return (
+            replaced is not None and self.score_mod is not None and ("s", "score") in self.score_mod.steps[-1].args[1:]
+        )
+
+    @property
+    def retries(self) -> bool:
+        """Whether a strip may need recomputing over every key: its skipped tiles stand for a
+        finite score, negligible only while ``exp(masked_value - rowmax)`` vanishes."""
+        return math.isfinite(self.masked_value) and self.map_kind not in ("none", "all")
 
     @property
     def is_static(self) -> bool:
@@ -139,6 +156,8 @@ class FlexLowering:
         self.score_kinds = score.check([(t.shape, _kind(t)) for t in spec.captured]) if score is not None else []
         mask = spec.mask_mod
         self.mask_kinds = mask.check([(t.shape, _kind(t)) for t in spec.captured]) if mask is not None else []
+        self.dense: ir.Value | None = None  # in a strip's attempts: whether this one covers every key
+        self.needs: ir.Value | None = None  # i1 slot: the first attempt found a row that needs every key
         self.gradient: GradientRegion | None = None
         self.gradient_kinds: list[str] = []
         if score is not None and spec.needs_dp:
@@ -247,7 +266,10 @@ class FlexLowering:
             return ir.Constant(I8, FULL)
         if kind == "all":
             return ir.Constant(I8, PARTIAL)
-        return b.load(gep(b, map_row, [tile], I8), typ=I8, name="state")
+        state = b.load(gep(b, map_row, [tile], I8), typ=I8, name="state")
+        if self.dense is not None:  # a strip recomputed over every key: every tile evaluated
+            state = b.select(self.dense, ir.Constant(I8, PARTIAL), state)
+        return state
 
     def _visible_tiles(self, b: ir.IRBuilder, map_row: ir.Value) -> tuple[ir.Value, ir.Value]:
         """First and last non-empty tile of the strip (first > last: none)."""
@@ -263,7 +285,11 @@ class FlexLowering:
             with b.if_then(visible):
                 b.store(smin(b, b.load(first, typ=I64), t), first)
                 b.store(t, last)
-        return b.load(first, typ=I64, name="first"), b.load(last, typ=I64, name="last")
+        first_tile, last_tile = b.load(first, typ=I64, name="first"), b.load(last, typ=I64, name="last")
+        if self.dense is not None:
+            first_tile = b.select(self.dense, i64(0), first_tile)
+            last_tile = b.select(self.dense, b.sub(tiles, i64(1)), last_tile)
+        return first_tile, last_tile
 
     def _for_runs(
         self,
@@ -383,10 +409,11 @@ class FlexLowering:
         mask_hoisted: dict[int, LaneValue],
         with_mask: bool,
     ) -> ir.Value:
-        """``mask ? score_mod(raw) : -inf`` at this lane width."""
+        """``mask ? score_mod(raw) : -inf`` at this lane width (``with_mask`` False: a tile the map
+        shows wholly visible)."""
         spec = self.spec
         value = raw
-        if spec.score_mod is not None:
+        if spec.score_mod is not None and (with_mask or not spec.identity_on_full_tiles):
             symbols = self._element_symbols(b, row_symbols, gj, lanes.width, raw)
             emitter = RegionEmitter(
                 b, spec.score_mod, self.score_kinds, lanes.width, symbols, self.tensors, score_hoisted
@@ -421,7 +448,7 @@ class FlexLowering:
             with empty:
                 on_empty()
             with visible:
-                if self.spec.mask_mod is None:
+                if self.spec.map_mask is None:
                     on_visible(False)
                 else:
                     with b.if_else(b.icmp_unsigned("==", value, ir.Constant(I8, FULL))) as (full, partial):
@@ -490,65 +517,128 @@ class FlexLowering:
         out_head = self._head(b, self.base["out"], batch, head, self.sq, d.heads, d.value_dim)
         lse_row = gep_f32(b, self.base["lse"], b.mul(b.add(b.mul(batch, i64(d.heads)), head), self.sq))
         ldq = self._row_stride(d.heads, d.head_dim)
-        ldv = self._row_stride(d.kv_heads, d.value_dim)
         ldo = self._row_stride(d.heads, d.value_dim)
         with for_range(b, 0, self.strips, "strip") as strip:
             i0, rows = self._strip_bounds(b, strip)
             map_row = self._map_row(b, batch, head, strip)
-            first, last = self._visible_tiles(b, map_row)
             out_strip = gep_f32(b, out_head, b.mul(i0, i64(ldo)))
-            with b.if_else(b.icmp_signed(">", first, last)) as (nothing, something):
-                with nothing:
-                    self._zero_rows(b, out_strip, rows, ldo, d.value_dim)
-                    vector_fill(b, lse_row, i0, b.add(i0, rows), NEG_INF, "lse.none")
-                with something:
-                    ks = b.mul(first, i64(grid.block_k), name="ks")
-                    ke = smin(b, b.mul(b.add(last, i64(1)), i64(grid.block_k)), self.sk)
-                    nk = b.sub(ke, ks, name="nk")
-                    q_strip = gep_f32(b, q_head, b.mul(i0, i64(ldq)))
-                    self._scores(b, map_row, first, last, ks, nk, q_strip, k_head, rows, strip_buf)
-                    with for_range(b, 0, rows, "r") as r:
-                        gi = b.add(i0, r, name="gi")
-                        row = gep_f32(b, strip_buf, b.mul(r, nk), name="row")
-                        m = self._mod_rows(b, row, batch, head, gi, map_row, first, last, ks, nk)
-                        lse = self._exp_row(b, row, nk, m, gep_f32(b, inverse_sums, r))
-                        b.store(lse, gep_f32(b, lse_row, gi))
 
-                    def pv(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value) -> None:
-                        beta = b.select(is_first, f32(0.0), f32(1.0))
-                        p_run = gep_f32(b, strip_buf, b.sub(c0, ks))
-                        v_run = gep_f32(b, v_head, b.mul(c0, i64(ldv)))
-                        emit_sgemm(
-                            b,
-                            self.sgemm,
-                            NO_TRANS,
-                            NO_TRANS,
-                            rows,
-                            d.value_dim,
-                            b.sub(c1, c0),
-                            1.0,
-                            p_run,
-                            nk,
-                            v_run,
-                            ldv,
-                            beta,
-                            out_strip,
-                            ldo,
-                        )
+            def attempt(b: ir.IRBuilder) -> None:
+                first, last = self._visible_tiles(b, map_row)
+                with b.if_else(b.icmp_signed(">", first, last)) as (nothing, something):
+                    with nothing:
+                        self._needs_dense(b, None)
+                        self._zero_rows(b, out_strip, rows, ldo, d.value_dim)
+                        vector_fill(b, lse_row, i0, b.add(i0, rows), NEG_INF, "lse.none")
+                    with something:
+                        ks = b.mul(first, i64(grid.block_k), name="ks")
+                        ke = smin(b, b.mul(b.add(last, i64(1)), i64(grid.block_k)), self.sk)
+                        nk = b.sub(ke, ks, name="nk")
+                        q_strip = gep_f32(b, q_head, b.mul(i0, i64(ldq)))
+                        self._scores(b, map_row, first, last, ks, nk, q_strip, k_head, rows, strip_buf)
+                        with for_range(b, 0, rows, "r") as r:
+                            gi = b.add(i0, r, name="gi")
+                            row = gep_f32(b, strip_buf, b.mul(r, nk), name="row")
+                            m = self._mod_rows(b, row, batch, head, gi, map_row, first, last, ks, nk)
+                            self._needs_dense(b, m)
+                            lse = self._exp_row(b, row, nk, m, gep_f32(b, inverse_sums, r))
+                            b.store(lse, gep_f32(b, lse_row, gi))
+                        with b.if_then(self._exact(b)):
+                            self._weighted_values(b, map_row, first, last, ks, nk, rows, v_head, strip_buf, out_strip)
+                            self._scale_out_rows(b, out_strip, rows, inverse_sums)
 
-                    self._for_runs(b, map_row, first, last, pv)
-                    with for_range(b, 0, rows, "r.scale") as r:
-                        out_row = gep_f32(b, out_strip, b.mul(r, i64(ldo)))
-                        inverse = b.load(gep_f32(b, inverse_sums, r), typ=F32, name="inv.sum")
-                        vector_loop(
-                            b,
-                            i64(0),
-                            i64(d.value_dim),
-                            "scale",
-                            lambda b, j, lanes: lanes.store(
-                                b, b.fmul(lanes.load(b, out_row, j), lanes.splat(b, inverse)), out_row, j
-                            ),
-                        )
+            self._attempts(b, attempt)
+
+    def _weighted_values(
+        self,
+        b: ir.IRBuilder,
+        map_row: ir.Value,
+        first: ir.Value,
+        last: ir.Value,
+        ks: ir.Value,
+        nk: ir.Value,
+        rows: ir.Value,
+        v_head: ir.Value,
+        strip_buf: ir.Value,
+        out_strip: ir.Value,
+    ) -> None:
+        """``out_strip = Σ_run P[:, run] V_run`` (unnormalised P)."""
+        d = self.spec.dims
+        ldv = self._row_stride(d.kv_heads, d.value_dim)
+        ldo = self._row_stride(d.heads, d.value_dim)
+
+        def pv(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value) -> None:
+            beta = b.select(is_first, f32(0.0), f32(1.0))
+            p_run = gep_f32(b, strip_buf, b.sub(c0, ks))
+            v_run = gep_f32(b, v_head, b.mul(c0, i64(ldv)))
+            emit_sgemm(
+                b,
+                self.sgemm,
+                NO_TRANS,
+                NO_TRANS,
+                rows,
+                d.value_dim,
+                b.sub(c1, c0),
+                1.0,
+                p_run,
+                nk,
+                v_run,
+                ldv,
+                beta,
+                out_strip,
+                ldo,
+            )
+
+        self._for_runs(b, map_row, first, last, pv)
+
+    def _scale_out_rows(self, b: ir.IRBuilder, out_strip: ir.Value, rows: ir.Value, inverse_sums: ir.Value) -> None:
+        d = self.spec.dims
+        ldo = self._row_stride(d.heads, d.value_dim)
+        with for_range(b, 0, rows, "r.scale") as r:
+            out_row = gep_f32(b, out_strip, b.mul(r, i64(ldo)))
+            inverse = b.load(gep_f32(b, inverse_sums, r), typ=F32, name="inv.sum")
+
+            def scale(b: ir.IRBuilder, j: ir.Value, lanes: Lanes) -> None:
+                lanes.store(b, b.fmul(lanes.load(b, out_row, j), lanes.splat(b, inverse)), out_row, j)
+
+            vector_loop(b, i64(0), i64(d.value_dim), "scale", scale)
+
+    # ------------------------------------------------------------------ exactness of skipped tiles
+
+    def _attempts(self, b: ir.IRBuilder, attempt: Callable[[ir.IRBuilder], None]) -> None:
+        """Emit one strip's work; with :attr:`FlexKernelSpec.retries`, a second time over every key
+        (``self.dense``) when the first attempt found a row whose skipped tiles are not negligible.
+        The first attempt stops before anything accumulates (only rows it owns are written)."""
+        if not self.spec.retries:
+            attempt(b)
+            return
+        if self.needs is None:
+            self.needs = alloca_entry(b, I1, "needs.dense")
+        b.store(ir.Constant(I1, 0), self.needs)
+        with for_range(b, 0, 2, "attempt") as index:
+            dense = b.icmp_signed("==", index, i64(1), name="dense")
+            with b.if_then(b.or_(b.not_(dense), b.load(self.needs, typ=I1))):
+                self.dense = dense
+                attempt(b)
+                self.dense = None
+
+    def _needs_dense(self, b: ir.IRBuilder, statistic: ir.Value | None) -> None:
+        """Note a row whose statistic (max or lse; None: no visible key) leaves the skipped
+        tiles' ``exp(masked_value - statistic)`` above e^-50 (fixed kernels' SKIP_MARGIN)."""
+        if self.dense is None or self.needs is None:
+            return
+        if statistic is None:
+            needed: ir.Value = ir.Constant(I1, 1)
+        else:
+            needed = b.fcmp_unordered("<", statistic, f32(self.spec.masked_value + 50.0))
+        first_try = b.not_(self.dense)
+        b.store(b.or_(b.load(self.needs, typ=I1), b.and_(needed, first_try)), self.needs)
+
+    def _exact(self, b: ir.IRBuilder) -> ir.Value:
+        """Whether this attempt's result stands (the first one, unless it needs every key)."""
+        if self.dense is None or self.needs is None:
+            return ir.Constant(I1, 1)
+        return b.or_(self.dense, b.not_(b.load(self.needs, typ=I1)))
 
     def _mod_rows(
         self,
@@ -578,7 +668,7 @@ class FlexLowering:
             def visible(with_mask: bool) -> None:
                 def term(b: ir.IRBuilder, j: ir.Value, lanes: Lanes) -> ir.Value:
                     raw = lanes.load(b, row, j)
-                    if spec.score_mod is None and not with_mask:
+                    if not with_mask and (spec.score_mod is None or spec.identity_on_full_tiles):
                         return raw
                     value = self._apply_mods(
                         b, lanes, raw, b.add(ks, j), row_symbols, score_hoisted, mask_hoisted, with_mask
@@ -673,7 +763,6 @@ class FlexLowering:
         with for_range(b, 0, self.strips, "strip") as strip:
             i0, rows = self._strip_bounds(b, strip)
             map_row = self._map_row(b, batch, head, strip)
-            first, last = self._visible_tiles(b, map_row)
             q_strip = gep_f32(b, q_head, b.mul(i0, i64(ldq)))
             dy_strip = gep_f32(b, dy_head, b.mul(i0, i64(ldo)))
             dq_strip = (
@@ -683,154 +772,172 @@ class FlexLowering:
                 if grads & Wrt.QUERY
                 else None
             )
-            with b.if_else(b.icmp_signed(">", first, last)) as (nothing, something):
-                with nothing:
-                    if dq_strip is not None:
-                        self._zero_rows(b, dq_strip, rows, ldq, d.head_dim)
-                with something:
-                    ks = b.mul(first, i64(grid.block_k), name="ks")
-                    ke = smin(b, b.mul(b.add(last, i64(1)), i64(grid.block_k)), self.sk)
-                    nk = b.sub(ke, ks, name="nk")
-                    self._scores(b, map_row, first, last, ks, nk, q_strip, k_head, rows, p_buf)
-                    with for_range(b, 0, rows, "r") as r:
-                        gi = b.add(i0, r, name="gi")
-                        row = gep_f32(b, p_buf, b.mul(r, nk))
-                        raw_row = gep_f32(b, raw_buf, b.mul(r, nk)) if spec.keeps_raw else None
-                        if spec.recompute:
-                            self._softmax_row(b, row, raw_row, batch, head, gi, map_row, first, last, ks, nk)
-                        else:
-                            lse = b.load(gep_f32(b, lse_row, gi), typ=F32, name="lse.i")
-                            self._probability_row(b, row, raw_row, batch, head, gi, lse, map_row, first, last, ks, nk)
 
-                    if grads & Wrt.VALUE:  # dV_run += P_run^T dY_strip
-                        dv_head = self._head(b, self.base["dv"], batch, group, self.sk, d.kv_heads, d.value_dim)
-
-                        def dv_gemm(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value) -> None:
-                            emit_sgemm(
-                                b,
-                                self.sgemm,
-                                TRANS,
-                                NO_TRANS,
-                                b.sub(c1, c0),
-                                d.value_dim,
-                                rows,
-                                1.0,
-                                gep_f32(b, p_buf, b.sub(c0, ks)),
-                                nk,
-                                dy_strip,
-                                ldo,
-                                1.0,
-                                gep_f32(b, dv_head, b.mul(c0, i64(ldv))),
-                                ldv,
-                            )
-
-                        self._for_runs(b, map_row, first, last, dv_gemm)
-                    if spec.needs_dp:
-
-                        def dp_gemm(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value) -> None:
-                            emit_sgemm(
-                                b,
-                                self.sgemm,
-                                NO_TRANS,
-                                TRANS,
-                                rows,
-                                b.sub(c1, c0),
-                                d.value_dim,
-                                1.0,
-                                dy_strip,
-                                ldo,
-                                gep_f32(b, v_head, b.mul(c0, i64(ldv))),
-                                ldv,
-                                0.0,
-                                gep_f32(b, dp_buf, b.sub(c0, ks)),
-                                nk,
-                            )
-
-                        self._for_runs(b, map_row, first, last, dp_gemm)
-                        if not spec.recompute:
-                            out_strip = gep_f32(b, out_head, b.mul(i0, i64(ldo)))
-                        with for_range(b, 0, rows, "r.ds") as r:
-                            gi = b.add(i0, r, name="gi")
-                            offset = b.mul(r, nk)
-                            if spec.recompute:  # D = rowsum(P * dP); hidden keys (P = 0) add nothing
-                                delta = self._row_dot(b, gep_f32(b, p_buf, offset), gep_f32(b, dp_buf, offset), nk)
-                            else:  # D = rowsum(dY * out)
-                                delta = vector_reduce(
-                                    b,
-                                    i64(0),
-                                    i64(d.value_dim),
-                                    "delta",
-                                    "add",
-                                    lambda b, j, lanes: b.fmul(
-                                        lanes.load(b, dy_strip, b.add(b.mul(r, i64(ldo)), j)),
-                                        lanes.load(b, out_strip, b.add(b.mul(r, i64(ldo)), j)),
-                                    ),
-                                )
-                            if dlse_row is not None:
-                                delta = b.fsub(delta, b.load(gep_f32(b, dlse_row, gi), typ=F32))
-                            raw_row = gep_f32(b, raw_buf, offset) if spec.keeps_raw else None
-                            self._ds_row(
-                                b,
-                                gep_f32(b, p_buf, offset),
-                                gep_f32(b, dp_buf, offset),
-                                raw_row,
-                                delta,
-                                batch,
-                                head,
-                                gi,
-                                map_row,
-                                first,
-                                last,
-                                ks,
-                                nk,
-                                partials,
-                            )
+            def attempt(b: ir.IRBuilder) -> None:
+                first, last = self._visible_tiles(b, map_row)
+                with b.if_else(b.icmp_signed(">", first, last)) as (nothing, something):
+                    with nothing:
+                        self._needs_dense(b, None)
                         if dq_strip is not None:
-
-                            def dq_gemm(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value) -> None:
-                                beta = b.select(is_first, f32(0.0), f32(1.0))
-                                emit_sgemm(
-                                    b,
-                                    self.sgemm,
-                                    NO_TRANS,
-                                    NO_TRANS,
-                                    rows,
-                                    d.head_dim,
-                                    b.sub(c1, c0),
-                                    spec.scale,
-                                    gep_f32(b, dp_buf, b.sub(c0, ks)),
-                                    nk,
-                                    gep_f32(b, k_head, b.mul(c0, i64(ldk))),
-                                    ldk,
-                                    beta,
-                                    dq_strip,
-                                    ldq,
+                            self._zero_rows(b, dq_strip, rows, ldq, d.head_dim)
+                    with something:
+                        ks = b.mul(first, i64(grid.block_k), name="ks")
+                        ke = smin(b, b.mul(b.add(last, i64(1)), i64(grid.block_k)), self.sk)
+                        nk = b.sub(ke, ks, name="nk")
+                        self._scores(b, map_row, first, last, ks, nk, q_strip, k_head, rows, p_buf)
+                        with for_range(b, 0, rows, "r") as r:
+                            gi = b.add(i0, r, name="gi")
+                            row = gep_f32(b, p_buf, b.mul(r, nk))
+                            raw_row = gep_f32(b, raw_buf, b.mul(r, nk)) if spec.keeps_raw else None
+                            if spec.recompute:
+                                m = self._softmax_row(b, row, raw_row, batch, head, gi, map_row, first, last, ks, nk)
+                                self._needs_dense(b, m)
+                            else:
+                                lse = b.load(gep_f32(b, lse_row, gi), typ=F32, name="lse.i")
+                                self._needs_dense(b, lse)
+                                self._probability_row(
+                                    b, row, raw_row, batch, head, gi, lse, map_row, first, last, ks, nk
                                 )
+                        with b.if_then(self._exact(b)):
+                            if grads & Wrt.VALUE:  # dV_run += P_run^T dY_strip
+                                dv_head = self._head(b, self.base["dv"], batch, group, self.sk, d.kv_heads, d.value_dim)
 
-                            self._for_runs(b, map_row, first, last, dq_gemm)
-                        if grads & Wrt.KEY:
-                            dk_head = self._head(b, self.base["dk"], batch, group, self.sk, d.kv_heads, d.head_dim)
+                                def dv_gemm(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value) -> None:
+                                    emit_sgemm(
+                                        b,
+                                        self.sgemm,
+                                        TRANS,
+                                        NO_TRANS,
+                                        b.sub(c1, c0),
+                                        d.value_dim,
+                                        rows,
+                                        1.0,
+                                        gep_f32(b, p_buf, b.sub(c0, ks)),
+                                        nk,
+                                        dy_strip,
+                                        ldo,
+                                        1.0,
+                                        gep_f32(b, dv_head, b.mul(c0, i64(ldv))),
+                                        ldv,
+                                    )
 
-                            def dk_gemm(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value) -> None:
-                                emit_sgemm(
-                                    b,
-                                    self.sgemm,
-                                    TRANS,
-                                    NO_TRANS,
-                                    b.sub(c1, c0),
-                                    d.head_dim,
-                                    rows,
-                                    spec.scale,
-                                    gep_f32(b, dp_buf, b.sub(c0, ks)),
-                                    nk,
-                                    q_strip,
-                                    ldq,
-                                    1.0,
-                                    gep_f32(b, dk_head, b.mul(c0, i64(ldk))),
-                                    ldk,
-                                )
+                                self._for_runs(b, map_row, first, last, dv_gemm)
+                            if spec.needs_dp:
 
-                            self._for_runs(b, map_row, first, last, dk_gemm)
+                                def dp_gemm(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value) -> None:
+                                    emit_sgemm(
+                                        b,
+                                        self.sgemm,
+                                        NO_TRANS,
+                                        TRANS,
+                                        rows,
+                                        b.sub(c1, c0),
+                                        d.value_dim,
+                                        1.0,
+                                        dy_strip,
+                                        ldo,
+                                        gep_f32(b, v_head, b.mul(c0, i64(ldv))),
+                                        ldv,
+                                        0.0,
+                                        gep_f32(b, dp_buf, b.sub(c0, ks)),
+                                        nk,
+                                    )
+
+                                self._for_runs(b, map_row, first, last, dp_gemm)
+                                if not spec.recompute:
+                                    out_strip = gep_f32(b, out_head, b.mul(i0, i64(ldo)))
+                                with for_range(b, 0, rows, "r.ds") as r:
+                                    gi = b.add(i0, r, name="gi")
+                                    offset = b.mul(r, nk)
+                                    if spec.recompute:  # D = rowsum(P * dP); hidden keys (P = 0) add nothing
+                                        delta = self._row_dot(
+                                            b, gep_f32(b, p_buf, offset), gep_f32(b, dp_buf, offset), nk
+                                        )
+                                    else:  # D = rowsum(dY * out)
+                                        delta = vector_reduce(
+                                            b,
+                                            i64(0),
+                                            i64(d.value_dim),
+                                            "delta",
+                                            "add",
+                                            lambda b, j, lanes: b.fmul(
+                                                lanes.load(b, dy_strip, b.add(b.mul(r, i64(ldo)), j)),
+                                                lanes.load(b, out_strip, b.add(b.mul(r, i64(ldo)), j)),
+                                            ),
+                                        )
+                                    if dlse_row is not None:
+                                        delta = b.fsub(delta, b.load(gep_f32(b, dlse_row, gi), typ=F32))
+                                    raw_row = gep_f32(b, raw_buf, offset) if spec.keeps_raw else None
+                                    self._ds_row(
+                                        b,
+                                        gep_f32(b, p_buf, offset),
+                                        gep_f32(b, dp_buf, offset),
+                                        raw_row,
+                                        delta,
+                                        batch,
+                                        head,
+                                        gi,
+                                        map_row,
+                                        first,
+                                        last,
+                                        ks,
+                                        nk,
+                                        partials,
+                                    )
+                                if dq_strip is not None:
+
+                                    def dq_gemm(
+                                        b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value
+                                    ) -> None:
+                                        beta = b.select(is_first, f32(0.0), f32(1.0))
+                                        emit_sgemm(
+                                            b,
+                                            self.sgemm,
+                                            NO_TRANS,
+                                            NO_TRANS,
+                                            rows,
+                                            d.head_dim,
+                                            b.sub(c1, c0),
+                                            spec.scale,
+                                            gep_f32(b, dp_buf, b.sub(c0, ks)),
+                                            nk,
+                                            gep_f32(b, k_head, b.mul(c0, i64(ldk))),
+                                            ldk,
+                                            beta,
+                                            dq_strip,
+                                            ldq,
+                                        )
+
+                                    self._for_runs(b, map_row, first, last, dq_gemm)
+                                if grads & Wrt.KEY:
+                                    dk_head = self._head(
+                                        b, self.base["dk"], batch, group, self.sk, d.kv_heads, d.head_dim
+                                    )
+
+                                    def dk_gemm(
+                                        b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value
+                                    ) -> None:
+                                        emit_sgemm(
+                                            b,
+                                            self.sgemm,
+                                            TRANS,
+                                            NO_TRANS,
+                                            b.sub(c1, c0),
+                                            d.head_dim,
+                                            rows,
+                                            spec.scale,
+                                            gep_f32(b, dp_buf, b.sub(c0, ks)),
+                                            nk,
+                                            q_strip,
+                                            ldq,
+                                            1.0,
+                                            gep_f32(b, dk_head, b.mul(c0, i64(ldk))),
+                                            ldk,
+                                        )
+
+                                    self._for_runs(b, map_row, first, last, dk_gemm)
+
+            self._attempts(b, attempt)
 
     def _softmax_row(
         self,
@@ -845,9 +952,10 @@ class FlexLowering:
         last: ir.Value,
         ks: ir.Value,
         nk: ir.Value,
-    ) -> None:
+    ) -> ir.Value:
         """``row = softmax(mods(row))`` in place, its statistics from the row itself (recompute mode);
-        raw scores kept if asked. Hidden keys get 0; a row with none visible is all 0."""
+        raw scores kept if asked. Hidden keys get 0; a row with none visible is all 0. Returns the
+        row max."""
         if raw_row is not None:
             vector_loop(b, i64(0), nk, "raw", lambda b, j, lanes: lanes.store(b, lanes.load(b, row, j), raw_row, j))
         m = self._mod_rows(b, row, batch, head, gi, map_row, first, last, ks, nk)
@@ -861,6 +969,7 @@ class FlexLowering:
             "normalise",
             lambda b, j, lanes: lanes.store(b, b.fmul(lanes.load(b, row, j), lanes.splat(b, factor)), row, j),
         )
+        return m
 
     def _row_dot(self, b: ir.IRBuilder, p_row: ir.Value, dp_row: ir.Value, nk: ir.Value) -> ir.Value:
         """``sum(P * dP)`` over a row; where P is 0 (hidden, or a skipped tile whose dP was never
@@ -948,7 +1057,7 @@ class FlexLowering:
                     p = lanes.load(b, p_row, j)
                     ds = b.fmul(p, b.fsub(lanes.load(b, dp_row, j), lanes.splat(b, delta)))
                     zero = b.fcmp_ordered("==", p, lanes.const(0.0))
-                    if gradient is not None:
+                    if gradient is not None and (with_mask or not self.spec.identity_on_full_tiles):
                         assert raw_row is not None
                         symbols = self._element_symbols(
                             b, row_symbols, b.add(ks, j), lanes.width, lanes.load(b, raw_row, j)

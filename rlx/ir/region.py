@@ -277,6 +277,61 @@ class Region:
         outputs += [adjoint.get(("t", i), zero) for i, _ in self.float_reads(kinds)]
         return GradientRegion(tuple(steps), tuple(outputs))
 
+    # ------------------------------------------------------------------ restructuring
+
+    def cone(self, ref: Ref) -> Region:
+        """A region of the steps that ``ref`` (a step of this one) depends on, ending in it."""
+        if ref[0] != "t":
+            return Region((RegionStep("id", (ref,)),))
+        keep = sorted(self._needed(int(ref[1])))
+        renumber = {old: new for new, old in enumerate(keep)}
+
+        def moved(arg: Ref) -> Ref:
+            return ("t", renumber[int(arg[1])]) if arg[0] == "t" else arg
+
+        return Region(tuple(RegionStep(self.steps[i].op, tuple(moved(a) for a in self.steps[i].args)) for i in keep))
+
+    def _needed(self, index: int) -> set[int]:
+        needed, pending = set(), [index]
+        while pending:
+            step = pending.pop()
+            if step not in needed:
+                needed.add(step)
+                pending.extend(int(arg[1]) for arg in self.steps[step].args if arg[0] == "t")
+        return needed
+
+    def replaced_where(self) -> tuple[Region, float] | None:
+        """``(visible, value)`` when this score_mod is ``where(cond, value, x)`` (or
+        ``where(cond, x, value)``) with ``cond`` not reading the score and ``value`` a number:
+        the mod replaces the scores ``visible`` excludes by a constant. Codegen makes such a
+        mod block-sparse, as a mask_mod is (a MaskKind with a finite ``neg`` is one)."""
+        last = self.steps[-1]
+        if last.op != "where" or last.args[0][0] != "t":
+            return None
+        cond, a, b = last.args
+        if "score" in self.dependences()[int(cond[1])]:
+            return None
+        for literal, hides_when in ((a, True), (b, False)):
+            kind, value = literal
+            if kind == "k" and not isinstance(value, bool):
+                visible = self.cone(cond)
+                if hides_when:
+                    steps = (*visible.steps, RegionStep("logical_not", (("t", len(visible.steps) - 1),)))
+                    visible = Region(steps)
+                return visible, float(value)
+        return None
+
+    def conjoin(self, other: Region) -> Region:
+        """``self & other`` of two bool regions over the same captured tensors."""
+        shift = len(self.steps)
+
+        def moved(arg: Ref) -> Ref:
+            return ("t", int(arg[1]) + shift) if arg[0] == "t" else arg
+
+        steps = list(self.steps) + [RegionStep(s.op, tuple(moved(a) for a in s.args)) for s in other.steps]
+        steps.append(RegionStep("logical_and", (("t", shift - 1), ("t", len(steps) - 1))))
+        return Region(tuple(steps))
+
     def float_reads(self, kinds: list[str]) -> list[tuple[int, int]]:
         """``(step, tensor)`` of the reads that produce floats (the ones with gradients)."""
         return [(i, t) for i, t in self.reads() if kinds[i] == "f"]
