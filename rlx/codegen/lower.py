@@ -137,15 +137,17 @@ def flex_spec(node: Node, options: CodegenOptions, symbols: tuple[str, ...] = ()
     tensor_grads = tuple(tensor_grad_layout(attrs.score_mod, captured, dims)) if backward and attrs.tensor_grads else ()
     needs_dp = backward and (bool(attrs.wrt & (Wrt.QUERY | Wrt.KEY)) or bool(tensor_grads))
     static = isinstance(dims.seq_q, int) and isinstance(dims.seq_k, int) and all(t.is_static for t in captured)
+    # The tile map comes from the mask_mod and from a score_mod that replaces the scores outside
+    # some index condition by a constant (a MaskKind with a finite neg): hidden tiles skipped.
+    mask, masked_value = map_mask(attrs.score_mod, attrs.mask_mod)
     if isinstance(dims.seq_q, int) and isinstance(dims.seq_k, int):
         block_q, block_k = choose_blocks(dims.seq_q, dims.seq_k, needs_dp)
+        if mask is None and attrs.score_mod is None:  # nothing to skip: as tall as the fixed kernels
+            block_q = choose_block_q(dims.seq_q, dims.seq_k, needs_dp, causal_like=False)
         if options.block_q:
             block_q = max(1, min(options.block_q, dims.seq_q))
     else:  # one kernel for every length: tiles of a fixed size, the last ones cut at the length
         block_q, block_k = options.block_q or SYMBOLIC_FLEX_BLOCK_Q, 64
-    # The tile map comes from the mask_mod and from a score_mod that replaces the scores outside
-    # some index condition by a constant (a MaskKind with a finite neg): hidden tiles skipped.
-    mask, masked_value = map_mask(attrs.score_mod, attrs.mask_mod)
     deps = set().union(*mask.dependences()) if mask is not None else set()
     grid = TileGrid(dims.batch, dims.heads, dims.seq_q, dims.seq_k, block_q, block_k, "b" in deps, "h" in deps)
     if mask is None:

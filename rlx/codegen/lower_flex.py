@@ -536,10 +536,11 @@ class FlexLowering:
                         nk = b.sub(ke, ks, name="nk")
                         q_strip = gep_f32(b, q_head, b.mul(i0, i64(ldq)))
                         self._scores(b, map_row, first, last, ks, nk, q_strip, k_head, rows, strip_buf)
+                        mod_first, mod_last = self._mod_tiles(b, map_row, first, last)
                         with for_range(b, 0, rows, "r") as r:
                             gi = b.add(i0, r, name="gi")
                             row = gep_f32(b, strip_buf, b.mul(r, nk), name="row")
-                            m = self._mod_rows(b, row, batch, head, gi, map_row, first, last, ks, nk)
+                            m = self._mod_rows(b, row, batch, head, gi, map_row, mod_first, mod_last, ks, nk)
                             self._needs_dense(b, m)
                             lse = self._exp_row(b, row, nk, m, gep_f32(b, inverse_sums, r))
                             b.store(lse, gep_f32(b, lse_row, gi))
@@ -640,6 +641,28 @@ class FlexLowering:
             return ir.Constant(I1, 1)
         return b.or_(self.dense, b.not_(b.load(self.needs, typ=I1)))
 
+    def _mod_tiles(
+        self, b: ir.IRBuilder, map_row: ir.Value, first: ir.Value, last: ir.Value
+    ) -> tuple[ir.Value, ir.Value]:
+        """The tiles of ``[first, last]`` that :meth:`_mod_rows` must visit, found once per strip:
+        where wholly visible tiles need no mod, only the span from the first to the last tile
+        that is not (a causal strip's diagonal), else all of them."""
+        if not (self.spec.score_mod is None or self.spec.identity_on_full_tiles) or self.spec.map_kind in (
+            "none",
+            "all",
+        ):
+            return first, last
+        low = alloca_entry(b, I64, "mod.first")
+        high = alloca_entry(b, I64, "mod.last")
+        b.store(b.add(last, i64(1)), low)  # no such tile: the empty span [last + 1, first - 1]
+        b.store(b.sub(first, i64(1)), high)
+        with for_range(b, first, b.add(last, i64(1)), "mod.scan") as t:
+            special = b.icmp_unsigned("!=", self._state(b, map_row, t), ir.Constant(I8, FULL))
+            b.store(b.select(special, smin(b, b.load(low, typ=I64), t), b.load(low, typ=I64)), low)
+            b.store(b.select(special, t, b.load(high, typ=I64)), high)
+        mod_first, mod_last = b.load(low, typ=I64, name="mod.first"), b.load(high, typ=I64, name="mod.last")
+        return mod_first, mod_last
+
     def _mod_rows(
         self,
         b: ir.IRBuilder,
@@ -653,36 +676,40 @@ class FlexLowering:
         ks: ir.Value,
         nk: ir.Value,
     ) -> ir.Value:
-        """Apply the mods to one score row in place (``-inf`` where hidden); returns the row max."""
+        """Apply the mods to one score row in place (``-inf`` where hidden); returns the row max.
+
+        Tiles the map shows wholly visible need no mod (no score_mod, or one that is the identity
+        there) and are left as they are, so the max is one loop over the row rather than one per
+        tile: a row crosses up to Sk/64 tiles, and each loop ends in a horizontal reduction.
+        """
         spec = self.spec
         row_symbols = self._symbols(b, batch, head, gi)
         score_hoisted = self._hoisted(b, spec.score_mod, self.score_kinds, row_symbols) if spec.score_mod else {}
         mask_hoisted = self._hoisted(b, spec.mask_mod, self.mask_kinds, row_symbols) if spec.mask_mod else {}
-        best = alloca_entry(b, F32, "row.max")
-        b.store(f32(NEG_INF), best)
+        untouched = spec.score_mod is None or spec.identity_on_full_tiles  # on wholly visible tiles
 
         def on_tile(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, state: int | None, t: ir.Value) -> None:
             def empty() -> None:
                 vector_fill(b, row, c0, c1, NEG_INF, "hidden")
 
             def visible(with_mask: bool) -> None:
-                def term(b: ir.IRBuilder, j: ir.Value, lanes: Lanes) -> ir.Value:
+                if not with_mask and untouched:
+                    return
+
+                def apply(b: ir.IRBuilder, j: ir.Value, lanes: Lanes) -> None:
                     raw = lanes.load(b, row, j)
-                    if not with_mask and (spec.score_mod is None or spec.identity_on_full_tiles):
-                        return raw
                     value = self._apply_mods(
                         b, lanes, raw, b.add(ks, j), row_symbols, score_hoisted, mask_hoisted, with_mask
                     )
                     lanes.store(b, value, row, j)
-                    return value
 
-                tile_max = vector_reduce(b, c0, c1, "tile.max", "max", term)
-                b.store(Lanes(self.module, 1).maximum(b, b.load(best, typ=F32), tile_max), best)
+                vector_loop(b, c0, c1, "mods", apply)
 
             self._by_state(b, state, lambda: self._state(b, map_row, t), empty, visible)
 
-        self._for_tiles(b, map_row, first, last, ks, nk, on_tile)
-        return b.load(best, typ=F32, name="m")
+        if not (self.spec.map_kind == "none" and untouched):
+            self._for_tiles(b, map_row, first, last, ks, nk, on_tile)
+        return vector_reduce(b, i64(0), nk, "row.max", "max", lambda b, j, lanes: lanes.load(b, row, j))
 
     def _exp_row(self, b: ir.IRBuilder, row: ir.Value, nk: ir.Value, m: ir.Value, inverse: ir.Value) -> ir.Value:
         """``row = exp(row - m)`` in place and ``*inverse = 1/sum``; returns ``lse = m + log(sum)``.
@@ -785,12 +812,17 @@ class FlexLowering:
                         ke = smin(b, b.mul(b.add(last, i64(1)), i64(grid.block_k)), self.sk)
                         nk = b.sub(ke, ks, name="nk")
                         self._scores(b, map_row, first, last, ks, nk, q_strip, k_head, rows, p_buf)
+                        mod_first, mod_last = (
+                            self._mod_tiles(b, map_row, first, last) if spec.recompute else (first, last)
+                        )
                         with for_range(b, 0, rows, "r") as r:
                             gi = b.add(i0, r, name="gi")
                             row = gep_f32(b, p_buf, b.mul(r, nk))
                             raw_row = gep_f32(b, raw_buf, b.mul(r, nk)) if spec.keeps_raw else None
                             if spec.recompute:
-                                m = self._softmax_row(b, row, raw_row, batch, head, gi, map_row, first, last, ks, nk)
+                                m = self._softmax_row(
+                                    b, row, raw_row, batch, head, gi, map_row, mod_first, mod_last, ks, nk
+                                )
                                 self._needs_dense(b, m)
                             else:
                                 lse = b.load(gep_f32(b, lse_row, gi), typ=F32, name="lse.i")
