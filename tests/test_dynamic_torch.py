@@ -207,3 +207,20 @@ def test_flex_attention_with_a_learnable_bias_compiles_once_for_every_length() -
     too_long = _tensors([(1, 2, 65, 8)] * 3, seed=70)
     with pytest.raises(ValueError, match="outside"):  # the bias has 64 rows: refused before native code
         rt.flex_attention(*too_long, score_mod=score_mod)
+
+
+def test_flex_mask_that_reads_the_lengths_compiles_once() -> None:
+    """causal_lower_right uses Sq and Sk (region symbols %q_len/%kv_len): still one compile."""
+    import rlx
+
+    before = compile_count()
+    for seq_q, seq_k in ((7, 12), (30, 31), (64, 90)):
+        q, k, v = _tensors([(1, 2, seq_q, 16), (1, 2, seq_k, 16), (1, 2, seq_k, 16)], seq_q)
+        dy = torch.randn(1, 2, seq_q, 16)
+        bool_mask = torch.ones(seq_q, seq_k, dtype=torch.bool).tril(diagonal=seq_k - seq_q)
+        got, got_grads = _forward_backward(rt.flex_attention, [q, k, v], dy, mask_mod=rlx.mods.causal_lower_right)
+        want, want_grads = _forward_backward(F.scaled_dot_product_attention, [q, k, v], dy, attn_mask=bool_mask)
+        _close(got, want)
+        for g, w in zip(got_grads, want_grads, strict=True):
+            _close(g, w)
+    assert compile_count() - before <= 2  # the forward once, its backward once
