@@ -590,6 +590,7 @@ def from_mask_kind(
         neg32, threshold32 = float(np.float32(neg)), float(np.float32(threshold))
     tensor = _captured(mask_input) if mask.needs_tensor else None
     window = mask.window
+    name = str(mask).replace("(", "_").replace(")", "")  # what traced mods are called in messages
 
     def hidden(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         if mask == MaskKind.CUSTOM:
@@ -611,13 +612,13 @@ def from_mask_kind(
         def visible(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
             return ~hidden(b, h, q_idx, kv_idx)
 
-        visible.__name__ = f"{mask}".replace("(", "_").replace(")", "")
+        visible.__name__ = name
         return None, visible
 
     def replaced(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return where(hidden(b, h, q_idx, kv_idx), neg32, score)
 
-    replaced.__name__ = f"{mask}".replace("(", "_").replace(")", "")
+    replaced.__name__ = name
     return replaced, None
 
 

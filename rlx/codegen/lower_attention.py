@@ -375,18 +375,9 @@ class AttentionLowering:
         self, b: ir.IRBuilder, heads: dict[str, ir.Value], i0: ir.Value, rows: ir.Value, inverse: ir.Value
     ) -> None:
         """``out[i0 + r] *= inverse[r]``: the forward's deferred softmax normalisation."""
-        ldo, width = self._ld("out"), self.spec.dims.value_dim
+        ldo = self._ld("out")
         out = gep_f32(b, heads["out"], b.mul(i0, i64(ldo)), name="out.strip")
-        with for_range(b, 0, rows, "scale") as r:
-            row = gep_f32(b, out, b.mul(r, i64(ldo)))
-            factor = b.load(gep_f32(b, inverse, r), typ=F32, name="inv")
-            vector_loop(
-                b,
-                i64(0),
-                i64(width),
-                "scale.row",
-                lambda b, j, lanes: lanes.store(b, b.fmul(lanes.load(b, row, j), lanes.splat(b, factor)), row, j),
-            )
+        scale_rows(b, out, rows, ldo, self.spec.dims.value_dim, inverse)
 
     def _softmax_function(self) -> ir.Function:
         """``{ks, nk} = scores_softmax(q_head, k_head, mask_base, strip, i0, rows)``: GEMM 1, mask and
@@ -697,6 +688,18 @@ def head_offset(
     if layout is Layout.BSHD:  # ((b*S + s)*H + h)*W
         return b.add(b.mul(batch, b.mul(seq, i64(heads * width))), b.mul(head, i64(width)))
     return b.mul(b.add(b.mul(batch, i64(heads)), head), b.mul(seq, i64(width)))  # ((b*H + h)*S + s)*W
+
+
+def scale_rows(b: ir.IRBuilder, base: ir.Value, rows: ir.Value, stride: int, width: int, factors: ir.Value) -> None:
+    """``base[r*stride : r*stride + width] *= factors[r]`` for ``r < rows`` (deferred softmax sums)."""
+    with for_range(b, 0, rows, "scale") as r:
+        row = gep_f32(b, base, b.mul(r, i64(stride)))
+        factor = b.load(gep_f32(b, factors, r), typ=F32, name="inv")
+
+        def scale(b: ir.IRBuilder, j: ir.Value, lanes: Lanes) -> None:
+            lanes.store(b, b.fmul(lanes.load(b, row, j), lanes.splat(b, factor)), row, j)
+
+        vector_loop(b, i64(0), i64(width), "scale.row", scale)
 
 
 def zero_rows(

@@ -20,6 +20,7 @@ and, with a score_mod, the raw scores its derivative needs.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ from rlx.codegen.lower_attention import (
     emit_strip_floats,
     head_offset,
     row_stride,
+    scale_rows,
     zero_rows,
 )
 from rlx.codegen.region_emit import LaneValue, RegionEmitter, Tensor, lane_indices
@@ -84,14 +86,13 @@ class FlexKernelSpec:
     map_mask: Region | None = None  # what the tile map is built from (lower.map_mask)
     masked_value: float = -math.inf  # the score hidden tiles stand for; finite: checked per row
 
-    @property
+    @functools.cached_property
     def identity_on_full_tiles(self) -> bool:
         """The score_mod is ``where(cond, value, score)``: on a tile the map shows wholly visible
-        (cond holds throughout) it is the identity, with derivative 1, and is not evaluated."""
-        replaced = self.score_mod.replaced_where() if self.score_mod is not None else None
-        return (
-            replaced is not None and self.score_mod is not None and ("s", "score") in self.score_mod.steps[-1].args[1:]
-        )
+        (cond holds throughout) it is the identity, with derivative 1, and is not evaluated.
+        Cached: the emitters ask for every tile and lane width they generate."""
+        mod = self.score_mod
+        return mod is not None and mod.replaced_where() is not None and ("s", "score") in mod.steps[-1].args[1:]
 
     @property
     def retries(self) -> bool:
@@ -546,7 +547,7 @@ class FlexLowering:
                             b.store(lse, gep_f32(b, lse_row, gi))
                         with b.if_then(self._exact(b)):
                             self._weighted_values(b, map_row, first, last, ks, nk, rows, v_head, strip_buf, out_strip)
-                            self._scale_out_rows(b, out_strip, rows, inverse_sums)
+                            scale_rows(b, out_strip, rows, ldo, d.value_dim, inverse_sums)
 
             self._attempts(b, attempt)
 
@@ -591,18 +592,6 @@ class FlexLowering:
             )
 
         self._for_runs(b, map_row, first, last, pv)
-
-    def _scale_out_rows(self, b: ir.IRBuilder, out_strip: ir.Value, rows: ir.Value, inverse_sums: ir.Value) -> None:
-        d = self.spec.dims
-        ldo = self._row_stride(d.heads, d.value_dim)
-        with for_range(b, 0, rows, "r.scale") as r:
-            out_row = gep_f32(b, out_strip, b.mul(r, i64(ldo)))
-            inverse = b.load(gep_f32(b, inverse_sums, r), typ=F32, name="inv.sum")
-
-            def scale(b: ir.IRBuilder, j: ir.Value, lanes: Lanes) -> None:
-                lanes.store(b, b.fmul(lanes.load(b, out_row, j), lanes.splat(b, inverse)), out_row, j)
-
-            vector_loop(b, i64(0), i64(d.value_dim), "scale", scale)
 
     # ------------------------------------------------------------------ exactness of skipped tiles
 

@@ -8,8 +8,10 @@ fully masked rows included. The mods carry the mask's ``neg`` and threshold, whi
 ``RuntimeConfig``; that is why this is a function of (graph, config) and not a named pass, and why
 ``rlx.compile`` runs it (``CodegenOptions(masks_as_mods=True)``) with the config it compiles for.
 
-The default pipeline keeps the fixed-mask kernels: for a finite ``neg`` the mask is a score_mod
-(``where(hidden, neg, score)``) without block sparsity, so causal masks would do twice the work.
+The default pipeline keeps the fixed-mask kernels because they are still a few percent faster
+(``benchmarks/masks_as_mods.py``). Block sparsity is not what is lost: for a finite ``neg`` the
+mask is the score_mod ``where(hidden, neg, score)``, which codegen skips tiles of as it does a
+mask_mod's (:func:`rlx.codegen.lower.map_mask`).
 """
 
 from __future__ import annotations
@@ -38,12 +40,10 @@ def _rewrite(graph: Graph, node: Node, config: RuntimeConfig) -> None:
     attrs = node.attrs
     backward = node.op is OpKind.ATTENTION_BWD
     fixed = 4 if backward else 3
-    mask_input: tuple[Value, ...] = tuple(node.inputs[fixed:])
-    mask_type = mask_input[0].type if mask_input else None
+    # A mask tensor (CUSTOM, BIAS) is what the regions read, as their captured tensor 0.
+    captured: tuple[Value, ...] = tuple(node.inputs[fixed:])
+    mask_type = captured[0].type if captured else None
     score_mod, mask_mod = mask_regions(attrs.mask, mask_type, config.attn_mask_neg_inf, config.mask_binary_threshold)
-    # The regions read the mask tensor as captured tensor 0 when they read it at all.
-    reads = {tensor for region in (score_mod, mask_mod) if region is not None for _, tensor in region.reads()}
-    captured = mask_input if reads else ()
     if backward:
         bwd = FlexAttentionBwdAttrs(
             attrs.wrt, score_mod=score_mod, mask_mod=mask_mod, layout=attrs.layout, recompute=True
