@@ -292,10 +292,6 @@ def _softmax_and_lse(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return e / np.where(total == 0.0, 1.0, total), (np.log(total) + m)[..., 0]
 
 
-def _softmax(s: np.ndarray) -> np.ndarray:
-    return _softmax_and_lse(s)[0]
-
-
 def flex_attention_forward(
     q: np.ndarray,
     k: np.ndarray,
@@ -332,9 +328,9 @@ def flex_attention_backward(
     """The gradients ``attrs`` asks for, from ``out`` and ``lse`` as the compiled backward does.
 
     ``out=None, lse=None`` recompute the softmax from the scores instead (and ``D`` as
-    ``rowsum(P * dP)``): exact even where every score of
-    a row is huge (a fully masked row at a finite ``neg`` of -1e9), where ``exp(s - lse)`` would
-    lose the row's few significant bits to cancellation.
+    ``rowsum(P * dP)``): exact even where every score of a row is huge (a fully masked row at a
+    finite ``neg`` of -1e9), where ``exp(s - lse)`` would lose the row's few significant bits to
+    cancellation.
     """
     layout = attrs.layout
     qh, kh, vh, dyh = (to_heads(x, layout) for x in (q, k, v, dy))
@@ -361,7 +357,7 @@ def flex_attention_backward(
             s, g_score, *read_grads = (output(ref) for ref in gradient.outputs)
         visible = _visible(attrs.mask_mod, dims, captured)
         if lse is None:  # the row statistics recomputed from the scores, as the fixed-mask kernels do
-            p = _softmax(np.where(visible, s, -np.inf))
+            p, _ = _softmax_and_lse(np.where(visible, s, -np.inf))
         else:
             lse64 = np.asarray(lse, dtype=np.float64)[..., None]
             p = np.where(visible & ~np.isneginf(lse64), np.exp(s - lse64), 0.0)
