@@ -32,6 +32,7 @@ from rlx.codegen.lower import (
     scratch_bytes,
 )
 from rlx.codegen.memory_plan import MemoryPlan, plan_memory, random_topological_order
+from rlx.codegen.output_pool import OutputPool
 from rlx.codegen.schedule import Schedule, build_schedule, inline_values
 from rlx.config import RuntimeConfig, resolve_config, resolve_num_threads
 from rlx.errors import RlxTypeError, RlxValueError
@@ -369,7 +370,7 @@ class Executable:
                 buffers.append(program.call_buffers[name](bound, sizes))
                 continue
             ty = program.output_types[name]
-            buffers.append(np.empty(resolve_dims(ty.shape, sizes), dtype=ty.dtype))
+            buffers.append(self._outputs().take(name, tuple(resolve_dims(ty.shape, sizes)), ty.dtype))
         pointers = (ctypes.c_void_p * max(1, len(buffers)))(*(array.ctypes.data for array in buffers))
         arena = self._arena(arena_bytes)
         if table is not None:
@@ -383,6 +384,13 @@ class Executable:
             name: buffers[slot] if name in plan.owned_outputs else buffers[slot].copy()
             for name, slot in plan.output_slots.items()
         }
+
+    def _outputs(self) -> OutputPool:
+        """This Python thread's output arrays (concurrent calls never share one)."""
+        pool = getattr(self._arenas, "outputs", None)
+        if pool is None:
+            pool = self._arenas.outputs = OutputPool()
+        return pool
 
     def _arena(self, nbytes: int) -> np.ndarray:
         """A per-Python-thread arena, reused across calls: concurrent calls never share one."""

@@ -206,3 +206,111 @@ def test_output_named_like_an_input_never_writes_the_input() -> None:
     expected = rlx.reference.run(g, **arrays)
     np.testing.assert_allclose(got["q"], expected["q"], rtol=1e-4, atol=1e-5)
     assert np.array_equal(got["k"], arrays["k"]) and got["k"] is not arrays["k"]
+
+
+# ---------------------------------------------------------------------------- recycled outputs
+
+
+def _poisoned(result: dict[str, np.ndarray]) -> set[int]:
+    """Fill a released result with NaN (the next call must overwrite every element); its addresses."""
+    for array in result.values():
+        array[...] = np.nan
+    return {array.ctypes.data for array in result.values()}
+
+
+def test_released_outputs_are_recycled_and_fully_rewritten(rng: np.random.Generator) -> None:
+    """A result nobody holds is written into by the next call (no fresh pages), and every element
+    is rewritten: poisoned with NaN, it comes back equal to the reference, forward and backward."""
+    g = multi_graph(CASE)
+    arrays = case_inputs(CASE, rng)
+    exe = rlx.compile(g)
+    want = rlx.reference.run(g, **arrays)
+    result = exe(**arrays)
+    addresses = _poisoned(result)
+    del result
+    again = exe(**arrays)
+    assert {array.ctypes.data for array in again.values()} == addresses
+    assert_outputs_close(again, want)
+    assert_fresh(again, *arrays.values())
+
+
+def test_held_outputs_are_never_written_again(rng: np.random.Generator) -> None:
+    """Whatever still reaches an output (the array, a view of it, a memoryview, a weak
+    reference) keeps it out of later calls: its values stay what that call returned."""
+    import weakref
+
+    g = multi_graph(CASE)
+    arrays = case_inputs(CASE, rng)
+    exe = rlx.compile(g)
+    names = list(exe(**arrays))
+    for hold in ("array", "view", "memoryview", "weakref"):
+        result = exe(**arrays)
+        name = names[0]
+        kept = result[name].copy()
+        holder: object = {
+            "array": lambda a: a,
+            "view": lambda a: a.reshape(-1)[1:],
+            "memoryview": memoryview,
+            "weakref": weakref.ref,
+        }[hold](result[name])
+        address = result[name].ctypes.data
+        del result
+        other = {key: value * 2.0 for key, value in arrays.items()}
+        for _ in range(3):
+            assert all(array.ctypes.data != address for array in exe(**other).values()), hold
+        if hold == "weakref":
+            assert holder() is not None  # type: ignore[operator]
+            assert np.array_equal(holder(), kept)  # type: ignore[operator]
+        elif hold == "memoryview":
+            assert np.array_equal(np.asarray(holder).reshape(kept.shape), kept)
+        elif hold == "view":
+            assert np.array_equal(holder, kept.reshape(-1)[1:])
+        else:
+            assert np.array_equal(holder, kept)
+
+
+def test_a_loop_keeping_the_last_result_alternates_two_arrays(rng: np.random.Generator) -> None:
+    """``out = exe(...)`` in a loop holds the previous result while the next call runs: that one
+    stays intact, and the calls alternate between two arrays per output."""
+    g = multi_graph(CASE)
+    base = case_inputs(CASE, rng)
+    exe = rlx.compile(g)
+    out, seen = None, set()
+    for step in range(6):
+        arrays = {key: value * (1.0 + 0.25 * step) for key, value in base.items()}
+        previous = None if out is None else {key: value.copy() for key, value in out.items()}
+        held = out
+        out = exe(**arrays)
+        if held is not None and previous is not None:
+            for key in held:
+                assert np.array_equal(held[key], previous[key], equal_nan=True), key
+        del held
+        assert_outputs_close(out, rlx.reference.run(g, **arrays))
+        seen.add(out[next(iter(out))].ctypes.data)
+    assert len(seen) == 2
+
+
+def test_threads_calling_one_executable_get_their_own_outputs(rng: np.random.Generator) -> None:
+    """Concurrent calls from Python threads never hand one array to two callers."""
+    import threading
+
+    g = multi_graph(CASE)
+    exe = rlx.compile(g)
+    inputs = [{key: value * (1 + i) for key, value in case_inputs(CASE, rng).items()} for i in range(4)]
+    wants = [rlx.reference.run(g, **arrays) for arrays in inputs]
+    failures: list[str] = []
+
+    def work(index: int) -> None:
+        for _ in range(20):
+            got = exe(**inputs[index])
+            try:
+                assert_outputs_close(got, wants[index])
+            except AssertionError as error:  # pragma: no cover - reported below
+                failures.append(str(error))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures[0]
