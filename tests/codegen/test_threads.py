@@ -190,3 +190,30 @@ def test_concurrent_compiles_and_calls() -> None:
             assert_outputs_close(exe(**inputs[index]), expected[index], context=f"graph {index}")
 
     _run_in_threads(4, work)
+
+
+def test_no_thread_is_started_for_a_call_with_one_item_per_step() -> None:
+    """A member that finds no item would only cost its start and join: a graph whose every
+    kernel is one work item starts no thread (its code has no pthread_create), a wider one
+    does, and with item counts known per call the count of members is computed per call."""
+    tiny = Graph("tiny")
+    x = tiny.input("x", (16,))
+    tiny.output(y=tiny.exp(x) * 2.0)
+    exe = rlx.compile(tiny, config=RuntimeConfig(num_threads=4))
+    assert "pthread_create" not in exe.llvm_ir
+    values = np.linspace(-1, 1, 16, dtype=np.float32)
+    np.testing.assert_allclose(exe(x=values)["y"], np.exp(values) * 2, rtol=1e-6)
+
+    wide = Graph("wide")
+    x = wide.input("x", (256, 1024))
+    wide.output(y=wide.exp(x) * 2.0)
+    assert "pthread_create" in rlx.compile(wide, config=RuntimeConfig(num_threads=4)).llvm_ir
+
+    symbolic = Graph("symbolic")
+    x = symbolic.input("x", ("n", 1024))
+    symbolic.output(y=symbolic.exp(x) * 2.0)
+    exe = rlx.compile(symbolic, config=RuntimeConfig(num_threads=4))
+    assert "members.wanted" in exe.llvm_ir
+    for rows in (1, 3, 700):
+        values = np.random.default_rng(rows).uniform(-1, 1, (rows, 1024)).astype(np.float32)
+        np.testing.assert_allclose(exe(x=values)["y"], np.exp(values) * 2, rtol=1e-6)
