@@ -536,7 +536,7 @@ class AttentionLowering:
             with normal:
 
                 def exp_term(b: ir.IRBuilder, j: ir.Value, lanes: Lanes) -> ir.Value:
-                    e = lanes.exp(b, b.fsub(lanes.load(b, row, j), lanes.splat(b, m)), name="e")
+                    e = lanes.softmax_exp(b, b.fsub(lanes.load(b, row, j), lanes.splat(b, m)), name="e")
                     lanes.store(b, e, row, j)
                     return e
 

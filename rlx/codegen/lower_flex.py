@@ -714,7 +714,7 @@ class FlexLowering:
             with normal:
 
                 def exp_term(b: ir.IRBuilder, j: ir.Value, lanes: Lanes) -> ir.Value:
-                    e = lanes.exp(b, b.fsub(lanes.load(b, row, j), lanes.splat(b, m)))
+                    e = lanes.softmax_exp(b, b.fsub(lanes.load(b, row, j), lanes.splat(b, m)))
                     lanes.store(b, e, row, j)
                     return e
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from llvmlite import ir
 
-from rlx.codegen.expf import define_expf
+from rlx.codegen.expf import define_expf, define_softmax_expf
 from rlx.codegen.irutil import F32, REDUCE, alloca_entry, for_range, gep_f32, i64, intrinsic
 
 WIDTH = 16  # floats per vector: one AVX-512 register, two AVX2 registers
@@ -55,6 +55,10 @@ class Lanes:
 
     def exp(self, b: ir.IRBuilder, x: ir.Value, name: str = "") -> ir.Value:
         return b.call(define_expf(self.module, self.width), [x], name=name)
+
+    def softmax_exp(self, b: ir.IRBuilder, x: ir.Value, name: str = "") -> ir.Value:
+        """``exp(x)`` for ``x`` a score minus its row max (``<= 0`` or NaN): the cheaper kernel."""
+        return b.call(define_softmax_expf(self.module, self.width), [x], name=name)
 
 
 def splat(b: ir.IRBuilder, scalar: ir.Value, width: int) -> ir.Value:
