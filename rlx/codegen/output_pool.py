@@ -3,8 +3,8 @@
 A fresh ``np.empty`` of a few MB is fresh pages from the operating system: the first write to
 each 4 KiB page traps into the kernel, which zeroes it. Measured interleaved on the benchmark
 host (a 2-core KVM guest, where a fault costs more than on bare metal), a B8 H12 S128 attention
-backward took 1,350 faults a call and ran 1.6x faster writing into recycled arrays; at S=512 the
-gain was ~11%. A training step's gradients are the same story.
+backward took 1,350 faults a call; writing into recycled arrays took it to 0.69x the time, and
+the S=512-1024 backwards to 0.89-0.95x. A training step's gradients are the same story.
 
 Recycling is safe because of what a reference count means: an array whose only references are
 this pool's is unreachable from any caller. Everything that can read an array's memory later
