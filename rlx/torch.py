@@ -20,6 +20,7 @@ torch is an optional dependency (``pip install "rlx[torch]"``); ``import rlx`` n
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Callable
@@ -309,7 +310,13 @@ char-LM example (head dim 16, ~17 MFLOP a call), two threads made the run 1.5x s
 
 def _config_for(flops: float) -> rlx.RuntimeConfig | None:
     """One thread for small attention calls (see :data:`SMALL_ATTENTION_FLOPS`), else rlx's default."""
-    return rlx.RuntimeConfig(num_threads=1) if flops < SMALL_ATTENTION_FLOPS else None
+    return _one_thread() if flops < SMALL_ATTENTION_FLOPS else None
+
+
+@functools.cache
+def _one_thread() -> rlx.RuntimeConfig:
+    """Made once: building and validating a config on every call was a few percent of a decode step."""
+    return rlx.RuntimeConfig(num_threads=1)
 
 
 def _plan_cache(graph: Graph, captured: list[torch.Tensor], config: rlx.RuntimeConfig | None) -> _Plan:
