@@ -259,8 +259,8 @@ def test_held_outputs_are_never_written_again(rng: np.random.Generator) -> None:
         for _ in range(3):
             assert all(array.ctypes.data != address for array in exe(**other).values()), hold
         if hold == "weakref":
-            assert holder() is not None  # type: ignore[operator]
-            assert np.array_equal(holder(), kept)  # type: ignore[operator]
+            alive = holder()  # type: ignore[operator]
+            assert alive is None or np.array_equal(alive, kept)  # gone, or never written again
         elif hold == "memoryview":
             assert np.array_equal(np.asarray(holder).reshape(kept.shape), kept)
         elif hold == "view":
