@@ -9,6 +9,9 @@ feeds it ``x <= 0``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from llvmlite import ir
 
 from rlx.codegen.irutil import CONTRACT, F32, I32, intrinsic
@@ -22,50 +25,76 @@ _LN2_LO = -2.12194440e-4
 _POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
 
 
-def define_expf(module: ir.Module, width: int = 1) -> ir.Function:
-    """Define (once per width) ``rlx_expf`` on float or ``<width x float>``, internal, inlined."""
-    name = "rlx_expf" if width == 1 else f"rlx_expf.v{width}"
+@dataclass(frozen=True)
+class _Types:
+    """The float and int types of one width, and constants of them."""
+
+    width: int
+
+    @property
+    def float_type(self) -> ir.Type:
+        return ir.VectorType(F32, self.width) if self.width > 1 else F32
+
+    @property
+    def int_type(self) -> ir.Type:
+        return ir.VectorType(I32, self.width) if self.width > 1 else I32
+
+    def f(self, value: float) -> ir.Constant:
+        return ir.Constant(self.float_type, [value] * self.width if self.width > 1 else value)
+
+    def i(self, value: int) -> ir.Constant:
+        return ir.Constant(self.int_type, [value] * self.width if self.width > 1 else value)
+
+
+def _define(
+    module: ir.Module, name: str, width: int, body: Callable[[ir.IRBuilder, ir.Value, _Types], ir.Value]
+) -> ir.Function:
+    """``name(x)`` on ``width`` floats (once per module): internal, always inlined, ``body``'s value."""
     existing = module.globals.get(name)
     if existing is not None:
         return existing  # type: ignore[return-value]
-    vector = width > 1
-    fty = ir.VectorType(F32, width) if vector else F32
-    ity = ir.VectorType(I32, width) if vector else I32
-    suffix = f"v{width}f32" if vector else "f32"
-
-    def c(value: float) -> ir.Constant:
-        return ir.Constant(fty, [value] * width if vector else value)
-
-    def ci(value: int) -> ir.Constant:
-        return ir.Constant(ity, [value] * width if vector else value)
-
-    fn = ir.Function(module, ir.FunctionType(fty, [fty]), name=name)
+    types = _Types(width)
+    fn = ir.Function(module, ir.FunctionType(types.float_type, [types.float_type]), name=name)
     fn.linkage = "internal"
     fn.attributes.add("alwaysinline")
     fn.attributes.add("nounwind")
     (x,) = fn.args
     x.name = "x"
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    floor = intrinsic(module, f"llvm.floor.{suffix}", fty, [fty])
+    b.ret(body(b, x, types))
+    return fn
 
-    clamped = b.select(b.fcmp_ordered("<", x, c(EXP_LOW)), c(EXP_LOW), x, name="lo")
-    clamped = b.select(b.fcmp_ordered(">", clamped, c(EXP_HIGH)), c(EXP_HIGH), clamped, name="xc")
-    n = b.call(floor, [b.fadd(b.fmul(clamped, c(_LOG2E), flags=CONTRACT), c(0.5), flags=CONTRACT)], name="n")
-    r = b.fsub(clamped, b.fmul(n, c(_LN2_HI)), name="r.hi")
-    r = b.fsub(r, b.fmul(n, c(_LN2_LO)), name="r")
+
+def _exp_of_reduced(b: ir.IRBuilder, r: ir.Value, c: Callable[[float], ir.Constant]) -> ir.Value:
+    """Cephes' ``e^r`` for ``|r| <= ln2 / 2``: ``1 + r + r^2 · poly(r)``."""
     poly = c(_POLY[0])
     for coefficient in _POLY[1:]:
         poly = b.fadd(b.fmul(poly, r, flags=CONTRACT), c(coefficient), flags=CONTRACT)
     r2 = b.fmul(r, r, name="r2")
-    e_r = b.fadd(b.fadd(b.fmul(poly, r2, flags=CONTRACT), r, flags=CONTRACT), c(1.0), name="e.r")
-    exponent = b.shl(b.add(b.fptosi(n, ity), ci(127)), ci(23), name="bits")
-    two_n = b.bitcast(exponent, fty, name="two.n")
-    result = b.fmul(e_r, two_n, name="exp")
-    result = b.select(b.fcmp_ordered("<", x, c(EXP_LOW)), c(0.0), result)
-    result = b.select(b.fcmp_ordered(">", x, c(EXP_OVERFLOW)), c(float("inf")), result)
-    result = b.select(b.fcmp_unordered("uno", x, x), x, result, name="exp.nan")
-    b.ret(result)
-    return fn
+    return b.fadd(b.fadd(b.fmul(poly, r2, flags=CONTRACT), r, flags=CONTRACT), c(1.0), name="e.r")
+
+
+def define_expf(module: ir.Module, width: int = 1) -> ir.Function:
+    """Define (once per width) ``rlx_expf`` on float or ``<width x float>``, internal, inlined."""
+    suffix = f"v{width}f32" if width > 1 else "f32"
+
+    def body(b: ir.IRBuilder, x: ir.Value, t: _Types) -> ir.Value:
+        c = t.f
+        floor = intrinsic(module, f"llvm.floor.{suffix}", t.float_type, [t.float_type])
+        clamped = b.select(b.fcmp_ordered("<", x, c(EXP_LOW)), c(EXP_LOW), x, name="lo")
+        clamped = b.select(b.fcmp_ordered(">", clamped, c(EXP_HIGH)), c(EXP_HIGH), clamped, name="xc")
+        n = b.call(floor, [b.fadd(b.fmul(clamped, c(_LOG2E), flags=CONTRACT), c(0.5), flags=CONTRACT)], name="n")
+        r = b.fsub(clamped, b.fmul(n, c(_LN2_HI)), name="r.hi")
+        r = b.fsub(r, b.fmul(n, c(_LN2_LO)), name="r")
+        e_r = _exp_of_reduced(b, r, c)
+        exponent = b.shl(b.add(b.fptosi(n, t.int_type), t.i(127)), t.i(23), name="bits")
+        two_n = b.bitcast(exponent, t.float_type, name="two.n")
+        result = b.fmul(e_r, two_n, name="exp")
+        result = b.select(b.fcmp_ordered("<", x, c(EXP_LOW)), c(0.0), result)
+        result = b.select(b.fcmp_ordered(">", x, c(EXP_OVERFLOW)), c(float("inf")), result)
+        return b.select(b.fcmp_unordered("uno", x, x), x, result, name="exp.nan")
+
+    return _define(module, "rlx_expf" if width == 1 else f"rlx_expf.v{width}", width, body)
 
 
 _MAGIC = 12582912.0 + 127.0  # 1.5 * 2^23 + bias: adding it rounds to an integer held in the low mantissa bits
@@ -82,36 +111,16 @@ def define_softmax_expf(module: ir.Module, width: int) -> ir.Function:
     LLVM). Same Cephes reduction and polynomial, ~1 ulp; ``x < -87.34`` (``-inf`` included)
     gives exactly 0, NaN stays NaN.
     """
-    name = f"rlx_softmax_expf.v{width}"
-    existing = module.globals.get(name)
-    if existing is not None:
-        return existing  # type: ignore[return-value]
-    vector = width > 1
-    fty = ir.VectorType(F32, width) if vector else F32
-    ity = ir.VectorType(I32, width) if vector else I32
 
-    def c(value: float) -> ir.Constant:
-        return ir.Constant(fty, [value] * width if vector else value)
+    def body(b: ir.IRBuilder, x: ir.Value, t: _Types) -> ir.Value:
+        c = t.f
+        sum_ = b.fadd(b.fmul(x, c(_LOG2E), flags=CONTRACT), c(_MAGIC), flags=CONTRACT, name="t")
+        n = b.fsub(sum_, c(_MAGIC), name="n")
+        r = b.fsub(x, b.fmul(n, c(_LN2_HI), flags=CONTRACT), flags=CONTRACT, name="r.hi")
+        r = b.fsub(r, b.fmul(n, c(_LN2_LO), flags=CONTRACT), flags=CONTRACT, name="r")
+        e_r = _exp_of_reduced(b, r, c)
+        two_n = b.bitcast(b.shl(b.bitcast(sum_, t.int_type), t.i(23)), t.float_type, name="two.n")
+        result = b.fmul(e_r, two_n, name="exp")
+        return b.select(b.fcmp_ordered("<", x, c(EXP_LOW)), c(0.0), result, name="exp.low")
 
-    fn = ir.Function(module, ir.FunctionType(fty, [fty]), name=name)
-    fn.linkage = "internal"
-    fn.attributes.add("alwaysinline")
-    fn.attributes.add("nounwind")
-    (x,) = fn.args
-    x.name = "x"
-    b = ir.IRBuilder(fn.append_basic_block("entry"))
-    t = b.fadd(b.fmul(x, c(_LOG2E), flags=CONTRACT), c(_MAGIC), flags=CONTRACT, name="t")
-    n = b.fsub(t, c(_MAGIC), name="n")
-    r = b.fsub(x, b.fmul(n, c(_LN2_HI), flags=CONTRACT), flags=CONTRACT, name="r.hi")
-    r = b.fsub(r, b.fmul(n, c(_LN2_LO), flags=CONTRACT), flags=CONTRACT, name="r")
-    poly = c(_POLY[0])
-    for coefficient in _POLY[1:]:
-        poly = b.fadd(b.fmul(poly, r, flags=CONTRACT), c(coefficient), flags=CONTRACT)
-    r2 = b.fmul(r, r, name="r2")
-    e_r = b.fadd(b.fadd(b.fmul(poly, r2, flags=CONTRACT), r, flags=CONTRACT), c(1.0), name="e.r")
-    shift = ir.Constant(ity, [23] * width if vector else 23)
-    two_n = b.bitcast(b.shl(b.bitcast(t, ity), shift), fty, name="two.n")
-    result = b.fmul(e_r, two_n, name="exp")
-    result = b.select(b.fcmp_ordered("<", x, c(EXP_LOW)), c(0.0), result, name="exp.low")
-    b.ret(result)
-    return fn
+    return _define(module, f"rlx_softmax_expf.v{width}", width, body)
