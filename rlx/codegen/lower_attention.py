@@ -547,15 +547,7 @@ class AttentionLowering:
                         if slot is not None:
                             b.store(inv, slot)
                     with now:
-                        vector_loop(
-                            b,
-                            i64(0),
-                            nk,
-                            "normalise",
-                            lambda b, j, lanes: lanes.store(
-                                b, b.fmul(lanes.load(b, row, j), lanes.splat(b, inv)), row, j
-                            ),
-                        )
+                        scale_row(b, row, nk, inv)
 
     def _softmax_backward_rows(
         self,
@@ -694,12 +686,16 @@ def scale_rows(b: ir.IRBuilder, base: ir.Value, rows: ir.Value, stride: int, wid
     """``base[r*stride : r*stride + width] *= factors[r]`` for ``r < rows`` (deferred softmax sums)."""
     with for_range(b, 0, rows, "scale") as r:
         row = gep_f32(b, base, b.mul(r, i64(stride)))
-        factor = b.load(gep_f32(b, factors, r), typ=F32, name="inv")
+        scale_row(b, row, i64(width), b.load(gep_f32(b, factors, r), typ=F32, name="inv"))
 
-        def scale(b: ir.IRBuilder, j: ir.Value, lanes: Lanes) -> None:
-            lanes.store(b, b.fmul(lanes.load(b, row, j), lanes.splat(b, factor)), row, j)
 
-        vector_loop(b, i64(0), i64(width), "scale.row", scale)
+def scale_row(b: ir.IRBuilder, row: ir.Value, width: ir.Value, factor: ir.Value) -> None:
+    """``row[:width] *= factor`` (a softmax row by 1/sum)."""
+
+    def scale(b: ir.IRBuilder, j: ir.Value, lanes: Lanes) -> None:
+        lanes.store(b, b.fmul(lanes.load(b, row, j), lanes.splat(b, factor)), row, j)
+
+    vector_loop(b, i64(0), width, "scale.row", scale)
 
 
 def zero_rows(

@@ -52,6 +52,7 @@ from rlx.codegen.lower_attention import (
     emit_strip_floats,
     head_offset,
     row_stride,
+    scale_row,
     scale_rows,
     zero_rows,
 )
@@ -982,14 +983,7 @@ class FlexLowering:
         m = self._mod_rows(b, row, batch, head, gi, map_row, first, last, ks, nk)
         inverse = alloca_entry(b, F32, "inv.sum")
         self._exp_row(b, row, nk, m, inverse)
-        factor = b.load(inverse, typ=F32, name="inv")
-        vector_loop(
-            b,
-            i64(0),
-            nk,
-            "normalise",
-            lambda b, j, lanes: lanes.store(b, b.fmul(lanes.load(b, row, j), lanes.splat(b, factor)), row, j),
-        )
+        scale_row(b, row, nk, b.load(inverse, typ=F32, name="inv"))
         return m
 
     def _row_dot(self, b: ir.IRBuilder, p_row: ir.Value, dp_row: ir.Value, nk: ir.Value) -> ir.Value:
