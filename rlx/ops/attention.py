@@ -229,6 +229,9 @@ def attention_backward(
     config = resolve_config(config)
     _check_shapes("attention_backward", q, k, v, dy, mask, layout, mask_tensor)
     score_mod, mask_mod, captured = _as_mods(mask, mask_tensor, config)
+    # D = rowsum(dY * out), not rowsum(P * dP) over the visible keys alone: a NaN in the value
+    # row of a hidden key reaches out (0 * NaN) and so every gradient of that row, as SPEC 1's
+    # formula and the fixed kernels' plain rowsum(P * dP) propagate it.
     out, _ = flex_attention_forward(q, k, v, captured, FlexAttentionAttrs(score_mod, mask_mod, None, layout))
     attrs = FlexAttentionBwdAttrs(wrt, score_mod=score_mod, mask_mod=mask_mod, layout=layout)
     shapes = [TensorType(np.shape(t), F32) for t in captured]
