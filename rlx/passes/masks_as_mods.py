@@ -8,10 +8,11 @@ fully masked rows included. The mods carry the mask's ``neg`` and threshold, whi
 ``RuntimeConfig``; that is why this is a function of (graph, config) and not a named pass, and why
 ``rlx.compile`` runs it (``CodegenOptions(masks_as_mods=True)``) with the config it compiles for.
 
-The default pipeline keeps the fixed-mask kernels because they are still a few percent faster
-(``benchmarks/masks_as_mods.py``). Block sparsity is not what is lost: for a finite ``neg`` the
-mask is the score_mod ``where(hidden, neg, score)``, which codegen skips tiles of as it does a
-mask_mod's (:func:`rlx.codegen.lower.map_mask`).
+The default pipeline keeps the fixed-mask kernels because they are still faster: within noise
+for causal masks (``benchmarks/masks_as_mods.py``), but 5-18% for bias, key padding and sliding
+window masks in one interleaved run on the 2-core benchmark host. Block sparsity is not what is
+lost: for a finite ``neg`` the mask is the score_mod ``where(hidden, neg, score)``, which codegen
+skips tiles of as it does a mask_mod's (:func:`rlx.codegen.lower.map_mask`).
 """
 
 from __future__ import annotations
