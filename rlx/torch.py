@@ -386,13 +386,19 @@ def flex_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     return_lse: bool = False,
+    kernel_options: dict[str, Any] | None = None,
+    *,
     block_mask: Any = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    return_aux: Any = None,
+) -> Any:
     """torch's ``flex_attention`` on CPU, forward and backward: ``[B, H, S, D]`` tensors.
 
     ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx, kv_idx)`` are written as
-    for torch; a torch ``BlockMask`` is accepted for its ``mask_mod``. Differentiable w.r.t.
-    query, key, value and float tensors the score_mod captures.
+    for torch. A torch ``BlockMask`` is accepted for its ``mask_mod``, as ``block_mask=`` or in
+    the fifth place, where torch's signature has it, so calls written for torch run unchanged.
+    ``kernel_options`` tune torch's kernels and do not change results; rlx accepts and ignores
+    them. ``return_aux=AuxRequest(lse=True)`` returns ``(out, AuxOutput(lse=...))`` as torch does.
+    Differentiable w.r.t. query, key, value and float tensors the score_mod captures.
     """
     q = _check_tensor(query, "query")
     k = _check_tensor(key, "key")
@@ -404,15 +410,44 @@ def flex_attention(
         raise RlxValueError(
             f"flex_attention: query has {q.shape[1]} heads and key {k.shape[1]}; pass enable_gqa=True for GQA"
         )
+    if kernel_options is not None and not isinstance(kernel_options, dict):
+        raise RlxTypeError(f"flex_attention: kernel_options must be a dict, got {type(kernel_options).__name__}")
+    if _is_block_mask(mask_mod):  # torch's fifth parameter is block_mask
+        if block_mask is not None:
+            raise RlxValueError("flex_attention: block_mask given twice (in the fifth place and by name)")
+        mask_mod, block_mask = None, mask_mod
     if block_mask is not None:
         if mask_mod is not None:
             raise RlxValueError("flex_attention: give mask_mod or block_mask, not both")
         mask_mod = getattr(block_mask, "mask_mod", None)
         if mask_mod is None:
             raise RlxTypeError("flex_attention: block_mask must be a torch BlockMask (with a mask_mod)")
+    want_lse = return_lse
+    if return_aux is not None:
+        if return_lse:
+            raise RlxValueError("flex_attention: give return_lse or return_aux, not both (as torch)")
+        if getattr(return_aux, "max_scores", False):
+            raise RlxValueError(
+                "flex_attention: return_aux asks for max_scores, which rlx does not compute; ask for lse only"
+            )
+        want_lse = bool(getattr(return_aux, "lse", False))
     plan = _plan(q, k, v, score_mod, mask_mod, scale)
     out, lse = _FlexFunction.apply(plan, q, k, v, *plan.captured)
+    if return_aux is not None:
+        return out, _aux_output(lse if want_lse else None)
     return (out, lse) if return_lse else out
+
+
+def _is_block_mask(candidate: object) -> bool:
+    """Is ``candidate`` a torch ``BlockMask`` (passed where rlx's signature has ``mask_mod``)?"""
+    return type(candidate).__name__ == "BlockMask" and hasattr(candidate, "mask_mod")
+
+
+def _aux_output(lse: torch.Tensor | None) -> Any:
+    """torch's ``AuxOutput(lse=..., max_scores=None)``: a torch that has ``return_aux`` has it."""
+    from torch.nn.attention.flex_attention import AuxOutput
+
+    return AuxOutput(lse=lse, max_scores=None)
 
 
 # ----------------------------------------------------------------------------- SDPA
@@ -442,20 +477,98 @@ def scaled_dot_product_attention(
     q = _check_tensor(query, "query")
     k = _check_tensor(key, "key")
     v = _check_tensor(value, "value")
-    if q.ndim not in (3, 4) or k.ndim != q.ndim or v.ndim != q.ndim:
+    mask = None if attn_mask is None else _check_tensor(attn_mask, "attn_mask", kinds="any")
+    if mask is not None and mask.dtype != torch.bool and not mask.is_floating_point():
+        raise RlxTypeError(f"scaled_dot_product_attention: attn_mask must be bool or float, got {mask.dtype}")
+    same_batch = q.ndim == k.ndim == v.ndim == 4 and q.shape[0] == k.shape[0] == v.shape[0]
+    if same_batch and 0 not in (*q.shape, *k.shape, *v.shape) and (mask is None or mask.ndim <= 4):
+        return _sdpa(q, k, v, mask, is_causal, scale, enable_gqa)
+    return _sdpa_batched(q, k, v, mask, is_causal, scale, enable_gqa)
+
+
+def _sdpa_batched(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """SDPA on ``[..., H, S, D]`` tensors, as torch takes them: 2-D and 3-D ones, and any number of
+    leading batch dims that broadcast against each other, flattened into one batch for the kernels
+    (torch's autograd sums the gradients of broadcast dims back)."""
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if t.ndim < 2:
+            raise RlxValueError(f"scaled_dot_product_attention: {name} must be [..., S, D], got shape {tuple(t.shape)}")
+    if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
         raise RlxValueError(
-            "scaled_dot_product_attention: query, key and value must be [B, H, S, D] (or [H, S, D]), got "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            "scaled_dot_product_attention: query and key need the same head dim and key and value the same "
+            f"length, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    if q.ndim == 3:
-        out = scaled_dot_product_attention(q[None], k[None], v[None], attn_mask, 0.0, is_causal, scale, enable_gqa)
-        return out[0]
-    if k.shape[1] != q.shape[1] and not enable_gqa:
+    given_rank = max(q.ndim, k.ndim, v.ndim)
+    rank = max(given_rank, 3)
+    q, k, v = (t.reshape((1,) * (rank - t.ndim) + tuple(t.shape)) for t in (q, k, v))
+    try:
+        leading = tuple(torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]))
+    except RuntimeError:
+        raise RlxValueError(
+            "scaled_dot_product_attention: the batch dims of query, key and value do not broadcast: "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        ) from None
+    heads, kv_heads = q.shape[-3], k.shape[-3]
+    if v.shape[-3] != kv_heads:
+        raise RlxValueError(f"scaled_dot_product_attention: key has {kv_heads} heads and value {v.shape[-3]}")
+    out_shape = (*leading, heads, q.shape[-2], v.shape[-1])
+    if mask is not None:
+        try:
+            torch.broadcast_shapes(mask.shape, out_shape[:-1] + (k.shape[-2],))
+        except RuntimeError:
+            raise RlxValueError(
+                f"scaled_dot_product_attention: attn_mask of shape {tuple(mask.shape)} does not broadcast to "
+                f"[..., H, Sq, Sk] = {list(out_shape[:-1] + (k.shape[-2],))}"
+            ) from None
+    batch = math.prod(leading)
+
+    def flat(t: torch.Tensor, heads_of_t: int) -> torch.Tensor:
+        return t.expand(*leading, heads_of_t, *t.shape[-2:]).reshape(batch, heads_of_t, *t.shape[-2:])
+
+    q4, k4, v4 = flat(q, heads), flat(k, kv_heads), flat(v, kv_heads)
+    if mask is not None and mask.ndim > 3:
+        mask = mask.reshape((1,) * (len(leading) + 3 - mask.ndim) + tuple(mask.shape))
+        if any(size != 1 for size in mask.shape[:-3]):
+            mask = mask.expand(*leading, *mask.shape[-3:])
+        mask = mask.reshape(-1, *mask.shape[-3:])
+    if 0 in q4.shape or 0 in k4.shape or 0 in v4.shape:
+        out = _sdpa_empty(q4, k4, v4, scale)
+    else:
+        out = _sdpa(q4, k4, v4, mask, is_causal, scale, enable_gqa)
+    out = out.reshape(out_shape)
+    return out.reshape(out_shape[rank - given_rank :]) if given_rank < rank else out
+
+
+def _sdpa_empty(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Attention with no queries or no keys, in torch's own terms: there is nothing to compute (no
+    keys give zeros), and autograd still connects the result to every input."""
+    factor = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return torch.softmax(q @ k.transpose(-1, -2) * factor, dim=-1) @ v
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """SDPA on 4-D ``[B, H, S, D]`` tensors of one batch size. One key head broadcasts over the
+    query heads, as in torch: that is GQA with a single group, whatever ``enable_gqa`` says."""
+    if k.shape[1] != q.shape[1] and not enable_gqa and k.shape[1] != 1:
         raise RlxValueError(
             f"scaled_dot_product_attention: query has {q.shape[1]} heads and key {k.shape[1]}; pass enable_gqa=True"
         )
-    if is_causal and attn_mask is not None:
-        raise RlxValueError("scaled_dot_product_attention: give attn_mask or is_causal, not both (as torch)")
     fixed = _fixed_plan(q, k, v, is_causal, scale) if attn_mask is None else None
     if fixed is not None:
         return _FixedFunction.apply(fixed, q, k, v)
@@ -475,7 +588,7 @@ def scaled_dot_product_attention(
             "Sq" if shape[2] == q.shape[2] and shape[2] != 1 else shape[2],
             "Sk" if shape[3] == k.shape[2] and shape[3] != 1 else shape[3],
         )
-        symbolic_key = (q.shape[:2], q.shape[3], k.shape[:2], v.shape[3], scale, mask_shape, attn_mask.dtype)
+        symbolic_key = (q.shape[:2], q.shape[3], k.shape[:2], v.shape[3], scale, mask_shape, attn_mask.dtype, is_causal)
         if symbolic_key in _sdpa_plans:
             plan_key = symbolic_key
     cached = _sdpa_plans.get(plan_key)
@@ -486,9 +599,7 @@ def scaled_dot_product_attention(
         out, _ = _FlexFunction.apply(plan, q, k, v, *captured)
         return out
     score_mod = mask_mod = None
-    if is_causal:
-        mask_mod = _mods.causal
-    elif attn_mask is not None:
+    if attn_mask is not None:
         mask = _check_tensor(attn_mask, "attn_mask", kinds="any")
         target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         try:
@@ -502,10 +613,11 @@ def scaled_dot_product_attention(
         if mask.dtype == torch.bool:
             mask_mod = _indexed(full, lambda value, b, h, q_idx, kv_idx: value)
         elif mask.is_floating_point():
-            mask_mod = None
             score_mod = _indexed(full, lambda value, score, b, h, q_idx, kv_idx: score + value, with_score=True)
         else:
             raise RlxTypeError(f"scaled_dot_product_attention: attn_mask must be bool or float, got {mask.dtype}")
+    if is_causal:  # with a mask as well, both apply (as torch does)
+        mask_mod = _mods.causal if mask_mod is None else _mods.and_(mask_mod, _mods.causal)
     declared = None if mask_shape is None else {id(full): mask_shape}
     plan = _plan(q, k, v, score_mod, mask_mod, scale, declared)
     if symbolic_key is not None and not plan.graph.inputs["q"].type.is_static:

@@ -59,7 +59,19 @@ SDPA_CASES = {
     "bool-mask-2d": {"attn_mask": "bool2d"},
     "bool-mask-4d": {"attn_mask": "bool4d"},
     "float-mask": {"attn_mask": "float"},
+    "causal-and-bool-mask": {"attn_mask": "bool2d", "is_causal": True},
+    "causal-and-float-mask": {"attn_mask": "float", "is_causal": True},
 }
+
+
+def _explicit_causal(kwargs: dict[str, Any], sq: int, sk: int) -> dict[str, Any]:
+    """torch's ``attn_mask`` with ``is_causal`` as one explicit mask: the mask, and top-left causal
+    (what torch computes when given both), so the reference does not depend on torch's version."""
+    if not (kwargs.get("is_causal") and isinstance(kwargs.get("attn_mask"), torch.Tensor)):
+        return kwargs
+    mask, visible = kwargs["attn_mask"], torch.ones(sq, sk, dtype=torch.bool).tril()
+    combined = mask & visible if mask.dtype == torch.bool else mask.masked_fill(~visible, float("-inf"))
+    return {**{k: v for k, v in kwargs.items() if k != "is_causal"}, "attn_mask": combined}
 
 
 def _mask(kind: str, b: int, h: int, sq: int, sk: int) -> Any:
@@ -85,7 +97,8 @@ def test_sdpa_matches_torch(name: str, sq: int, sk: int) -> None:
     dy = torch.randn(2, 4, sq, 16)
     got, got_grads = grads_of(lambda q, k, v: rt.scaled_dot_product_attention(q, k, v, **kwargs), tensors, dy)
     ref_kwargs = {
-        k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kwargs.items()
+        k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+        for k, v in _explicit_causal(kwargs, sq, sk).items()
     }
     want, want_grads = double_reference(
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, **ref_kwargs), tensors, dy
@@ -109,6 +122,52 @@ def test_sdpa_gqa_and_value_dim() -> None:
         assert_close(g, w)
     with pytest.raises(rlx.RlxValueError, match="enable_gqa"):
         rt.scaled_dot_product_attention(*tensors)
+
+
+def _rand(*shape: int, seed: int = 0) -> Any:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).requires_grad_(True)
+
+
+@pytest.mark.parametrize(
+    ("q_shape", "k_shape", "v_shape", "mask_shape"),
+    [
+        ((9, 8), (11, 8), (11, 6), None),  # no batch or head dims
+        ((3, 9, 8), (3, 11, 8), (3, 11, 8), (9, 11)),  # [H, S, D]
+        ((2, 3, 4, 9, 8), (2, 3, 4, 11, 8), (2, 3, 4, 11, 8), None),  # two batch dims
+        ((2, 3, 4, 9, 8), (1, 3, 4, 11, 8), (3, 4, 11, 8), (2, 1, 1, 9, 11)),  # batch dims that broadcast
+        ((3, 4, 9, 8), (1, 4, 11, 8), (1, 4, 11, 8), (3, 1, 9, 11)),  # a key batch of 1
+        ((2, 4, 9, 8), (2, 1, 11, 8), (2, 1, 11, 8), None),  # a single key head broadcasts
+    ],
+)
+def test_sdpa_takes_the_shapes_torch_takes(
+    q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tuple[int, ...], mask_shape: tuple[int, ...] | None
+) -> None:
+    tensors = [_rand(*s, seed=i) for i, s in enumerate((q_shape, k_shape, v_shape))]
+    kwargs: dict[str, Any] = {}
+    if mask_shape is not None:
+        mask = torch.rand(mask_shape, generator=torch.Generator().manual_seed(7)) > 0.4
+        mask[..., 0] = True
+        kwargs["attn_mask"] = mask
+    out = rt.scaled_dot_product_attention(*tensors, **kwargs)
+    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
+    got_grads = torch.autograd.grad(out, tensors, dy)
+    want, want_grads = double_reference(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, **kwargs), tensors, dy)
+    assert out.shape == want.shape
+    assert_close(out, want)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert g.shape == w.shape
+        assert_close(g, w)
+
+
+@pytest.mark.parametrize(("sq", "sk"), [(0, 5), (5, 0)])
+def test_sdpa_with_no_queries_or_no_keys_is_torchs_result(sq: int, sk: int) -> None:
+    q, k, v = _rand(2, 3, sq, 8), _rand(2, 3, sk, 8, seed=1), _rand(2, 3, sk, 4, seed=2)
+    out = rt.scaled_dot_product_attention(q, k, v)
+    want = F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach())
+    assert out.shape == want.shape == (2, 3, sq, 4)
+    assert torch.equal(out.detach(), want)  # no keys: zeros, as torch
+    grads = torch.autograd.grad(out.sum(), [q, k, v], allow_unused=True)
+    assert all(g is None or not g.any() for g in grads)
 
 
 def test_float_mask_gets_its_gradient() -> None:
@@ -165,6 +224,27 @@ def test_flex_matches_torch_eager_flex_and_differentiates() -> None:
     want_grads = torch.autograd.grad(ref, doubles, dy.double())
     for g, w in zip(got, want_grads, strict=True):
         assert_close(g, w)
+
+
+def test_flex_takes_torchs_positional_block_mask_kernel_options_and_return_aux() -> None:
+    from torch.nn.attention import flex_attention as torch_flex
+
+    q, k, v = qkv()
+    block_mask = torch_flex.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 29, 29, device="cpu")
+    want, want_lse = rt.flex_attention(q, k, v, block_mask=block_mask, return_lse=True)
+    # torch's signature: (query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options)
+    assert_close(rt.flex_attention(q, k, v, None, block_mask, None, False, False, {"BLOCK_M": 16}), want)
+    if not hasattr(torch_flex, "AuxRequest"):
+        return
+    out, aux = rt.flex_attention(q, k, v, block_mask=block_mask, return_aux=torch_flex.AuxRequest(lse=True))
+    assert isinstance(aux, torch_flex.AuxOutput) and aux.max_scores is None
+    assert_close(out, want)
+    assert_close(aux.lse, want_lse)
+    (grad,) = torch.autograd.grad(aux.lse.sum(), [q])
+    (want_grad,) = torch.autograd.grad(want_lse.sum(), [q])
+    assert_close(grad, want_grad)
+    with pytest.raises(rlx.RlxValueError, match="max_scores"):
+        rt.flex_attention(q, k, v, return_aux=torch_flex.AuxRequest(lse=True, max_scores=True))
 
 
 def test_lse_gradient_flows() -> None:
@@ -256,11 +336,19 @@ def test_contiguous_float32_output_is_not_copied() -> None:
             "does not broadcast",
         ),
         (
-            lambda q, k, v: rt.scaled_dot_product_attention(
-                q, k, v, attn_mask=torch.ones(29, 29, dtype=torch.bool), is_causal=True
-            ),
+            lambda q, k, v: rt.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(29, 29, dtype=torch.int32)),
+            rlx.RlxTypeError,
+            "attn_mask must be bool or float",
+        ),
+        (
+            lambda q, k, v: rt.scaled_dot_product_attention(q, k[:1, :1], v),
             rlx.RlxValueError,
-            "not both",
+            "key has 1 heads and value 4",
+        ),
+        (
+            lambda q, k, v: rt.scaled_dot_product_attention(q, torch.cat([k, k])[:3], v),
+            rlx.RlxValueError,
+            "do not broadcast",
         ),
         (
             lambda q, k, v: rt.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: torch.cos(s)),
