@@ -571,7 +571,7 @@ def _sdpa(
         )
     fixed = _fixed_plan(q, k, v, is_causal, scale) if attn_mask is None else None
     if fixed is not None:
-        return _FixedFunction.apply(fixed, q, k, v)
+        return _fixed_forward(fixed, q, k, v)
     # SDPA's mods are fixed by the arguments' shapes and kinds, so a traced plan is reused without
     # tracing again: only the mask tensor (the one captured value) changes between calls.
     mask_kind = None if attn_mask is None else (tuple(attn_mask.shape), attn_mask.dtype)
@@ -698,6 +698,18 @@ def _fixed_plan(
 
 def _attention_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
     return 2.0 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * (q.shape[3] + v.shape[3])
+
+
+def _fixed_forward(plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """SDPA on the fixed-mask kernels: through autograd only when a gradient can be asked for.
+
+    A call that autograd would not record (no input requires grad, or grad mode is off: decoding)
+    skips ``autograd.Function``, whose bookkeeping cost as much as a small call's kernel.
+    """
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _FixedFunction.apply(plan, q, k, v)  # type: ignore[no-any-return]
+    result = plan.executable("forward", _attention_flops(q, k, v))(q=_array(q), k=_array(k), v=_array(v))
+    return _tensor(result["out"], q.dtype)
 
 
 class _FixedFunction(torch.autograd.Function):

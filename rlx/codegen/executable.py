@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rlx.bind import bind_inputs, check_index_inputs, index_bounds, symbol_positions, symbol_sizes
+from rlx.bind import InputBinder, check_index_inputs, index_bounds
 from rlx.codegen.jit import CompiledLibrary, cache_key, compile_ir
 from rlx.codegen.lower import (
     CallBufferFill,
@@ -79,7 +79,7 @@ class Program:
     pass_names: tuple[str, ...] | None = None
     options: CodegenOptions = field(default_factory=CodegenOptions)
     dynamic: DynamicScratch | None = None  # graphs with symbolic dimensions: the per-call sizes table
-    symbol_positions: list[tuple[str, int, str]] = field(default_factory=list)  # where calls bind each symbol
+    binder: InputBinder | None = None  # checks a call's arrays and reads its symbol sizes
     call_buffers: dict[str, CallBufferFill] = field(default_factory=dict)
     call_checks: list[Callable[[Mapping[str, int]], None]] = field(default_factory=list)  # need the call's sizes
 
@@ -256,7 +256,7 @@ def _build(
         pass_names,
         options,
         lowered.dynamic,
-        symbol_positions(working),
+        InputBinder(working, _unused_inputs(working)),
         lowered.call_buffers,
         call_checks(working),
     )
@@ -315,7 +315,7 @@ class Executable:
             raise RlxValueError("this executable was not compiled for profiling: pass CodegenOptions(profile=True)")
         self(**arrays)
         arena = self._arenas.buffer
-        offset = (-arena.ctypes.data) % 64 + program.profile
+        offset = self._arenas.offset + program.profile
         nanoseconds = np.frombuffer(arena, dtype=np.int64, count=len(program.kernels), offset=offset)
         return [(info, float(ns) * 1e-9) for info, ns in zip(program.kernels, nanoseconds, strict=True)]
 
@@ -332,12 +332,12 @@ class Executable:
         plan = program.plan
         if plan.scratch_stride < 64:
             raise RlxValueError("this executable runs no attention kernel of static shape to profile")
-        arena = self._arena(program.arena_bytes)
+        arena, _ = self._arena(program.arena_bytes)
         starts = [plan.scratch_offset + t * plan.scratch_stride + plan.scratch_stride - 64 for t in range(plan.threads)]
         for start in starts:  # the counters start from zero each call
             arena[start : start + 64] = 0
         self(**arrays)
-        arena = self._arena(program.arena_bytes)
+        arena, _ = self._arena(program.arena_bytes)
         totals = np.zeros(len(BREAKDOWN), dtype=np.int64)
         for start in starts:
             totals += np.frombuffer(arena[start : start + 8 * len(BREAKDOWN)].tobytes(), dtype=np.int64)
@@ -350,36 +350,37 @@ class Executable:
             raise RlxTypeError(
                 f"{len(args)} positional argument(s): pass the inputs by name, exe({names}) (or exe(**arrays))"
             )
-        bound = bind_inputs(program.graph, arrays, program.unused_inputs)
+        assert program.binder is not None
+        bound, sizes = program.binder(arrays)
         check_index_inputs(program.graph, bound, program.index_bounds)  # before native code reads with ids
         plan = program.plan
         # Buffer slots in entry order: the inputs (declaration order; one no output needs and that
-        # was left out gets a placeholder nothing reads), then a fresh array per output slot.
-        declared = list(program.graph.inputs)
-        buffers = [bound.get(name, _PLACEHOLDER) for name in declared]
-        dynamic, sizes, table = program.dynamic, {}, None
+        # was left out gets a placeholder nothing reads), then an output array per output slot.
+        buffers = [bound.get(name, _PLACEHOLDER) for name in program.graph.inputs]
+        dynamic, table = program.dynamic, None
         arena_bytes = program.arena_bytes
-        if dynamic is not None:  # symbolic dimensions: sizes from the inputs, scratch sized for them
-            sizes = symbol_sizes(program.graph, bound, program.symbol_positions)
+        if dynamic is not None:  # symbolic dimensions: scratch sized for this call's sizes
             for check in program.call_checks:  # before any pointer reaches native code
                 check(sizes)
             table = dynamic.table(sizes)
             arena_bytes = dynamic.offset + int(table[-1]) * program.threads
+        outputs = self._outputs()
         for name in plan.buffer_names[len(buffers) :]:
             if name in program.call_buffers:  # e.g. a block map for this call's lengths
                 buffers.append(program.call_buffers[name](bound, sizes))
                 continue
             ty = program.output_types[name]
-            buffers.append(self._outputs().take(name, tuple(resolve_dims(ty.shape, sizes)), ty.dtype))
-        pointers = (ctypes.c_void_p * max(1, len(buffers)))(*(array.ctypes.data for array in buffers))
-        arena = self._arena(arena_bytes)
+            shape = ty.shape if ty.is_static else resolve_dims(ty.shape, sizes)
+            buffers.append(outputs.take(name, shape, ty.dtype))  # type: ignore[arg-type]
+        pointers = (ctypes.c_void_p * max(1, len(buffers)))(*map(data_address, buffers))
+        arena, arena_address = self._arena(arena_bytes)
         if table is not None:
             start = program.call_data_offset
             arena[start : start + table.nbytes] = table.view(np.uint8)
         for data in program.call_data:  # per-call block maps, from the validated inputs
             start = program.call_data_offset + data.offset
             arena[start : start + data.nbytes] = data.fill(bound).reshape(-1).view(np.uint8)
-        program.entry(ctypes.addressof(pointers), arena.ctypes.data)
+        program.entry(ctypes.addressof(pointers), arena_address)
         return {
             name: buffers[slot] if name in plan.owned_outputs else buffers[slot].copy()
             for name, slot in plan.output_slots.items()
@@ -392,16 +393,19 @@ class Executable:
             pool = self._arenas.outputs = OutputPool()
         return pool
 
-    def _arena(self, nbytes: int) -> np.ndarray:
-        """A per-Python-thread arena, reused across calls: concurrent calls never share one."""
-        arena = getattr(self._arenas, "buffer", None)
-        if arena is None or arena.nbytes < nbytes + 64:
+    def _arena(self, nbytes: int) -> tuple[np.ndarray, int]:
+        """A per-Python-thread arena, reused across calls (concurrent calls never share one): its
+        first ``nbytes`` bytes, 64-byte aligned, and their address."""
+        held = getattr(self._arenas, "buffer", None)
+        if held is None or held.nbytes < nbytes + 64:
             # Grown by half again at least: a decode loop's scratch grows a little every step.
-            grown = nbytes if arena is None else max(nbytes, arena.nbytes * 3 // 2)
-            arena = np.empty(max(grown, 64) + 64, dtype=np.uint8)
-            self._arenas.buffer = arena
-        offset = (-arena.ctypes.data) % 64
-        return arena[offset : offset + max(nbytes, 1)]
+            grown = nbytes if held is None else max(nbytes, held.nbytes * 3 // 2)
+            held = np.empty(max(grown, 64) + 64, dtype=np.uint8)
+            self._arenas.buffer = held
+            self._arenas.offset = (-data_address(held)) % 64
+        offset = self._arenas.offset
+        arena = held[offset : offset + max(nbytes, 1)]
+        return arena, data_address(held) + offset
 
     def __reduce__(self) -> tuple[object, tuple[object, ...]]:
         """Pickles as the graph, its passes and config, and the machine code: loading links that
@@ -430,6 +434,20 @@ class Executable:
 
 
 _PLACEHOLDER = np.zeros(16, dtype=np.float32)  # the buffer of an input no output reads
+
+
+def data_address(array: np.ndarray) -> int:
+    """The address of a C-contiguous array's first element.
+
+    Through the buffer protocol (``ctypes`` over the array's memory), which costs 0.5 µs where
+    ``array.ctypes.data`` costs 2.5: a call hands native code one address per input and output,
+    and on a decode step that was a fifth of the call. Read-only memory cannot be exported that
+    way, so it takes ``array.ctypes.data``.
+    """
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(array))  # type: ignore[arg-type]
+    except (TypeError, ValueError, BufferError):  # read-only, or empty
+        return int(array.ctypes.data)
 
 
 def _unused_inputs(graph: Graph) -> frozenset[str]:

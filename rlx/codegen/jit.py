@@ -19,6 +19,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import llvmlite
 import llvmlite.binding as llvm
@@ -189,23 +190,44 @@ def compile_ir(llvm_ir: str, prebuilt: Mapping[str, bytes] | None = None) -> Com
 
 
 def _load(object_code: bytes, llvm_ir: str, optimized_ir: str | None, times: dict[str, float]) -> CompiledLibrary:
-    """Link object code into the JIT with BLAS and pthread symbols imported by address."""
-    state = jit_state()
+    """Link object code into the JIT with BLAS, pthread and thread-pool symbols imported by address."""
+    from rlx.codegen.pool import pool_symbols
+
     start = time.perf_counter()
-    library = llvm.JITLibraryBuilder().add_object_img(object_code).add_current_process()
-    library.import_symbol(SGEMM, load_blas().sgemm_address)
-    library.import_symbol(SGEMV, load_blas().sgemv_address)
-    library.import_symbol(SET_THREADS, load_blas().set_threads_address)
-    for name in _IMPORTED_LIBC:
-        library.import_symbol(name, libc_symbol(name))
-    library.export_symbol(ENTRY)
-    with _lock:
-        try:
-            tracker = library.link(state.lljit, f"rlx_lib_{next(_library_ids)}")
-        except RuntimeError as exc:
-            raise RlxError(f"linking the generated code failed: {exc}") from exc
+    imports = {SGEMM: load_blas().sgemm_address, SGEMV: load_blas().sgemv_address}
+    imports[SET_THREADS] = load_blas().set_threads_address
+    imports |= {name: libc_symbol(name) for name in _IMPORTED_LIBC}
+    imports |= pool_symbols()
+    tracker = _link(object_code, imports, (ENTRY,))
     times["link"] = time.perf_counter() - start
     return CompiledLibrary(tracker[ENTRY], tracker, llvm_ir, object_code, times, optimized_ir)
+
+
+def _link(object_code: bytes, imports: Mapping[str, int], exports: tuple[str, ...]) -> Any:
+    """Link one object into the process's JIT; its resource tracker (indexable by export name)."""
+    library = llvm.JITLibraryBuilder().add_object_img(object_code).add_current_process()
+    for name, address in imports.items():
+        library.import_symbol(name, address)
+    for name in exports:
+        library.export_symbol(name)
+    with _lock:
+        try:
+            return library.link(jit_state().lljit, f"rlx_lib_{next(_library_ids)}")
+        except RuntimeError as exc:
+            raise RlxError(f"linking the generated code failed: {exc}") from exc
+
+
+_runtimes: list[object] = []  # runtime libraries: linked once, never freed
+
+
+def link_runtime(llvm_ir: str, libc: tuple[str, ...], exports: tuple[str, ...]) -> dict[str, int]:
+    """Compile and link a module of the rlx runtime (its thread pool) for the life of the process:
+    the addresses of its ``exports``."""
+    with _lock:
+        object_code = jit_state().target_machine.emit_object(_optimized_module(llvm_ir))
+        tracker = _link(object_code, {name: libc_symbol(name) for name in libc}, exports)
+        _runtimes.append(tracker)
+    return {name: int(tracker[name]) for name in exports}
 
 
 _MAGIC = b"rlx-object-v1\n"

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from rlx.codegen.irutil import I8, I32, I64, PTR, VOID, alloca_entry, declare, for_range, gep, i32, i64
+from rlx.codegen.pool import declare_pool
 
 BARRIER_BYTES = 128  # >= sizeof(pthread_barrier_t) on every glibc target (32 on x86-64)
 
@@ -89,32 +90,56 @@ def emit_team(
     b.store(i32(1), members)
     threads, spawned = _team_size(b, steps, threads)
     if threads > 1:
-        create = declare(module, "pthread_create", I32, [PTR, PTR, PTR, PTR])
-        join = declare(module, "pthread_join", I32, [I64, PTR])
-        thread_main = _emit_thread_main(module, team)
-        handles = alloca_entry(b, I64, "handles", threads)
-        created = alloca_entry(b, I8, "created", threads)
-        thread_args = alloca_entry(b, _THREAD_ARG, "thread.args", threads)
-        with for_range(b, 1, spawned, "t") as t:
-            arg = gep(b, thread_args, [t], _THREAD_ARG)
-            b.store(shared, _field(b, _THREAD_ARG, arg, 0))
-            b.store(t, _field(b, _THREAD_ARG, arg, 1))
-            status = b.call(create, [gep(b, handles, [t], I64), ir.Constant(PTR, None), thread_main, arg])
-            ok = b.icmp_signed("==", status, i32(0))
-            b.store(b.zext(ok, I8), gep(b, created, [t], I8))
-            b.store(b.add(b.load(members, typ=I32), b.zext(ok, I32)), members)
-        b.call(init, [barrier, ir.Constant(PTR, None), b.load(members, typ=I32)])
-        b.store_atomic(i32(1), ready, "release", 4)
-        b.call(team, [shared, i64(0)])
-        with for_range(b, 1, spawned, "t.join") as t:
-            flag = b.load(gep(b, created, [t], I8), typ=I8)
-            with b.if_then(b.icmp_unsigned("!=", flag, ir.Constant(I8, 0))):
-                b.call(join, [b.load(gep(b, handles, [t], I64), typ=I64), ir.Constant(PTR, None)])
+        acquire, run = declare_pool(module)
+        pooled = b.call(acquire, [b.trunc(spawned, I32)], name="pooled")
+        with b.if_else(b.icmp_signed("!=", pooled, i32(0))) as (from_pool, own_threads):
+            with from_pool:  # the process's waiting workers (rlx.codegen.pool)
+                b.call(init, [barrier, ir.Constant(PTR, None), pooled])
+                b.store_atomic(i32(1), ready, "release", 4)
+                b.call(run, [team, shared, pooled])
+            with own_threads:  # another thread's call holds the pool: start a team for this call
+                _start_and_join(module, b, team, shared, threads, spawned, members, init, barrier, ready)
     else:
         b.call(init, [barrier, ir.Constant(PTR, None), i32(1)])
         b.store_atomic(i32(1), ready, "release", 4)
         b.call(team, [shared, i64(0)])
     b.call(destroy, [barrier])
+
+
+def _start_and_join(
+    module: ir.Module,
+    b: ir.IRBuilder,
+    team: ir.Function,
+    shared: ir.Value,
+    threads: int,
+    spawned: ir.Value,
+    members: ir.Value,
+    init: ir.Function,
+    barrier: ir.Value,
+    ready: ir.Value,
+) -> None:
+    """Start members 1.. with ``pthread_create``, run member 0 here, join them."""
+    create = declare(module, "pthread_create", I32, [PTR, PTR, PTR, PTR])
+    join = declare(module, "pthread_join", I32, [I64, PTR])
+    thread_main = _emit_thread_main(module, team)
+    handles = alloca_entry(b, I64, "handles", threads)
+    created = alloca_entry(b, I8, "created", threads)
+    thread_args = alloca_entry(b, _THREAD_ARG, "thread.args", threads)
+    with for_range(b, 1, spawned, "t") as t:
+        arg = gep(b, thread_args, [t], _THREAD_ARG)
+        b.store(shared, _field(b, _THREAD_ARG, arg, 0))
+        b.store(t, _field(b, _THREAD_ARG, arg, 1))
+        status = b.call(create, [gep(b, handles, [t], I64), ir.Constant(PTR, None), thread_main, arg])
+        ok = b.icmp_signed("==", status, i32(0))
+        b.store(b.zext(ok, I8), gep(b, created, [t], I8))
+        b.store(b.add(b.load(members, typ=I32), b.zext(ok, I32)), members)
+    b.call(init, [barrier, ir.Constant(PTR, None), b.load(members, typ=I32)])
+    b.store_atomic(i32(1), ready, "release", 4)
+    b.call(team, [shared, i64(0)])
+    with for_range(b, 1, spawned, "t.join") as t:
+        flag = b.load(gep(b, created, [t], I8), typ=I8)
+        with b.if_then(b.icmp_unsigned("!=", flag, ir.Constant(I8, 0))):
+            b.call(join, [b.load(gep(b, handles, [t], I64), typ=I64), ir.Constant(PTR, None)])
 
 
 def _team_size(b: ir.IRBuilder, steps: list[Step], threads: int) -> tuple[int, ir.Value]:

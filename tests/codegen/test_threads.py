@@ -217,3 +217,61 @@ def test_no_thread_is_started_for_a_call_with_one_item_per_step() -> None:
     for rows in (1, 3, 700):
         values = np.random.default_rng(rows).uniform(-1, 1, (rows, 1024)).astype(np.float32)
         np.testing.assert_allclose(exe(x=values)["y"], np.exp(values) * 2, rtol=1e-6)
+
+
+def _native_threads() -> int:
+    """Threads of this process as the OS sees them (Python's and native ones)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_calls_reuse_the_pools_workers() -> None:
+    """A call's team comes from the process's pool: after the first call, a thousand calls of
+    two executables start no thread, and results stay bit-identical to one thread."""
+    wide = Graph("pooled")
+    x = wide.input("x", (64, 1024))
+    wide.output(y=wide.exp(x) * 2.0)
+    exes = [rlx.compile(wide, config=RuntimeConfig(num_threads=n)) for n in (2, 3)]
+    assert "rlx_pool_acquire" in exes[0].llvm_ir
+    one = rlx.compile(wide, config=RuntimeConfig(num_threads=1))
+    values = np.random.default_rng(5).uniform(-2, 2, (64, 1024)).astype(np.float32)
+    want = one(x=values)["y"]
+    for exe in exes:
+        exe(x=values)
+    before = _native_threads()
+    for _ in range(500):
+        for exe in exes:
+            assert np.array_equal(exe(x=values)["y"], want)
+    assert _native_threads() == before
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_gets_a_pool_of_its_own() -> None:
+    """The parent's workers do not exist in a child made by fork: the child's calls must start
+    their own instead of waiting for them forever."""
+    import time
+
+    graph = multi_graph(CASE, wrts=(Wrt.ALL,), name="forked")
+    exe = rlx.compile(graph, config=RuntimeConfig(num_threads=2))
+    arrays = case_inputs(CASE, np.random.default_rng(11))
+    want = exe(**arrays)  # the pool's workers are running now
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the child
+        ok = True
+        try:
+            for _ in range(5):
+                got = exe(**arrays)
+                ok = ok and all(np.array_equal(got[name], value) for name, value in want.items())
+        finally:
+            os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 120
+    while True:
+        pid, status = os.waitpid(child, os.WNOHANG)
+        if pid:
+            break
+        if time.monotonic() > deadline:
+            os.kill(child, 9)
+            os.waitpid(child, 0)
+            pytest.fail("the forked child hung in a threaded call")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child's results differ"
