@@ -1,14 +1,15 @@
 """One parallel region per call: a team of native threads runs every kernel of the call in turn.
 
-The entry function starts ``threads - 1`` pthreads once and works on the calling thread too.
-Every member runs the same step list (``team``): for each kernel it takes the next item from
-that kernel's atomic counter until none is left, then waits at a barrier, so the next kernel
-sees all of this one's results. A *serial* step (one BLAS call on OpenBLAS's own threads, the
-embedding scatter-add) runs on member 0 while the others sleep in the barrier, leaving their
-cores to OpenBLAS. Every item is computed by exactly one thread with the same code, so results
-do not depend on which thread ran it: the output is bit-identical for any thread count. If a
-thread cannot be created, the barrier is sized for the members that exist (they are released
-only once it is), and the others take its share.
+The team is the process's pool of waiting workers (:mod:`rlx.codegen.pool`) plus the calling
+thread; when another Python thread's call holds the pool, the entry function starts its own
+``threads - 1`` pthreads for the call and joins them after. Every member runs the same step
+list (``team``): for each kernel it takes the next item from that kernel's atomic counter until
+none is left, then waits at a barrier, so the next kernel sees all of this one's results. A
+*serial* step (one BLAS call on OpenBLAS's own threads, the embedding scatter-add) runs on
+member 0 while the others sleep in the barrier, leaving their cores to OpenBLAS. Every item is
+computed by exactly one thread with the same code, so results do not depend on which thread ran
+it: the output is bit-identical for any thread count. If a thread cannot be created, the
+barrier is sized for the members that exist, and they take its share.
 """
 
 from __future__ import annotations
@@ -145,9 +146,9 @@ def _start_and_join(
 def _team_size(b: ir.IRBuilder, steps: list[Step], threads: int) -> tuple[int, ir.Value]:
     """``(most members, members to start)``: no more than the widest step has items.
 
-    A member that finds no item only costs its start and join, 35-60 us on the benchmark host:
-    more than a small call's whole work (a 16-element graph ran 2.8x faster on one thread). With
-    item counts known only per call, the count is computed at run time.
+    A member that finds no item only costs its wake-up (from the pool) or its start and join
+    (35-60 us on the benchmark host, more than a small call's whole work). With item counts
+    known only per call, the count is computed at run time.
     """
     counts = [1 if step.serial else step.items for step in steps]
     if all(isinstance(count, int) for count in counts):
