@@ -5,10 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers import Case, build_graph, make_inputs
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import rlx
 from rlx import Graph
-from rlx.bind import bind_inputs
+from rlx.bind import InputBinder, bind_inputs, symbol_sizes
 from rlx.reference import run
 
 SHAPES = {"x": (2, 3, 4), "pad": (2, 5), "ids": (3,)}
@@ -247,3 +249,70 @@ def test_non_contiguous_inputs_give_the_same_attention(rng: np.random.Generator)
     got = run(g, **views)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name])
+
+
+# ----------------------------------------------------------------------------- InputBinder
+
+_DECLARED = {"a": ("n", 3), "b": (2, "n", "m"), "c": (4,), "ids": ("m",)}
+
+
+def _binder_graph() -> Graph:
+    g = Graph("binder")
+    for name, shape in _DECLARED.items():
+        g.input(name, shape, dtype="int64" if name == "ids" else "float32")
+    return g
+
+
+@st.composite
+def _calls(draw: st.DrawFn) -> dict[str, object]:
+    """Mostly good calls, each with a chance of one thing wrong or unusual."""
+    sizes = {"n": draw(st.integers(1, 4)), "m": draw(st.integers(1, 4))}
+    arrays: dict[str, object] = {}
+    for name, shape in _DECLARED.items():
+        dims = tuple(sizes[d] if isinstance(d, str) else d for d in shape)
+        dtype = np.int64 if name == "ids" else np.float32
+        array = np.zeros(dims, dtype=dtype)
+        twist = draw(
+            st.sampled_from(["none"] * 6 + ["dtype", "shape", "strided", "readonly", "list", "swapped", "omit"])
+        )
+        if twist == "dtype":
+            array = array.astype(np.float64)
+        elif twist == "shape":
+            array = np.zeros((*dims, 1), dtype=dtype)
+        elif twist == "strided":
+            array = np.zeros((*dims[:-1], 2 * dims[-1]), dtype=dtype)[..., ::2]
+        elif twist == "readonly":
+            array.setflags(write=False)
+        elif twist == "swapped":
+            array = array.astype(np.dtype(dtype).newbyteorder())
+        if twist == "omit":
+            continue
+        arrays[name] = array.tolist() if twist == "list" else array
+    if draw(st.booleans()) and draw(st.booleans()):
+        arrays["extra"] = np.zeros(1, np.float32)
+    return arrays
+
+
+@settings(max_examples=300, deadline=None)
+@given(_calls())
+def test_input_binder_agrees_with_bind_inputs(arrays: dict[str, object]) -> None:
+    """Whatever the call, InputBinder binds exactly what bind_inputs + symbol_sizes bind (the same
+    array objects where no conversion is needed) or raises the same error."""
+    graph = _binder_graph()
+    try:
+        want = bind_inputs(graph, arrays)
+        want_sizes = symbol_sizes(graph, want)
+    except rlx.RlxError as expected:
+        with pytest.raises(type(expected)) as info:
+            InputBinder(graph)(arrays)
+        assert str(info.value) == str(expected)
+        return
+    got, sizes = InputBinder(graph)(arrays)
+    assert sizes == want_sizes
+    assert list(got) == list(want)
+    for name, array in want.items():
+        if array is arrays[name]:
+            assert got[name] is array
+        else:
+            assert np.array_equal(got[name], array) and got[name].dtype == array.dtype
+            assert got[name].flags.c_contiguous
