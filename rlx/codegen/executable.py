@@ -2,8 +2,9 @@
 
 An equal graph compiled twice with the same passes, config and thread count reuses the first
 compilation from an in-process cache (keyed on the printed graph, which spells out every shape,
-attribute and name). Calling the executable validates every input with ``bind_inputs`` before
-any pointer reaches native code, then makes ONE native call that releases the GIL.
+attribute and name). Calling the executable validates every input (``rlx.bind.InputBinder``: one
+quick pass for arrays that need nothing, else ``bind_inputs``) before any pointer reaches native
+code, then makes ONE native call that releases the GIL.
 """
 
 from __future__ import annotations
