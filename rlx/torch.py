@@ -61,12 +61,14 @@ def _check_tensor(tensor: object, name: str, kinds: str = "float") -> torch.Tens
 
 def _array(tensor: torch.Tensor) -> np.ndarray:
     """A float32 (or int/bool) NumPy view of a CPU tensor: no copy when it is contiguous float32."""
-    x = tensor.detach()
-    if x.is_floating_point():
-        x = x.float()  # a no-op for float32; half precisions are computed in float32
+    x = tensor.detach() if tensor.requires_grad else tensor
+    if x.dtype == torch.float32:
+        pass  # the common case: each call below costs a microsecond even when it does nothing
+    elif x.is_floating_point():
+        x = x.float()  # half precisions are computed in float32
     elif x.dtype not in (torch.int32, torch.int64, torch.bool):
         x = x.to(torch.int64)  # int8/int16/uint8 index tensors
-    return x.contiguous().numpy()  # contiguous() is a no-op (no copy) for contiguous tensors
+    return (x if x.is_contiguous() else x.contiguous()).numpy()
 
 
 def _tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
