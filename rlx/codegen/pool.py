@@ -10,7 +10,7 @@ Waiting is a short spin (a loop of calls finds the workers still awake), then sl
 condition variable (an idle process burns nothing). The pool serves one call at a time: a call
 made while another Python thread's call holds it gets 0 from ``rlx_pool_acquire`` and starts
 its own threads, the old way. A child made by ``os.fork`` has none of the parent's workers, so
-the pool is reset in it (:func:`_after_fork`).
+the pool is reset in it (``rlx_pool_after_fork``, registered with ``os.register_at_fork``).
 
 The runtime is one small LLVM module written out below, compiled and linked once per process;
 generated code imports its two functions by address, like BLAS.
