@@ -541,6 +541,8 @@ def _sdpa_batched(
         if any(size != 1 for size in mask.shape[:-3]):
             mask = mask.expand(*leading, *mask.shape[-3:])
         mask = mask.reshape(-1, *mask.shape[-3:])
+    if q.shape[-1] == 0:
+        raise RlxValueError(f"scaled_dot_product_attention: query and key have head dim 0 ({tuple(q.shape)})")
     if 0 in q4.shape or 0 in k4.shape or 0 in v4.shape:
         out = _sdpa_empty(q4, k4, v4, scale)
     else:
@@ -550,8 +552,9 @@ def _sdpa_batched(
 
 
 def _sdpa_empty(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
-    """Attention with no queries or no keys, in torch's own terms: there is nothing to compute (no
-    keys give zeros), and autograd still connects the result to every input."""
+    """Attention with no queries, no keys or no batch, in torch's own terms: there is nothing to
+    compute (no keys give zeros; a mask has no entries to apply), and autograd still connects
+    the result to every input."""
     factor = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return torch.softmax(q @ k.transpose(-1, -2) * factor, dim=-1) @ v
 
