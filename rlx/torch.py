@@ -749,6 +749,10 @@ def _indexed(mask: torch.Tensor, combine: Callable[..., Any], with_score: bool =
 
     def pick(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         index = tuple(0 if size == 1 else sym for size, sym in zip(mask.shape, (b, h, q_idx, kv_idx), strict=True))
+        if all(size == 1 for size in mask.shape):
+            # Indexed by numbers only, torch would read the value now and the trace would bake it
+            # in, while SDPA's plans are reused for every mask of this shape: index by a symbol.
+            index = (b * 0, *index[1:])
         return mask[index]
 
     if with_score:

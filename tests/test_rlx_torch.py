@@ -170,6 +170,22 @@ def test_sdpa_with_no_queries_or_no_keys_is_torchs_result(sq: int, sk: int) -> N
     assert all(g is None or not g.any() for g in grads)
 
 
+def test_sdpa_masks_of_one_element_are_read_every_call() -> None:
+    """A mask whose every dim is 1 applies one value to all scores. SDPA's traced plans are reused
+    for every mask of a shape, so the value must be read per call, not baked into the trace."""
+    q, k, v = (t.detach() for t in qkv(sq=5, sk=7))
+    for value in (True, False, True):
+        mask = torch.full((1, 1), value)
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        assert_close(rt.scaled_dot_product_attention(q, k, v, attn_mask=mask), torch.nan_to_num(want))
+    for value in (0.5, -3.0):
+        mask = torch.full((1, 1, 1, 1), value)
+        assert_close(
+            rt.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+        )
+
+
 def test_float_mask_gets_its_gradient() -> None:
     q, k, v = qkv()
     bias = torch.randn(1, 4, 29, 29, requires_grad=True)
