@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import rlx
 from rlx import Graph
@@ -553,3 +555,48 @@ def test_flex_random_calls_match_float64_math(seed: int) -> None:
     assert bool((lse[~visible] == float("-inf")).all())  # a row with no visible key: lse = -inf
     for g, w in zip(torch.autograd.grad(out, ours, dy.float()), want_grads, strict=True):
         assert_close(g, w, tol=1e-4)
+
+
+@st.composite
+def _forward_graphs(draw: st.DrawFn) -> tuple[Graph, int]:
+    from fuzz_graphs import _build
+
+    g, outputs = _build(draw)
+    g.output(**{f"y{i}": value for i, value in enumerate(outputs)})
+    return g, draw(st.integers(0, 2**31))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(_forward_graphs())
+def test_compiled_random_graphs_as_torch_functions(case: tuple[Graph, int]) -> None:
+    """rt.compile of random graphs (the codegen fuzzer's): outputs, and the gradients torch's
+    autograd gets for random cotangents, against the float64 reference of the graph and of
+    rlx.grad of sum_i <y_i, dy_i> (built here independently of rt.compile's own)."""
+    g, seed = case
+    rng = np.random.default_rng(seed)
+    arrays = {name: rng.uniform(-1.5, 1.5, v.shape).astype(np.float32) for name, v in g.inputs.items()}
+    cotangents = {name: rng.uniform(-1, 1, v.shape).astype(np.float32) for name, v in g.outputs.items()}
+    tensors = {name: torch.from_numpy(a.copy()).requires_grad_(True) for name, a in arrays.items()}
+    got = rt.compile(g)(**tensors)
+    torch.autograd.backward([got[n] for n in cotangents], [torch.from_numpy(c) for c in cotangents.values()])
+
+    want = rlx.reference.run(g, **arrays)
+    grad_graph = g.copy()
+    dys = {name: grad_graph.input(f"dy_{name}", v.shape) for name, v in grad_graph.outputs.items()}
+    total = None
+    for name, value in grad_graph.outputs.items():
+        term = grad_graph.sum(value * dys[name])
+        total = term if total is None else total + term
+    xs = list(grad_graph.inputs.values())[: len(arrays)]
+    grads = rlx.grad(grad_graph, total, xs)
+    for name in list(grad_graph.outputs):
+        grad_graph.remove_output(name)
+    grad_graph.output(**{f"d_{x.node.attrs.name}": d for x, d in zip(xs, grads, strict=True)})
+    want_grads = rlx.reference.run(grad_graph, **arrays, **{f"dy_{n}": c for n, c in cotangents.items()})
+    scale = max(1.0, *(float(np.max(np.abs(w))) for w in (*want.values(), *want_grads.values()) if w.size))
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name].detach().numpy(), value, rtol=2e-4, atol=2e-5 * scale, err_msg=name)
+    for name, tensor in tensors.items():
+        np.testing.assert_allclose(
+            tensor.grad.numpy(), want_grads[f"d_{name}"], rtol=2e-4, atol=2e-5 * scale, err_msg=f"d_{name}\n{g}"
+        )
