@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -379,6 +380,15 @@ class _FlexFunction(torch.autograd.Function):
         return tuple(result)
 
 
+def _check_scale(scale: object, where: str) -> float | None:
+    """``scale`` as a float (None stays None); anything but a real number is an RlxTypeError."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise RlxTypeError(f"{where}: scale must be a number (or None for 1/sqrt(D)), got {type(scale).__name__}")
+    return float(scale)
+
+
 def flex_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -405,6 +415,7 @@ def flex_attention(
     q = _check_tensor(query, "query")
     k = _check_tensor(key, "key")
     v = _check_tensor(value, "value")
+    scale = _check_scale(scale, "flex_attention")
     for name, t in (("query", q), ("key", k), ("value", v)):
         if t.ndim != 4:
             raise RlxValueError(f"flex_attention: {name} must be [B, H, S, D], got shape {tuple(t.shape)}")
@@ -479,6 +490,7 @@ def scaled_dot_product_attention(
     q = _check_tensor(query, "query")
     k = _check_tensor(key, "key")
     v = _check_tensor(value, "value")
+    scale = _check_scale(scale, "scaled_dot_product_attention")
     mask = None if attn_mask is None else _check_tensor(attn_mask, "attn_mask", kinds="any")
     if mask is not None and mask.dtype != torch.bool and not mask.is_floating_point():
         raise RlxTypeError(f"scaled_dot_product_attention: attn_mask must be bool or float, got {mask.dtype}")

@@ -359,6 +359,16 @@ def test_contiguous_float32_output_is_not_copied() -> None:
             "attn_mask must be bool or float",
         ),
         (
+            lambda q, k, v: rt.scaled_dot_product_attention(q, k, v, scale="0.5"),
+            rlx.RlxTypeError,
+            "scale must be a number",
+        ),
+        (
+            lambda q, k, v: rt.flex_attention(q, k, v, scale=[0.5]),
+            rlx.RlxTypeError,
+            "scale must be a number",
+        ),
+        (
             lambda q, k, v: rt.scaled_dot_product_attention(q, k[:1, :1], v),
             rlx.RlxValueError,
             "key has 1 heads and value 4",
