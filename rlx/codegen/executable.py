@@ -75,7 +75,6 @@ class Program:
     call_data: tuple[CallData, ...] = ()  # per-call block maps, written into the arena
     call_data_offset: int = 0
     arena_bytes: int = 0  # arena proper plus call data (plus timings in a profiling build)
-    unused_inputs: frozenset[str] = frozenset()  # declared inputs no output needs: optional at call time
     source: str = ""  # the graph as given, for pickling
     pass_names: tuple[str, ...] | None = None
     options: CodegenOptions = field(default_factory=CodegenOptions)
@@ -252,12 +251,11 @@ def _build(
         lowered.call_data,
         lowered.call_data_offset,
         arena_bytes,
-        _unused_inputs(working),
         str(graph),
         pass_names,
         options,
         lowered.dynamic,
-        InputBinder(working, _unused_inputs(working)),
+        InputBinder(working, _unused_inputs(working)),  # inputs no output needs are optional
         lowered.call_buffers,
         call_checks(working),
     )
@@ -402,11 +400,12 @@ class Executable:
             # Grown by half again at least: a decode loop's scratch grows a little every step.
             grown = nbytes if held is None else max(nbytes, held.nbytes * 3 // 2)
             held = np.empty(max(grown, 64) + 64, dtype=np.uint8)
+            address = data_address(held)
             self._arenas.buffer = held
-            self._arenas.offset = (-data_address(held)) % 64
+            self._arenas.offset = (-address) % 64
+            self._arenas.address = address + self._arenas.offset
         offset = self._arenas.offset
-        arena = held[offset : offset + max(nbytes, 1)]
-        return arena, data_address(held) + offset
+        return held[offset : offset + max(nbytes, 1)], self._arenas.address
 
     def __reduce__(self) -> tuple[object, tuple[object, ...]]:
         """Pickles as the graph, its passes and config, and the machine code: loading links that

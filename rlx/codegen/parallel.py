@@ -87,22 +87,24 @@ def emit_team(
 
     init = declare(module, "pthread_barrier_init", I32, [PTR, PTR, I32])
     destroy = declare(module, "pthread_barrier_destroy", I32, [PTR])
-    members = alloca_entry(b, I32, "members")
-    b.store(i32(1), members)
+
+    def start(members: ir.Value) -> None:
+        """Size the barrier for the members that exist, then let them run."""
+        b.call(init, [barrier, ir.Constant(PTR, None), members])
+        b.store_atomic(i32(1), ready, "release", 4)
+
     threads, spawned = _team_size(b, steps, threads)
     if threads > 1:
         acquire, run = declare_pool(module)
         pooled = b.call(acquire, [b.trunc(spawned, I32)], name="pooled")
         with b.if_else(b.icmp_signed("!=", pooled, i32(0))) as (from_pool, own_threads):
             with from_pool:  # the process's waiting workers (rlx.codegen.pool)
-                b.call(init, [barrier, ir.Constant(PTR, None), pooled])
-                b.store_atomic(i32(1), ready, "release", 4)
+                start(pooled)
                 b.call(run, [team, shared, pooled])
             with own_threads:  # another thread's call holds the pool: start a team for this call
-                _start_and_join(module, b, team, shared, threads, spawned, members, init, barrier, ready)
+                _start_and_join(module, b, team, shared, threads, spawned, start)
     else:
-        b.call(init, [barrier, ir.Constant(PTR, None), i32(1)])
-        b.store_atomic(i32(1), ready, "release", 4)
+        start(i32(1))
         b.call(team, [shared, i64(0)])
     b.call(destroy, [barrier])
 
@@ -114,15 +116,15 @@ def _start_and_join(
     shared: ir.Value,
     threads: int,
     spawned: ir.Value,
-    members: ir.Value,
-    init: ir.Function,
-    barrier: ir.Value,
-    ready: ir.Value,
+    start: Callable[[ir.Value], None],
 ) -> None:
-    """Start members 1.. with ``pthread_create``, run member 0 here, join them."""
+    """Start members 1.. with ``pthread_create``, ``start`` the ones that exist, run member 0
+    here, join them."""
     create = declare(module, "pthread_create", I32, [PTR, PTR, PTR, PTR])
     join = declare(module, "pthread_join", I32, [I64, PTR])
     thread_main = _emit_thread_main(module, team)
+    members = alloca_entry(b, I32, "members")
+    b.store(i32(1), members)
     handles = alloca_entry(b, I64, "handles", threads)
     created = alloca_entry(b, I8, "created", threads)
     thread_args = alloca_entry(b, _THREAD_ARG, "thread.args", threads)
@@ -134,8 +136,7 @@ def _start_and_join(
         ok = b.icmp_signed("==", status, i32(0))
         b.store(b.zext(ok, I8), gep(b, created, [t], I8))
         b.store(b.add(b.load(members, typ=I32), b.zext(ok, I32)), members)
-    b.call(init, [barrier, ir.Constant(PTR, None), b.load(members, typ=I32)])
-    b.store_atomic(i32(1), ready, "release", 4)
+    start(b.load(members, typ=I32))
     b.call(team, [shared, i64(0)])
     with for_range(b, 1, spawned, "t.join") as t:
         flag = b.load(gep(b, created, [t], I8), typ=I8)
