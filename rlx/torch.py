@@ -515,6 +515,8 @@ def _sdpa_batched(
     for name, t in (("query", q), ("key", k), ("value", v)):
         if t.ndim < 2:
             raise RlxValueError(f"scaled_dot_product_attention: {name} must be [..., S, D], got shape {tuple(t.shape)}")
+    if q.shape[-1] == 0:
+        raise RlxValueError(f"scaled_dot_product_attention: query and key have head dim 0 ({tuple(q.shape)})")
     if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
         raise RlxValueError(
             "scaled_dot_product_attention: query and key need the same head dim and key and value the same "
@@ -553,8 +555,6 @@ def _sdpa_batched(
         if any(size != 1 for size in mask.shape[:-3]):
             mask = mask.expand(*leading, *mask.shape[-3:])
         mask = mask.reshape(-1, *mask.shape[-3:])
-    if q.shape[-1] == 0:
-        raise RlxValueError(f"scaled_dot_product_attention: query and key have head dim 0 ({tuple(q.shape)})")
     if 0 in q4.shape or 0 in k4.shape or 0 in v4.shape:
         out = _sdpa_empty(q4, k4, v4, scale)
     else:
@@ -610,14 +610,15 @@ def _sdpa(
             plan_key = symbolic_key
     cached = _sdpa_plans.get(plan_key)
     if cached is not None:
-        captured = [] if attn_mask is None else [_check_tensor(attn_mask, "attn_mask", kinds="any")]
-        captured = [c.reshape((1,) * (4 - c.ndim) + tuple(c.shape)) for c in captured]
+        captured = (
+            [] if attn_mask is None else [attn_mask.reshape((1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape))]
+        )
         plan = _Plan(cached.graph, cached.forward, captured, cached.backward_exe, cached.config)
         out, _ = _FlexFunction.apply(plan, q, k, v, *captured)
         return out
     score_mod = mask_mod = None
-    if attn_mask is not None:
-        mask = _check_tensor(attn_mask, "attn_mask", kinds="any")
+    if attn_mask is not None:  # checked by scaled_dot_product_attention: a CPU tensor, bool or float
+        mask = attn_mask
         target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         try:
             torch.broadcast_shapes(mask.shape, target)
@@ -629,10 +630,8 @@ def _sdpa(
         full = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
         if mask.dtype == torch.bool:
             mask_mod = _indexed(full, lambda value, b, h, q_idx, kv_idx: value)
-        elif mask.is_floating_point():
-            score_mod = _indexed(full, lambda value, score, b, h, q_idx, kv_idx: score + value, with_score=True)
         else:
-            raise RlxTypeError(f"scaled_dot_product_attention: attn_mask must be bool or float, got {mask.dtype}")
+            score_mod = _indexed(full, lambda value, score, b, h, q_idx, kv_idx: score + value, with_score=True)
     if is_causal:  # with a mask as well, both apply (as torch does)
         mask_mod = _mods.causal if mask_mod is None else _mods.and_(mask_mod, _mods.causal)
     declared = None if mask_shape is None else {id(full): mask_shape}
@@ -725,7 +724,12 @@ def _fixed_forward(plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.
     """
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _FixedFunction.apply(plan, q, k, v)  # type: ignore[no-any-return]
-    result = plan.executable("forward", _attention_flops(q, k, v))(q=_array(q), k=_array(k), v=_array(v))
+    return _fixed_out(plan, q, k, v, _attention_flops(q, k, v))
+
+
+def _fixed_out(plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flops: float) -> torch.Tensor:
+    """The fixed-mask forward kernel's ``out``, in the query's dtype."""
+    result = plan.executable("forward", flops)(q=_array(q), k=_array(k), v=_array(v))
     return _tensor(result["out"], q.dtype)
 
 
@@ -733,11 +737,10 @@ class _FixedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
         flops = _attention_flops(q, k, v)
-        result = plan.executable("forward", flops)(q=_array(q), k=_array(k), v=_array(v))
         ctx.plan, ctx.flops = plan, flops
         ctx.save_for_backward(q, k, v)
         ctx.set_materialize_grads(False)
-        return _tensor(result["out"], q.dtype)
+        return _fixed_out(plan, q, k, v, flops)
 
     @staticmethod
     def backward(ctx: Any, d_out: torch.Tensor | None) -> Any:
