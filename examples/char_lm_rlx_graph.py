@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from char_lm_torch import REPO, Config, batches, load_text
+from char_lm_torch import train as train_steps
 
 import rlx.torch as rt
 from rlx.models import LMConfig, char_lm_logits, init_params
@@ -37,28 +37,17 @@ def build(config: Config) -> tuple[rt.CompiledGraph, dict[str, torch.nn.Paramete
 
 
 def train(data_path: Path, steps: int, seed: int = 0, config: Config | None = None) -> tuple[list[float], float]:
-    """AdamW over the batches; the loss of every step and the tokens/s of the steps after the
-    first (which compiles the graph and its gradient)."""
+    """AdamW over the batches (``char_lm_torch.train``): the loss of every step and the tokens/s
+    of the steps after the first (which compiles the graph and its gradient)."""
     ids, vocab = load_text(data_path)
     config = config or Config(vocab=vocab)
     f, weights = build(config)
-    optimizer = torch.optim.AdamW(weights.values(), lr=config.lr, weight_decay=0.01)
-    losses = []
-    data = batches(ids, config, steps, seed)
-    first = time.perf_counter()
-    for step, (tokens, targets) in enumerate(data):
-        loss = f(tokens=tokens.to(torch.int32), targets=targets.to(torch.int32), **weights)["loss"]
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-        if step == 0:
-            first = time.perf_counter()
-        if step % 10 == 0 or step == steps - 1:
-            print(f"  step {step:4d}  loss {losses[-1]:.4f}", flush=True)
-    elapsed = time.perf_counter() - first
-    tokens_total = sum(t.numel() for t, _ in data[1:])
-    return losses, tokens_total / elapsed if elapsed > 0 and tokens_total else 0.0
+
+    def loss_of(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return f(tokens=tokens.to(torch.int32), targets=targets.to(torch.int32), **weights)["loss"]
+
+    losses, rate, _ = train_steps(loss_of, weights.values(), batches(ids, config, steps, seed), config, sys.stdout)
+    return losses, rate
 
 
 def main() -> int:

@@ -19,7 +19,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,15 +124,20 @@ def batches(ids: np.ndarray, config: Config, steps: int, seed: int) -> list[tupl
 
 
 def train(
-    model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]], config: Config, log: Any = None
+    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    parameters: Iterable[nn.Parameter],
+    data: list[tuple[torch.Tensor, torch.Tensor]],
+    config: Config,
+    log: Any = None,
 ) -> tuple[list[float], float, float]:
-    """AdamW over the batches; returns the loss of every step, the tokens/s of the steps after the
-    first, and the first step's seconds (apart: with rlx attention it compiles the kernels)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.01)
+    """AdamW on ``parameters`` over the batches, minimising ``loss_of(tokens, targets)``; returns
+    the loss of every step, the tokens/s of the steps after the first, and the first step's
+    seconds (apart: with rlx attention it compiles the kernels)."""
+    optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=0.01)
     losses = []
     start = first = time.perf_counter()
     for step, (tokens, targets) in enumerate(data):
-        loss = model(tokens, targets)
+        loss = loss_of(tokens, targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -157,7 +162,7 @@ def compare(data_path: Path, steps: int, seed: int = 0, config: Config | None = 
         model = CharLM(config, attention)
         init_weights(model, seed)
         print(f"{label} attention:", flush=True)
-        runs[label] = train(model, data, config, log=sys.stdout)
+        runs[label] = train(model, model.parameters(), data, config, log=sys.stdout)
     rlx_losses, torch_losses = runs["rlx"][0], runs["torch"][0]
     worst = max(abs(a - b) / abs(b) for a, b in zip(rlx_losses, torch_losses, strict=True))
     return {
