@@ -194,8 +194,8 @@ def _load(object_code: bytes, llvm_ir: str, optimized_ir: str | None, times: dic
     from rlx.codegen.pool import pool_symbols
 
     start = time.perf_counter()
-    imports = {SGEMM: load_blas().sgemm_address, SGEMV: load_blas().sgemv_address}
-    imports[SET_THREADS] = load_blas().set_threads_address
+    blas = load_blas()
+    imports = {SGEMM: blas.sgemm_address, SGEMV: blas.sgemv_address, SET_THREADS: blas.set_threads_address}
     imports |= {name: libc_symbol(name) for name in _IMPORTED_LIBC}
     imports |= pool_symbols()
     tracker = _link(object_code, imports, (ENTRY,))
