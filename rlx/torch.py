@@ -335,6 +335,51 @@ def _plan_cache(graph: Graph, captured: list[torch.Tensor], config: rlx.RuntimeC
     return _Plan(graph, found[0], captured, found[1], config)
 
 
+class _SecondDerivative(torch.autograd.Function):
+    """The node behind gradients made with ``create_graph=True``: differentiating them raises."""
+
+    @staticmethod
+    def forward(ctx: Any, *grads: torch.Tensor) -> Any:
+        return tuple(grad.clone() for grad in grads)
+
+    @staticmethod
+    def backward(ctx: Any, *_: Any) -> Any:
+        raise RlxValueError(
+            "rlx.torch computes first derivatives only: a gradient of rlx attention (or of an rlx graph) made "
+            "with create_graph=True cannot be differentiated again"
+        )
+
+
+def _once_differentiable(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """An ``autograd.Function.backward`` that runs outside autograd, whose gradients raise when
+    differentiated again.
+
+    Like torch's ``once_differentiable``, except that the error does not depend on the incoming
+    gradients requiring grad: with ``create_graph=True`` on ``loss.sum()`` they do not, and torch's
+    decorator then hands back plain tensors, so a gradient penalty built on them would silently
+    get no second-order term. Here every gradient made with ``create_graph=True`` hangs off a
+    :class:`_SecondDerivative` node, and a backward through it is an error, as torch's own CPU
+    flash-attention backward is.
+    """
+
+    @functools.wraps(backward)
+    def wrapper(ctx: Any, *grads: Any) -> Any:
+        with torch.no_grad():
+            results = backward(ctx, *grads)
+        if not torch.is_grad_enabled():  # the usual backward: create_graph=False
+            return results
+        present = [i for i, r in enumerate(results) if isinstance(r, torch.Tensor) and r.is_floating_point()]
+        if not present:
+            return results
+        marked = _SecondDerivative.apply(*(results[i].detach().requires_grad_() for i in present))
+        out = list(results)
+        for i, tensor in zip(present, marked, strict=True):
+            out[i] = tensor
+        return tuple(out)
+
+    return wrapper
+
+
 class _FlexFunction(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -354,6 +399,7 @@ class _FlexFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @_once_differentiable
     def backward(ctx: Any, d_out: torch.Tensor | None, d_lse: torch.Tensor | None) -> Any:
         plan: _Plan = ctx.plan
         needs = ctx.needs_input_grad[1:]
@@ -743,6 +789,7 @@ class _FixedFunction(torch.autograd.Function):
         return _fixed_out(plan, q, k, v, flops)
 
     @staticmethod
+    @_once_differentiable
     def backward(ctx: Any, d_out: torch.Tensor | None) -> Any:
         q, k, v = ctx.saved_tensors
         if d_out is None:
@@ -853,6 +900,7 @@ class _GraphFunction(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
+    @_once_differentiable
     def backward(ctx: Any, *cotangents: torch.Tensor | None) -> Any:
         compiled: CompiledGraph = ctx.compiled
         exe = compiled.backward_executable()

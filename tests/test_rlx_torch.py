@@ -610,3 +610,30 @@ def test_compiled_random_graphs_as_torch_functions(case: tuple[Graph, int]) -> N
         np.testing.assert_allclose(
             tensor.grad.numpy(), want_grads[f"d_{name}"], rtol=2e-4, atol=2e-5 * scale, err_msg=f"d_{name}\n{g}"
         )
+
+
+def _sdpa_sum(q: Any, k: Any, v: Any) -> Any:
+    return rt.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+
+def _flex_sum(q: Any, k: Any, v: Any) -> Any:
+    return rt.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s * 0.5).sum()
+
+
+def _graph_sum(q: Any, k: Any, v: Any) -> Any:
+    g = Graph("g")
+    x = g.input("x", tuple(q.shape))
+    g.output(y=g.sum(g.tanh(x) * x))
+    return rt.compile(g)(x=q)["y"]
+
+
+@pytest.mark.parametrize("loss", [_sdpa_sum, _flex_sum, _graph_sum], ids=["sdpa", "flex", "graph"])
+def test_create_graph_gives_the_same_gradient_and_a_second_derivative_is_a_clear_error(loss: Any) -> None:
+    """With create_graph=True (a gradient penalty) the first derivative is unchanged, and
+    differentiating it again raises instead of silently adding no second-order term."""
+    q, k, v = qkv(sq=8, sk=8, d=4)
+    (plain,) = torch.autograd.grad(loss(q, k, v), [q])
+    (graphed,) = torch.autograd.grad(loss(q, k, v), [q], create_graph=True)
+    assert torch.equal(plain, graphed) and graphed.requires_grad
+    with pytest.raises(rlx.RlxError, match="first derivatives only"):
+        (graphed * graphed).sum().backward()

@@ -62,6 +62,15 @@ class Value:
         return self.type.dtype
 
     @property
+    def ndim(self) -> int:
+        return len(self.type.shape)
+
+    @property
+    def T(self) -> Value:
+        """The axes reversed, as ``ndarray.T``: a transpose node (a view once compiled)."""
+        return self.graph.transpose(self, tuple(reversed(range(self.ndim))))
+
+    @property
     def graph(self) -> Graph:
         return self.node.graph
 
@@ -110,6 +119,12 @@ class Value:
 
     def __neg__(self) -> Value:
         return self.graph.neg(self)
+
+    def __pos__(self) -> Value:
+        return self
+
+    def __abs__(self) -> Value:
+        return self.graph.abs(self)
 
     # Ordering comparisons build bool values, as on torch tensors. ``==`` stays identity (Values
     # are dict keys); use ``g.equal`` for the elementwise comparison.

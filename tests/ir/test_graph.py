@@ -497,6 +497,19 @@ def test_verify_reports_a_node_whose_op_is_not_an_op_kind() -> None:
         g.verify()
 
 
+def test_value_attributes_and_operators_a_numpy_user_reaches_for() -> None:
+    g = Graph("t")
+    x = g.input("x", (2, 3, 4))
+    assert x.ndim == 3 and x.T.shape == (4, 3, 2) and +x is x
+    flat = g.reshape(x, (6, 4))
+    g.output(t=x.T, a=abs(x), m=flat.T @ flat)
+    arrays = {"x": np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)}
+    got = rlx.compile(g)(**arrays)
+    np.testing.assert_array_equal(got["t"], arrays["x"].T)
+    np.testing.assert_array_equal(got["a"], np.abs(arrays["x"]))
+    np.testing.assert_allclose(got["m"], arrays["x"].reshape(6, 4).T @ arrays["x"].reshape(6, 4), rtol=1e-5, atol=1e-5)
+
+
 def test_value_repr_survives_hand_made_values() -> None:
     g = spec_graph()
     node = g.outputs["o"].node
