@@ -24,7 +24,7 @@ import functools
 import math
 import numbers
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -829,11 +829,22 @@ _COTANGENT = "rlx_cotangent_"  # names of the backward graph's extra inputs and 
 _GRAD = "rlx_grad_"
 
 
+def _fresh(name: str, taken: Mapping[str, object]) -> str:
+    """``name``, or ``name`` with the first numeric suffix no input has (a backward graph of a
+    backward graph names its cotangents after outputs that already carry these prefixes)."""
+    fresh, suffix = name, 1
+    while fresh in taken:
+        fresh, suffix = f"{name}_{suffix}", suffix + 1
+    return fresh
+
+
 class CompiledGraph:
     """An rlx graph as a differentiable torch function: ``f(**tensors) -> {output name: tensor}``.
 
     The backward graph comes from ``rlx.grad`` of ``sum_i <output_i, d output_i>`` with respect to
-    every float input, and is compiled once, on the first backward.
+    every float input, and is compiled once, on the first backward. Under ``create_graph=True``
+    that graph runs as a torch function of its own, so gradients differentiate again, to any order
+    the graph's ops allow (attention's backward has no gradient of its own: an ``RlxError`` says so).
     """
 
     def __init__(self, graph: Graph) -> None:
@@ -842,27 +853,44 @@ class CompiledGraph:
         self.graph = graph.copy()
         self.forward = rlx.compile(self.graph)
         self._backward: Executable | None = None
+        self._backward_function: CompiledGraph | None = None
+        # The backward graph's names: a cotangent input per float output, a gradient per input.
+        self.cotangent_names: dict[str, str] = {}
+        self.grad_names: dict[str, str] = {}
         self.names = list(self.graph.inputs)
         self.outputs = list(self.graph.outputs)
 
     def backward_executable(self) -> Executable:
         if self._backward is None:
-            self._backward = rlx.compile(self._backward_graph())
+            self._backward = rlx.compile(self.backward_graph)
         return self._backward
 
-    def _backward_graph(self) -> Graph:
-        """The graph, plus a cotangent input per float output and a gradient output per float input."""
+    def backward_function(self) -> CompiledGraph:
+        """The backward graph as a torch function of its own, for ``create_graph=True``: its
+        backward is ``rlx.grad`` of the backward graph, so gradients differentiate to any order."""
+        if self._backward_function is None:
+            self._backward_function = CompiledGraph(self.backward_graph)
+        return self._backward_function
+
+    @functools.cached_property
+    def backward_graph(self) -> Graph:
+        """The graph's inputs, a cotangent input per float output, and a gradient output per
+        float input (the forward's outputs are not outputs here: a backward graph of this graph,
+        for a second derivative, names its cotangents after them)."""
         g = self.graph.copy()
         total: Value | None = None
         for name, value in list(g.outputs.items()):
+            g.remove_output(name)
             if value.dtype == np.float32:
-                term = g.sum(value * g.input(_COTANGENT + name, value.shape))
+                cotangent = self.cotangent_names[name] = _fresh(_COTANGENT + name, g.inputs)
+                term = g.sum(value * g.input(cotangent, value.shape))
                 total = term if total is None else total + term
         xs = [g.inputs[name] for name in self.names if g.inputs[name].dtype == np.float32]
         if total is None or not xs:
             raise RlxValueError("rlx.torch.compile: nothing to differentiate (no float outputs or no float inputs)")
         for x, grad in zip(xs, rlx.grad(g, total, xs), strict=True):
-            g.output(**{_GRAD + x.node.attrs.name: grad})
+            name = self.grad_names[x.node.attrs.name] = _fresh(_GRAD + x.node.attrs.name, g.inputs)
+            g.output(**{name: grad})
         return g
 
     def __call__(self, *args: Any, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -885,7 +913,8 @@ class _GraphFunction(torch.autograd.Function):
         arrays = {name: _array(t) for name, t in zip(compiled.names, tensors, strict=True)}
         result = compiled.forward(**arrays)
         ctx.compiled = compiled
-        ctx.arrays = arrays
+        # Saved as tensors, so torch refuses a backward after any of them was modified in place.
+        ctx.save_for_backward(*tensors)
         ctx.shapes = {name: array.shape for name, array in result.items()}  # symbolic dims resolved
         ctx.dtypes = [t.dtype for t in tensors]
         ctx.set_materialize_grads(False)
@@ -900,21 +929,32 @@ class _GraphFunction(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
-    @_once_differentiable
     def backward(ctx: Any, *cotangents: torch.Tensor | None) -> Any:
         compiled: CompiledGraph = ctx.compiled
-        exe = compiled.backward_executable()
-        arrays = dict(ctx.arrays)
-        for name, ct in zip(compiled.outputs, cotangents, strict=True):
-            if compiled.graph.outputs[name].dtype != np.float32:
-                continue
-            arrays[_COTANGENT + name] = _array(ct) if ct is not None else np.zeros(ctx.shapes[name], np.float32)
-        grads = exe(**{name: arrays[name] for name in exe.graph.inputs})
-        result: list[torch.Tensor | None] = [None]
-        for name, dtype, needed in zip(compiled.names, ctx.dtypes, ctx.needs_input_grad[1:], strict=True):
-            key = _GRAD + name
-            result.append(_tensor(grads[key], dtype) if needed and key in grads else None)
-        return tuple(result)
+        inputs = _backward_inputs(compiled, ctx, cotangents)
+        dtypes = dict(zip(compiled.names, ctx.dtypes, strict=True))
+        wanted = [name for name, needed in zip(compiled.names, ctx.needs_input_grad[1:], strict=True) if needed]
+        if torch.is_grad_enabled():  # create_graph=True: the backward graph runs as a torch function
+            grads = compiled.backward_function()(**inputs)
+            found = {name: grads[compiled.grad_names[name]].to(dtypes[name]) for name in wanted}
+        else:
+            exe = compiled.backward_executable()
+            results = exe(**{name: _array(inputs[name]) for name in exe.graph.inputs})
+            found = {name: _tensor(results[compiled.grad_names[name]], dtypes[name]) for name in wanted}
+        return (None, *(found.get(name) for name in compiled.names))
+
+
+def _backward_inputs(
+    compiled: CompiledGraph, ctx: Any, cotangents: tuple[torch.Tensor | None, ...]
+) -> dict[str, torch.Tensor]:
+    """The backward graph's inputs: the forward's, and a cotangent per float output (zeros for
+    one autograd left undefined)."""
+    graph = compiled.backward_graph  # (built on first use, naming the cotangents)
+    inputs = dict(zip(compiled.names, ctx.saved_tensors, strict=True))
+    for name, ct in zip(compiled.outputs, cotangents, strict=True):
+        if name in compiled.cotangent_names:
+            inputs[compiled.cotangent_names[name]] = ct if ct is not None else torch.zeros(ctx.shapes[name])
+    return {name: inputs[name] for name in graph.inputs}
 
 
 def compile(graph: Graph) -> CompiledGraph:
