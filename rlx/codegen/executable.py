@@ -82,6 +82,47 @@ class Program:
     binder: InputBinder | None = None  # checks a call's arrays and reads its symbol sizes
     call_buffers: dict[str, CallBufferFill] = field(default_factory=dict)
     call_checks: list[Callable[[Mapping[str, int]], None]] = field(default_factory=list)  # need the call's sizes
+    layouts: dict[tuple[tuple[str, int], ...], CallLayout] = field(default_factory=dict)  # by the call's sizes
+
+    def layout_for(self, sizes: Mapping[str, int]) -> CallLayout:
+        """What a call with these symbol sizes needs, after the checks that depend on them (which
+        raise before any pointer reaches native code); kept for the next call of the same sizes."""
+        plan, table, arena_bytes = self.plan, b"", self.arena_bytes
+        if self.dynamic is not None:  # symbolic dimensions: scratch sized for this call's sizes
+            for check in self.call_checks:
+                check(sizes)
+            sizes_table = self.dynamic.table(sizes)
+            table = sizes_table.tobytes()
+            arena_bytes = self.dynamic.offset + int(sizes_table[-1]) * self.threads
+        buffers: list[tuple[str, tuple[int, ...] | None, np.dtype | None]] = []
+        for name in plan.buffer_names[len(self.graph.inputs) :]:
+            if name in self.call_buffers:
+                buffers.append((name, None, None))
+            else:
+                ty = self.output_types[name]
+                shape = ty.shape if ty.is_static else resolve_dims(ty.shape, sizes)
+                buffers.append((name, shape, np.dtype(ty.dtype)))  # type: ignore[arg-type]
+        results = tuple((name, slot, name in plan.owned_outputs) for name, slot in plan.output_slots.items())
+        layout = CallLayout(table, arena_bytes, tuple(buffers), results)
+        if len(self.layouts) >= LAYOUTS_KEPT:  # a decode loop brings new sizes every step
+            self.layouts.clear()
+        self.layouts[tuple(sizes.items())] = layout
+        return layout
+
+
+LAYOUTS_KEPT = 64
+
+
+@dataclass(frozen=True)
+class CallLayout:
+    """The part of a call that depends on its symbol sizes only: the sizes table native code reads
+    (empty for static shapes), the arena's size, ``(name, shape, dtype)`` of each buffer after the
+    inputs (shape None: made per call by ``call_buffers``), and ``(name, slot, owned)`` per output."""
+
+    table: bytes
+    arena_bytes: int
+    buffers: tuple[tuple[str, tuple[int, ...] | None, np.dtype | None], ...]
+    results: tuple[tuple[str, int, bool], ...]
 
 
 _cache: OrderedDict[tuple, Program] = OrderedDict()
@@ -352,38 +393,27 @@ class Executable:
         assert program.binder is not None
         bound, sizes = program.binder(arrays)
         check_index_inputs(program.graph, bound, program.index_bounds)  # before native code reads with ids
-        plan = program.plan
+        layout = program.layouts.get(tuple(sizes.items()))
+        if layout is None:
+            layout = program.layout_for(sizes)  # the size checks run here, before native code
         # Buffer slots in entry order: the inputs (declaration order; one no output needs and that
         # was left out gets a placeholder nothing reads), then an output array per output slot.
         buffers = [bound.get(name, _PLACEHOLDER) for name in program.graph.inputs]
-        dynamic, table = program.dynamic, None
-        arena_bytes = program.arena_bytes
-        if dynamic is not None:  # symbolic dimensions: scratch sized for this call's sizes
-            for check in program.call_checks:  # before any pointer reaches native code
-                check(sizes)
-            table = dynamic.table(sizes)
-            arena_bytes = dynamic.offset + int(table[-1]) * program.threads
         outputs = self._outputs()
-        for name in plan.buffer_names[len(buffers) :]:
-            if name in program.call_buffers:  # e.g. a block map for this call's lengths
+        for name, shape, dtype in layout.buffers:
+            if shape is None or dtype is None:  # made per call, e.g. a block map for this call's lengths
                 buffers.append(program.call_buffers[name](bound, sizes))
-                continue
-            ty = program.output_types[name]
-            shape = ty.shape if ty.is_static else resolve_dims(ty.shape, sizes)
-            buffers.append(outputs.take(name, shape, ty.dtype))  # type: ignore[arg-type]
+            else:
+                buffers.append(outputs.take(name, shape, dtype))
         pointers = (ctypes.c_void_p * max(1, len(buffers)))(*map(data_address, buffers))
-        arena, arena_address = self._arena(arena_bytes)
-        if table is not None:
-            start = program.call_data_offset
-            arena[start : start + table.nbytes] = table.view(np.uint8)
+        arena, arena_address = self._arena(layout.arena_bytes)
+        if layout.table:
+            ctypes.memmove(arena_address + program.call_data_offset, layout.table, len(layout.table))
         for data in program.call_data:  # per-call block maps, from the validated inputs
             start = program.call_data_offset + data.offset
             arena[start : start + data.nbytes] = data.fill(bound).reshape(-1).view(np.uint8)
         program.entry(ctypes.addressof(pointers), arena_address)
-        return {
-            name: buffers[slot] if name in plan.owned_outputs else buffers[slot].copy()
-            for name, slot in plan.output_slots.items()
-        }
+        return {name: buffers[slot] if owned else buffers[slot].copy() for name, slot, owned in layout.results}
 
     def _outputs(self) -> OutputPool:
         """This Python thread's output arrays (concurrent calls never share one)."""
