@@ -390,3 +390,24 @@ def test_an_index_out_of_a_static_tensor_is_refused_per_call() -> None:
     for run in (exe, lambda **a: rlx.reference.run(g, **a)):
         with pytest.raises(rlx.RlxValueError, match="outside"):
             run(**bad)
+
+
+def test_a_refused_size_stays_refused_between_good_calls_of_other_sizes() -> None:
+    """An executable keeps per-size call data; a size that failed its checks must never be kept."""
+    g = rlx.Graph()
+    x = g.input("x", (1, "S", 2, 8))
+    bias = g.input("bias", (2, 64, 64))
+    out, _ = g.attention(x, x, x, score_mod=lambda s, b, h, qi, ki: s + bias[h, qi, ki], return_lse=True)
+    g.output(out=out)
+    exe = rlx.compile(g)
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((2, 64, 64)).astype(np.float32)
+    for _ in range(2):
+        for seq in (64, 65, 7, 65, 64):
+            arrays = {"x": rng.standard_normal((1, seq, 2, 8)).astype(np.float32), "bias": table}
+            if seq > 64:
+                with pytest.raises(rlx.RlxValueError, match="outside"):
+                    exe(**arrays)
+                continue
+            want = rlx.reference.run(g, **arrays)["out"]
+            np.testing.assert_allclose(exe(**arrays)["out"], want, rtol=1e-4, atol=1e-5)
