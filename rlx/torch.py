@@ -347,6 +347,17 @@ def _plan_cache(graph: Graph, captured: list[torch.Tensor], config: rlx.RuntimeC
     return _Plan(graph, found[0], captured, found[1], config)
 
 
+def _eager_under_torch_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as one graph break under ``torch.compile``: it runs as it is, with rlx's compiled
+    code and autograd, while torch compiles the code around it.
+
+    Without this, dynamo traced into rlx's Python (NumPy views, ctypes, caches) and broke the
+    graph at every one of them, with a warning each: correct, but a screen of warnings and
+    seconds of tracing for a model that calls attention once per layer.
+    """
+    return torch.compiler.disable(fn)  # type: ignore[no-any-return]
+
+
 class _SecondDerivative(torch.autograd.Function):
     """The node behind gradients made with ``create_graph=True``: differentiating them raises."""
 
@@ -447,6 +458,7 @@ def _check_scale(scale: object, where: str) -> float | None:
     return float(scale)
 
 
+@_eager_under_torch_compile
 def flex_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -524,6 +536,7 @@ def _aux_output(lse: torch.Tensor | None) -> Any:
 # ----------------------------------------------------------------------------- SDPA
 
 
+@_eager_under_torch_compile
 def scaled_dot_product_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -899,6 +912,7 @@ class CompiledGraph:
             g.output(**{name: grad})
         return g
 
+    @_eager_under_torch_compile
     def __call__(self, *args: Any, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
         if args:
             raise RlxTypeError(f"pass the inputs by name: f({', '.join(f'{n}=...' for n in self.names)})")

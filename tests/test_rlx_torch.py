@@ -670,3 +670,28 @@ def test_a_compiled_graph_with_attention_says_its_second_derivative_is_missing()
     (gq,) = torch.autograd.grad(rt.compile(g)(q=q_t)["o"], [q_t], create_graph=True)
     with pytest.raises(rlx.RlxError, match="no gradient rule for attention_bwd"):
         (gq**2).sum().backward()
+
+
+def test_rlx_attention_inside_torch_compile_is_one_quiet_graph_break() -> None:
+    """A model compiled with torch.compile that calls rlx attention: same values and gradients
+    as eager, and dynamo does not trace into rlx (it used to warn at every ctypes call)."""
+    import warnings
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 32, 16, generator=gen, requires_grad=True)
+    bias = torch.randn(32, 32, generator=gen)
+
+    def loss(x: Any) -> Any:
+        h = torch.tanh(x)
+        a = rt.scaled_dot_product_attention(h, x, x, is_causal=True)
+        b = rt.flex_attention(h, x, x, score_mod=lambda s, b, hh, i, j: s + bias[i, j])
+        return (a * b).sum()
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (got,) = torch.autograd.grad(torch.compile(loss)(x), [x])
+    (want,) = torch.autograd.grad(loss(x), [x])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    traced_into_rlx = [w for w in caught if "rlx" in str(w.message) or "/rlx/" in str(w.filename)]
+    assert not traced_into_rlx, [str(w.message)[:200] for w in traced_into_rlx]
