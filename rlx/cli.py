@@ -265,11 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
         "character-level transformer LM on a text file with AdamW (defaults batch 16, S=64, E=64, 4 heads).",
     )
     demo.add_argument("--lm", action="store_true", help="train the tiny character-level LM instead")
+    # The LM's own options imply --lm (``rlx demo --data book.txt`` means: train on it).
     demo.add_argument("--data", metavar="PATH", help="text file to train the LM on (default: the project's README)")
-    demo.add_argument("--steps", type=_positive, default=300, help="LM training steps (default 300)")
-    demo.add_argument("--lr", type=float, default=3e-3, help="LM peak learning rate (default 3e-3)")
-    demo.add_argument("--layers", type=_positive, default=2, help="LM transformer blocks (default 2)")
-    demo.add_argument("--embed", type=_positive, default=64, help="LM embedding size (default 64)")
+    demo.add_argument("--steps", type=_positive, default=None, help="LM training steps (default 300)")
+    demo.add_argument("--lr", type=float, default=None, help="LM peak learning rate (default 3e-3)")
+    demo.add_argument("--layers", type=_positive, default=None, help="LM transformer blocks (default 2)")
+    demo.add_argument("--embed", type=_positive, default=None, help="LM embedding size (default 64)")
     demo.add_argument("--batch", type=_positive, default=None, help="batch size (default 4; LM 16)")
     demo.add_argument("--heads", type=_positive, default=None, help="attention heads (default 8; LM 4)")
     demo.add_argument("--seq", type=_positive, default=None, help="sequence length (default 512; LM 64)")
@@ -280,6 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--repeat", type=_positive, default=9, help="timed calls of each executable (default 9)")
     return parser
+
+
+LM_DEFAULTS = {"data": None, "steps": 300, "lr": 3e-3, "layers": 2, "embed": 64}  # options only the LM takes
 
 
 def _positive(text: str) -> int:
@@ -298,7 +302,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "opt":
             return run_opt(args, sys.stdout, sys.stderr)
-        if args.lm:
+        if args.lm or any(getattr(args, name) is not None for name in LM_DEFAULTS):
+            for name, default in LM_DEFAULTS.items():
+                setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
             return run_lm_demo(args, sys.stdout)
         args.batch, args.heads, args.seq = args.batch or 4, args.heads or 8, args.seq or 512
         return run_demo(args, sys.stdout)

@@ -240,3 +240,15 @@ def test_lm_demo_defaults_to_the_readme(capsys: pytest.CaptureFixture[str]) -> N
 def test_lm_demo_refuses_a_missing_file(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["demo", "--lm", "--data", "/no/such/file.txt"]) == 1
     assert "cannot read /no/such/file.txt" in capsys.readouterr().err
+
+
+def test_the_lms_own_options_imply_lm(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``rlx demo --data book.txt`` trains on the book (it ran the attention demo and ignored it)."""
+    text = tmp_path / "tiny.txt"
+    text.write_text("the cat sat on the mat. " * 40, encoding="utf-8")
+    argv = ["demo", "--data", str(text), "--steps", "3", "--batch", "2", "--seq", "16", "--embed", "16"]
+    cli.main([*argv, "--heads", "2", "--layers", "1"])  # (3 steps need not beat the uniform guess)
+    out = capsys.readouterr().out
+    assert "tiny char LM on" in out and str(text) in out
+    assert cli.main(["demo", "--data", "/no/such/file.txt"]) == 1
+    assert "cannot read /no/such/file.txt" in capsys.readouterr().err
