@@ -920,11 +920,31 @@ class CompiledGraph:
         unknown = [n for n in tensors if n not in self.names]
         if missing or unknown:
             raise rlx.RlxKeyError(f"expected inputs {self.names}; missing {missing}, unknown {unknown}")
-        ordered = [tensors[n] for n in self.names]
-        for name, tensor in zip(self.names, ordered, strict=True):
-            _check_tensor(tensor, name, kinds="float" if self.graph.inputs[name].dtype == np.float32 else "any")
+        ordered = []
+        for name in self.names:
+            declared = self.graph.inputs[name].dtype
+            tensor = _check_tensor(tensors[name], name, kinds="float" if declared == np.float32 else "any")
+            ordered.append(tensor if declared == np.float32 else _index_tensor(tensor, declared, name))
         results = _GraphFunction.apply(self, *ordered)
         return dict(zip(self.outputs, results, strict=True))
+
+
+_INDEX_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
+
+
+def _index_tensor(tensor: torch.Tensor, declared: np.dtype, name: str) -> torch.Tensor:
+    """An integer tensor in the integer dtype its input declares: torch makes int64 indices by
+    default, and a graph may declare int32 ones. Converted only when every value fits, so an id
+    past the int32 range is an error here, never a wrapped-around valid id."""
+    want = _INDEX_DTYPES.get(np.dtype(declared))
+    if want is None or tensor.dtype == want or tensor.is_floating_point() or tensor.dtype == torch.bool:
+        return tensor  # (bool inputs, and floats where ints are declared: the binder names the mismatch)
+    info = torch.iinfo(want)
+    if tensor.numel() and (int(tensor.min()) < info.min or int(tensor.max()) > info.max):
+        raise RlxValueError(
+            f"input {name!r}: values {int(tensor.min())}..{int(tensor.max())} do not fit the declared {want}"
+        )
+    return tensor.to(want)
 
 
 class _GraphFunction(torch.autograd.Function):

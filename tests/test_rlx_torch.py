@@ -695,3 +695,17 @@ def test_rlx_attention_inside_torch_compile_is_one_quiet_graph_break() -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     traced_into_rlx = [w for w in caught if "rlx" in str(w.message) or "/rlx/" in str(w.filename)]
     assert not traced_into_rlx, [str(w.message)[:200] for w in traced_into_rlx]
+
+
+def test_compiled_graphs_take_torchs_default_int64_ids_for_int32_inputs() -> None:
+    g = Graph("m")
+    table, ids = g.input("t", (5, 2)), g.input("i", (3,), dtype="int32")
+    g.output(z=g.sum(g.embedding(table, ids) * 2.0))
+    f = rt.compile(g)
+    t = torch.randn(5, 2, requires_grad=True)
+    f(t=t, i=torch.tensor([0, 4, 4]))["z"].backward()  # int64, torch's default
+    torch.testing.assert_close(t.grad, torch.tensor([[2.0, 2.0], [0, 0], [0, 0], [0, 0], [4.0, 4.0]]))
+    with pytest.raises(rlx.RlxValueError, match="do not fit"):  # never wrapped around into a valid id
+        f(t=t, i=torch.tensor([2**32 + 1, 0, 0]))
+    with pytest.raises(rlx.RlxValueError, match="out of range"):
+        f(t=t, i=torch.tensor([5, 0, 0]))
