@@ -262,7 +262,7 @@ def _plan(
     compilation serves every length, unless the mods need them static (they use the lengths
     themselves): then the graph has this call's sizes. Captured tensors keep their own shapes
     (an SDPA mask's sequence axes excepted, see ``declared``)."""
-    config = _config_for(q, k, v)
+    config = _config_for(_attention_flops(q, k, v))
     try:
         graph, captured = _flex_graph(q, k, v, score_mod, mask_mod, scale, symbolic=True, declared=declared)
     except RlxError:
@@ -303,29 +303,17 @@ _plans_lock = threading.Lock()
 
 
 SMALL_ATTENTION_FLOPS = 1 << 26
-"""Below this many FLOPs (~0.5 ms of one core) an attention call runs on the calling thread,
-unless it reads :data:`SMALL_ATTENTION_BYTES` of keys and values or more.
+"""Below this many FLOPs (~0.5 ms of one core) an attention call runs on the calling thread.
 
-rlx's threads compete with torch's own intra-op pool, whose workers keep spinning after torch's
-ops: measured on the char-LM example (head dim 16, ~17 MFLOP a call) before rlx reused its
-workers, two threads made the run 1.5x slower than one; with the worker pool the two are within
-this machine's noise, so the rule stays.
+Starting rlx's thread team costs tens of microseconds a call, and its threads then compete with
+torch's own intra-op pool, whose workers keep spinning after torch's ops: measured on the
+char-LM example (head dim 16, ~17 MFLOP a call), two threads made the run 1.5x slower than one.
 """
 
-SMALL_ATTENTION_BYTES = 1 << 21
-"""Keys and values of at least this many bytes get rlx's threads however few the FLOPs: a decode
-step (one query row) is bound by reading K and V, and two cores read them faster than one.
-Measured on the decode loop (B1 H8 D64): 1.7x faster on two threads at Sk = 12000, even at
-Sk = 500 (2 MB), no difference at Sk = 300."""
 
-
-def _config_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, passes: float = 1.0) -> rlx.RuntimeConfig | None:
-    """One thread for small attention calls, else rlx's default: small is under
-    :data:`SMALL_ATTENTION_FLOPS` (``passes`` times the forward's FLOPs: 2.5 for a backward) and
-    under :data:`SMALL_ATTENTION_BYTES` of keys and values."""
-    flops = passes * 2.0 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * (q.shape[3] + v.shape[3])
-    kv_bytes = 4 * (k.numel() + v.numel())
-    return _one_thread() if flops < SMALL_ATTENTION_FLOPS and kv_bytes < SMALL_ATTENTION_BYTES else None
+def _config_for(flops: float) -> rlx.RuntimeConfig | None:
+    """One thread for small attention calls (see :data:`SMALL_ATTENTION_FLOPS`), else rlx's default."""
+    return _one_thread() if flops < SMALL_ATTENTION_FLOPS else None
 
 
 @functools.cache
@@ -721,15 +709,16 @@ class _FixedPlan:
 
     The graphs declare the sequence lengths as symbolic dimensions (``"Sq"``/``"Sk"``, or one
     ``"S"`` when causal), so a decode loop whose KV cache grows by a token a step, or training on
-    batches of varying length, reuses one compilation. Small calls (see :func:`_config_for`) run on a one-thread build
-    (compiled on first need), the others on rlx's default threads.
+    batches of varying length, reuses one compilation. Calls below :data:`SMALL_ATTENTION_FLOPS`
+    run on a one-thread build (compiled on first need), the others on rlx's default threads.
     """
 
     forward_graph: Graph
     backward_graph: Graph
     executables: dict[tuple[str, bool], Executable]
 
-    def executable(self, which: str, config: rlx.RuntimeConfig | None) -> Executable:
+    def executable(self, which: str, flops: float) -> Executable:
+        config = _config_for(flops)
         key = (which, config is None)
         exe = self.executables.get(key)
         if exe is None:
@@ -782,6 +771,10 @@ def _fixed_plan(
     return plan
 
 
+def _attention_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
+    return 2.0 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * (q.shape[3] + v.shape[3])
+
+
 def _fixed_forward(plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """SDPA on the fixed-mask kernels: through autograd only when a gradient can be asked for.
 
@@ -790,22 +783,23 @@ def _fixed_forward(plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.
     """
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _FixedFunction.apply(plan, q, k, v)  # type: ignore[no-any-return]
-    return _fixed_out(plan, q, k, v)
+    return _fixed_out(plan, q, k, v, _attention_flops(q, k, v))
 
 
-def _fixed_out(plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _fixed_out(plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flops: float) -> torch.Tensor:
     """The fixed-mask forward kernel's ``out``, in the query's dtype."""
-    result = plan.executable("forward", _config_for(q, k, v))(q=_array(q), k=_array(k), v=_array(v))
+    result = plan.executable("forward", flops)(q=_array(q), k=_array(k), v=_array(v))
     return _tensor(result["out"], q.dtype)
 
 
 class _FixedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
-        ctx.plan = plan
+        flops = _attention_flops(q, k, v)
+        ctx.plan, ctx.flops = plan, flops
         ctx.save_for_backward(q, k, v)
         ctx.set_materialize_grads(False)
-        return _fixed_out(plan, q, k, v)
+        return _fixed_out(plan, q, k, v, flops)
 
     @staticmethod
     @_once_differentiable
@@ -813,7 +807,7 @@ class _FixedFunction(torch.autograd.Function):
         q, k, v = ctx.saved_tensors
         if d_out is None:
             return None, None, None, None
-        exe = ctx.plan.executable("backward", _config_for(q, k, v, passes=2.5))
+        exe = ctx.plan.executable("backward", 2.5 * ctx.flops)
         grads = exe(q=_array(q), k=_array(k), v=_array(v), dy=_array(d_out))
         needs = ctx.needs_input_grad[1:]
         return (

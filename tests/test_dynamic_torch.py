@@ -224,15 +224,3 @@ def test_flex_mask_that_reads_the_lengths_compiles_once() -> None:
         for g, w in zip(got_grads, want_grads, strict=True):
             _close(g, w)
     assert compile_count() - before <= 2  # the forward once, its backward once
-
-
-def test_a_decode_step_reading_megabytes_of_cache_gets_rlx_threads_and_a_tiny_one_stays_on_one() -> None:
-    """A one-query step has few FLOPs, but at a long cache it is bound by reading K and V."""
-    for seq_k in (16, 1100):  # K and V: 64 KiB, then 4.5 MB
-        gen = torch.Generator().manual_seed(seq_k)
-        q = torch.randn(1, 8, 1, 64, generator=gen)
-        k, v = (torch.randn(1, 8, seq_k, 64, generator=gen) for _ in range(2))
-        assert rt._config_for(q, k, v) is (rt._one_thread() if seq_k == 16 else None)
-        got = rt.scaled_dot_product_attention(q, k, v)
-        torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v), rtol=1e-5, atol=1e-5)
-    assert rt._one_thread().num_threads == 1
