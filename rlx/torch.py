@@ -356,8 +356,8 @@ class _SecondDerivative(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *_: Any) -> Any:
         raise RlxValueError(
-            "rlx.torch computes first derivatives only: a gradient of rlx attention (or of an rlx graph) made "
-            "with create_graph=True cannot be differentiated again"
+            "rlx.torch's attention computes first derivatives only: a gradient of rlx attention made with "
+            "create_graph=True cannot be differentiated again (as torch's CPU flash-attention backward cannot)"
         )
 
 
@@ -843,7 +843,7 @@ _GRAD = "rlx_grad_"
 
 
 def _fresh(name: str, taken: Mapping[str, object]) -> str:
-    """``name``, or ``name`` with the first numeric suffix no input has (a backward graph of a
+    """``name``, or ``name`` with the first numeric suffix not in ``taken`` (a backward graph of a
     backward graph names its cotangents after outputs that already carry these prefixes)."""
     fresh, suffix = name, 1
     while fresh in taken:
@@ -902,7 +902,7 @@ class CompiledGraph:
         if total is None or not xs:
             raise RlxValueError("rlx.torch.compile: nothing to differentiate (no float outputs or no float inputs)")
         for x, grad in zip(xs, rlx.grad(g, total, xs), strict=True):
-            name = self.grad_names[x.node.attrs.name] = _fresh(_GRAD + x.node.attrs.name, g.inputs)
+            name = self.grad_names[x.node.attrs.name] = _fresh(_GRAD + x.node.attrs.name, g.outputs)
             g.output(**{name: grad})
         return g
 

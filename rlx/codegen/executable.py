@@ -94,6 +94,8 @@ class Program:
             sizes_table = self.dynamic.table(sizes)
             table = sizes_table.tobytes()
             arena_bytes = self.dynamic.offset + int(sizes_table[-1]) * self.threads
+            # The call writes the table with memmove: it must land inside the arena's call data.
+            assert self.call_data_offset + len(table) <= self.dynamic.offset <= arena_bytes
         buffers: list[tuple[str, tuple[int, ...] | None, np.dtype | None]] = []
         for name in plan.buffer_names[len(self.graph.inputs) :]:
             if name in self.call_buffers:
