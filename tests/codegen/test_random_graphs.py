@@ -52,4 +52,8 @@ def test_compiled_equals_reference(batch: int, heads: int, seq_q: int, seq_k: in
     expected = rlx.reference.run(g, config=config, **arrays)
     for name, value in expected.items():
         assert not np.isnan(got[name]).any(), name
-        np.testing.assert_allclose(got[name], value, rtol=2e-4, atol=2e-5, err_msg=name)
+        # float32 error scales with the magnitude of what a gradient sums: dS = P(dP - rowsum(P dP))
+        # cancels when one key takes almost all the weight (found: |dq| up to 11.6 in one row, 0.0085
+        # with an error of 2.6e-5 in another), so the absolute tolerance follows the array's scale.
+        scale = max(1.0, float(np.abs(value).max(initial=0.0)))
+        np.testing.assert_allclose(got[name], value, rtol=2e-4, atol=2e-5 * scale, err_msg=name)
