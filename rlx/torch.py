@@ -524,7 +524,6 @@ def _aux_output(lse: torch.Tensor | None) -> Any:
 # ----------------------------------------------------------------------------- SDPA
 
 
-@_eager_under_torch_compile
 def scaled_dot_product_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -540,7 +539,56 @@ def scaled_dot_product_attention(
     A bool ``attn_mask`` is True where a query attends; a float one is added to the scores (and
     gets a gradient if it requires one). ``is_causal`` is top-left aligned, as in torch. rlx has
     no dropout: ``dropout_p`` other than 0 is an error, never silently ignored.
+
+    Under ``torch.compile`` a call the fixed-mask kernels take (no mask, or causal with
+    ``Sq = Sk``; 4-D tensors) is the custom op ``rlx::sdpa``, which compiles into the graph with
+    its backward (``fullgraph=True`` works); any other call is one graph break.
     """
+    if torch.compiler.is_compiling() and _fixed_op_takes(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+    ):
+        return torch.ops.rlx.sdpa.default(query, key, value, is_causal, None if scale is None else float(scale))
+    return _sdpa_eager(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _fixed_op_takes(
+    q: object,
+    k: object,
+    v: object,
+    attn_mask: object,
+    dropout_p: object,
+    is_causal: bool,
+    scale: object,
+    enable_gqa: bool,
+) -> bool:
+    """Is this a call ``rlx::sdpa`` computes exactly as the eager path would (and without an
+    error the eager path would raise)? Shapes are read as torch.compile traces them (guards)."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        return False
+    if attn_mask is not None or dropout_p != 0.0 or (scale is not None and not isinstance(scale, (int, float))):
+        return False
+    if isinstance(scale, bool) or not (q.ndim == k.ndim == v.ndim == 4) or not (q.dtype == k.dtype == v.dtype):
+        return False
+    if q.dtype not in _COMPUTED or not (q.is_cpu and k.is_cpu and v.is_cpu):
+        return False
+    (batch, heads, seq_q, dim), (kv_batch, kv_heads, seq_k, key_dim) = q.shape, k.shape
+    same = batch == kv_batch == v.shape[0] and kv_heads == v.shape[1] and seq_k == v.shape[2] and dim == key_dim
+    grouped = heads == kv_heads or (kv_heads >= 1 and heads % kv_heads == 0 and (enable_gqa or kv_heads == 1))
+    sizes = min(batch, heads, seq_q, seq_k, dim, v.shape[3]) > 0
+    return bool(same and grouped and sizes and not (is_causal and seq_q != seq_k))
+
+
+@_eager_under_torch_compile
+def _sdpa_eager(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> torch.Tensor:
     if dropout_p != 0.0:
         raise RlxValueError(
             f"scaled_dot_product_attention: dropout_p={dropout_p}, but rlx has no dropout; pass dropout_p=0.0 "
@@ -836,6 +884,63 @@ def _indexed(mask: torch.Tensor, combine: Callable[..., Any], with_score: bool =
 
 
 # ----------------------------------------------------------------------------- whole graphs
+
+
+@torch.library.custom_op(
+    "rlx::sdpa",
+    mutates_args=(),
+    schema="(Tensor query, Tensor key, Tensor value, bool is_causal, float? scale) -> Tensor",
+)
+def _sdpa_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool, scale: float | None) -> Any:
+    """SDPA on the fixed-mask kernels as a torch custom op, for ``torch.compile`` graphs."""
+    plan = _fixed_plan(query, key, value, is_causal, scale)
+    assert plan is not None, "rlx::sdpa takes what _fixed_op_takes accepts"
+    return _fixed_out(plan, query, key, value, _attention_flops(query, key, value))
+
+
+@_sdpa_op.register_fake
+def _sdpa_op_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool, scale: Any) -> Any:
+    return query.new_empty((*query.shape[:-1], value.shape[-1]))
+
+
+@torch.library.custom_op(
+    "rlx::sdpa_backward",
+    mutates_args=(),
+    schema="(Tensor grad, Tensor query, Tensor key, Tensor value, bool is_causal, float? scale)"
+    " -> (Tensor, Tensor, Tensor)",
+)
+def _sdpa_backward_op(
+    grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool, scale: Any
+) -> Any:
+    """dq, dk, dv of ``rlx::sdpa`` from the fixed-mask backward kernel."""
+    plan = _fixed_plan(query, key, value, is_causal, scale)
+    assert plan is not None
+    exe = plan.executable("backward", 2.5 * _attention_flops(query, key, value))
+    grads = exe(q=_array(query), k=_array(key), v=_array(value), dy=_array(grad))
+    return tuple(_tensor(grads[f"d{n}"], t.dtype) for n, t in zip("qkv", (query, key, value), strict=True))
+
+
+@_sdpa_backward_op.register_fake
+def _sdpa_backward_op_shape(
+    grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *_: Any
+) -> Any:
+    # Contiguous, as the kernel's gradients are (empty_like would keep a transposed view's strides).
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+def _sdpa_op_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    query, key, value, is_causal, scale = inputs
+    ctx.save_for_backward(query, key, value)
+    ctx.is_causal, ctx.scale = is_causal, scale
+
+
+def _sdpa_op_backward(ctx: Any, grad: torch.Tensor) -> Any:
+    query, key, value = ctx.saved_tensors
+    dq, dk, dv = torch.ops.rlx.sdpa_backward.default(grad, query, key, value, ctx.is_causal, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+_sdpa_op.register_autograd(_sdpa_op_backward, setup_context=_sdpa_op_setup)
 
 
 _COTANGENT = "rlx_cotangent_"  # names of the backward graph's extra inputs and outputs

@@ -709,3 +709,37 @@ def test_compiled_graphs_take_torchs_default_int64_ids_for_int32_inputs() -> Non
         f(t=t, i=torch.tensor([2**32 + 1, 0, 0]))
     with pytest.raises(rlx.RlxValueError, match="out of range"):
         f(t=t, i=torch.tensor([5, 0, 0]))
+
+
+def test_sdpa_compiles_into_a_fullgraph_torch_compile_with_its_backward() -> None:
+    """Without a mask, rlx SDPA is the custom op rlx::sdpa under torch.compile: fullgraph=True
+    compiles, and values and gradients equal eager rlx (causal and GQA through the same op)."""
+    gen = torch.Generator().manual_seed(0)
+
+    def model(x: Any, w: Any, causal: bool, kv_heads: int) -> Any:
+        b, s, e = x.shape
+        q, k, v = torch.tanh(x @ w).split([e, e // 4 * kv_heads, e // 4 * kv_heads], dim=-1)
+        q = q.reshape(b, s, 4, e // 4).transpose(1, 2)  # transposed views, as a model makes them
+        k, v = (t.reshape(b, s, kv_heads, e // 4).transpose(1, 2) for t in (k, v))
+        return rt.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads != 4).sum()
+
+    for causal, kv_heads in ((True, 4), (False, 2)):
+        x = torch.randn(2, 16, 32, generator=gen, requires_grad=True)
+        w = torch.randn(32, 32 + 2 * 8 * kv_heads, generator=gen, requires_grad=True)
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x, w: model(x, w, causal, kv_heads), fullgraph=True)  # noqa: B023
+        got = torch.autograd.grad(compiled(x, w), [x, w])
+        want = torch.autograd.grad(model(x, w, causal, kv_heads), [x, w])
+        for g_, w_ in zip(got, want, strict=True):
+            torch.testing.assert_close(g_, w_, rtol=1e-5, atol=1e-5)
+
+
+def test_the_sdpa_custom_ops_pass_torchs_opcheck() -> None:
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 16, 4, 8, generator=gen).transpose(1, 2).requires_grad_(True)  # strided
+    k, v = (torch.randn(2, 2, 16, 8, generator=gen).requires_grad_(True) for _ in range(2))
+    for is_causal, scale in ((False, None), (True, 0.3)):
+        torch.library.opcheck(torch.ops.rlx.sdpa.default, (q, k, v, is_causal, scale))
+        grad = torch.randn(2, 4, 16, 8, generator=gen)
+        inputs = (grad, q.detach(), k.detach(), v.detach(), is_causal, scale)
+        torch.library.opcheck(torch.ops.rlx.sdpa_backward.default, inputs)
