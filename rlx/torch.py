@@ -589,6 +589,8 @@ def _sdpa_eager(
     scale: float | None,
     enable_gqa: bool,
 ) -> torch.Tensor:
+    """SDPA outside a compiled graph: check the arguments, then the fixed-mask kernels or the
+    programmable ones (one graph break when torch.compile meets it)."""
     if dropout_p != 0.0:
         raise RlxValueError(
             f"scaled_dot_product_attention: dropout_p={dropout_p}, but rlx has no dropout; pass dropout_p=0.0 "
