@@ -67,8 +67,8 @@ class Value:
 
     @property
     def T(self) -> Value:
-        """The axes reversed, as ``ndarray.T``: a transpose node (a view once compiled)."""
-        return self.graph.transpose(self, tuple(reversed(range(self.ndim))))
+        """The axes reversed, as ``ndarray.T`` (``transpose``'s default): a view once compiled."""
+        return self.graph.transpose(self)
 
     @property
     def graph(self) -> Graph:
