@@ -702,42 +702,40 @@ def _sdpa(
     # tracing again: only the mask tensor (the one captured value) changes between calls.
     mask_kind = None if attn_mask is None else (tuple(attn_mask.shape), attn_mask.dtype)
     plan_key: tuple[Any, ...] = (tuple(q.shape), tuple(k.shape), tuple(v.shape), is_causal, scale, mask_kind)
+    # The mask as [B|1, H|1, Sq|1, Sk|1]: the captured tensor of the plan.
+    full = None if attn_mask is None else attn_mask.reshape((1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape))
     mask_shape: tuple[int | str, ...] | None = None
     symbolic_key: tuple[Any, ...] | None = None
-    if attn_mask is not None and not (attn_mask.is_floating_point() and attn_mask.requires_grad):
+    if full is not None and not (full.is_floating_point() and full.requires_grad):
         # A mask's query and key axes follow the sequence lengths: declared symbolic, so one
         # compilation serves every length (a mask that needs a gradient stays static for now).
-        shape = (1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape)
+        shape = tuple(full.shape)
         mask_shape = (
             shape[0],
             shape[1],
             "Sq" if shape[2] == q.shape[2] and shape[2] != 1 else shape[2],
             "Sk" if shape[3] == k.shape[2] and shape[3] != 1 else shape[3],
         )
-        symbolic_key = (q.shape[:2], q.shape[3], k.shape[:2], v.shape[3], scale, mask_shape, attn_mask.dtype, is_causal)
+        symbolic_key = (q.shape[:2], q.shape[3], k.shape[:2], v.shape[3], scale, mask_shape, full.dtype, is_causal)
         if symbolic_key in _sdpa_plans:
             plan_key = symbolic_key
     cached = _sdpa_plans.get(plan_key)
     if cached is not None:
-        captured = (
-            [] if attn_mask is None else [attn_mask.reshape((1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape))]
-        )
+        captured = [] if full is None else [full]
         plan = _Plan(cached.graph, cached.forward, captured, cached.backward_exe, cached.config)
         out, _ = _FlexFunction.apply(plan, q, k, v, *captured)
         return out
     score_mod = mask_mod = None
-    if attn_mask is not None:  # checked by scaled_dot_product_attention: a CPU tensor, bool or float
-        mask = attn_mask
+    if attn_mask is not None and full is not None:  # checked by _sdpa_eager: a CPU tensor, bool or float
         target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         try:
-            torch.broadcast_shapes(mask.shape, target)
+            torch.broadcast_shapes(attn_mask.shape, target)
         except RuntimeError:
             raise RlxValueError(
-                f"scaled_dot_product_attention: attn_mask of shape {tuple(mask.shape)} does not broadcast to "
+                f"scaled_dot_product_attention: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
                 f"[B, H, Sq, Sk] = {list(target)}"
             ) from None
-        full = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
-        if mask.dtype == torch.bool:
+        if attn_mask.dtype == torch.bool:
             mask_mod = _indexed(full, lambda value, b, h, q_idx, kv_idx: value)
         else:
             score_mod = _indexed(full, lambda value, score, b, h, q_idx, kv_idx: score + value, with_score=True)
@@ -857,16 +855,19 @@ class _FixedFunction(torch.autograd.Function):
         q, k, v = ctx.saved_tensors
         if d_out is None:
             return None, None, None, None
-        exe = ctx.plan.executable("backward", 2.5 * ctx.flops)
-        grads = exe(q=_array(q), k=_array(k), v=_array(v), dy=_array(d_out))
-        needs = ctx.needs_input_grad[1:]
-        return (
-            None,
-            *(
-                _tensor(grads[f"d{n}"], t.dtype) if need else None
-                for n, t, need in zip("qkv", (q, k, v), needs, strict=True)
-            ),
-        )
+        grads = _fixed_grads(ctx.plan, q, k, v, d_out, ctx.flops)
+        return (None, *(grad if need else None for grad, need in zip(grads, ctx.needs_input_grad[1:], strict=True)))
+
+
+def _fixed_grads(
+    plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_out: torch.Tensor, flops: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv from the fixed-mask backward kernel, each in its input's dtype (``flops``: the
+    forward's, which pick the thread count)."""
+    exe = plan.executable("backward", 2.5 * flops)
+    grads = exe(q=_array(q), k=_array(k), v=_array(v), dy=_array(d_out))
+    dq, dk, dv = (_tensor(grads[f"d{n}"], t.dtype) for n, t in zip("qkv", (q, k, v), strict=True))
+    return dq, dk, dv
 
 
 def _indexed(mask: torch.Tensor, combine: Callable[..., Any], with_score: bool = False) -> Callable[..., Any]:
@@ -917,9 +918,7 @@ def _sdpa_backward_op(
     """dq, dk, dv of ``rlx::sdpa`` from the fixed-mask backward kernel."""
     plan = _fixed_plan(query, key, value, is_causal, scale)
     assert plan is not None
-    exe = plan.executable("backward", 2.5 * _attention_flops(query, key, value))
-    grads = exe(q=_array(query), k=_array(key), v=_array(value), dy=_array(grad))
-    return tuple(_tensor(grads[f"d{n}"], t.dtype) for n, t in zip("qkv", (query, key, value), strict=True))
+    return _fixed_grads(plan, query, key, value, grad, _attention_flops(query, key, value))
 
 
 @_sdpa_backward_op.register_fake
