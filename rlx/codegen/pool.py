@@ -227,13 +227,13 @@ entry:
   atomicrmw add ptr @pool.generation, i32 1 seq_cst
   call void @broadcast(ptr @pool.work)
   call void %team(ptr %shared, i64 0)
-  call void @wait_while_equal_zero()
+  call void @wait_until_workers_done()
   store atomic i32 0, ptr @pool.lock release, align 4
   ret void
 }}
 
 ; The caller's wait: until @pool.remaining is 0.
-define internal void @wait_while_equal_zero() {{
+define internal void @wait_until_workers_done() {{
 entry:
   br label %check
 check:
