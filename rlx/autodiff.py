@@ -6,7 +6,8 @@ other graph ops. A value read by several nodes gets the sum of their contributio
 self-attention ``attention(x, x, x)`` differentiates. ``attention`` emits one single-``wrt``
 ``attention_bwd`` node per operand; ``rlx.passes.fuse_attention_bwd`` merges them afterwards.
 
-- ``dy`` may be left out when ``y`` is a scalar: the seed is 1.
+- ``dy`` may be left out when ``y`` is a scalar: the seed is 1. It may also be a Python number
+  or a NumPy array of ``y``'s shape (baked in as a constant, as ``y.backward(gradient=...)``).
 - An ``x`` that ``y`` does not depend on gets zeros.
 - Integer and bool ``xs`` are an ``RlxTypeError``; operands declared ``no_grad`` (mask tensors)
   on the path from xs to y are an ``RlxValueError``, as are ops that cannot be differentiated.
@@ -29,19 +30,23 @@ from rlx.ops._common import zeros
 F32 = np.dtype(np.float32)
 
 
-def grad(graph: Graph, y: Value, xs: Sequence[Value], dy: Value | None = None) -> list[Value]:
+def grad(graph: Graph, y: Value, xs: Sequence[Value], dy: Value | float | np.ndarray | None = None) -> list[Value]:
     """Gradient Values of ``y`` w.r.t. each of ``xs`` given the cotangent ``dy`` (same type as ``y``).
 
     The backward nodes are added to ``graph``; run ``rlx.passes`` afterwards to fuse them.
     """
-    _check_arguments(graph, y, xs, dy)
+    seed_array = _seed_array(y, dy) if dy is not None and not isinstance(dy, Value) else None
+    _check_arguments(graph, y, xs, dy if isinstance(dy, Value) else None, seeded=seed_array is not None)
     xs = list(xs)
     order = graph.nodes
     active = _active_values(order, y, set(xs))
     _check_differentiable(graph, order, active)
     first_new_id = graph._next_id
     try:
-        seed = dy if dy is not None else graph.constant(1.0)
+        if seed_array is not None:
+            seed = graph.constant(seed_array)
+        else:
+            seed = dy if isinstance(dy, Value) else graph.constant(1.0)
         cotangents = _backward(graph, order, active, y, seed)
         return [cotangents[x] if x in cotangents else zeros(graph, x.shape) for x in xs]
     except Exception:
@@ -72,7 +77,20 @@ def _backward(graph: Graph, order: list[Node], active: set[Value], y: Value, see
     return cotangents
 
 
-def _check_arguments(graph: Graph, y: Value, xs: Sequence[Value], dy: Value | None) -> None:
+def _seed_array(y: Value, dy: object) -> np.ndarray:
+    """``dy`` given as a number or an array: float32 of exactly ``y``'s shape (no broadcasting)."""
+    if isinstance(dy, (bool, np.bool_)) or not isinstance(dy, (int, float, np.number, np.ndarray)):
+        raise RlxTypeError(f"grad: dy must be an rlx Value, a number or a NumPy array, got {type(dy).__name__}")
+    array = np.asarray(dy)
+    if array.dtype.kind not in "fiu":
+        raise RlxTypeError(f"grad: dy must hold real numbers, got dtype {array.dtype}")
+    shape = y.shape if isinstance(y, Value) else None
+    if shape is not None and array.shape != shape:
+        raise RlxValueError(f"grad: dy must have the shape of y, expected {shape}, got {array.shape}")
+    return array.astype(np.float32)
+
+
+def _check_arguments(graph: Graph, y: Value, xs: Sequence[Value], dy: Value | None, seeded: bool = False) -> None:
     if not isinstance(graph, Graph):
         raise RlxTypeError(f"grad: graph must be an rlx.Graph, got {type(graph).__name__}")
     if isinstance(xs, Value) or not isinstance(xs, Sequence) or isinstance(xs, str):
@@ -90,12 +108,12 @@ def _check_arguments(graph: Graph, y: Value, xs: Sequence[Value], dy: Value | No
     for i, x in enumerate(xs):
         if x.dtype != F32:
             raise RlxTypeError(f"grad: xs[{i}] ({_describe(graph, x)}) is {x.type}; only float32 values have gradients")
-    if dy is None:
+    if dy is None and not seeded:
         if y.shape != ():
             raise RlxValueError(
                 f"grad: y has shape {y.shape}, so dy is needed (it may be left out only for a scalar y)"
             )
-    elif dy.type != y.type:
+    elif dy is not None and dy.type != y.type:
         raise RlxValueError(f"grad: dy must have the type of y, expected {y.type}, got {dy.type}")
 
 

@@ -261,7 +261,7 @@ def index_bounds(graph: Graph) -> list[tuple[Value, int, str]]:
         for index in definition.index_operands:
             operand = node.inputs[definition.slot_of(index.operand)]
             limit = index.limit(node)
-            what = f"{index.meaning}s of {node.op} (node {node.id}) operand {index.operand!r}"
+            what = f"{index.meaning} of {node.op} (node {node.id}) operand {index.operand!r}"
             pending = [operand]
             while pending:
                 value = pending.pop()

@@ -215,3 +215,20 @@ def test_argument_checks() -> None:
     assert_refused(g, RlxTypeError, "y must be an rlx Value", "out", [ins["q"]], ins["dy"])
     assert_refused(g, RlxValueError, "dy is not a Value of graph 'fwd'", out, [ins["q"]], other_ins["dy"])
     assert_refused(g, RlxValueError, r"expected f32\[1,3,2,3\], got f32\[1,5,2,3\]", out, [ins["q"]], ins["k"])
+
+
+def test_dy_may_be_a_number_or_an_array_of_the_shape_of_y() -> None:
+    """As ``y.backward(gradient=...)``: the seed baked in as a constant; no broadcasting."""
+    g = Graph("seed")
+    x = g.input("x", (3,))
+    s = g.sum(x * x)
+    (gs,) = rlx.grad(g, s, [x], 2.0)
+    (gv,) = rlx.grad(g, g.tanh(x), [x], np.arange(3.0))
+    g.output(gs=gs, gv=gv)
+    xa = np.array([0.5, -1.0, 2.0], np.float32)
+    got = rlx.compile(g)(x=xa)
+    np.testing.assert_allclose(got["gs"], 4 * xa, rtol=1e-6)
+    np.testing.assert_allclose(got["gv"], np.arange(3.0) * (1 - np.tanh(xa) ** 2), rtol=1e-5, atol=1e-6)
+    assert_refused(g, RlxValueError, r"dy must have the shape of y, expected \(3,\), got \(\)", x * 2.0, [x], 1.0)
+    assert_refused(g, RlxTypeError, "dy must hold real numbers", s, [x], np.array(True))
+    assert_refused(g, RlxTypeError, "dy must be an rlx Value, a number or a NumPy array, got str", s, [x], "1")

@@ -74,7 +74,12 @@ class Value:
     def graph(self) -> Graph:
         return self.node.graph
 
-    # Operators build nodes in the Value's graph; Python numbers on either side become constants.
+    # Operators build nodes in the Value's graph; Python numbers and NumPy arrays on either side
+    # become constants. Without this, ``np_array + value`` would let NumPy broadcast the Value as
+    # an opaque object into an object array of one node per element; ``None`` makes NumPy defer
+    # to the reflected operators below.
+    __array_ufunc__ = None
+
     def __add__(self, other: object) -> Value:
         return self.graph.add(self, other)
 
@@ -143,8 +148,14 @@ class Value:
     def __and__(self, other: object) -> Value:
         return self.graph.logical_and(self, other)
 
+    def __rand__(self, other: object) -> Value:
+        return self.graph.logical_and(other, self)
+
     def __or__(self, other: object) -> Value:
         return self.graph.logical_or(self, other)
+
+    def __ror__(self, other: object) -> Value:
+        return self.graph.logical_or(other, self)
 
     def __invert__(self) -> Value:
         return self.graph.logical_not(self)

@@ -33,7 +33,12 @@ def is_number(x: object) -> bool:
 
 
 def as_value(graph: Graph, x: object, what: str) -> Value:
-    """A Value of ``graph`` as is; a Python number becomes a float32 scalar constant."""
+    """A Value of ``graph`` as is; a Python number or a NumPy array becomes a constant.
+
+    A number is a float32 scalar; an array keeps its dtype (float64 becomes float32), as
+    ``g.constant`` makes it. That is what JAX does with a NumPy array met while tracing, and it
+    lets ``x @ w_np`` and ``np_mask & m`` read as they would in NumPy.
+    """
     from rlx.ir.graph import Value
 
     if isinstance(x, Value):
@@ -41,8 +46,8 @@ def as_value(graph: Graph, x: object, what: str) -> Value:
     if is_number(x):
         return graph.constant(float(x))  # type: ignore[arg-type]
     if isinstance(x, np.ndarray):
-        raise RlxTypeError(f"{what}: got a NumPy array; wrap it with g.constant(array) or declare it with g.input")
-    raise RlxTypeError(f"{what}: expected an rlx Value or a Python number, got {type(x).__name__}")
+        return graph.constant(x)
+    raise RlxTypeError(f"{what}: expected an rlx Value, a Python number or a NumPy array, got {type(x).__name__}")
 
 
 def require_float(what: str, label: str, ty: TensorType) -> None:

@@ -510,6 +510,44 @@ def test_value_attributes_and_operators_a_numpy_user_reaches_for() -> None:
     np.testing.assert_allclose(got["m"], arrays["x"].reshape(6, 4).T @ arrays["x"].reshape(6, 4), rtol=1e-5, atol=1e-5)
 
 
+def test_numpy_arrays_on_either_side_of_an_operator_become_constants() -> None:
+    """As JAX treats a NumPy array met while tracing; NumPy on the left once built an object array."""
+    g = Graph("t")
+    x = g.input("x", (3, 4))
+    m = g.input("m", (3, 4), dtype="bool")
+    w = np.random.default_rng(1).standard_normal((4, 5))  # float64: baked in as float32
+    eye = np.eye(3, 4, dtype=bool)
+    built = {
+        "left": np.arange(4.0) * x,
+        "right": x - np.ones(4, np.float32),
+        "matmul": x @ w,
+        "rmatmul": w.T @ x.T,
+        "mask": g.where(eye | m, x, 0.0),
+        "rand": eye & m,
+        "cmp": np.full((3, 4), 0.5) < x,
+    }
+    for value in built.values():
+        assert isinstance(value, Value)
+    g.output(**built)
+    rng = np.random.default_rng(2)
+    xa, ma = rng.standard_normal((3, 4)).astype(np.float32), rng.random((3, 4)) > 0.5
+    got = rlx.compile(g)(x=xa, m=ma)
+    want = {
+        "left": np.arange(4.0) * xa,
+        "right": xa - 1,
+        "matmul": xa @ w,
+        "rmatmul": w.T @ xa.T,
+        "mask": np.where(eye | ma, xa, 0),
+        "rand": eye & ma,
+        "cmp": xa > 0.5,
+    }
+    for name, expected in want.items():
+        np.testing.assert_allclose(got[name], expected, rtol=1e-5, atol=1e-5, err_msg=name)
+        assert got[name].dtype == (np.bool_ if expected.dtype == np.bool_ else np.float32), name
+    with pytest.raises(rlx.RlxTypeError, match=r"add \(node \d+\): a must be f32, got i64"):
+        np.ones((3, 4), np.int64) + x  # no silent conversion of an int array into a float operand
+
+
 def test_value_repr_survives_hand_made_values() -> None:
     g = spec_graph()
     node = g.outputs["o"].node
