@@ -41,7 +41,7 @@ def load(path: str) -> Executable:
     return _load(path)
 
 
-_MOD_FUNCTIONS = ("abs", "exp", "log", "maximum", "minimum", "sigmoid", "sqrt", "tanh", "where")
+_MOD_FUNCTIONS = ("abs", "exp", "log", "maximum", "minimum", "power", "sigmoid", "sqrt", "tanh", "where")
 
 
 def __getattr__(name: str) -> Any:
@@ -80,6 +80,7 @@ __all__ = [
     "log",
     "maximum",
     "minimum",
+    "power",
     "sigmoid",
     "sqrt",
     "tanh",

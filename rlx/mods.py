@@ -113,8 +113,47 @@ class Sym:
     def __rmod__(self, other: object) -> Sym:
         return self._binary("mod", other, True)
 
+    def __pow__(self, other: object) -> Any:
+        return power(self, other)
+
+    def __rpow__(self, other: object) -> Any:
+        return power(other, self)
+
     def __neg__(self) -> Sym:
         return self._tracer.emit("neg", self._ref)
+
+    # Tensor-style methods, so mods written for torch (``score.tanh()``, ``score.pow(2)``) trace.
+    def abs(self) -> Sym:
+        return self._tracer.emit("abs", self._ref)
+
+    def neg(self) -> Sym:
+        return self._tracer.emit("neg", self._ref)
+
+    def exp(self) -> Any:
+        return exp(self)
+
+    def log(self) -> Any:
+        return log(self)
+
+    def tanh(self) -> Any:
+        return tanh(self)
+
+    def sigmoid(self) -> Any:
+        return sigmoid(self)
+
+    def sqrt(self) -> Any:
+        return sqrt(self)
+
+    def pow(self, exponent: object) -> Any:
+        return power(self, exponent)
+
+    def clamp(self, min: object = None, max: object = None) -> Any:
+        result: Any = self
+        if min is not None:
+            result = maximum(result, min)
+        if max is not None:
+            result = minimum(result, max)
+        return result
 
     def __pos__(self) -> Sym:
         return self
@@ -402,6 +441,64 @@ def _binary(op: str, fn: Callable[[Any, Any], Any]) -> Callable[[object, object]
 
 maximum = _binary("maximum", max)
 minimum = _binary("minimum", min)
+
+_MAX_INTEGER_POWER = 64  # larger integer exponents go through exp/log like any other
+
+
+def power(base: object, exponent: object) -> Any:
+    """``base ** exponent`` inside a mod, with torch.pow's values, from the region's own steps.
+
+    An integer exponent (``score ** 2``, ``i ** 3``) multiplies, so a negative base keeps its
+    sign and the gradient is the product rule's; a negative one divides. ``0.5`` is ``sqrt``.
+    Any other exponent, and a symbolic exponent of a positive number base (ALiBi's
+    ``2 ** (-8 * h / H)``), is ``exp(exponent * log(base))``: NaN for a negative base, as torch.
+    A symbolic exponent of a symbolic or non-positive base has no such formula: refused.
+    """
+    base, exponent = _scalar(base), _scalar(exponent)
+    tracer = _sym_or_number(base, exponent)
+    if tracer is None:
+        return base**exponent  # type: ignore[operator]
+    if isinstance(exponent, Sym):
+        if isinstance(base, Sym) or not isinstance(base, (int, float, np.integer, np.floating)) or base <= 0:
+            raise RlxTypeError(
+                f"{tracer.what}: a symbolic exponent needs a positive number base (2 ** (h / 8)); "
+                "write rlx.exp(e * rlx.log(b)) where the base is known to be positive"
+            )
+        if base == 1:
+            return 1.0
+        return exp(exponent * float(np.log(float(base))))
+    if isinstance(exponent, (bool, np.bool_)) or not isinstance(exponent, (int, float, np.integer, np.floating)):
+        raise RlxTypeError(f"{tracer.what}: ** got an exponent of type {type(exponent).__name__}; use a number")
+    assert isinstance(base, Sym)
+    value = float(exponent)
+    if value.is_integer() and -_MAX_INTEGER_POWER <= value <= _MAX_INTEGER_POWER:
+        return _integer_power(base, int(value), integral=isinstance(exponent, (int, np.integer)))
+    if value == 0.5:
+        return sqrt(base)
+    return exp(log(base) * value)
+
+
+def _scalar(x: object) -> object:
+    """A 0-d numpy array or torch tensor as its Python number; anything else as is."""
+    if not isinstance(x, Sym) and getattr(x, "ndim", None) == 0 and hasattr(x, "item"):
+        return x.item()
+    return x
+
+
+def _integer_power(base: Sym, n: int, integral: bool) -> Any:
+    """``base ** n`` by repeated squaring; ``n = 0`` is 1 (as torch: ``0 ** 0 == 1``)."""
+    if n == 0:
+        return 1 if integral else 1.0
+    result: Any = None
+    square: Any = base
+    remaining = -n if n < 0 else n  # (this module's `abs` is the traced one)
+    while remaining:
+        if remaining & 1:
+            result = square if result is None else result * square
+        remaining >>= 1
+        if remaining:
+            square = square * square
+    return 1.0 / result if n < 0 else result
 
 
 def where(cond: object, a: object, b: object) -> Any:

@@ -125,6 +125,12 @@ _TORCH_TO_RLX: dict[Any, Callable[..., Any]] = {
     torch.Tensor.exp: _mods.exp,
     torch.Tensor.abs: _mods.abs,
     torch.Tensor.sigmoid: _mods.sigmoid,
+    torch.Tensor.log: _mods.log,
+    torch.Tensor.sqrt: _mods.sqrt,
+    torch.pow: _mods.power,
+    torch.Tensor.pow: _mods.power,
+    torch.Tensor.__pow__: _mods.power,
+    torch.Tensor.__rpow__: lambda exponent, base: _mods.power(base, exponent),
 }
 _BINARY = {
     torch.Tensor.add: "__add__",
@@ -191,7 +197,7 @@ def _torch_function(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     name = getattr(func, "__name__", repr(func))
     raise RlxTypeError(
         f"torch.{name} cannot be traced inside an attention mod; use +, -, *, /, comparisons, &, |, ~, "
-        "torch.where, torch.tanh, torch.exp, torch.log, torch.abs, torch.sigmoid, torch.sqrt, "
+        "torch.where, torch.tanh, torch.exp, torch.log, torch.abs, torch.sigmoid, torch.sqrt, torch.pow, "
         "torch.minimum, torch.maximum, torch.clamp, and captured tensors indexed by the symbols"
     )
 

@@ -244,6 +244,28 @@ def test_flex_matches_torch_eager_flex_and_differentiates() -> None:
         assert_close(g, w)
 
 
+def test_flex_mods_with_powers_match_torch_flex() -> None:
+    """``**``, ``torch.pow``, ``Tensor.pow`` and ``Tensor.log``/``sqrt`` inside mods, as torch traces them."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q, k, v = (t.detach() for t in qkv())
+    bias = torch.rand(4)
+
+    def score_mod(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        decay = torch.pow(2.0, -(h + 1.0)) * (q_idx - kv_idx) ** 2 * 0.01
+        squashed = (score.abs() + 1).log() + torch.pow(score, 2) * 0.1 + (score.abs() + 1).sqrt()
+        return squashed - decay + bias[h].pow(3)
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return -q_idx <= -kv_idx
+
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    block_mask = create_block_mask(mask_mod, None, None, 29, 29, device="cpu")
+    want = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    assert_close(rt.flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod), want)
+
+
 def test_flex_takes_torchs_positional_block_mask_kernel_options_and_return_aux() -> None:
     from torch.nn.attention import flex_attention as torch_flex
 

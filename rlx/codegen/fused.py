@@ -558,7 +558,9 @@ class LaneMath:
         return self.b.fdiv(a, b)
 
     def neg(self, x: ir.Value) -> ir.Value:
-        return self.b.fneg(x)
+        if _is_float(x):
+            return self.b.fneg(x)
+        return self.b.sub(ir.Constant(x.type, None), x)  # an integer (index arithmetic in a mod)
 
     def exp(self, x: ir.Value) -> ir.Value:
         return self.b.call(define_expf(self.module, self.width), [x])

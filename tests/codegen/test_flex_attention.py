@@ -155,6 +155,13 @@ CASES = [
         mask_mod=lambda e: lambda b, h, q, kv: ~(kv // 4 == q // 4 + 1),
     ),
     Case(
+        "powers-and-negated-indices",
+        score_mod=lambda e: (
+            lambda s, b, h, q, kv: s**2 * 0.1 - (s / 4) ** 3 + rlx.abs(s) ** 1.5 * 2 ** (-(h + 1) * 0.5)
+        ),
+        mask_mod=lambda e: lambda b, h, q, kv: -q <= -kv + (q % 2) ** 2,
+    ),
+    Case(
         "gathered-bias",
         score_mod=lambda e: lambda s, b, h, q, kv: s + e["table"][h, (q - kv) % 5] * 2.0,
         tensors={"table": ((4, 5), "float32")},
@@ -171,6 +178,31 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_matches_reference(case: Case) -> None:
     check(case)
+
+
+def test_powers_inside_mods_have_torch_pow_values() -> None:
+    """``**`` against NumPy's power on the float64 scores, independently of the reference's region."""
+    heads, seq = 2, 6
+    g = Graph("powers")
+    q, k, v = (g.input(name, (1, seq, heads, 4)) for name in "qkv")
+
+    def score_mod(s: Any, b: Any, h: Any, i: Any, j: Any) -> Any:
+        return s**2 * 0.25 + (s * 0.5) ** 3 - s**-2 * 0.01 + rlx.abs(s) ** 0.5 + rlx.abs(s) ** 1.5 + 2 ** (-(h + 1.0))
+
+    g.output(o=g.attention(q, k, v, score_mod=score_mod, mask_mod=lambda b, h, i, j: (i - j) ** 2 <= 4))
+    rng = np.random.default_rng(3)
+    arrays = {name: rng.standard_normal((1, seq, heads, 4)).astype(np.float32) for name in "qkv"}
+    scores = np.einsum("bqhd,bkhd->bhqk", arrays["q"].astype(np.float64), arrays["k"]) / 2.0
+    h = np.arange(heads)[:, None, None]
+    modded = scores**2 * 0.25 + (scores * 0.5) ** 3 - scores**-2.0 * 0.01 + np.abs(scores) ** 0.5
+    modded += np.abs(scores) ** 1.5 + 2.0 ** (-(h + 1.0))
+    i, j = np.arange(seq)[:, None], np.arange(seq)[None, :]
+    modded = np.where((i - j) ** 2 <= 4, modded, -np.inf)
+    p = np.exp(modded - modded.max(-1, keepdims=True))
+    want = np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), arrays["v"])
+    np.testing.assert_allclose(rlx.compile(g)(**arrays)["o"], want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(rlx.RlxTypeError, match="a symbolic exponent needs a positive number base"):
+        g.attention(q, k, v, score_mod=lambda s, b, h, i, j: s**h)
 
 
 @pytest.mark.parametrize("block_q", [1, 5, 64])
