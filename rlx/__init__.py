@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from rlx.config import RuntimeConfig
-from rlx.errors import RlxError, RlxKeyError, RlxTypeError, RlxValueError
+from rlx.errors import RlxError, RlxKeyError, RlxMemoryError, RlxTypeError, RlxValueError
 from rlx.ir import Graph, Layout, MaskKind, Node, OpKind, TensorType, Value, Wrt
 
 __version__ = "0.1.0"
@@ -65,6 +65,7 @@ __all__ = [
     "OpKind",
     "RlxError",
     "RlxKeyError",
+    "RlxMemoryError",
     "RlxTypeError",
     "RlxValueError",
     "RuntimeConfig",

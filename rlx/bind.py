@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rlx.errors import RlxKeyError, RlxTypeError, RlxValueError
+from rlx.errors import RlxKeyError, RlxTypeError, RlxValueError, allocation_failed
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Value
@@ -186,7 +186,11 @@ def _check_array(
         )
     if not (array.flags.c_contiguous and array.flags.aligned):
         # Transposed, strided, broadcast or unaligned views: native code assumes dense rows.
-        array = np.array(array, order="C", copy=True)
+        try:
+            array = np.array(array, order="C", copy=True)
+        except MemoryError:
+            what = f"input {name!r}: a dense copy of this {array.shape} view"
+            raise allocation_failed(what, array.size * array.itemsize) from None
     return array
 
 

@@ -20,6 +20,20 @@ class RlxTypeError(RlxError, TypeError):
     """A dtype or an argument type is wrong."""
 
 
+class RlxMemoryError(RlxError, MemoryError):
+    """A call's inputs, outputs or scratch need more memory than the process can allocate."""
+
+
+def allocation_failed(what: str, nbytes: int) -> RlxMemoryError:
+    """The error for an allocation of ``nbytes`` for ``what`` that NumPy could not make."""
+    size, unit = float(nbytes), "bytes"
+    for larger in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, larger
+    return RlxMemoryError(f"{what} needs {size:.3g} {unit}, more than this process could allocate")
+
+
 class RlxKeyError(RlxError, KeyError):
     """An input name is missing or unknown."""
 

@@ -121,3 +121,23 @@ def test_huge_shapes_are_refused_before_allocating() -> None:
     g.output(y=x @ g.input("w", (2, 2)))
     with pytest.raises(RlxValueError, match="32-bit BLAS limit"):
         rlx.compile(g)
+
+
+def test_a_call_that_cannot_get_its_memory_is_a_clear_error() -> None:
+    """Symbolic sizes only meet memory at call time: NumPy's MemoryError becomes an RlxMemoryError
+    (also a MemoryError) naming the buffer, and the executable keeps working afterwards."""
+    g = Graph("outer")
+    x, y = g.input("x", ("N", 1)), g.input("y", (1, "N"))
+    z = x * y
+    g.output(z=z, s=g.sum(g.exp(z) @ z))
+    exe = rlx.compile(g)
+    big = 2**19  # (N, N) float32 buffers of 1 TiB
+    with pytest.raises(rlx.RlxMemoryError, match=r"shape \(524288, 524288\) needs 1 TiB") as caught:
+        exe(x=np.ones((big, 1), np.float32), y=np.ones((1, big), np.float32))
+    assert isinstance(caught.value, MemoryError)
+    column = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), (2**42, 1), (0, 0))
+    dense_copy = r"input 'x': a dense copy of this \(4398046511104, 1\) view needs 16 TiB"
+    with pytest.raises(rlx.RlxMemoryError, match=dense_copy):
+        exe(x=column, y=column.T)
+    got = exe(x=np.full((3, 1), 2, np.float32), y=np.ones((1, 3), np.float32))
+    np.testing.assert_allclose(got["z"], np.full((3, 3), 2.0))

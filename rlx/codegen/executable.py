@@ -36,7 +36,7 @@ from rlx.codegen.memory_plan import MemoryPlan, plan_memory, random_topological_
 from rlx.codegen.output_pool import OutputPool
 from rlx.codegen.schedule import Schedule, build_schedule, inline_values
 from rlx.config import RuntimeConfig, resolve_config, resolve_num_threads
-from rlx.errors import RlxTypeError, RlxValueError
+from rlx.errors import RlxTypeError, RlxValueError, allocation_failed
 from rlx.ir.graph import Graph, Value
 from rlx.ir.printer import value_names
 from rlx.ir.types import TensorType, resolve_dims
@@ -431,7 +431,13 @@ class Executable:
         if held is None or held.nbytes < nbytes + 64:
             # Grown by half again at least: a decode loop's scratch grows a little every step.
             grown = nbytes if held is None else max(nbytes, held.nbytes * 3 // 2)
-            held = np.empty(max(grown, 64) + 64, dtype=np.uint8)
+            try:
+                held = np.empty(max(grown, 64) + 64, dtype=np.uint8)
+            except MemoryError:
+                try:  # the minimum, when half again more does not fit
+                    held = np.empty(max(nbytes, 64) + 64, dtype=np.uint8)
+                except MemoryError:
+                    raise allocation_failed(f"{self.graph.name!r}: the call's scratch arena", nbytes) from None
             address = data_address(held)
             self._arenas.buffer = held
             self._arenas.offset = (-address) % 64

@@ -21,6 +21,8 @@ import weakref
 
 import numpy as np
 
+from rlx.errors import allocation_failed
+
 DEPTH = 2  # arrays kept per output name
 
 
@@ -55,7 +57,12 @@ class OutputPool:
                     recycled = held.pop(index)
                     held.append(recycled)  # most recently handed out last
                     return recycled
-        fresh = np.empty(shape, dtype=dtype)
+        try:
+            fresh = np.empty(shape, dtype=dtype)
+        except MemoryError:
+            nbytes = int(np.prod(shape, dtype=np.float64)) * np.dtype(dtype).itemsize
+            what = f"intermediate {name}" if name.startswith("%") else f"output {name!r}"  # "%temp3": symbolic
+            raise allocation_failed(f"{what} of shape {shape}", nbytes) from None
         held.append(fresh)
         if len(held) > DEPTH:
             held.pop(0)

@@ -80,8 +80,15 @@ def reshape(graph: Graph, x: object, shape: Sequence[int | str]) -> Value:
         known, named = _elements([d for d in dims if d != -1])
         missing = symbols - named
         if named - symbols or known <= 0 or total % known or (missing and (total // known != 1 or len(missing) > 1)):
+            merged = bool(missing) and not (named - symbols) and known > 0 and total % known == 0
+            hint = (
+                f"; -1 would be {_count((total // known, *sorted(missing.elements())))}, but a symbolic "
+                "dimension stays one axis of its own (it cannot merge with others): keep it as an axis"
+                if merged
+                else ""
+            )
             raise RlxValueError(
-                f"reshape: cannot reshape {value.type} ({_count(value.shape)} elements) to {tuple(dims)}"
+                f"reshape: cannot reshape {value.type} ({_count(value.shape)} elements) to {tuple(dims)}{hint}"
             )
         dims[dims.index(-1)] = next(iter(missing)) if missing else total // known
     return graph.add_node(op_kind("reshape"), [value], ShapeAttrs(tuple(dims))).outputs[0]

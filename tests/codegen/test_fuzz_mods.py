@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import rlx
-from rlx import Graph
+from rlx import Graph, Layout
 
 Tree = tuple[Any, ...]
 
@@ -134,6 +134,8 @@ def evaluate(tree: Tree, env: dict[str, Any]) -> Any:
     seq_k=st.integers(1, 80),
     dim=st.integers(1, 8),
     value_dim=st.integers(1, 8),
+    layout=st.sampled_from(list(Layout)),
+    scale=st.one_of(st.none(), st.floats(0.05, 2.0)),
     seed=st.integers(0, 2**16),
 )
 def test_random_mods_compile_to_the_reference(
@@ -146,13 +148,15 @@ def test_random_mods_compile_to_the_reference(
     seq_k: int,
     dim: int,
     value_dim: int,
+    layout: Layout,
+    scale: float | None,
     seed: int,
 ) -> None:
     heads = kv_heads * group
     g = Graph("fuzz_mods")
-    q = g.input("q", (batch, seq_q, heads, dim))
-    k = g.input("k", (batch, seq_k, kv_heads, dim))
-    v = g.input("v", (batch, seq_k, kv_heads, value_dim))
+    q = g.input("q", layout.join(batch, seq_q, heads, dim))
+    k = g.input("k", layout.join(batch, seq_k, kv_heads, dim))
+    v = g.input("v", layout.join(batch, seq_k, kv_heads, value_dim))
     bias = g.input("bias", (heads, seq_q, seq_k))
 
     def score_mod(score: Any, b: Any, h: Any, i: Any, j: Any) -> Any:
@@ -171,6 +175,8 @@ def test_random_mods_compile_to_the_reference(
         score_mod=score_mod if score_tree is not None else None,
         mask_mod=mask_mod if mask_tree is not None else None,
         return_lse=True,
+        scale=scale,
+        layout=layout,
     )
     dy = g.input("dy", out.shape)
     reads_bias = score_tree is not None and "bias" in repr(score_tree)
