@@ -17,11 +17,14 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    import numpy as np
+
     from rlx.codegen.executable import Executable
 
 
-def grad(graph: Graph, y: Value, xs: Sequence[Value], dy: Value | None = None) -> list[Value]:
-    """Reverse-mode gradients of ``y`` w.r.t. each of ``xs``; ``dy`` may be left out for a scalar ``y``."""
+def grad(graph: Graph, y: Value, xs: Sequence[Value], dy: Value | float | np.ndarray | None = None) -> list[Value]:
+    """Reverse-mode gradients of ``y`` w.r.t. each of ``xs``; ``dy`` may be left out for a scalar ``y``
+    (the seed is 1), or be a number or an array of ``y``'s shape."""
     from rlx.autodiff import grad as _grad
 
     return _grad(graph, y, xs, dy)
