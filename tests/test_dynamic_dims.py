@@ -157,7 +157,8 @@ def test_shape_rules_carry_symbols() -> None:
     [
         (lambda g, x: g.concat([x, x], axis=1), "symbolic"),
         (lambda g, x: g.split(x, 2, axis=1), "symbolic dimension 'S'"),
-        (lambda g, x: g.reshape(x, (2, -1)), "cannot reshape"),
+        (lambda g, x: g.reshape(x, (3, -1)), "cannot reshape"),
+        (lambda g, x: g.input("z", (2, "2*S")), "an input is one name"),
         (lambda g, x: g.reshape(x, (16, "S")), None),
         (lambda g, x: g.reshape(x, (2, "T", 8)), "cannot reshape"),
         (lambda g, x: x + g.input("y", (2, 3, 8)), "do not broadcast"),
@@ -172,6 +173,48 @@ def test_what_symbols_cannot_do_is_a_clear_error(build, fragment) -> None:  # ty
         return
     with pytest.raises(rlx.RlxError, match=fragment):
         build(g, x)
+
+
+def test_reshape_merges_and_splits_symbolic_axes() -> None:
+    """``logits.reshape(-1, V)`` as torch users write it: the merged axis is the product ``2*S``,
+    which matmul, softmax, cross_entropy and the gradients carry, and the printer and parser
+    write and read. One compilation serves every size."""
+    g = rlx.Graph("flatten")
+    x = g.input("x", (2, "S", 8))
+    w = g.input("w", (8, 5))
+    targets = g.input("t", (2, "S"), dtype="int64")
+    flat = g.reshape(x, (-1, 8))
+    assert flat.shape == ("2*S", 8)
+    assert g.reshape(x, (-1,)).shape == ("16*S",)
+    assert g.reshape(flat, (2, "S", 8)).shape == (2, "S", 8)
+    assert g.reshape(g.matmul(g.transpose(x, (1, 0, 2)), g.transpose(x, (1, 2, 0))), (-1,)).shape == ("4*S",)
+    logits = flat @ w
+    loss = g.cross_entropy(logits, g.reshape(targets, (-1,)))
+    unflat = g.reshape(g.softmax(logits), (2, "S", 5))
+    dx, dw = rlx.grad(g, loss, [x, w])
+    g.output(loss=loss, dx=dx, dw=dw, unflat=unflat)
+    assert "f32[2*S,8]" in str(g) and "shape = (2*S, 8)" in str(g)
+    assert str(rlx.ir.parse(str(g))) == str(g)
+    exe = rlx.compile(g)
+    for s in (1, 6, 40):
+        rng = np.random.default_rng(s)
+        arrays = {
+            "x": rng.standard_normal((2, s, 8)).astype(np.float32),
+            "w": rng.standard_normal((8, 5)).astype(np.float32),
+            "t": rng.integers(0, 5, (2, s)),
+        }
+        got = exe(**arrays)
+        logits64 = arrays["x"].reshape(-1, 8).astype(np.float64) @ arrays["w"]
+        p = np.exp(logits64 - logits64.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        nll = -np.log(p[np.arange(2 * s), arrays["t"].reshape(-1)]).mean()
+        np.testing.assert_allclose(got["loss"], nll, rtol=1e-5)
+        np.testing.assert_allclose(got["unflat"], p.reshape(2, s, 5), rtol=1e-5, atol=1e-6)
+        onehot = np.eye(5)[arrays["t"].reshape(-1)]
+        dlogits = (p - onehot) / (2 * s)
+        np.testing.assert_allclose(got["dw"], arrays["x"].reshape(-1, 8).T @ dlogits, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(got["dx"], (dlogits @ arrays["w"].T).reshape(2, s, 8), rtol=1e-4, atol=1e-6)
+    assert exe.compile_count == 1
 
 
 def test_mean_over_a_symbolic_axis_divides_by_the_call_size() -> None:

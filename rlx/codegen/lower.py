@@ -57,7 +57,7 @@ SYMBOLIC_BLOCK_Q = 128  # query rows per strip when the sequence lengths are onl
 
 def graph_symbols(graph: Graph) -> tuple[str, ...]:
     """The graph's symbolic dimensions, sorted: the order of the per-call sizes table."""
-    return tuple(sorted({d for node in graph.nodes for ty in node.types for d in ty.shape if isinstance(d, str)}))
+    return tuple(sorted({name for node in graph.nodes for ty in node.types for name in ty.symbols}))
 
 
 def kernel_spec(

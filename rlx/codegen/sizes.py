@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from rlx.codegen.irutil import I64, gep, i64
+from rlx.ir.types import dim_factors
 
 Monomial = tuple[str, ...]  # sorted symbol names, a name repeated for its power
 
@@ -82,7 +83,8 @@ def _terms_of(value: SizeLike) -> dict[Monomial, int]:
 def size_of(dim: int | str | Size) -> SizeLike:
     """A shape entry as a size: an int as is, a symbol name as the polynomial of that symbol."""
     if isinstance(dim, str):
-        return Size((((dim,), 1),))
+        coefficient, symbols = dim_factors(dim)  # "N", or a product such as "2*N" from a reshape
+        return Size(((symbols, coefficient),))
     return dim
 
 

@@ -21,7 +21,7 @@ import networkx as nx
 from rlx.errors import RlxKeyError, RlxTypeError, RlxValueError
 from rlx.ir.opdef import REGISTRY
 from rlx.ir.ops import InputAttrs, OpKind
-from rlx.ir.types import Dim, TensorType, as_dtype, check_shape
+from rlx.ir.types import Dim, TensorType, as_dtype, check_shape, is_symbol
 
 Attrs = Any
 
@@ -301,6 +301,12 @@ class Graph:
         if name in self._inputs:
             raise RlxValueError(f"graph {self.name!r} already has an input named {name!r}")
         ty = TensorType(check_shape(shape, f"input {name!r}"), as_dtype(dtype))
+        for dim in ty.shape:
+            if isinstance(dim, str) and not is_symbol(dim):
+                raise RlxValueError(
+                    f"input {name!r}: a symbolic dimension of an input is one name (its size is bound per call), "
+                    f"got {dim!r}; products like it arise inside the graph, from reshapes"
+                )
         node = self._add(OpKind.INPUT, InputAttrs(name), (), (ty,))
         self._inputs[name] = node
         self._inputs_changed()

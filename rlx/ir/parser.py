@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from rlx.errors import RlxError, RlxTypeError, RlxValueError
 from rlx.ir.graph import Graph, Value
 from rlx.ir.ops import OpKind
-from rlx.ir.types import DTYPE_NAMES, Layout, MaskKind, TensorType, Wrt, is_symbol
+from rlx.ir.types import DTYPE_NAMES, Layout, MaskKind, TensorType, Wrt, dim_factors, is_symbol, make_dim
 
-_PUNCTUATION = "=,:{}[]()|-+"
+_PUNCTUATION = "=,:{}[]()|-+*"
 _OPENERS = {"(": ")", "[": "]", "{": "}"}
 
 # ----------------------------------------------------------------------------- tokens
@@ -285,12 +285,34 @@ def _convert_int_tuple(tp: object, tokens: list[Token], text: str) -> tuple[int 
         raise ValueError(f"the parser reads tuples of ints (and shapes) only, not {tp}")
     if not (text.startswith("(") and text.endswith(")")):
         raise ValueError("expected a tuple like (1, 2)")
-    inner = [token for token in tokens[1:-1] if token.text != ","]
-    if any(
-        token.kind != "number" and not (shape and token.kind == "name" and is_symbol(token.text)) for token in inner
-    ):
-        raise ValueError("expected ints between the parentheses" + (" (or symbolic dimensions)" if shape else ""))
-    return tuple(token.text if token.kind == "name" else _parse_int(token.text) for token in inner)
+    entries: list[list[Token]] = [[]]
+    for token in tokens[1:-1]:
+        if token.text == ",":
+            entries.append([])
+        else:
+            entries[-1].append(token)
+    if entries[-1] == []:  # "()" and a trailing comma, "(3,)"
+        entries.pop()
+    parsed: list[int | str] = []
+    for entry in entries:
+        if len(entry) == 1 and entry[0].kind == "number":
+            parsed.append(_parse_int(entry[0].text))
+        elif shape and _is_dim_product(entry):  # Sk, or a product such as 2*Sk
+            parsed.append(make_dim(*dim_factors("".join(token.text for token in entry))))
+        else:
+            raise ValueError("expected ints between the parentheses" + (" (or symbolic dimensions)" if shape else ""))
+    return tuple(parsed)
+
+
+def _is_dim_product(entry: list[Token]) -> bool:
+    """Tokens ``Sk`` or ``2 * Sk * B``: names and positive ints joined by ``*``."""
+    factors, stars = entry[::2], entry[1::2]
+    return (
+        len(entry) % 2 == 1
+        and all(star.text == "*" for star in stars)
+        and all((f.kind == "name" and is_symbol(f.text)) or (f.kind == "number" and f.text.isdigit()) for f in factors)
+        and any(f.kind == "name" for f in factors)
+    )
 
 
 def _convert_union(options: tuple[object, ...], tokens: list[Token], text: str) -> object:
@@ -502,16 +524,22 @@ class _Parser:
         cursor.expect("[", f" after dtype {dtype.text}")
         dims: list[int | str] = []
         while not cursor.at("]"):
-            if cursor.at_kind("name"):  # a symbolic dimension, e.g. f32[2,Sk,4,64]
-                symbol = cursor.expect_kind("name", "a symbolic dimension")
-                if not is_symbol(symbol.text):
-                    raise cursor.error("a dimension (a positive int, or a symbol such as Sk)", symbol)
-                dims.append(symbol.text)
-            else:
-                dim = cursor.expect_kind("number", "a dimension (a positive int or a symbol) or ']'")
-                if not dim.text.isdigit() or int(dim.text) < 1:
-                    raise cursor.error("a dimension (a positive int)", dim)
-                dims.append(int(dim.text))
+            # A dimension: a positive int, a symbol (f32[2,Sk,4,64]) or a product of them (f32[2*Sk,64]).
+            coefficient, symbols = 1, []
+            while True:
+                if cursor.at_kind("name"):
+                    symbol = cursor.expect_kind("name", "a symbolic dimension")
+                    if not is_symbol(symbol.text):
+                        raise cursor.error("a dimension (a positive int, or a symbol such as Sk)", symbol)
+                    symbols.append(symbol.text)
+                else:
+                    dim = cursor.expect_kind("number", "a dimension (a positive int or a symbol) or ']'")
+                    if not dim.text.isdigit() or int(dim.text) < 1:
+                        raise cursor.error("a dimension (a positive int)", dim)
+                    coefficient *= int(dim.text)
+                if not cursor.accept("*"):
+                    break
+            dims.append(make_dim(coefficient, symbols))
             if not cursor.accept(","):
                 break
         cursor.expect("]", " closing the shape")

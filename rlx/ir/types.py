@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -41,13 +41,64 @@ def as_dtype(dtype: object) -> np.dtype:
     return normalised
 
 
-Dim = int | str  # a size, or the name of a symbolic dimension whose size each call binds
+Dim = int | str  # a size, or a symbolic dimension: a name each call binds, or a product of names
 _SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 def is_symbol(dim: object) -> bool:
     """A symbolic dimension: an identifier like ``"Sk"`` (``g.input("k", (B, "Sk", H, D))``)."""
     return isinstance(dim, str) and _SYMBOL.match(dim) is not None
+
+
+def make_dim(coefficient: int, symbols: Iterable[str]) -> Dim:
+    """The canonical dimension ``coefficient * product(symbols)``: an int without symbols, else
+    ``"N"``, ``"2*N"``, ``"B*S"`` (symbols sorted, a coefficient of 1 left out).
+
+    Products arise where a reshape merges a symbolic axis with others (``(2, N, 4)`` to
+    ``(-1, 4)`` gives ``2*N``); inputs declare plain names only, whose sizes a call binds.
+    """
+    names = sorted(symbols)
+    if not names:
+        return coefficient
+    return "*".join(([str(coefficient)] if coefficient != 1 else []) + names)
+
+
+def dim_factors(dim: Dim) -> tuple[int, tuple[str, ...]]:
+    """``(coefficient, symbols)`` of a dimension: ``4`` is ``(4, ())``, ``"2*N*S"`` is ``(2, ("N", "S"))``."""
+    if isinstance(dim, int):
+        return dim, ()
+    coefficient, names = 1, []
+    for factor in dim.split("*"):
+        if factor.isdigit():
+            coefficient *= int(factor)
+        else:
+            names.append(factor)
+    return coefficient, tuple(sorted(names))
+
+
+def is_dim_product(dim: object) -> bool:
+    """A canonical product of symbols (``"2*N"``, ``"B*S"``), as :func:`make_dim` writes it."""
+    if not isinstance(dim, str) or "*" not in dim:
+        return False
+    factors = dim.split("*")
+    if not all(is_symbol(f) or (f.isdigit() and int(f) >= 1) for f in factors):
+        return False
+    return make_dim(*dim_factors(dim)) == dim
+
+
+def dim_symbols(dim: Dim) -> tuple[str, ...]:
+    """The symbol names a dimension is made of (repeated for a power)."""
+    return dim_factors(dim)[1]
+
+
+def dim_size(dim: Dim, sizes: Mapping[str, int]) -> int:
+    """A dimension's size in one call, from the sizes of its symbols."""
+    if isinstance(dim, int):
+        return dim
+    if is_symbol(dim):
+        return sizes[dim]
+    coefficient, names = dim_factors(dim)
+    return coefficient * math.prod(sizes[name] for name in names)
 
 
 @dataclass(frozen=True)
@@ -78,7 +129,7 @@ class TensorType:
     @property
     def symbols(self) -> tuple[str, ...]:
         """The symbolic dimensions, in order of first appearance."""
-        return tuple(dict.fromkeys(d for d in self.shape if isinstance(d, str)))
+        return tuple(dict.fromkeys(name for d in self.shape if isinstance(d, str) for name in dim_symbols(d)))
 
     @property
     def is_static(self) -> bool:
@@ -108,7 +159,7 @@ class TensorType:
 
 def resolve_dims(dims: Sequence[Dim], sizes: Mapping[str, int]) -> tuple[int, ...]:
     """``dims`` with every symbol replaced by its size in ``sizes`` (one call's)."""
-    return tuple(sizes[d] if isinstance(d, str) else d for d in dims)
+    return tuple(dim_size(d, sizes) for d in dims)
 
 
 def static_shape(shape: tuple[Dim, ...]) -> tuple[int, ...]:
@@ -131,7 +182,7 @@ def check_shape(shape: object, what: str) -> tuple[Dim, ...]:
         raise RlxTypeError(f"{what}: shape must be a tuple of ints, got {type(shape).__name__}") from None
     for dim in entries:
         if isinstance(dim, str):
-            if not is_symbol(dim):
+            if not (is_symbol(dim) or is_dim_product(dim)):
                 raise RlxValueError(
                     f"{what}: a symbolic dimension must be an identifier like 'Sk', got {dim!r} in {entries}"
                 )

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
-from rlx.ir.types import Dim, TensorType, is_symbol
+from rlx.ir.types import Dim, TensorType, dim_factors, is_symbol, make_dim
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Value
@@ -116,15 +116,23 @@ def int_tuple(what: str, label: str, values: object) -> tuple[int, ...]:
 
 
 def dim_tuple(what: str, label: str, values: object) -> tuple[int | str, ...]:
-    """Like :func:`int_tuple`, but an entry may also name a symbolic dimension (``"Sk"``)."""
+    """Like :func:`int_tuple`, but an entry may also name a symbolic dimension (``"Sk"``) or a
+    product of them and an int (``"2*Sk"``, as a reshape that merges axes prints it)."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise RlxTypeError(f"{what}: {label} must be a tuple of ints, got {type(values).__name__}")
     out: list[int | str] = []
     for v in values:
         if isinstance(v, str):
-            if not is_symbol(v):
-                raise RlxValueError(f"{what}: {label}: a symbolic dimension must be an identifier, got {v!r}")
-            out.append(v)
+            if is_symbol(v):
+                out.append(v)
+                continue
+            factors = v.replace(" ", "").split("*")
+            if not all(is_symbol(f) or (f.isdigit() and int(f) >= 1) for f in factors):
+                raise RlxValueError(
+                    f"{what}: {label}: a symbolic dimension must be an identifier (or a product such as "
+                    f"'2*Sk'), got {v!r}"
+                )
+            out.append(make_dim(*dim_factors("*".join(factors))))
         elif isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
             raise RlxTypeError(f"{what}: {label} entries must be ints, got {v!r} (or symbolic dimension names)")
         else:

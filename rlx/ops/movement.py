@@ -15,7 +15,7 @@ import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.opdef import EvalContext, OpDef, register_op
-from rlx.ir.types import Dim, TensorType
+from rlx.ir.types import Dim, TensorType, dim_factors, make_dim
 from rlx.ops._common import as_value, dim_tuple, int_tuple, normalize_axis, op_kind, sum_to_shape, zeros
 
 if TYPE_CHECKING:
@@ -59,8 +59,9 @@ def _reshape_infer(what: str, inputs: Sequence[TensorType], attrs: ShapeAttrs) -
 
 
 def _elements(shape: Sequence[Dim]) -> tuple[int, Counter[str]]:
-    """A shape's element count as (product of the static dims, multiset of symbols)."""
-    return math.prod(d for d in shape if isinstance(d, int)), Counter(d for d in shape if isinstance(d, str))
+    """A shape's element count as (product of the static factors, multiset of symbols)."""
+    factors = [dim_factors(d) for d in shape]
+    return math.prod(c for c, _ in factors), Counter(name for _, names in factors for name in names)
 
 
 def _count(shape: Sequence[Dim]) -> str:
@@ -70,7 +71,8 @@ def _count(shape: Sequence[Dim]) -> str:
 
 def reshape(graph: Graph, x: object, shape: Sequence[int | str]) -> Value:
     """As ``numpy.reshape`` (row-major); one entry may be -1. A symbolic dimension of ``x`` (see
-    ``g.input``) may appear in ``shape`` by name; it stays one dimension (it is not merged)."""
+    ``g.input``) may appear in ``shape`` by name, or be merged with other axes: ``(2, N, 4)`` to
+    ``(-1, 4)`` gives ``(2*N, 4)``, and ``(2*N, 4)`` to ``(2, N, 4)`` splits it again."""
     value = as_value(graph, x, "reshape: x")
     dims: list[Dim] = list(dim_tuple("reshape", "shape", shape))
     if dims.count(-1) > 1:
@@ -79,18 +81,11 @@ def reshape(graph: Graph, x: object, shape: Sequence[int | str]) -> Value:
         total, symbols = _elements(value.shape)
         known, named = _elements([d for d in dims if d != -1])
         missing = symbols - named
-        if named - symbols or known <= 0 or total % known or (missing and (total // known != 1 or len(missing) > 1)):
-            merged = bool(missing) and not (named - symbols) and known > 0 and total % known == 0
-            hint = (
-                f"; -1 would be {_count((total // known, *sorted(missing.elements())))}, but a symbolic "
-                "dimension stays one axis of its own (it cannot merge with others): keep it as an axis"
-                if merged
-                else ""
-            )
+        if named - symbols or known <= 0 or total % known:
             raise RlxValueError(
-                f"reshape: cannot reshape {value.type} ({_count(value.shape)} elements) to {tuple(dims)}{hint}"
+                f"reshape: cannot reshape {value.type} ({_count(value.shape)} elements) to {tuple(dims)}"
             )
-        dims[dims.index(-1)] = next(iter(missing)) if missing else total // known
+        dims[dims.index(-1)] = make_dim(total // known, missing.elements())
     return graph.add_node(op_kind("reshape"), [value], ShapeAttrs(tuple(dims))).outputs[0]
 
 
