@@ -1,0 +1,70 @@
+"""Property: random chains of ops over a symbolic axis, including reshapes that merge it with
+static axes and split it out again, compile once and match the reference at several sizes,
+forward and gradients."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import rlx
+from rlx import Graph, Value
+from rlx.ir.types import dim_factors
+
+
+def _elements(shape: tuple[int | str, ...]) -> tuple[int, list[str]]:
+    factors = [dim_factors(d) for d in shape]
+    return int(np.prod([c for c, _ in factors])), sorted(name for _, names in factors for name in names)
+
+
+@st.composite
+def chains(draw: st.DrawFn) -> Graph:
+    g = Graph("symbolic")
+    lead, tail = draw(st.integers(1, 3)), draw(st.sampled_from([1, 2, 4, 6]))
+    x = g.input("x", (lead, "S", tail))
+    w = g.input("w", (tail, tail))
+    v: Value = x
+    for _ in range(draw(st.integers(1, 6))):
+        kind = draw(st.sampled_from(["merge", "flatten", "restore", "unary", "matmul", "softmax", "transpose", "sum"]))
+        if kind == "merge" and v.ndim >= 2:  # (..., a, b) with a symbolic somewhere: (-1, b)
+            v = g.reshape(v, (-1, v.shape[-1]))
+        elif kind == "flatten":
+            v = g.reshape(v, (-1,))
+        elif kind == "restore" and _elements(v.shape) == (lead * tail, ["S"]):
+            v = g.reshape(v, (lead, "S", tail))
+        elif kind == "unary":
+            v = g.tanh(v) * 1.5 + v
+        elif kind == "matmul" and v.shape[-1] == tail and v.ndim >= 2:
+            v = v @ w
+        elif kind == "softmax":
+            v = g.softmax(v, axis=draw(st.integers(0, v.ndim - 1)))
+        elif kind == "transpose" and v.ndim >= 2:
+            v = g.transpose(v)
+        elif kind == "sum" and v.ndim >= 2:
+            v = g.sum(v, axis=draw(st.integers(0, v.ndim - 1)), keepdims=draw(st.booleans()))
+    loss = g.sum(v * v)
+    dx, dw = rlx.grad(g, loss, [x, w])
+    g.output(y=v, loss=loss, dx=dx, dw=dw)
+    return g
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(g=chains(), sizes=st.lists(st.integers(1, 40), min_size=2, max_size=3), seed=st.integers(0, 2**16))
+def test_symbolic_chains_compile_once_and_match_the_reference(g: Graph, sizes: list[int], seed: int) -> None:
+    assert str(rlx.ir.parse(str(g))) == str(g)
+    exe = rlx.compile(g)
+    rng = np.random.default_rng(seed)
+    lead, _, tail = g.inputs["x"].shape
+    for s in sizes:
+        arrays = {
+            "x": rng.standard_normal((lead, s, tail)).astype(np.float32),
+            "w": (rng.standard_normal((tail, tail)) / tail).astype(np.float32),
+        }
+        got = exe(**arrays)
+        expected = rlx.reference.run(g, **arrays)
+        for name, want in expected.items():
+            assert got[name].shape == want.shape, name
+            scale = max(1.0, float(np.abs(want).max(initial=0.0)))
+            np.testing.assert_allclose(got[name], want, rtol=2e-4, atol=2e-5 * scale, err_msg=f"{name} at S={s}")
+    assert exe.compile_count == 1
