@@ -547,13 +547,18 @@ def scaled_dot_product_attention(
     no dropout: ``dropout_p`` other than 0 is an error, never silently ignored.
 
     Under ``torch.compile`` a call the fixed-mask kernels take (no mask, or causal with
-    ``Sq = Sk``; 4-D tensors) is the custom op ``rlx::sdpa``, which compiles into the graph with
-    its backward (``fullgraph=True`` works); any other call is one graph break.
+    ``Sq = Sk``; 4-D tensors) is the custom op ``rlx::sdpa``, and a float32 call with a bool or
+    float mask that needs no gradient is ``rlx::sdpa_masked``: both compile into the graph with
+    their backward (``fullgraph=True`` works). Any other call is one graph break.
     """
-    if torch.compiler.is_compiling() and _fixed_op_takes(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
-    ):
-        return torch.ops.rlx.sdpa.default(query, key, value, is_causal, None if scale is None else float(scale))
+    if torch.compiler.is_compiling():
+        if _fixed_op_takes(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+            return torch.ops.rlx.sdpa.default(query, key, value, is_causal, None if scale is None else float(scale))
+        if _masked_op_takes(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+            out, _ = torch.ops.rlx.sdpa_masked.default(
+                query, key, value, attn_mask, is_causal, None if scale is None else float(scale)
+            )
+            return out  # type: ignore[no-any-return]
     return _sdpa_eager(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
@@ -582,6 +587,37 @@ def _fixed_op_takes(
     grouped = heads == kv_heads or (kv_heads >= 1 and heads % kv_heads == 0 and (enable_gqa or kv_heads == 1))
     sizes = min(batch, heads, seq_q, seq_k, dim, v.shape[3]) > 0
     return bool(same and grouped and sizes and not (is_causal and seq_q != seq_k))
+
+
+def _masked_op_takes(
+    q: object,
+    k: object,
+    v: object,
+    attn_mask: object,
+    dropout_p: object,
+    is_causal: bool,
+    scale: object,
+    enable_gqa: bool,
+) -> bool:
+    """Is this a masked call ``rlx::sdpa_masked`` computes exactly as the eager path would?
+
+    float32 only (the eager path keeps a half-precision call's ``out`` in float32 for the
+    backward, which an op's saved outputs would not), and a mask that needs no gradient.
+    """
+    if not isinstance(attn_mask, torch.Tensor) or attn_mask.requires_grad or not attn_mask.is_cpu:
+        return False
+    if attn_mask.dtype != torch.bool and attn_mask.dtype not in _COMPUTED:
+        return False
+    if not _fixed_op_takes(q, k, v, None, dropout_p, False, scale, enable_gqa):
+        return False
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+    if q.dtype != torch.float32 or attn_mask.ndim > 4:
+        return False
+    try:
+        torch.broadcast_shapes(attn_mask.shape, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+    except RuntimeError:
+        return False
+    return True
 
 
 @_eager_under_torch_compile
@@ -704,6 +740,21 @@ def _sdpa(
     fixed = _fixed_plan(q, k, v, is_causal, scale) if attn_mask is None else None
     if fixed is not None:
         return _fixed_forward(fixed, q, k, v)
+    plan = _masked_plan(q, k, v, attn_mask, is_causal, scale)
+    out, _ = _FlexFunction.apply(plan, q, k, v, *plan.captured)
+    return out
+
+
+def _masked_plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+) -> _Plan:
+    """The programmable-attention plan for an SDPA call the fixed-mask kernels cannot express
+    (a mask tensor, or causal with ``Sq != Sk``), with this call's mask as its captured tensor."""
     # SDPA's mods are fixed by the arguments' shapes and kinds, so a traced plan is reused without
     # tracing again: only the mask tensor (the one captured value) changes between calls.
     mask_kind = None if attn_mask is None else (tuple(attn_mask.shape), attn_mask.dtype)
@@ -728,9 +779,7 @@ def _sdpa(
     cached = _sdpa_plans.get(plan_key)
     if cached is not None:
         captured = [] if full is None else [full]
-        plan = _Plan(cached.graph, cached.forward, captured, cached.backward_exe, cached.config)
-        out, _ = _FlexFunction.apply(plan, q, k, v, *captured)
-        return out
+        return _Plan(cached.graph, cached.forward, captured, cached.backward_exe, cached.config)
     score_mod = mask_mod = None
     if attn_mask is not None and full is not None:  # checked by _sdpa_eager: a CPU tensor, bool or float
         target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
@@ -753,8 +802,7 @@ def _sdpa(
         plan_key = symbolic_key
     with _plans_lock:
         _sdpa_plans[plan_key] = plan
-    out, _ = _FlexFunction.apply(plan, q, k, v, *plan.captured)
-    return out
+    return plan
 
 
 @dataclass
@@ -948,6 +996,83 @@ def _sdpa_op_backward(ctx: Any, grad: torch.Tensor) -> Any:
 
 
 _sdpa_op.register_autograd(_sdpa_op_backward, setup_context=_sdpa_op_setup)
+
+
+@torch.library.custom_op(
+    "rlx::sdpa_masked",
+    mutates_args=(),
+    schema="(Tensor query, Tensor key, Tensor value, Tensor attn_mask, bool is_causal, float? scale)"
+    " -> (Tensor, Tensor)",
+)
+def _sdpa_masked_op(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor, is_causal: bool, scale: Any
+) -> Any:
+    """Masked SDPA (``out`` and ``lse``) on the programmable kernels as a torch custom op: the
+    backward op takes ``out`` and ``lse`` back, as the eager path saves them."""
+    plan = _masked_plan(query, key, value, attn_mask, is_causal, scale)
+    arrays = {"q": _array(query), "k": _array(key), "v": _array(value)}
+    arrays |= {f"c{i}": _array(t) for i, t in enumerate(plan.captured)}
+    result = plan.forward(**arrays)
+    return torch.from_numpy(result["out"]), torch.from_numpy(result["lse"])
+
+
+@_sdpa_masked_op.register_fake
+def _sdpa_masked_op_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *_: Any) -> Any:
+    out = query.new_empty((*query.shape[:-1], value.shape[-1]))
+    return out, query.new_empty(query.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op(
+    "rlx::sdpa_masked_backward",
+    mutates_args=(),
+    schema="(Tensor grad, Tensor query, Tensor key, Tensor value, Tensor attn_mask, Tensor out, Tensor lse,"
+    " bool is_causal, float? scale) -> (Tensor, Tensor, Tensor)",
+)
+def _sdpa_masked_backward_op(
+    grad: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    is_causal: bool,
+    scale: Any,
+) -> Any:
+    """dq, dk, dv of ``rlx::sdpa_masked`` from the programmable backward kernel."""
+    plan = _masked_plan(query, key, value, attn_mask, is_causal, scale)
+    arrays = {"q": _array(query), "k": _array(key), "v": _array(value), "out": _array(out), "lse": _array(lse)}
+    arrays |= {f"c{i}": _array(t) for i, t in enumerate(plan.captured)}
+    arrays["dy"] = _array(grad)
+    exe = plan.backward(False, False)
+    grads = exe(**{name: arrays[name] for name in exe.graph.inputs})
+    return tuple(torch.from_numpy(grads[name]) for name in ("dq", "dk", "dv"))
+
+
+@_sdpa_masked_backward_op.register_fake
+def _sdpa_masked_backward_op_shape(
+    grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *_: Any
+) -> Any:
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+def _sdpa_masked_op_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    query, key, value, attn_mask, is_causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, attn_mask, out, lse)
+    ctx.is_causal, ctx.scale = is_causal, scale
+
+
+def _sdpa_masked_op_backward(ctx: Any, grad: torch.Tensor, _lse_grad: Any) -> Any:
+    """The lse output is the op's own (SDPA returns ``out`` only), so no gradient comes into it."""
+    query, key, value, attn_mask, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.rlx.sdpa_masked_backward.default(
+        grad, query, key, value, attn_mask, out, lse, ctx.is_causal, ctx.scale
+    )
+    return dq, dk, dv, None, None, None
+
+
+_sdpa_masked_op.register_autograd(_sdpa_masked_op_backward, setup_context=_sdpa_masked_op_setup)
 
 
 _COTANGENT = "rlx_cotangent_"  # names of the backward graph's extra inputs and outputs

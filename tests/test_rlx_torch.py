@@ -756,6 +756,54 @@ def test_sdpa_compiles_into_a_fullgraph_torch_compile_with_its_backward() -> Non
             torch.testing.assert_close(g_, w_, rtol=1e-5, atol=1e-5)
 
 
+def test_masked_sdpa_compiles_into_a_fullgraph_torch_compile_with_its_backward() -> None:
+    """A bool or float mask (no gradient into it), with or without is_causal, padding-style masks
+    broadcast over heads and queries: the custom op rlx::sdpa_masked under fullgraph=True, with
+    values and gradients equal to eager rlx and to torch's own SDPA."""
+    gen = torch.Generator().manual_seed(1)
+    b, s, e, heads = 2, 12, 32, 4
+    keep = torch.rand(b, 1, 1, s, generator=gen) > 0.3
+    keep[..., 0] = True  # every row sees a key
+    masks = {
+        "bool-padding": keep,
+        "float-bias": torch.randn(1, heads, s, s, generator=gen),
+        "bool-2d": torch.rand(s, s, generator=gen) > 0.5,
+    }
+
+    def model(x: Any, w: Any, mask: Any, causal: bool, attend: Any) -> Any:
+        q, k, v = torch.tanh(x @ w).split(e, dim=-1)
+        q, k, v = (t.reshape(b, s, heads, e // heads).transpose(1, 2) for t in (q, k, v))
+        return (attend(q, k, v, attn_mask=mask, is_causal=causal) ** 2).sum()
+
+    for name, mask in masks.items():
+        for causal in (False, True):
+            x = torch.randn(b, s, e, generator=gen, requires_grad=True)
+            w = torch.randn(e, 3 * e, generator=gen, requires_grad=True)
+            torch._dynamo.reset()
+            compiled = torch.compile(
+                lambda x, w: model(x, w, mask, causal, rt.scaled_dot_product_attention),  # noqa: B023
+                fullgraph=True,
+            )
+            got = torch.autograd.grad(compiled(x, w), [x, w])
+            eager = torch.autograd.grad(model(x, w, mask, causal, rt.scaled_dot_product_attention), [x, w])
+            reference = torch.autograd.grad(model(x, w, mask, causal, F.scaled_dot_product_attention), [x, w])
+            for g_, e_, r_ in zip(got, eager, reference, strict=True):
+                torch.testing.assert_close(g_, e_, rtol=1e-5, atol=1e-5, msg=f"{name} causal={causal}")
+                torch.testing.assert_close(g_, r_, rtol=1e-4, atol=1e-4, msg=f"{name} causal={causal}")
+
+
+def test_the_masked_sdpa_custom_ops_pass_torchs_opcheck() -> None:
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 16, 4, 8, generator=gen).transpose(1, 2).requires_grad_(True)  # strided
+    k, v = (torch.randn(2, 2, 16, 8, generator=gen).requires_grad_(True) for _ in range(2))
+    for mask, is_causal, scale in ((torch.rand(2, 1, 1, 16) > 0.2, False, None), (torch.randn(16, 16), True, 0.3)):
+        torch.library.opcheck(torch.ops.rlx.sdpa_masked.default, (q, k, v, mask, is_causal, scale))
+        out, lse = torch.ops.rlx.sdpa_masked.default(q.detach(), k.detach(), v.detach(), mask, is_causal, scale)
+        grad = torch.randn(2, 4, 16, 8, generator=gen)
+        inputs = (grad, q.detach(), k.detach(), v.detach(), mask, out, lse, is_causal, scale)
+        torch.library.opcheck(torch.ops.rlx.sdpa_masked_backward.default, inputs)
+
+
 def test_the_sdpa_custom_ops_pass_torchs_opcheck() -> None:
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 16, 4, 8, generator=gen).transpose(1, 2).requires_grad_(True)  # strided
