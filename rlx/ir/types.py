@@ -95,8 +95,9 @@ def dim_size(dim: Dim, sizes: Mapping[str, int]) -> int:
     """A dimension's size in one call, from the sizes of its symbols."""
     if isinstance(dim, int):
         return dim
-    if is_symbol(dim):
-        return sizes[dim]
+    size = sizes.get(dim)  # a plain symbol (per call on every call: kept cheap)
+    if size is not None:
+        return size
     coefficient, names = dim_factors(dim)
     return coefficient * math.prod(sizes[name] for name in names)
 
