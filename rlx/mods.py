@@ -57,6 +57,11 @@ class _Tracer:
 _active: list[_Tracer] = []
 
 
+def tracing() -> bool:
+    """Is a mod being traced (so that indexing a graph value reads it per score)?"""
+    return bool(_active)
+
+
 def _tracer(what: str) -> _Tracer:
     if not _active:
         raise RlxTypeError(f"{what} works on the symbolic scalars of a score_mod or mask_mod, inside g.attention")

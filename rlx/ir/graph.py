@@ -117,10 +117,26 @@ class Value:
         return self.graph.matmul(other, self)
 
     def __getitem__(self, index: object) -> Any:
-        """Inside an attention mod, ``value[b, h, q_idx, kv_idx]`` reads this value at symbolic indices."""
-        from rlx.mods import read
+        """``value[2:5, -1]``: NumPy's basic indexing (ints, slices, ``...``, ``None``), a view once
+        compiled. Inside an attention mod, ``value[b, h, q_idx, kv_idx]`` reads this value at
+        symbolic indices instead."""
+        from rlx import mods
 
-        return read(self, index)
+        entries = index if isinstance(index, tuple) else (index,)
+        if mods.tracing() or any(isinstance(entry, mods.Sym) for entry in entries):
+            return mods.read(self, index)
+        from rlx.ops.movement import getitem
+
+        return getitem(self.graph, self, index)
+
+    def __iter__(self) -> Iterator[Value]:
+        """The parts along the first axis, as iterating an array gives (``a, b = pair``)."""
+        if not self.shape:
+            raise RlxTypeError(f"iteration over a 0-d value ({self.type})")
+        length = self.shape[0]
+        if not isinstance(length, int):
+            raise RlxTypeError(f"cannot iterate over the symbolic first axis of {self.type}: its length is per call")
+        return (self[i] for i in range(length))
 
     def __neg__(self) -> Value:
         return self.graph.neg(self)

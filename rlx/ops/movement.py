@@ -308,3 +308,87 @@ register_op(
         view=True,
     )
 )
+
+
+# ----------------------------------------------------------------------------- basic indexing
+
+
+def getitem(graph: Graph, x: Value, index: object) -> Value:
+    """``x[index]`` with NumPy's basic indexing: ints, slices of step 1, ``...`` and ``None``.
+
+    Built from ``split`` and ``reshape``, so it is a view once compiled and its gradient is
+    ``split``'s (the part's cotangent placed among zeros). An int indexes from the end when
+    negative and must be in range (NumPy's ``IndexError``, as an ``RlxValueError``); slice
+    bounds are clamped, as in NumPy. Along a symbolic axis only the whole axis (``:``) is
+    taken, since its length is known per call only. Indexing by arrays (a gather) is
+    ``g.embedding``.
+    """
+    entries = list(index) if isinstance(index, tuple) else [index]
+    for entry in entries:
+        if not (entry is None or entry is Ellipsis or isinstance(entry, slice) or _is_int(entry)):
+            raise RlxTypeError(
+                f"indexing {x.type}: only ints, slices, ... and None index a value, got {type(entry).__name__} "
+                "(gather rows with g.embedding)"
+            )
+    if sum(entry is Ellipsis for entry in entries) > 1:
+        raise RlxValueError(f"indexing {x.type}: an index can only have a single ellipsis ('...')")
+    used = sum(entry is not None and entry is not Ellipsis for entry in entries)
+    if used > x.ndim:
+        raise RlxValueError(f"indexing {x.type}: too many indices ({used}) for a value of rank {x.ndim}")
+    if Ellipsis in entries:
+        at = entries.index(Ellipsis)
+        entries[at : at + 1] = [slice(None)] * (x.ndim - used)
+    else:
+        entries += [slice(None)] * (x.ndim - used)
+    value, axis = x, 0
+    shape: list[Dim | None] = []  # the result's dims, None where an int dropped the axis
+    for entry in entries:
+        if entry is None:
+            shape.append(1)
+            continue
+        bounds = _bounds(x, axis, value.shape[axis], entry)
+        if bounds is not None:
+            (start, stop), length = bounds, value.shape[axis]
+            assert isinstance(length, int)
+            sizes = [n for n in (start, stop - start, length - stop) if n > 0]
+            value = split(graph, value, sizes, axis=axis)[1 if start > 0 else 0]
+        shape.append(None if _is_int(entry) else value.shape[axis])
+        axis += 1
+    result_shape = tuple(d for d in shape if d is not None)
+    return value if result_shape == value.shape else reshape(graph, value, result_shape)
+
+
+def _is_int(entry: object) -> bool:
+    return isinstance(entry, (int, np.integer)) and not isinstance(entry, (bool, np.bool_))
+
+
+def _bounds(x: Value, axis: int, length: Dim, entry: object) -> tuple[int, int] | None:
+    """``[start, stop)`` that ``entry`` (an int or a slice) takes along an axis of ``length``;
+    None where it takes the whole axis."""
+    if isinstance(length, str):
+        if isinstance(entry, slice) and entry == slice(None):
+            return None
+        raise RlxValueError(
+            f"indexing {x.type}: axis {axis} is the symbolic dimension {length!r}, whose length is known per "
+            "call only; take all of it (':'), or slice the arrays before the call"
+        )
+    if _is_int(entry):
+        position = int(entry)  # type: ignore[call-overload]
+        if not -length <= position < length:
+            raise RlxValueError(
+                f"indexing {x.type}: index {position} is out of bounds for axis {axis} of size {length}"
+            )
+        position %= length
+        return None if length == 1 else (position, position + 1)
+    assert isinstance(entry, slice)
+    if entry.step not in (None, 1):
+        raise RlxValueError(f"indexing {x.type}: slices with a step ({entry}) are not supported; only step 1")
+    for bound in (entry.start, entry.stop):
+        if bound is not None and not _is_int(bound):
+            raise RlxTypeError(f"indexing {x.type}: slice bounds must be ints, got {type(bound).__name__}")
+    start, stop, _ = entry.indices(length)
+    if stop <= start:
+        raise RlxValueError(
+            f"indexing {x.type}: {entry} takes nothing from axis {axis} of size {length} (rlx has no empty values)"
+        )
+    return None if (start, stop) == (0, length) else (start, stop)
