@@ -83,13 +83,25 @@ def _build(draw: st.DrawFn) -> tuple[Graph, list[Value]]:
             op = draw(st.sampled_from(["softmax", "log_softmax"]))
             values.append(getattr(g, op)(v, axis=draw(st.integers(-len(shape), len(shape) - 1))))
         elif kind == "view" and shape:
-            choice = draw(st.sampled_from(["transpose", "reshape", "broadcast", "unsqueeze"]))
+            choice = draw(st.sampled_from(["transpose", "reshape", "broadcast", "unsqueeze", "index"]))
             if choice == "transpose":
                 values.append(g.transpose(v, tuple(draw(st.permutations(range(len(shape)))))))
             elif choice == "reshape":
                 values.append(g.reshape(v, (-1,)) if len(shape) > 1 else g.reshape(v, (1, shape[0], 1)))
             elif choice == "broadcast":
                 values.append(g.broadcast_to(v, (draw(st.integers(1, 3)), *shape)))
+            elif choice == "index":  # basic indexing: an int or a slice per axis (step 1), maybe a new axis
+                index: list[object] = []
+                for size in shape:
+                    start = draw(st.integers(-size, size - 1))
+                    if draw(st.booleans()):
+                        index.append(start)
+                    else:
+                        begin = start % size
+                        index.append(slice(begin, draw(st.integers(begin + 1, size))))
+                if draw(st.booleans()):
+                    index.insert(draw(st.integers(0, len(index))), None)
+                values.append(v[tuple(index)])
             else:
                 values.append(g.reshape(v, (*shape, 1)))
         elif kind == "norm" and shape and shape[-1] >= 2:  # a norm over 1 feature divides 0 by sqrt(eps)
