@@ -159,6 +159,8 @@ def test_shape_rules_carry_symbols() -> None:
         (lambda g, x: g.split(x, 2, axis=1), "symbolic dimension 'S'"),
         (lambda g, x: g.reshape(x, (3, -1)), "cannot reshape"),
         (lambda g, x: g.input("z", (2, "2*S")), "an input is one name"),
+        (lambda g, x: g.reshape(x, (2, "S S", 8)), "identifier"),  # two names are not a product
+        (lambda g, x: g.reshape(x, (2, " S", 8)), "identifier"),
         (lambda g, x: g.reshape(x, (16, "S")), None),
         (lambda g, x: g.reshape(x, (2, "T", 8)), "cannot reshape"),
         (lambda g, x: x + g.input("y", (2, 3, 8)), "do not broadcast"),

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from rlx.errors import RlxError, RlxTypeError, RlxValueError
 from rlx.ir.graph import Graph, Value
 from rlx.ir.ops import OpKind
-from rlx.ir.types import DTYPE_NAMES, Layout, MaskKind, TensorType, Wrt, dim_factors, is_symbol, make_dim
+from rlx.ir.types import DTYPE_NAMES, Layout, MaskKind, TensorType, Wrt, is_symbol, make_dim, parse_dim_product
 
 _PUNCTUATION = "=,:{}[]()|-+*"
 _OPENERS = {"(": ")", "[": "]", "{": "}"}
@@ -297,22 +297,14 @@ def _convert_int_tuple(tp: object, tokens: list[Token], text: str) -> tuple[int 
     for entry in entries:
         if len(entry) == 1 and entry[0].kind == "number":
             parsed.append(_parse_int(entry[0].text))
-        elif shape and _is_dim_product(entry):  # Sk, or a product such as 2*Sk
-            parsed.append(make_dim(*dim_factors("".join(token.text for token in entry))))
-        else:
+            continue
+        # Sk, or a product such as 2*Sk (a product of ints alone is not a symbolic dimension); the
+        # tokens are joined by spaces, so two names without a "*" between them are not one name
+        dim = parse_dim_product(" ".join(token.text for token in entry)) if shape else None
+        if not isinstance(dim, str):
             raise ValueError("expected ints between the parentheses" + (" (or symbolic dimensions)" if shape else ""))
+        parsed.append(dim)
     return tuple(parsed)
-
-
-def _is_dim_product(entry: list[Token]) -> bool:
-    """Tokens ``Sk`` or ``2 * Sk * B``: names and positive ints joined by ``*``."""
-    factors, stars = entry[::2], entry[1::2]
-    return (
-        len(entry) % 2 == 1
-        and all(star.text == "*" for star in stars)
-        and all((f.kind == "name" and is_symbol(f.text)) or (f.kind == "number" and f.text.isdigit()) for f in factors)
-        and any(f.kind == "name" for f in factors)
-    )
 
 
 def _convert_union(options: tuple[object, ...], tokens: list[Token], text: str) -> object:

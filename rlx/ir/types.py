@@ -76,14 +76,20 @@ def dim_factors(dim: Dim) -> tuple[int, tuple[str, ...]]:
     return coefficient, tuple(sorted(names))
 
 
+def parse_dim_product(text: str) -> Dim | None:
+    """``"2*N"``, ``"N * B"``: positive ints and symbols joined by ``*`` (spaces allowed around it),
+    as the canonical dimension (:func:`make_dim`); a plain symbol as it is; None for anything else."""
+    if "*" not in text:
+        return text if is_symbol(text) else None
+    factors = [factor.strip() for factor in text.split("*")]
+    if not all(is_symbol(f) or (f.isdigit() and int(f) >= 1) for f in factors):
+        return None
+    return make_dim(*dim_factors("*".join(factors)))
+
+
 def is_dim_product(dim: object) -> bool:
     """A canonical product of symbols (``"2*N"``, ``"B*S"``), as :func:`make_dim` writes it."""
-    if not isinstance(dim, str) or "*" not in dim:
-        return False
-    factors = dim.split("*")
-    if not all(is_symbol(f) or (f.isdigit() and int(f) >= 1) for f in factors):
-        return False
-    return make_dim(*dim_factors(dim)) == dim
+    return isinstance(dim, str) and "*" in dim and parse_dim_product(dim) == dim
 
 
 def dim_symbols(dim: Dim) -> tuple[str, ...]:

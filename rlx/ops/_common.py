@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
-from rlx.ir.types import Dim, TensorType, dim_factors, is_symbol, make_dim
+from rlx.ir.types import Dim, TensorType, parse_dim_product
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Value
@@ -123,16 +123,13 @@ def dim_tuple(what: str, label: str, values: object) -> tuple[int | str, ...]:
     out: list[int | str] = []
     for v in values:
         if isinstance(v, str):
-            if is_symbol(v):
-                out.append(v)
-                continue
-            factors = v.replace(" ", "").split("*")
-            if not all(is_symbol(f) or (f.isdigit() and int(f) >= 1) for f in factors):
+            dim = parse_dim_product(v)
+            if dim is None:
                 raise RlxValueError(
                     f"{what}: {label}: a symbolic dimension must be an identifier (or a product such as "
                     f"'2*Sk'), got {v!r}"
                 )
-            out.append(make_dim(*dim_factors("*".join(factors))))
+            out.append(dim)
         elif isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
             raise RlxTypeError(f"{what}: {label} entries must be ints, got {v!r} (or symbolic dimension names)")
         else:
