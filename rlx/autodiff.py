@@ -43,10 +43,7 @@ def grad(graph: Graph, y: Value, xs: Sequence[Value], dy: Value | float | np.nda
     _check_differentiable(graph, order, active)
     first_new_id = graph._next_id
     try:
-        if seed_array is not None:
-            seed = graph.constant(seed_array)
-        else:
-            seed = dy if isinstance(dy, Value) else graph.constant(1.0)
+        seed = dy if isinstance(dy, Value) else graph.constant(1.0 if seed_array is None else seed_array)
         cotangents = _backward(graph, order, active, y, seed)
         return [cotangents[x] if x in cotangents else zeros(graph, x.shape) for x in xs]
     except Exception:

@@ -128,12 +128,6 @@ class Sym:
         return self._tracer.emit("neg", self._ref)
 
     # Tensor-style methods, so mods written for torch (``score.tanh()``, ``score.pow(2)``) trace.
-    def abs(self) -> Sym:
-        return self._tracer.emit("abs", self._ref)
-
-    def neg(self) -> Sym:
-        return self._tracer.emit("neg", self._ref)
-
     def exp(self) -> Any:
         return exp(self)
 
@@ -149,9 +143,6 @@ class Sym:
     def sqrt(self) -> Any:
         return sqrt(self)
 
-    def pow(self, exponent: object) -> Any:
-        return power(self, exponent)
-
     def clamp(self, min: object = None, max: object = None) -> Any:
         result: Any = self
         if min is not None:
@@ -165,6 +156,10 @@ class Sym:
 
     def __abs__(self) -> Sym:
         return self._tracer.emit("abs", self._ref)
+
+    abs = __abs__  # (tensor-style spellings of the operators above)
+    neg = __neg__
+    pow = __pow__
 
     def __lt__(self, other: object) -> Sym:
         return self._binary("less", other)

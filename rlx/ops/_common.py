@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 
@@ -30,6 +30,11 @@ def op_kind(name: str) -> Any:
 def is_number(x: object) -> bool:
     """A Python or NumPy real number (bools excluded: ``True`` is not a float operand)."""
     return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def is_int(x: object) -> TypeGuard[int | np.integer]:
+    """A Python or NumPy integer (bools excluded: ``True`` is not an index or an axis)."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def as_value(graph: Graph, x: object, what: str) -> Value:
@@ -82,7 +87,7 @@ def broadcast_shapes(what: str, *shapes: tuple[Dim, ...]) -> tuple[Dim, ...]:
 
 def normalize_axis(what: str, axis: object, rank: int) -> int:
     """One axis in ``[-rank, rank)`` as a non-negative int."""
-    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
+    if not is_int(axis):
         raise RlxTypeError(f"{what}: axis must be an int, got {type(axis).__name__}")
     if not -rank <= axis < rank:
         raise RlxValueError(f"{what}: axis {axis} is out of range for rank {rank}")
@@ -93,7 +98,7 @@ def normalize_axes(what: str, axis: object, rank: int) -> tuple[int, ...]:
     """``None`` (every axis), an int or a sequence of ints -> sorted distinct non-negative axes."""
     if axis is None:
         return tuple(range(rank))
-    if isinstance(axis, (int, np.integer)) and not isinstance(axis, (bool, np.bool_)):
+    if is_int(axis):
         return (normalize_axis(what, axis, rank),)
     if isinstance(axis, (str, bytes)) or not isinstance(axis, Sequence):
         raise RlxTypeError(f"{what}: axis must be None, an int or a tuple of ints, got {type(axis).__name__}")
@@ -109,7 +114,7 @@ def int_tuple(what: str, label: str, values: object) -> tuple[int, ...]:
         raise RlxTypeError(f"{what}: {label} must be a tuple of ints, got {type(values).__name__}")
     out = []
     for v in values:
-        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        if not is_int(v):
             raise RlxTypeError(f"{what}: {label} entries must be ints, got {v!r}")
         out.append(int(v))
     return tuple(out)
@@ -130,7 +135,7 @@ def dim_tuple(what: str, label: str, values: object) -> tuple[int | str, ...]:
                     f"'2*Sk'), got {v!r}"
                 )
             out.append(dim)
-        elif isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        elif not is_int(v):
             raise RlxTypeError(f"{what}: {label} entries must be ints, got {v!r} (or symbolic dimension names)")
         else:
             out.append(int(v))

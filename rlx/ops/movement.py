@@ -16,7 +16,7 @@ import numpy as np
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.opdef import EvalContext, OpDef, register_op
 from rlx.ir.types import Dim, TensorType, dim_factors, make_dim
-from rlx.ops._common import as_value, dim_tuple, int_tuple, normalize_axis, op_kind, sum_to_shape, zeros
+from rlx.ops._common import as_value, dim_tuple, int_tuple, is_int, normalize_axis, op_kind, sum_to_shape, zeros
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Node, Value
@@ -325,7 +325,7 @@ def getitem(graph: Graph, x: Value, index: object) -> Value:
     """
     entries = list(index) if isinstance(index, tuple) else [index]
     for entry in entries:
-        if not (entry is None or entry is Ellipsis or isinstance(entry, slice) or _is_int(entry)):
+        if not (entry is None or entry is Ellipsis or isinstance(entry, slice) or is_int(entry)):
             raise RlxTypeError(
                 f"indexing {x.type}: only ints, slices, ... and None index a value, got {type(entry).__name__} "
                 "(gather rows with g.embedding)"
@@ -352,14 +352,10 @@ def getitem(graph: Graph, x: Value, index: object) -> Value:
             assert isinstance(length, int)
             sizes = [n for n in (start, stop - start, length - stop) if n > 0]
             value = split(graph, value, sizes, axis=axis)[1 if start > 0 else 0]
-        shape.append(None if _is_int(entry) else value.shape[axis])
+        shape.append(None if is_int(entry) else value.shape[axis])
         axis += 1
     result_shape = tuple(d for d in shape if d is not None)
     return value if result_shape == value.shape else reshape(graph, value, result_shape)
-
-
-def _is_int(entry: object) -> bool:
-    return isinstance(entry, (int, np.integer)) and not isinstance(entry, (bool, np.bool_))
 
 
 def _bounds(x: Value, axis: int, length: Dim, entry: object) -> tuple[int, int] | None:
@@ -372,8 +368,8 @@ def _bounds(x: Value, axis: int, length: Dim, entry: object) -> tuple[int, int] 
             f"indexing {x.type}: axis {axis} is the symbolic dimension {length!r}, whose length is known per "
             "call only; take all of it (':'), or slice the arrays before the call"
         )
-    if _is_int(entry):
-        position = int(entry)  # type: ignore[call-overload]
+    if is_int(entry):
+        position = int(entry)
         if not -length <= position < length:
             raise RlxValueError(
                 f"indexing {x.type}: index {position} is out of bounds for axis {axis} of size {length}"
@@ -384,7 +380,7 @@ def _bounds(x: Value, axis: int, length: Dim, entry: object) -> tuple[int, int] 
     if entry.step not in (None, 1):
         raise RlxValueError(f"indexing {x.type}: slices with a step ({entry}) are not supported; only step 1")
     for bound in (entry.start, entry.stop):
-        if bound is not None and not _is_int(bound):
+        if bound is not None and not is_int(bound):
             raise RlxTypeError(f"indexing {x.type}: slice bounds must be ints, got {type(bound).__name__}")
     start, stop, _ = entry.indices(length)
     if stop <= start:
