@@ -24,7 +24,7 @@ import functools
 import math
 import numbers
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -397,14 +397,22 @@ def _once_differentiable(backward: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _attention_arrays(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, captured: Sequence[torch.Tensor], **more: torch.Tensor
+) -> dict[str, np.ndarray]:
+    """An attention plan's graph inputs by name: q, k, v, the captured tensors (``c0``, ``c1``, ...)
+    and ``more`` (the backward's ``out``, ``lse``, ``dy``)."""
+    arrays = {"q": _array(q), "k": _array(k), "v": _array(v)}
+    arrays |= {f"c{i}": _array(t) for i, t in enumerate(captured)}
+    return arrays | {name: _array(t) for name, t in more.items()}
+
+
 class _FlexFunction(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any, plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *captured: torch.Tensor
     ) -> Any:
-        arrays = {"q": _array(q), "k": _array(k), "v": _array(v)}
-        arrays |= {f"c{i}": _array(t) for i, t in enumerate(captured)}
-        result = plan.forward(**arrays)
+        result = plan.forward(**_attention_arrays(q, k, v, captured))
         out = _tensor(result["out"], q.dtype)
         lse = torch.from_numpy(result["lse"])
         ctx.plan = plan
@@ -423,8 +431,7 @@ class _FlexFunction(torch.autograd.Function):
         float_captured = [i for i, t in enumerate(plan.captured) if t.is_floating_point()]
         tensor_grads = any(needs[3 + i] for i in float_captured)
         q, k, v, out, lse, *captured = ctx.saved_tensors
-        arrays = {"q": _array(q), "k": _array(k), "v": _array(v), "lse": _array(lse)}
-        arrays |= {f"c{i}": _array(t) for i, t in enumerate(captured)}
+        arrays = _attention_arrays(q, k, v, captured, lse=lse)
         arrays["out"] = _array(out) if out.dtype == torch.float32 else ctx.float_out
         arrays["dy"] = _array(d_out) if d_out is not None else np.zeros_like(arrays["out"])
         lse_grad = d_lse is not None
@@ -976,10 +983,9 @@ def _sdpa_backward_op(
 
 
 @_sdpa_backward_op.register_fake
-def _sdpa_backward_op_shape(
-    grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *_: Any
-) -> Any:
-    # Contiguous, as the kernel's gradients are (empty_like would keep a transposed view's strides).
+def _qkv_grads_shape(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *_: Any) -> Any:
+    """The fake of both backward ops: dq, dk, dv contiguous, as the kernels return them
+    (``empty_like`` would keep a transposed view's strides)."""
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
@@ -1010,9 +1016,7 @@ def _sdpa_masked_op(
     """Masked SDPA (``out`` and ``lse``) on the programmable kernels as a torch custom op: the
     backward op takes ``out`` and ``lse`` back, as the eager path saves them."""
     plan = _masked_plan(query, key, value, attn_mask, is_causal, scale)
-    arrays = {"q": _array(query), "k": _array(key), "v": _array(value)}
-    arrays |= {f"c{i}": _array(t) for i, t in enumerate(plan.captured)}
-    result = plan.forward(**arrays)
+    result = plan.forward(**_attention_arrays(query, key, value, plan.captured))
     return torch.from_numpy(result["out"]), torch.from_numpy(result["lse"])
 
 
@@ -1041,19 +1045,13 @@ def _sdpa_masked_backward_op(
 ) -> Any:
     """dq, dk, dv of ``rlx::sdpa_masked`` from the programmable backward kernel."""
     plan = _masked_plan(query, key, value, attn_mask, is_causal, scale)
-    arrays = {"q": _array(query), "k": _array(key), "v": _array(value), "out": _array(out), "lse": _array(lse)}
-    arrays |= {f"c{i}": _array(t) for i, t in enumerate(plan.captured)}
-    arrays["dy"] = _array(grad)
+    arrays = _attention_arrays(query, key, value, plan.captured, out=out, lse=lse, dy=grad)
     exe = plan.backward(False, False)
     grads = exe(**{name: arrays[name] for name in exe.graph.inputs})
     return tuple(torch.from_numpy(grads[name]) for name in ("dq", "dk", "dv"))
 
 
-@_sdpa_masked_backward_op.register_fake
-def _sdpa_masked_backward_op_shape(
-    grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *_: Any
-) -> Any:
-    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+_sdpa_masked_backward_op.register_fake(_qkv_grads_shape)
 
 
 def _sdpa_masked_op_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
