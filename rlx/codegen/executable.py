@@ -10,6 +10,7 @@ code, then makes ONE native call that releases the GIL.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import pickle
 import threading
@@ -84,6 +85,12 @@ class Program:
     call_checks: list[Callable[[Mapping[str, int]], None]] = field(default_factory=list)  # need the call's sizes
     layouts: dict[tuple[tuple[str, int], ...], CallLayout] = field(default_factory=dict)  # by the call's sizes
 
+    @functools.cached_property
+    def results(self) -> tuple[tuple[str, int, bool], ...]:
+        """``(name, slot, owned)`` per output: the same for every call's sizes."""
+        plan = self.plan
+        return tuple((name, slot, name in plan.owned_outputs) for name, slot in plan.output_slots.items())
+
     def layout_for(self, sizes: Mapping[str, int]) -> CallLayout:
         """What a call with these symbol sizes needs, after the checks that depend on them (which
         raise before any pointer reaches native code); kept for the next call of the same sizes."""
@@ -104,8 +111,7 @@ class Program:
                 ty = self.output_types[name]
                 shape = ty.shape if ty.is_static else resolve_dims(ty.shape, sizes)
                 buffers.append((name, shape, np.dtype(ty.dtype)))  # type: ignore[arg-type]
-        results = tuple((name, slot, name in plan.owned_outputs) for name, slot in plan.output_slots.items())
-        layout = CallLayout(table, arena_bytes, tuple(buffers), results)
+        layout = CallLayout(table, arena_bytes, tuple(buffers), self.results)
         if len(self.layouts) >= LAYOUTS_KEPT:  # a decode loop brings new sizes every step
             self.layouts.clear()
         self.layouts[tuple(sizes.items())] = layout
