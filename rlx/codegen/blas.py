@@ -1,9 +1,8 @@
 """The BLAS rlx calls: OpenBLAS from the ``scipy-openblas32`` wheel (CBLAS names prefixed ``scipy_``).
 
-Loaded once per process. BLAS runs single-threaded because rlx parallelises over batch x heads
-itself; nested BLAS threads would oversubscribe the cores. The one exception is a single large
-matmul, which OpenBLAS splits over threads better than rlx can (it shares the packed panels):
-its kernel raises the BLAS thread count around the call and sets it back to one.
+Loaded once per process and pinned to one thread: rlx parallelises every product itself (over
+batch, row and column blocks, see ``lower_gemm``), and OpenBLAS's own workers would oversubscribe
+the cores and busy-wait after each call.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ class Blas:
     path: str
     library: ctypes.CDLL
     sgemm_address: int
-    set_threads_address: int
     sgemv_address: int
 
 
@@ -48,11 +46,9 @@ def load_blas() -> Blas:
     set_threads(1)
     address = ctypes.cast(getattr(library, SGEMM), ctypes.c_void_p).value
     assert address, f"{SGEMM} not found in {path}"
-    threads_address = ctypes.cast(set_threads, ctypes.c_void_p).value
-    assert threads_address, f"{SET_THREADS} not found in {path}"
     gemv_address = ctypes.cast(getattr(library, SGEMV), ctypes.c_void_p).value
     assert gemv_address, f"{SGEMV} not found in {path}"
-    return Blas(path, library, int(address), int(threads_address), int(gemv_address))
+    return Blas(path, library, int(address), int(gemv_address))
 
 
 @functools.cache

@@ -364,14 +364,14 @@ class _Lowering:
         elif op == "matmul":
             a, bm = (self.schedule.view(v) for v in node.inputs)
             assert a is not None and bm is not None
-            gemm = gemm_spec(a, bm, node.outputs[0].shape, self.threads)
+            gemm = gemm_spec(a, bm, node.outputs[0].shape)
             symbols = self.symbols if self.sizes is not None else ()
             item_fn = emit_gemm_item(self.module, gemm, f"matmul.{node.id}", symbols)
             pointers = [self.base_pointer(a.base), self.base_pointer(bm.base), self.base_pointer(node.outputs[0])]
             if self.sizes is not None:
                 pointers.append(self.sizes)
             items = gemm.emit_items(self.b, self.entry_symbols())
-            self.call(item_fn, pointers, items, gemm.blas_threads > 1, str(node.id))
+            self.call(item_fn, pointers, items, False, str(node.id))
         elif op == "embedding_grad":
             dy, ids = (self.schedule.view(v) for v in node.inputs)
             assert dy is not None and ids is not None

@@ -4,11 +4,16 @@ Each operand is a view whose last two dimensions have one unit stride (the sched
 other view first): a unit column stride is a plain row-major matrix with the row stride as its
 leading dimension, a unit row stride is the transposed case. A weight shared by a batch of
 activations (``x [B, S, E] @ w [E, F]``) is one GEMM over ``B*S`` rows when the rows of x are
-evenly spaced. A single product of moderate size is one call on OpenBLAS's own threads (they
-share packed panels); larger products and batches run as work items (batch, block of rows) on
-rlx's threads, the blocks depending on the shape only (see ``BLAS_THREADED_MACS``). OpenBLAS
-splits only M and N across threads, never K, so every element is the same sum in the same order
-whatever the thread count.
+evenly spaced. Every product runs as work items (batch, block of rows, block of columns) on
+rlx's threads, OpenBLAS itself on one thread; the blocks depend on the shape only, and no block
+splits K, so every element is the same sum in the same order whatever the thread count.
+
+Why not OpenBLAS's own threads for a single product: its workers busy-wait for ~0.1 s after each
+threaded call, and on a machine with as many cores as threads they then compete with rlx's team
+for the next kernels and with whatever else the process runs. Measured on the transformer
+block's training step (B8 S128 E256, 2 cores), 15 of whose 16 products were single threaded
+calls: the call took 41.7-46.9 ms with row and column blocks against 46.6-47.8 ms, and torch's
+eager step in the same loop 46-58 ms against 75-77 ms while those workers spun.
 """
 
 from __future__ import annotations
@@ -19,18 +24,15 @@ from dataclasses import dataclass
 
 from llvmlite import ir
 
-from rlx.codegen.blas import NO_TRANS, ROW_MAJOR, SET_THREADS, SGEMM, TRANS, refuse_beyond_blas
+from rlx.codegen.blas import NO_TRANS, ROW_MAJOR, SGEMM, TRANS, refuse_beyond_blas
 from rlx.codegen.irutil import F32, I32, I64, PTR, VOID, declare, gep, i32, i64
 from rlx.codegen.sizes import SizeLike, at_least, ceil_div, emit_size, load_symbols, product, size_of
 from rlx.codegen.views import View
 from rlx.ir.types import Dim
 
-# Up to this many multiply-adds a single product runs on OpenBLAS's threads, which share packed
-# panels (1024x256x768 in a block: 43 ms against 53 for row blocks); above it, row blocks on
-# rlx's team are as fast, and they leave no OpenBLAS worker spinning for ~0.1 s after the call
-# (measured: attention in the same call ran 2x slower beside those spinning workers).
-BLAS_THREADED_MACS = 1 << 28
 SYMBOLIC_BLOCK_ROWS = 64  # row block of a product whose row count is known per call
+TARGET_ITEMS = 8  # blocks per product to spread over the team (and to even out the tail)
+MIN_BLOCK_COLS = 64  # narrower column blocks make OpenBLAS repack A for too little work
 
 
 @dataclass(frozen=True)
@@ -55,20 +57,29 @@ class GemmSpec:
     a: Operand
     b: Operand
     block_rows: int
-    blas_threads: int = 1  # > 1: one call on that many OpenBLAS threads (a single large matrix)
+    column_blocks: int = 1  # the columns split into this many blocks of ``block_cols`` (n static)
+
+    @property
+    def block_cols(self) -> SizeLike:
+        if self.column_blocks == 1 or not isinstance(self.n, int):
+            return self.n
+        return -(-self.n // self.column_blocks)
 
     @property
     def items(self) -> int | None:
-        """Work items (batch x row blocks), or None when they depend on the call's sizes."""
+        """Work items (batch x row blocks x column blocks), or None when they depend on the call's sizes."""
         if not isinstance(self.m, int) or not all(isinstance(d, int) for d in self.batch):
             return None
-        return math.prod(d for d in self.batch if isinstance(d, int)) * -(-self.m // self.block_rows)
+        batch = math.prod(d for d in self.batch if isinstance(d, int))
+        return batch * -(-self.m // self.block_rows) * self.column_blocks
 
     def emit_items(self, b: ir.IRBuilder, symbols: Mapping[str, ir.Value]) -> int | ir.Value:
         items = self.items
         if items is not None:
             return items
         blocks = ceil_div(b, emit_size(b, self.m, symbols), self.block_rows)
+        if self.column_blocks > 1:
+            blocks = b.mul(blocks, i64(self.column_blocks))
         return b.mul(emit_size(b, product(self.batch), symbols), blocks, name="gemm.items")
 
 
@@ -97,7 +108,7 @@ def _operand(view: View, batch: tuple[SizeLike, ...]) -> Operand:
     return Operand(trans, ld, tuple(strides), row_stride, view.offset)
 
 
-def gemm_spec(a: View, b: View, out_shape: tuple[Dim, ...], threads: int = 1) -> GemmSpec:
+def gemm_spec(a: View, b: View, out_shape: tuple[Dim, ...]) -> GemmSpec:
     batch = tuple(size_of(d) for d in out_shape[:-2])
     m, n, k = size_of(out_shape[-2]), size_of(out_shape[-1]), size_of(a.shape[-1])
     op_a, op_b = _operand(a, batch), _operand(b, batch)
@@ -119,10 +130,17 @@ def gemm_spec(a: View, b: View, out_shape: tuple[Dim, ...], threads: int = 1) ->
     refuse_beyond_blas("matmul", *(size for size in (m, n, k, op_a.ld, op_b.ld) if isinstance(size, int)))
     if not isinstance(m, int):  # rows known per call: blocks of a fixed height
         return GemmSpec(batch, m, n, k, op_a, op_b, SYMBOLIC_BLOCK_ROWS)
-    if not batch and threads > 1 and isinstance(n, int) and isinstance(k, int) and m * n * k <= BLAS_THREADED_MACS:
-        return GemmSpec(batch, m, n, k, op_a, op_b, m, threads)
-    block_rows = max(16, min(256, -(-m // 8)))
-    return GemmSpec(batch, m, n, k, op_a, op_b, block_rows)
+    block_rows = max(16, min(256, -(-m // TARGET_ITEMS)))
+    return GemmSpec(batch, m, n, k, op_a, op_b, block_rows, _column_blocks(batch, m, n, block_rows))
+
+
+def _column_blocks(batch: tuple[SizeLike, ...], m: int, n: SizeLike, block_rows: int) -> int:
+    """Column blocks for a product with too few row blocks (few rows, no batch) to occupy the team."""
+    if not isinstance(n, int) or not all(isinstance(d, int) for d in batch):
+        return 1
+    items = math.prod(d for d in batch if isinstance(d, int)) * -(-m // block_rows)
+    wanted = -(-TARGET_ITEMS // items)
+    return max(1, min(wanted, n // MIN_BLOCK_COLS))
 
 
 def emit_gemm_item(module: ir.Module, spec: GemmSpec, name: str, symbols: tuple[str, ...] = ()) -> ir.Function:
@@ -145,11 +163,18 @@ def emit_gemm_item(module: ir.Module, spec: GemmSpec, name: str, symbols: tuple[
         return emit_size(bld, value, sizes)
 
     blocks = ceil_div(bld, size(spec.m), spec.block_rows)
+    if spec.column_blocks > 1:
+        blocks = bld.mul(blocks, i64(spec.column_blocks))
     batch_index = bld.sdiv(item, blocks, name="batch")
     block = bld.srem(item, blocks, name="block")
+    column_block = bld.srem(block, i64(spec.column_blocks), name="column.block")
+    block = bld.sdiv(block, i64(spec.column_blocks), name="row.block")
     m0 = bld.mul(block, i64(spec.block_rows), name="m0")
     rows = bld.sub(size(spec.m), m0)
     rows = bld.select(bld.icmp_signed("<", rows, i64(spec.block_rows)), rows, i64(spec.block_rows), name="rows")
+    n0 = bld.mul(column_block, size(spec.block_cols), name="n0")
+    cols = bld.sub(size(spec.n), n0)
+    cols = bld.select(bld.icmp_signed("<", cols, size(spec.block_cols)), cols, size(spec.block_cols), name="cols")
     a_off: ir.Value = size(spec.a.offset)
     b_off: ir.Value = size(spec.b.offset)
     c_off: ir.Value = bld.mul(batch_index, size(spec.m * spec.n))
@@ -162,14 +187,13 @@ def emit_gemm_item(module: ir.Module, spec: GemmSpec, name: str, symbols: tuple[
         a_off = bld.add(a_off, bld.mul(digit, size(sa)))
         b_off = bld.add(b_off, bld.mul(digit, size(sb)))
     a_off = bld.add(a_off, bld.mul(m0, size(spec.a.row_stride)))
-    c_off = bld.add(c_off, bld.mul(m0, size(spec.n)))
+    # Column n0 of b: the next element of a row (no transpose), or the n0-th stored row (transposed).
+    b_off = bld.add(b_off, n0 if spec.b.trans == NO_TRANS else bld.mul(n0, size(spec.b.ld)))
+    c_off = bld.add(bld.add(c_off, bld.mul(m0, size(spec.n))), n0)
     a_ptr = gep(bld, a_base, [a_off], F32, "a.block")
     b_ptr = gep(bld, b_base, [b_off], F32, "b.item")
     c_ptr = gep(bld, c_base, [c_off], F32, "c.block")
     rows32 = bld.trunc(rows, I32)
-    set_threads = declare(module, SET_THREADS, VOID, [I32])
-    if spec.blas_threads > 1:
-        bld.call(set_threads, [i32(spec.blas_threads)])
     bld.call(
         sgemm,
         [
@@ -177,7 +201,7 @@ def emit_gemm_item(module: ir.Module, spec: GemmSpec, name: str, symbols: tuple[
             i32(spec.a.trans),
             i32(spec.b.trans),
             rows32,
-            bld.trunc(size(spec.n), I32),
+            bld.trunc(cols, I32),
             bld.trunc(size(spec.k), I32),
             ir.Constant(F32, 1.0),
             a_ptr,
@@ -189,7 +213,5 @@ def emit_gemm_item(module: ir.Module, spec: GemmSpec, name: str, symbols: tuple[
             bld.trunc(size(spec.n), I32),
         ],
     )
-    if spec.blas_threads > 1:
-        bld.call(set_threads, [i32(1)])
     bld.ret_void()
     return fn

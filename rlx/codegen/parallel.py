@@ -5,8 +5,8 @@ thread; when another Python thread's call holds the pool, the entry function sta
 ``threads - 1`` pthreads for the call and joins them after. Every member runs the same step
 list (``team``): for each kernel it takes the next item from that kernel's atomic counter until
 none is left, then waits at a barrier, so the next kernel sees all of this one's results. A
-*serial* step (one BLAS call on OpenBLAS's own threads, the embedding scatter-add) runs on
-member 0 while the others sleep in the barrier, leaving their cores to OpenBLAS. Every item is
+*serial* step (the embedding scatter-add and its zeroing) runs on member 0 while the others
+sleep in the barrier. Every item is
 computed by exactly one thread with the same code, so results do not depend on which thread ran
 it: the output is bit-identical for any thread count. If a thread cannot be created, the
 barrier is sized for the members that exist, and they take its share.
@@ -37,7 +37,7 @@ class Step:
     item_fn: ir.Function
     args: ir.Value  # the kernel's argument array, filled in the entry block
     items: int | ir.Value  # an i64 of the entry function when it depends on the call's sizes
-    serial: bool = False  # run by member 0 alone (its item function may use OpenBLAS threads)
+    serial: bool = False  # run by member 0 alone, as one item
 
 
 def _field(b: ir.IRBuilder, ty: ir.LiteralStructType, ptr: ir.Value, index: int) -> ir.Value:

@@ -1,0 +1,91 @@
+"""Matmuls split into row and column blocks on rlx's team: every block lands where it belongs.
+
+A product with few rows and no batch (a decode step's projection, an LM head on one position,
+``x.T @ dy`` with few features) is split along its columns too, so that both cores work on it
+while OpenBLAS stays on one thread. These cases check the offsets of those blocks for every
+operand layout BLAS reads in place (b plain or transposed, a plain or transposed), tails that are
+not a whole block, rows known only per call, and that the split does not change a single bit
+with the thread count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import rlx
+from rlx import Graph, RuntimeConfig
+from rlx.codegen.lower_gemm import MIN_BLOCK_COLS, TARGET_ITEMS, GemmSpec, gemm_spec
+from rlx.codegen.views import View, dense_strides
+
+
+def _product(m: int, n: int, k: int, a_transposed: bool, b_transposed: bool) -> Graph:
+    g = Graph("gemm")
+    a = g.input("a", (k, m) if a_transposed else (m, k))
+    b = g.input("b", (n, k) if b_transposed else (k, n))
+    if a_transposed:
+        a = g.transpose(a, (1, 0))
+    if b_transposed:
+        b = g.transpose(b, (1, 0))
+    g.output(c=a @ b)
+    return g
+
+
+def _inputs(g: Graph, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {name: rng.standard_normal(v.shape).astype(np.float32) for name, v in g.inputs.items()}
+
+
+def _want(arrays: dict[str, np.ndarray], a_transposed: bool, b_transposed: bool) -> np.ndarray:
+    a = arrays["a"].astype(np.float64)
+    b = arrays["b"].astype(np.float64)
+    return (a.T if a_transposed else a) @ (b.T if b_transposed else b)
+
+
+@pytest.mark.parametrize("a_transposed", [False, True], ids=["a", "aT"])
+@pytest.mark.parametrize("b_transposed", [False, True], ids=["b", "bT"])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 1000, 64), (3, 517, 40), (16, 256, 33), (40, 200, 7), (300, 129, 16)])
+def test_blocks_of_rows_and_columns_match_numpy(m: int, n: int, k: int, a_transposed: bool, b_transposed: bool) -> None:
+    g = _product(m, n, k, a_transposed, b_transposed)
+    arrays = _inputs(g, m * n + k)
+    got = rlx.compile(g, config=RuntimeConfig(num_threads=2))(**arrays)["c"]
+    np.testing.assert_allclose(got, _want(arrays, a_transposed, b_transposed), rtol=1e-4, atol=1e-4 * np.sqrt(k))
+
+
+def _spec(m: int, n: int, k: int) -> GemmSpec:
+    g = Graph("spec")
+    a, b = g.input("a", (m, k)), g.input("b", (k, n))
+    return gemm_spec(View(a, 0, a.shape, dense_strides(a.shape)), View(b, 0, b.shape, dense_strides(b.shape)), (m, n))
+
+
+def test_few_rows_split_the_columns_and_many_rows_do_not() -> None:
+    few = _spec(4, 1024, 64)
+    assert few.column_blocks == TARGET_ITEMS and few.items == TARGET_ITEMS
+    assert few.block_cols == 1024 // TARGET_ITEMS
+    narrow = _spec(4, 3 * MIN_BLOCK_COLS + 5, 64)
+    assert narrow.column_blocks == 3  # no block narrower than MIN_BLOCK_COLS
+    assert _spec(4, MIN_BLOCK_COLS - 1, 64).column_blocks == 1
+    assert _spec(1024, 1024, 64).column_blocks == 1  # enough row blocks already
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_column_blocks_are_bit_identical_for_any_thread_count(threads: int) -> None:
+    g = _product(5, 777, 96, a_transposed=True, b_transposed=True)
+    arrays = _inputs(g, 3)
+    want = rlx.compile(g, config=RuntimeConfig(num_threads=1))(**arrays)["c"]
+    got = rlx.compile(g, config=RuntimeConfig(num_threads=threads))(**arrays)["c"]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_rows_known_per_call_keep_whole_columns() -> None:
+    g = Graph("rows")
+    x = g.input("x", ("S", 48))
+    w = g.input("w", (48, 300))
+    g.output(y=x @ w)
+    exe = rlx.compile(g, config=RuntimeConfig(num_threads=2))
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((48, 300)).astype(np.float32)
+    for rows in (1, 7, 64, 130):
+        x_rows = rng.standard_normal((rows, 48)).astype(np.float32)
+        got = exe(x=x_rows, w=weight)["y"]
+        np.testing.assert_allclose(got, x_rows.astype(np.float64) @ weight, rtol=1e-4, atol=1e-4)
