@@ -16,7 +16,7 @@ import numpy as np
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.opdef import EvalContext, OpDef, register_op
 from rlx.ir.types import TensorType
-from rlx.ops._common import as_value, normalize_axis, op_kind, require_float, sum_to_shape
+from rlx.ops._common import as_value, is_number, normalize_axis, op_kind, require_float, sum_to_shape
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Node, Value
@@ -185,22 +185,37 @@ def _check_eps(name: str, eps: object) -> float:
     return float(eps)
 
 
-def _ones_like_last(graph: Graph, x: Value) -> Value:
-    return graph.constant(np.ones(x.static_shape[-1], np.float32))
+def _per_feature(graph: Graph, x: Value, operand: object, default: float | None, what: str) -> Value | None:
+    """A norm's weight or bias: a Value as given; None as ``default`` (None: no operand); a Python
+    number broadcast over the last axis, as ``* weight`` reads in the formula. Only numbers are
+    broadcast: a tensor must be ``[E]``, and the shape rule says so when it is not."""
+    if operand is None:
+        if default is None:
+            return None
+        operand = default
+    if is_number(operand) and x.shape:
+        constant = graph.constant(float(operand))  # type: ignore[arg-type]
+        return graph.broadcast_to(constant, (x.shape[-1],))
+    return as_value(graph, operand, what)
 
 
 def rms_norm(graph: Graph, x: object, weight: object = None, eps: float = 1e-6) -> Value:
-    """``x * rsqrt(mean(x*x, -1) + eps) * weight`` over the last axis (weight None: ones)."""
+    """``x * rsqrt(mean(x*x, -1) + eps) * weight`` over the last axis (weight None: ones; a number
+    scales every feature)."""
     xv = as_value(graph, x, "rms_norm: x")
-    wv = _ones_like_last(graph, xv) if weight is None and xv.shape else as_value(graph, weight, "rms_norm: weight")
+    wv = _per_feature(graph, xv, weight, 1.0, "rms_norm: weight")
+    assert wv is not None
     return graph.add_node(op_kind("rms_norm"), [xv, wv], NormAttrs(_check_eps("rms_norm", eps))).outputs[0]
 
 
 def layer_norm(graph: Graph, x: object, weight: object = None, bias: object = None, eps: float = 1e-5) -> Value:
-    """As ``torch.nn.functional.layer_norm`` over the last axis: biased variance, optional bias."""
+    """As ``torch.nn.functional.layer_norm`` over the last axis: biased variance, optional bias
+    (numbers for either apply to every feature)."""
     xv = as_value(graph, x, "layer_norm: x")
-    wv = _ones_like_last(graph, xv) if weight is None and xv.shape else as_value(graph, weight, "layer_norm: weight")
-    operands = [xv, wv] + ([as_value(graph, bias, "layer_norm: bias")] if bias is not None else [])
+    wv = _per_feature(graph, xv, weight, 1.0, "layer_norm: weight")
+    bv = _per_feature(graph, xv, bias, None, "layer_norm: bias")
+    assert wv is not None
+    operands = [xv, wv] + ([bv] if bv is not None else [])
     return graph.add_node(op_kind("layer_norm"), operands, NormAttrs(_check_eps("layer_norm", eps))).outputs[0]
 
 
