@@ -548,6 +548,27 @@ def test_numpy_arrays_on_either_side_of_an_operator_become_constants() -> None:
         np.ones((3, 4), np.int64) + x  # no silent conversion of an int array into a float operand
 
 
+def test_python_bools_are_bool_constants_where_a_bool_operand_is() -> None:
+    """``where(True, x, 0)`` and ``mask & True`` read as in NumPy; a bool is still no float operand."""
+    g = Graph("b")
+    x = g.input("x", (2, 3))
+    m = x > 0.0
+    g.output(
+        pick=g.where(True, x, 0.0),
+        drop=g.where(np.bool_(False), x, -1.0),
+        both=g.logical_and(m, True),
+        either=m | False,
+    )
+    xa = np.random.default_rng(3).standard_normal((2, 3)).astype(np.float32)
+    got = rlx.compile(g)(x=xa)
+    np.testing.assert_array_equal(got["pick"], xa)
+    np.testing.assert_array_equal(got["drop"], np.full((2, 3), -1.0, np.float32))
+    np.testing.assert_array_equal(got["both"], xa > 0)
+    np.testing.assert_array_equal(got["either"], xa > 0)
+    with pytest.raises(rlx.RlxTypeError, match=r"add \(node \d+\): b must be f32, got bool"):
+        g.add(x, True)
+
+
 def test_value_repr_survives_hand_made_values() -> None:
     g = spec_graph()
     node = g.outputs["o"].node
