@@ -649,6 +649,11 @@ def _sdpa_eager(
     k = _check_tensor(key, "key")
     v = _check_tensor(value, "value")
     scale = _check_scale(scale, "scaled_dot_product_attention")
+    if not q.dtype == k.dtype == v.dtype:  # as torch's SDPA (its flex_attention takes mixed dtypes)
+        raise RlxTypeError(
+            "scaled_dot_product_attention: query, key and value must have the same dtype, got "
+            f"{q.dtype}, {k.dtype} and {v.dtype}"
+        )
     mask = None if attn_mask is None else _check_tensor(attn_mask, "attn_mask", kinds="any")
     if mask is not None and mask.dtype != torch.bool and not mask.is_floating_point():
         raise RlxTypeError(f"scaled_dot_product_attention: attn_mask must be bool or float, got {mask.dtype}")

@@ -366,6 +366,11 @@ def test_contiguous_float32_output_is_not_copied() -> None:
             "key has dtype torch.float64",
         ),
         (
+            lambda q, k, v: rt.scaled_dot_product_attention(q, k.half(), v),
+            rlx.RlxTypeError,
+            "same dtype, got torch.float32, torch.float16 and torch.float32",  # torch's SDPA refuses it too
+        ),
+        (
             lambda q, k, v: rt.scaled_dot_product_attention(q, k, v.numpy()),
             rlx.RlxTypeError,
             "value must be a torch.Tensor",
