@@ -292,6 +292,8 @@ def check_index_inputs(
         node = source.node
         if node.op.value == "input":
             name = node.attrs.name
+            if name not in bound:  # left out: no output needs it, so nothing reads it
+                continue
             array, label = bound[name], f"input {name!r}"
         else:
             array, label = node.attrs.value.array, f"constant (node {node.id})"

@@ -92,6 +92,54 @@ def test_out_of_range_ids_are_refused_at_call_time(ids: list[int]) -> None:
         exe(table=np.zeros((4, 8), np.float32), ids=np.array(ids, np.int32))
 
 
+def _targets_graph(rows: int | str, with_grad: bool) -> Graph:
+    g = Graph("ce")
+    logits = g.input("logits", (rows, 6))
+    targets = g.input("targets", (rows,), "int64")
+    loss = g.cross_entropy(logits, targets)
+    g.output(loss=loss)
+    if with_grad:
+        g.output(dlogits=rlx.grad(g, loss, [logits])[0])
+    return g
+
+
+@pytest.mark.parametrize("rows", [5, "N"], ids=["static", "symbolic"])
+@pytest.mark.parametrize("with_grad", [False, True], ids=["loss", "loss+grad"])
+@pytest.mark.parametrize("passes", [None, []], ids=["default", "as-built"])
+@pytest.mark.parametrize("bad", [6, -1, 2**40])
+def test_out_of_range_targets_are_refused_at_call_time(
+    rows: int | str, with_grad: bool, passes: list[str] | None, bad: int
+) -> None:
+    """cross_entropy becomes a one-hot comparison when compiled, which reads no memory with the
+    targets, so nothing would crash; the loss would silently leave the bad row out. SPEC 3 asks
+    for the error, compiled as in the reference."""
+    g = _targets_graph(rows, with_grad)
+    exe = rlx.compile(g, passes=passes)
+    logits = np.random.default_rng(0).standard_normal((5, 6)).astype(np.float32)
+    targets = np.array([0, 5, 2, 3, 1])
+    np.testing.assert_allclose(
+        exe(logits=logits, targets=targets)["loss"],
+        rlx.reference.run(g, logits=logits, targets=targets)["loss"],
+        rtol=1e-5,
+    )
+    targets[3] = bad
+    message = rf"input 'targets': {bad} is out of range \[0, 6\) for the class index of cross_entropy"
+    with pytest.raises(RlxValueError, match=message):
+        exe(logits=logits, targets=targets)
+    with pytest.raises(RlxValueError, match=message):
+        rlx.reference.run(g, logits=logits, targets=targets)
+
+
+def test_out_of_range_one_hot_ids_are_refused_at_call_time() -> None:
+    g = Graph("oh")
+    ids = g.input("ids", (4,), "int32")
+    g.output(y=g.one_hot(ids, 3) * 2.0)
+    exe = rlx.compile(g)
+    np.testing.assert_array_equal(exe(ids=np.array([0, 2, 1, 0], np.int32))["y"], 2.0 * np.eye(3)[[0, 2, 1, 0]])
+    with pytest.raises(RlxValueError, match=r"input 'ids': 3 is out of range \[0, 3\) for the class index of one_hot"):
+        exe(ids=np.array([0, 3, 1, 0], np.int32))
+
+
 def test_wrong_dtype_and_shape_at_call_time() -> None:
     exe = _embedding_exe()
     with pytest.raises(RlxTypeError, match=r"input 'ids': expected dtype int32"):

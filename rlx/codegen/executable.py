@@ -210,6 +210,18 @@ class _Lowered(NamedTuple):
     call_buffers: dict[str, CallBufferFill]
 
 
+def _distinct_bounds(bounds: list[tuple[Value, int, str]]) -> list[tuple[Value, int, str]]:
+    """One check per (source, limit): a value read as indices by several nodes is scanned once."""
+    seen: set[tuple[int, int]] = set()
+    distinct = []
+    for source, limit, what in bounds:
+        key = (id(source.node), limit)
+        if key not in seen:
+            seen.add(key)
+            distinct.append((source, limit, what))
+    return distinct
+
+
 def _lower(
     graph: Graph,
     pass_names: tuple[str, ...] | None,
@@ -227,11 +239,15 @@ def _lower(
     working.verify()
     if not working.outputs:
         raise RlxValueError(f"rlx.compile: graph {graph.name!r} has no outputs; mark some with g.output(...)")
+    # Index operands of composite ops (cross_entropy's targets, one_hot's ids) are gone once the
+    # pipeline makes them primitives (a one-hot is a comparison, which reads no memory with the
+    # ids), but the call-time check is about what the graph means: collect them before and after.
+    built_bounds = index_bounds(working)  # refuses index operands that cannot be checked before a call
     run_passes(working, list(pass_names) if pass_names is not None else default_pipeline())
     if options.masks_as_mods:
         masks_as_mods(working, config)
     decompose(working)  # codegen sees primitives only, whatever the passes were
-    bounds = index_bounds(working)  # refuses index operands that cannot be checked before a call
+    bounds = _distinct_bounds(built_bounds + index_bounds(working))
     times["passes"] = time.perf_counter() - start
 
     start = time.perf_counter()
