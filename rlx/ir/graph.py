@@ -527,7 +527,11 @@ class Graph:
 
     def _check_value(self, value: object, what: str) -> None:
         if not isinstance(value, Value) or not isinstance(value.node, Node):
-            raise RlxTypeError(f"{what} must be an rlx Value (from this graph's builder), got {type(value).__name__}")
+            identity = isinstance(value, bool)  # most likely ``a == b``, which compares identity
+            hint = " (== and != on Values compare identity; use g.equal or g.not_equal)" if identity else ""
+            raise RlxTypeError(
+                f"{what} must be an rlx Value (from this graph's builder), got {type(value).__name__}{hint}"
+            )
         if isinstance(value.index, bool) or not isinstance(value.index, numbers.Integral):
             raise RlxTypeError(f"{what}: a Value's index must be an int, got {type(value.index).__name__}")
         if self._nodes.get(value.node.id) is not value.node:

@@ -38,7 +38,7 @@ def is_int(x: object) -> TypeGuard[int | np.integer]:
 
 
 def as_value(graph: Graph, x: object, what: str) -> Value:
-    """A Value of ``graph`` as is; a Python number, a bool or a NumPy array becomes a constant.
+    """A Value of ``graph`` as is; a Python number or a NumPy array becomes a constant.
 
     A number is a float32 scalar; an array keeps its dtype (float64 becomes float32), as
     ``g.constant`` makes it. That is what JAX does with a NumPy array met while tracing, and it
@@ -50,8 +50,12 @@ def as_value(graph: Graph, x: object, what: str) -> Value:
         return x
     if is_number(x):
         return graph.constant(float(x))  # type: ignore[arg-type]
-    if isinstance(x, (bool, np.bool_)):  # a bool scalar, for where's condition and the logical ops
-        return graph.constant(np.array(x, dtype=np.bool_))
+    if isinstance(x, (bool, np.bool_)):
+        # Most often ``value == other``, which compares identity and gives a Python bool.
+        raise RlxTypeError(
+            f"{what}: got the Python bool {bool(x)}; == and != on Values compare identity, so compare "
+            "with g.equal(a, b) or g.not_equal(a, b) (or <, <=, >, >=)"
+        )
     if isinstance(x, np.ndarray):
         return graph.constant(x)
     raise RlxTypeError(f"{what}: expected an rlx Value, a Python number or a NumPy array, got {type(x).__name__}")

@@ -21,6 +21,7 @@ from rlx.ops._common import (
     F32,
     as_value,
     broadcast_shapes,
+    is_int,
     op_kind,
     require_bool,
     require_float,
@@ -269,8 +270,33 @@ def _where_grad(
 # ----------------------------------------------------------------------------- builders
 
 
+# Ops whose operands (where: the two values) only need to agree in dtype: a Python int beside an
+# integer operand becomes an integer constant of that dtype (``g.not_equal(ids, 0)``), as NumPy
+# and torch compare an int tensor with an int.
+_SAME_DTYPE_OPERANDS = {
+    "less": (0, 1),
+    "less_equal": (0, 1),
+    "greater": (0, 1),
+    "greater_equal": (0, 1),
+    "equal": (0, 1),
+    "not_equal": (0, 1),
+    "where": (1, 2),
+}
+
+
 def _elementwise(graph: Graph, name: str, operands: Sequence[object], attrs: object = None) -> Value:
+    from rlx.ir.graph import Value
+
     what = f"{name}"
+    operands = list(operands)
+    slots = _SAME_DTYPE_OPERANDS.get(name, ())
+    int_dtypes = [
+        x.dtype for i, x in enumerate(operands) if i in slots and isinstance(x, Value) and x.dtype.kind == "i"
+    ]
+    if int_dtypes:
+        for i in slots:
+            if is_int(operands[i]):
+                operands[i] = graph.constant(np.array(operands[i], dtype=int_dtypes[0]))
     values = [as_value(graph, x, f"{what} operand {i}") for i, x in enumerate(operands)]
     return graph.add_node(op_kind(name), values, attrs if attrs is not None else NoAttrs()).outputs[0]
 

@@ -548,25 +548,45 @@ def test_numpy_arrays_on_either_side_of_an_operator_become_constants() -> None:
         np.ones((3, 4), np.int64) + x  # no silent conversion of an int array into a float operand
 
 
-def test_python_bools_are_bool_constants_where_a_bool_operand_is() -> None:
-    """``where(True, x, 0)`` and ``mask & True`` read as in NumPy; a bool is still no float operand."""
+def test_python_ints_compare_with_int_values_in_their_dtype() -> None:
+    """``ids != 0`` for a padding mask, as in NumPy and torch: the int becomes a constant of the
+    value's dtype (a float is still no int operand, and arithmetic on ids is not offered)."""
+    g = Graph("ints")
+    ids = g.input("ids", (2, 3), dtype="int64")
+    small = g.input("small", (2, 3), dtype="int32")
+    x = g.input("x", (2, 3))
+    g.output(
+        pad=g.not_equal(ids, 0),
+        big=ids > 2,
+        flipped=g.less_equal(1, small),
+        kept=g.where(x > 0.0, small, -1),
+        loss_mask=g.where(g.equal(ids, 0), 0.0, x),
+    )
+    ia = np.array([[0, 1, 2], [3, 0, 5]])
+    sa = ia.astype(np.int32)
+    xa = np.random.default_rng(3).standard_normal((2, 3)).astype(np.float32)
+    got = rlx.compile(g)(ids=ia, small=sa, x=xa)
+    np.testing.assert_array_equal(got["pad"], ia != 0)
+    np.testing.assert_array_equal(got["big"], ia > 2)
+    np.testing.assert_array_equal(got["flipped"], sa >= 1)
+    np.testing.assert_array_equal(got["kept"], np.where(xa > 0, sa, -1))
+    assert got["kept"].dtype == np.int32
+    np.testing.assert_array_equal(got["loss_mask"], np.where(ia == 0, 0.0, xa))
+    with pytest.raises(rlx.RlxTypeError, match=r"greater \(node \d+\): a and b must have the same dtype"):
+        ids > 2.5  # noqa: B015
+
+
+def test_a_python_bool_operand_points_at_equal() -> None:
+    """``ids == 0`` compares identity and gives a Python bool: refused, with the way to compare."""
     g = Graph("b")
     x = g.input("x", (2, 3))
-    m = x > 0.0
-    g.output(
-        pick=g.where(True, x, 0.0),
-        drop=g.where(np.bool_(False), x, -1.0),
-        both=g.logical_and(m, True),
-        either=m | False,
-    )
-    xa = np.random.default_rng(3).standard_normal((2, 3)).astype(np.float32)
-    got = rlx.compile(g)(x=xa)
-    np.testing.assert_array_equal(got["pick"], xa)
-    np.testing.assert_array_equal(got["drop"], np.full((2, 3), -1.0, np.float32))
-    np.testing.assert_array_equal(got["both"], xa > 0)
-    np.testing.assert_array_equal(got["either"], xa > 0)
-    with pytest.raises(rlx.RlxTypeError, match=r"add \(node \d+\): b must be f32, got bool"):
-        g.add(x, True)
+    ids = g.input("ids", (2, 3), dtype="int64")
+    with pytest.raises(rlx.RlxTypeError, match=r"where operand 0: got the Python bool False; .*g\.equal"):
+        g.where(ids == 0, 0.0, x)
+    with pytest.raises(rlx.RlxTypeError, match=r"logical_and operand 1: got the Python bool True"):
+        g.logical_and(x > 0.0, True)
+    with pytest.raises(rlx.RlxTypeError, match=r"output 'y' must be an rlx Value .*got bool \(== and != .*g\.equal"):
+        g.output(y=ids == 0)
 
 
 def test_value_repr_survives_hand_made_values() -> None:
