@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlx.config import RuntimeConfig
 from rlx.errors import RlxError, RlxKeyError, RlxMemoryError, RlxTypeError, RlxValueError
-from rlx.ir import Graph, Layout, MaskKind, Node, OpKind, TensorType, Value, Wrt
+from rlx.ir import Graph, Layout, MaskKind, Node, OpKind, TensorType, Value, Wrt, parse
 
 __version__ = "0.1.0"
 
@@ -84,6 +84,7 @@ __all__ = [
     "log",
     "maximum",
     "minimum",
+    "parse",
     "power",
     "sigmoid",
     "sqrt",

@@ -453,6 +453,13 @@ class Graph:
         self._order = None  # the store may have been changed behind the API: recompute the order
         verify(self)
 
+    @staticmethod
+    def parse(text: str) -> Graph:
+        """Read textual IR (as ``str(graph)`` prints it) back into a Graph (also ``rlx.parse``)."""
+        from rlx.ir.parser import parse as _parse
+
+        return _parse(text)
+
     def copy(self) -> Graph:
         """A deep copy with the same node ids, input and output names."""
         clone = Graph(self.name)

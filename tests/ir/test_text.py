@@ -380,3 +380,12 @@ def test_empty_text_is_an_error(text: str) -> None:
 def test_parse_rejects_non_str() -> None:
     with pytest.raises(rlx.RlxTypeError, match="expected the IR text as a str, got bytes"):
         parse(BASE.encode())  # type: ignore[arg-type]
+
+
+def test_parse_is_reachable_as_rlx_parse_and_graph_parse() -> None:
+    """The parser under the names a user tries first; all three read the same text the same way."""
+    g = Graph("names")
+    x = g.input("x", (2, "S"))
+    g.output(y=g.softmax(x * 2.0, axis=-1))
+    text = str(g)
+    assert str(rlx.parse(text)) == str(Graph.parse(text)) == str(rlx.ir.parse(text)) == text
