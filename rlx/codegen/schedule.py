@@ -8,6 +8,8 @@ them, is computed inline inside the loop nest of the materialised value that rea
 (:mod:`rlx.codegen.fused`), so its intermediates live in registers. View ops over a buffer
 (reshape, transpose, split, broadcast_to) are strided views of it (:mod:`rlx.codegen.views`):
 they cost nothing unless strides cannot express them, in which case the view is copied once.
+An inline value that several kernels would each recompute at more cost than storing it once
+(a residual stream read along a deep network) gets a buffer too.
 
 One kernel per materialised value (or per node for the ops with their own lowering), in the
 graph's topological order.
@@ -264,8 +266,8 @@ def _materialise_shared_expressions(schedule: Schedule, order: list[Node], mater
     compile time in the depth L (16 layers of the char LM: kernels of 3,400 lines, 26 s to
     compile). Counting memory passes, a value read inline by ``c`` kernels that reads ``r``
     buffers of its own size costs ``c * r`` passes; stored once, ``r + c`` passes, a store and a
-    kernel more. It is stored where ``(c - 1) * (r - 1) >= SHARED_EXPRESSION_COST``: a chain of
-    three such sums read by two kernels, or of two read by four. Smaller reads (weights, row
+    kernel more. It is stored where ``(c - 1) * (r - 1) >= SHARED_EXPRESSION_COST``: a sum of
+    four such buffers read by two kernels, or of two read by four. Smaller reads (weights, row
     statistics, constants) are cheap to repeat and do not count; views stay inline (their operand
     is the one to store).
     """

@@ -294,9 +294,14 @@ def _elementwise(graph: Graph, name: str, operands: Sequence[object], attrs: obj
         x.dtype for i, x in enumerate(operands) if i in slots and isinstance(x, Value) and x.dtype.kind == "i"
     ]
     if int_dtypes:
+        dtype = int_dtypes[0]
         for i in slots:
-            if is_int(operands[i]):
-                operands[i] = graph.constant(np.array(operands[i], dtype=int_dtypes[0]))
+            operand = operands[i]
+            if is_int(operand):
+                number = int(operand)
+                if not np.iinfo(dtype).min <= number <= np.iinfo(dtype).max:
+                    raise RlxValueError(f"{name}: {number} does not fit operand {i}'s dtype {dtype} beside the other")
+                operands[i] = graph.constant(np.array(number, dtype=dtype))
     values = [as_value(graph, x, f"{what} operand {i}") for i, x in enumerate(operands)]
     return graph.add_node(op_kind(name), values, attrs if attrs is not None else NoAttrs()).outputs[0]
 

@@ -574,6 +574,8 @@ def test_python_ints_compare_with_int_values_in_their_dtype() -> None:
     np.testing.assert_array_equal(got["loss_mask"], np.where(ia == 0, 0.0, xa))
     with pytest.raises(rlx.RlxTypeError, match=r"greater \(node \d+\): a and b must have the same dtype"):
         ids > 2.5  # noqa: B015
+    with pytest.raises(rlx.RlxValueError, match=r"less: 4294967296 does not fit operand 1's dtype int32"):
+        g.less(small, 2**32)
 
 
 def test_a_python_bool_operand_points_at_equal() -> None:
