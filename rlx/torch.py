@@ -1260,12 +1260,13 @@ class _GraphFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, compiled: CompiledGraph, recorded: bool, *tensors: torch.Tensor) -> Any:
         arrays = {name: _array(t) for name, t in zip(compiled.names, tensors, strict=True)}
-        ctx.saved_arrays = None
+        ctx.saved_arrays, ctx.backward_exe = {}, None
         training = compiled.training if recorded else None
         if training is not None:
             # Training: the forward also returns what the backward reads, held until it runs.
             result = training.forward(**arrays)
             ctx.saved_arrays = {name: result.pop(name) for name in training.saved}
+            ctx.backward_exe = training.backward
         else:
             result = compiled.forward(**arrays)
         ctx.compiled = compiled
@@ -1293,15 +1294,11 @@ class _GraphFunction(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: the backward graph runs as a torch function
             grads = compiled.backward_function()(**inputs)
             found = {name: grads[compiled.grad_names[name]].to(dtypes[name]) for name in wanted}
-        elif ctx.saved_arrays is not None and compiled.training is not None:  # from the forward's saved values
-            exe = compiled.training.backward
-            arrays = {name: _array(tensor) for name, tensor in inputs.items()}
-            arrays.update(ctx.saved_arrays)
-            results = exe(**{name: arrays[name] for name in exe.graph.inputs})
-            found = {name: _tensor(results[compiled.grad_names[name]], dtypes[name]) for name in wanted}
         else:
-            exe = compiled.backward_executable()
-            results = exe(**{name: _array(inputs[name]) for name in exe.graph.inputs})
+            # From the values the training forward saved, else the backward graph that recomputes them.
+            exe = ctx.backward_exe or compiled.backward_executable()
+            arrays = {name: _array(tensor) for name, tensor in inputs.items()} | ctx.saved_arrays
+            results = exe(**{name: arrays[name] for name in exe.graph.inputs})
             found = {name: _tensor(results[compiled.grad_names[name]], dtypes[name]) for name in wanted}
         return (None, None, *(found.get(name) for name in compiled.names))
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llvmlite import ir
 
@@ -130,17 +130,16 @@ def gemm_spec(a: View, b: View, out_shape: tuple[Dim, ...]) -> GemmSpec:
     refuse_beyond_blas("matmul", *(size for size in (m, n, k, op_a.ld, op_b.ld) if isinstance(size, int)))
     if not isinstance(m, int):  # rows known per call: blocks of a fixed height
         return GemmSpec(batch, m, n, k, op_a, op_b, SYMBOLIC_BLOCK_ROWS)
-    block_rows = max(16, min(256, -(-m // TARGET_ITEMS)))
-    return GemmSpec(batch, m, n, k, op_a, op_b, block_rows, _column_blocks(batch, m, n, block_rows))
+    rows_only = GemmSpec(batch, m, n, k, op_a, op_b, max(16, min(256, -(-m // TARGET_ITEMS))))
+    return replace(rows_only, column_blocks=_column_blocks(rows_only))
 
 
-def _column_blocks(batch: tuple[SizeLike, ...], m: int, n: SizeLike, block_rows: int) -> int:
+def _column_blocks(rows_only: GemmSpec) -> int:
     """Column blocks for a product with too few row blocks (few rows, no batch) to occupy the team."""
-    if not isinstance(n, int) or not all(isinstance(d, int) for d in batch):
+    items = rows_only.items
+    if items is None or not isinstance(rows_only.n, int):
         return 1
-    items = math.prod(d for d in batch if isinstance(d, int)) * -(-m // block_rows)
-    wanted = -(-TARGET_ITEMS // items)
-    return max(1, min(wanted, n // MIN_BLOCK_COLS))
+    return max(1, min(-(-TARGET_ITEMS // items), rows_only.n // MIN_BLOCK_COLS))
 
 
 def emit_gemm_item(module: ir.Module, spec: GemmSpec, name: str, symbols: tuple[str, ...] = ()) -> ir.Function:

@@ -185,17 +185,12 @@ def _check_eps(name: str, eps: object) -> float:
     return float(eps)
 
 
-def _per_feature(graph: Graph, x: Value, operand: object, default: float | None, what: str) -> Value | None:
-    """A norm's weight or bias: a Value as given; None as ``default`` (None: no operand); a Python
-    number broadcast over the last axis, as ``* weight`` reads in the formula. Only numbers are
-    broadcast: a tensor must be ``[E]``, and the shape rule says so when it is not."""
-    if operand is None:
-        if default is None:
-            return None
-        operand = default
+def _per_feature(graph: Graph, x: Value, operand: object, what: str) -> Value:
+    """A norm's weight or bias: a Value as given; a Python number broadcast over the last axis,
+    as ``* weight`` reads in the formula. Only numbers are broadcast: a tensor must be ``[E]``,
+    and the shape rule says so when it is not."""
     if is_number(operand) and x.shape:
-        constant = graph.constant(float(operand))  # type: ignore[arg-type]
-        return graph.broadcast_to(constant, (x.shape[-1],))
+        return graph.broadcast_to(graph.constant(float(operand)), (x.shape[-1],))  # type: ignore[arg-type]
     return as_value(graph, operand, what)
 
 
@@ -203,8 +198,7 @@ def rms_norm(graph: Graph, x: object, weight: object = None, eps: float = 1e-6) 
     """``x * rsqrt(mean(x*x, -1) + eps) * weight`` over the last axis (weight None: ones; a number
     scales every feature)."""
     xv = as_value(graph, x, "rms_norm: x")
-    wv = _per_feature(graph, xv, weight, 1.0, "rms_norm: weight")
-    assert wv is not None
+    wv = _per_feature(graph, xv, 1.0 if weight is None else weight, "rms_norm: weight")
     return graph.add_node(op_kind("rms_norm"), [xv, wv], NormAttrs(_check_eps("rms_norm", eps))).outputs[0]
 
 
@@ -212,10 +206,9 @@ def layer_norm(graph: Graph, x: object, weight: object = None, bias: object = No
     """As ``torch.nn.functional.layer_norm`` over the last axis: biased variance, optional bias
     (numbers for either apply to every feature)."""
     xv = as_value(graph, x, "layer_norm: x")
-    wv = _per_feature(graph, xv, weight, 1.0, "layer_norm: weight")
-    bv = _per_feature(graph, xv, bias, None, "layer_norm: bias")
-    assert wv is not None
-    operands = [xv, wv] + ([bv] if bv is not None else [])
+    operands = [xv, _per_feature(graph, xv, 1.0 if weight is None else weight, "layer_norm: weight")]
+    if bias is not None:
+        operands.append(_per_feature(graph, xv, bias, "layer_norm: bias"))
     return graph.add_node(op_kind("layer_norm"), operands, NormAttrs(_check_eps("layer_norm", eps))).outputs[0]
 
 
