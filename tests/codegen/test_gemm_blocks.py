@@ -15,7 +15,7 @@ import pytest
 
 import rlx
 from rlx import Graph, RuntimeConfig
-from rlx.codegen.lower_gemm import MIN_BLOCK_COLS, TARGET_ITEMS, GemmSpec, gemm_spec
+from rlx.codegen.lower_gemm import MIN_BLOCK_COLS, MIN_BLOCK_ROWS, WHOLE_ROUNDS, GemmSpec, gemm_spec
 from rlx.codegen.views import View, dense_strides
 
 
@@ -52,25 +52,47 @@ def test_blocks_of_rows_and_columns_match_numpy(m: int, n: int, k: int, a_transp
     np.testing.assert_allclose(got, _want(arrays, a_transposed, b_transposed), rtol=1e-4, atol=1e-4 * np.sqrt(k))
 
 
-def _spec(m: int, n: int, k: int) -> GemmSpec:
+def _spec(m: int, n: int, k: int, cores: int, batch: int | None = None) -> GemmSpec:
     g = Graph("spec")
-    a, b = g.input("a", (m, k)), g.input("b", (k, n))
-    return gemm_spec(View(a, 0, a.shape, dense_strides(a.shape)), View(b, 0, b.shape, dense_strides(b.shape)), (m, n))
+    a = g.input("a", (m, k) if batch is None else (batch, m, k))
+    b = g.input("b", (k, n) if batch is None else (batch, k, n))
+    out = (m, n) if batch is None else (batch, m, n)
+    a_view, b_view = (View(v, 0, v.shape, dense_strides(v.shape)) for v in (a, b))
+    return gemm_spec(a_view, b_view, out, cores)
 
 
-def test_few_rows_split_the_columns_and_many_rows_do_not() -> None:
-    few = _spec(4, 1024, 64)
-    assert few.column_blocks == TARGET_ITEMS and few.items == TARGET_ITEMS
-    assert few.block_cols == 1024 // TARGET_ITEMS
-    narrow = _spec(4, 3 * MIN_BLOCK_COLS + 5, 64)
+def test_one_row_block_per_core_and_no_more() -> None:
+    # Each sgemm call packs B again: as few blocks as share the work evenly.
+    assert (_spec(1024, 704, 256, cores=2).row_blocks, _spec(1024, 704, 256, cores=2).column_blocks) == (2, 1)
+    assert _spec(1024, 704, 256, cores=2).block_rows == 512
+    assert _spec(1025, 64, 64, cores=2).block_rows == 513  # the last block takes the remainder
+    assert _spec(1024, 1024, 64, cores=8).row_blocks == 8
+    assert _spec(1024, 1024, 64, cores=1).items == 1
+
+
+def test_a_batch_that_shares_out_evenly_is_not_split() -> None:
+    assert _spec(512, 64, 64, cores=2, batch=4).items == 4
+    assert _spec(512, 64, 64, cores=4, batch=WHOLE_ROUNDS * 4 + 1).items == WHOLE_ROUNDS * 4 + 1
+    uneven = _spec(512, 64, 64, cores=2, batch=3)  # 3 items on 2 cores: split each in two
+    assert (uneven.row_blocks, uneven.items) == (2, 6)
+    assert _spec(512, 64, 64, cores=4, batch=2).row_blocks == 2
+
+
+def test_few_rows_split_the_columns() -> None:
+    few = _spec(4, 1024, 64, cores=8)
+    assert few.row_blocks == 1 and few.column_blocks == 8 and few.items == 8
+    assert few.block_cols == 1024 // 8
+    some = _spec(2 * MIN_BLOCK_ROWS, 1024, 64, cores=8)  # two row blocks, then four column blocks each
+    assert (some.row_blocks, some.column_blocks) == (2, 4)
+    narrow = _spec(4, 3 * MIN_BLOCK_COLS + 5, 64, cores=8)
     assert narrow.column_blocks == 3  # no block narrower than MIN_BLOCK_COLS
-    assert _spec(4, MIN_BLOCK_COLS - 1, 64).column_blocks == 1
-    assert _spec(1024, 1024, 64).column_blocks == 1  # enough row blocks already
+    assert _spec(4, MIN_BLOCK_COLS - 1, 64, cores=8).column_blocks == 1
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_column_blocks_are_bit_identical_for_any_thread_count(threads: int) -> None:
-    g = _product(5, 777, 96, a_transposed=True, b_transposed=True)
+@pytest.mark.parametrize(("m", "n"), [(5, 777), (301, 129)], ids=["columns", "rows"])
+def test_blocks_are_bit_identical_for_any_thread_count(threads: int, m: int, n: int) -> None:
+    g = _product(m, n, 96, a_transposed=True, b_transposed=True)
     arrays = _inputs(g, 3)
     want = rlx.compile(g, config=RuntimeConfig(num_threads=1))(**arrays)["c"]
     got = rlx.compile(g, config=RuntimeConfig(num_threads=threads))(**arrays)["c"]

@@ -1,0 +1,98 @@
+"""Decoding with a growing KV cache: one query token against Sk = 1..N keys, rlx.torch vs torch SDPA.
+
+Every step has a new key length. ``rt.scaled_dot_product_attention`` declares the sequence
+lengths as symbolic dimensions, so the whole loop should compile once (the first step) and then
+run every length on the same machine code. The KV cache grows by concatenation (as in
+transformers' ``DynamicCache``), so both libraries read contiguous tensors; a slice of a
+preallocated cache is not contiguous, and rlx copies it before the call. The table gives the
+compile count of the loop and the mean time per step of rlx and torch (interleaved: each step
+runs both, same inputs, in alternating order), for the whole loop and for its first and last
+hundred steps.
+
+    python benchmarks/decode.py [--steps 1000]
+
+Writes ``benchmarks/results/decode.json``. Needs torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import _harness as h  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=1000, help="decode steps (Sk = 1..steps; default 1000)")
+    parser.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "decode.json")
+    args = parser.parse_args()
+    import torch
+    import torch.nn.functional as F
+
+    import rlx.torch as rt
+    rt.SMALL_ATTENTION_FLOPS = 0
+    from rlx.codegen.executable import compile_count
+
+    batch, heads, dim = 1, 8, 64
+    gen = torch.Generator().manual_seed(0)
+    new_keys = torch.randn(args.steps, batch, heads, 1, dim, generator=gen)
+    new_values = torch.randn(args.steps, batch, heads, 1, dim, generator=gen)
+    k = torch.empty(batch, heads, 0, dim)
+    v = torch.empty(batch, heads, 0, dim)
+    queries = torch.randn(args.steps, batch, heads, 1, dim, generator=gen)
+    before = compile_count()
+    timings: dict[str, list[float]] = {"rlx": [], "torch": []}
+    worst = 0.0
+    for step in range(args.steps):
+        # The cache grows by concatenation, as in transformers' DynamicCache: contiguous tensors.
+        k, v = torch.cat([k, new_keys[step]], dim=2), torch.cat([v, new_values[step]], dim=2)
+        results = {}
+        # Each step runs both, the one that goes first alternating (it finds the caches colder).
+        for name in ("rlx", "torch") if step % 2 == 0 else ("torch", "rlx"):
+            attend = rt.scaled_dot_product_attention if name == "rlx" else F.scaled_dot_product_attention
+            start = time.perf_counter()
+            results[name] = attend(queries[step], k, v)
+            timings[name].append(time.perf_counter() - start)
+        worst = max(worst, float((results["rlx"] - results["torch"]).abs().max()))
+    compiles = compile_count() - before
+    first_step = timings["rlx"][0]  # includes the one compilation
+    steady = slice(1, None)
+
+    def row(label: str, part: slice) -> list[str]:
+        ours, theirs = np.mean(timings["rlx"][part]), np.mean(timings["torch"][part])
+        return [label, f"{ours * 1e3:.3f}", f"{theirs * 1e3:.3f}", f"{theirs / ours:.2f}x"]
+
+    hundred = min(100, args.steps - 1)
+    rows = [
+        row(f"steps 2..{args.steps} (Sk = 2..{args.steps})", steady),
+        row(f"first {hundred} after the compile", slice(1, 1 + hundred)),
+        row(f"last {hundred}", slice(args.steps - hundred, None)),
+    ]
+    shape = f"B{batch} H{heads} D{dim}, one query, Sk = 1..{args.steps}"
+    print(f"CPU: {h.cpu_model()}; {shape}; max |rlx - torch| {worst:.1e}")
+    print(f"compilations in the loop: {compiles}; first step (compiling) {first_step * 1e3:.1f} ms")
+    print(h.markdown_table(["steps", "rlx ms/step", "torch ms/step", "torch / rlx"], rows))
+    report = {
+        "steps": args.steps,
+        "compiles": compiles,
+        "first_step_s": first_step,
+        "mean_step_s": {name: float(np.mean(values[steady])) for name, values in timings.items()},
+        "max_abs_diff": worst,
+        "cpu": h.cpu_model(),
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
