@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -302,6 +303,40 @@ def _flex_graph(
         _capturing.current = None
     g.output(out=out, lse=lse)
     return g, capture.tensors
+
+
+def _loaded_openmp() -> str | None:
+    """The path of the GNU OpenMP runtime (libgomp) loaded in this process, if any: torch's."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(" ", 1)[-1].strip()
+                if os.path.basename(path).startswith("libgomp"):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def share_torch_threads(enabled: bool = True) -> bool:
+    """Run rlx's multi-threaded calls on torch's OpenMP threads (the default once ``rlx.torch``
+    is imported; ``RLX_TORCH_OPENMP=0`` leaves rlx on its own workers). Returns whether it does.
+
+    torch's workers spin for a while after each of its ops; rlx's own workers would wait for the
+    cores they hold (an attention call right after a torch op took 21 ms instead of 17 on two
+    cores), and a call with little work paid more to start its threads than it gained. On one
+    team, a call right after torch's ops finds the workers awake.
+    """
+    from rlx.codegen.pool import use_openmp
+
+    global _SHARES_TORCH_THREADS
+    library = _loaded_openmp() if enabled and torch.backends.openmp.is_available() else None
+    _SHARES_TORCH_THREADS = use_openmp(library)
+    return _SHARES_TORCH_THREADS
+
+
+_SHARES_TORCH_THREADS = False
+share_torch_threads(os.environ.get("RLX_TORCH_OPENMP", "").strip() != "0")
 
 
 _plans: dict[tuple[str, bool], tuple[Executable, dict[tuple[bool, bool], Executable]]] = {}
@@ -886,8 +921,22 @@ def _fixed_plan(
     return plan
 
 
+MEMORY_BOUND_BYTES = 1 << 21
+"""A call that reads more key and value bytes than this is bound by memory bandwidth (a decode
+step against a long KV cache: far more bytes than FLOPs), which a second core doubles. On torch's
+threads (:func:`share_torch_threads`) such a call runs on rlx's default threads whatever its FLOPs:
+at Sk = 4000 (B1 H8 D64) a step right after a torch op took 365 us on two threads against 830 on
+one; on rlx's own workers, which wait for the cores torch's spinning workers hold, it stays on one.
+"""
+
+
 def _attention_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
-    return 2.0 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * (q.shape[3] + v.shape[3])
+    """The call's FLOPs, as :func:`_config_for` weighs them (see :data:`MEMORY_BOUND_BYTES`)."""
+    flops = 2.0 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * (q.shape[3] + v.shape[3])
+    key_value_bytes = 4.0 * (k.numel() + v.numel())
+    if _SHARES_TORCH_THREADS and key_value_bytes >= MEMORY_BOUND_BYTES:
+        return max(flops, SMALL_ATTENTION_FLOPS)
+    return flops
 
 
 def _fixed_forward(plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -85,28 +85,42 @@ def emit_team(
     for index, value in enumerate(values):
         b.store(value, _field(b, _SHARED, shared, index))
 
-    init = declare(module, "pthread_barrier_init", I32, [PTR, PTR, I32])
     destroy = declare(module, "pthread_barrier_destroy", I32, [PTR])
+    start_fn = _emit_start(module)
 
     def start(members: ir.Value) -> None:
-        """Size the barrier for the members that exist, then let them run."""
-        b.call(init, [barrier, ir.Constant(PTR, None), members])
-        b.store_atomic(i32(1), ready, "release", 4)
+        b.call(start_fn, [shared, members])
 
     threads, spawned = _team_size(b, steps, threads)
     if threads > 1:
         acquire, run = declare_pool(module)
         pooled = b.call(acquire, [b.trunc(spawned, I32)], name="pooled")
         with b.if_else(b.icmp_signed("!=", pooled, i32(0))) as (from_pool, own_threads):
-            with from_pool:  # the process's waiting workers (rlx.codegen.pool)
-                start(pooled)
-                b.call(run, [team, shared, pooled])
+            with from_pool:  # the process's waiting workers, or the host's OpenMP threads (rlx.codegen.pool)
+                b.call(run, [team, start_fn, shared, pooled])
             with own_threads:  # another thread's call holds the pool: start a team for this call
                 _start_and_join(module, b, team, shared, threads, spawned, start)
     else:
         start(i32(1))
         b.call(team, [shared, i64(0)])
     b.call(destroy, [barrier])
+
+
+def _emit_start(module: ir.Module) -> ir.Function:
+    """``start(shared, members)``: size the barrier for the members that exist, then let them run.
+
+    Called by whoever knows how many members the call got: the entry function for its own
+    threads, the pool's run function for workers, member 0 of an OpenMP region for its team.
+    """
+    fn = ir.Function(module, ir.FunctionType(VOID, [PTR, I32]), name="team.start")
+    fn.linkage = "internal"
+    shared, members = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    init = declare(module, "pthread_barrier_init", I32, [PTR, PTR, I32])
+    b.call(init, [_load(b, _SHARED, shared, 4, "barrier"), ir.Constant(PTR, None), members])
+    b.atomic_rmw("xchg", _load(b, _SHARED, shared, 5, "ready"), i32(1), "release")  # a release store
+    b.ret_void()
+    return fn
 
 
 def _start_and_join(

@@ -28,7 +28,8 @@ from llvmlite import ir
 from rlx.codegen.irutil import I32, PTR, declare
 
 ACQUIRE = "rlx_pool_acquire"  # i32 (i32 wanted): members the call may use (>= 2), or 0: no pool
-RUN = "rlx_pool_run"  # void (ptr team, ptr shared, i32 members): run team(shared, tid) on each
+RUN = "rlx_pool_run"  # void (ptr team, ptr start, ptr shared, i32 members): start(shared, n), team(shared, tid)
+USE_OPENMP = "rlx_pool_use_openmp"  # see use_openmp()
 _RESET = "rlx_pool_after_fork"
 IMPORTED_LIBC = (
     "pthread_create",
@@ -58,6 +59,12 @@ _RUNTIME_IR = f"""
 @pool.mutex = internal global [64 x i8] zeroinitializer, align 16
 @pool.work = internal global [64 x i8] zeroinitializer, align 16   ; signalled when a call is posted
 @pool.done = internal global [64 x i8] zeroinitializer, align 16   ; signalled by the last worker
+; OpenMP mode (see rlx_pool_use_openmp): the host's runtime functions, or null.
+@omp.parallel = internal global ptr null       ; GOMP_parallel(fn, data, threads, flags)
+@omp.thread_num = internal global ptr null     ; omp_get_thread_num()
+@omp.num_threads = internal global ptr null    ; omp_get_num_threads()
+@omp.in_parallel = internal global ptr null    ; omp_in_parallel()
+@omp.limit = internal global i32 0             ; the most threads a region gets
 
 declare i32 @pthread_create(ptr, ptr, ptr, ptr)
 declare i32 @pthread_detach(i64)
@@ -170,7 +177,15 @@ signal:
 define i32 @{ACQUIRE}(i32 %wanted) {{
 entry:
   %many = icmp sgt i32 %wanted, 1
-  br i1 %many, label %take, label %none
+  br i1 %many, label %openmp, label %none
+openmp:
+  %omp = call i1 @use_openmp()
+  br i1 %omp, label %omp.members, label %take
+omp.members:
+  %limit = load i32, ptr @omp.limit
+  %over = icmp sgt i32 %wanted, %limit
+  %omp.count = select i1 %over, i32 %limit, i32 %wanted
+  ret i32 %omp.count
 take:
   %taken = cmpxchg ptr @pool.lock, i32 0, i32 1 acquire monotonic
   %ok = extractvalue {{ i32, i1 }} %taken, 1
@@ -217,8 +232,65 @@ none:
   ret i32 0
 }}
 
-define void @{RUN}(ptr %team, ptr %shared, i32 %members) {{
+; Whether this call runs on the host's OpenMP threads: the mode is on and the calling thread is
+; not inside a parallel region already (where a nested region would get one thread).
+define internal i1 @use_openmp() {{
 entry:
+  %parallel = load atomic ptr, ptr @omp.parallel acquire, align 8
+  %on = icmp ne ptr %parallel, null
+  br i1 %on, label %check, label %no
+check:
+  %in.parallel = load ptr, ptr @omp.in_parallel
+  %inside = call i32 %in.parallel()
+  %outside = icmp eq i32 %inside, 0
+  ret i1 %outside
+no:
+  ret i1 0
+}}
+
+; The body of the OpenMP region: member 0 starts the team for the threads the region has (the
+; members wait for that before their first step), then every thread runs its share.
+%omp.call = type {{ ptr, ptr, ptr }}
+define internal void @omp_body(ptr %call) {{
+entry:
+  %team.at = getelementptr %omp.call, ptr %call, i32 0, i32 0
+  %team = load ptr, ptr %team.at
+  %start.at = getelementptr %omp.call, ptr %call, i32 0, i32 1
+  %start = load ptr, ptr %start.at
+  %shared.at = getelementptr %omp.call, ptr %call, i32 0, i32 2
+  %shared = load ptr, ptr %shared.at
+  %thread.num = load ptr, ptr @omp.thread_num
+  %tid = call i32 %thread.num()
+  %first = icmp eq i32 %tid, 0
+  br i1 %first, label %begin, label %work
+begin:
+  %num.threads = load ptr, ptr @omp.num_threads
+  %members = call i32 %num.threads()
+  call void %start(ptr %shared, i32 %members)
+  br label %work
+work:
+  %tid.64 = zext i32 %tid to i64
+  call void %team(ptr %shared, i64 %tid.64)
+  ret void
+}}
+
+define void @{RUN}(ptr %team, ptr %start, ptr %shared, i32 %members) {{
+entry:
+  %omp = call i1 @use_openmp()
+  br i1 %omp, label %openmp, label %pool
+openmp:
+  %call = alloca %omp.call
+  %team.at = getelementptr %omp.call, ptr %call, i32 0, i32 0
+  store ptr %team, ptr %team.at
+  %start.at = getelementptr %omp.call, ptr %call, i32 0, i32 1
+  store ptr %start, ptr %start.at
+  %shared.at = getelementptr %omp.call, ptr %call, i32 0, i32 2
+  store ptr %shared, ptr %shared.at
+  %parallel = load ptr, ptr @omp.parallel
+  call void %parallel(ptr @omp_body, ptr %call, i32 %members, i32 0)
+  ret void
+pool:
+  call void %start(ptr %shared, i32 %members)
   store ptr %team, ptr @pool.team
   store ptr %shared, ptr @pool.shared
   store i32 %members, ptr @pool.members
@@ -229,6 +301,16 @@ entry:
   call void %team(ptr %shared, i64 0)
   call void @wait_until_workers_done()
   store atomic i32 0, ptr @pool.lock release, align 4
+  ret void
+}}
+
+; Run calls on the host's OpenMP threads (null: rlx's own workers again).
+define void @{USE_OPENMP}(ptr %parallel, ptr %thread.num, ptr %num.threads, ptr %in.parallel, i32 %limit) {{
+  store ptr %thread.num, ptr @omp.thread_num
+  store ptr %num.threads, ptr @omp.num_threads
+  store ptr %in.parallel, ptr @omp.in_parallel
+  store i32 %limit, ptr @omp.limit
+  store atomic ptr %parallel, ptr @omp.parallel release, align 8
   ret void
 }}
 
@@ -249,6 +331,7 @@ done:
 
 ; In a child made by fork: no workers exist there, and the parent may have held the pool.
 define void @{_RESET}() {{
+  store atomic ptr null, ptr @omp.parallel release, align 8
   call void @llvm.memset.p0.i64(ptr @pool.mutex, i8 0, i64 64, i1 0)
   call void @llvm.memset.p0.i64(ptr @pool.work, i8 0, i64 64, i1 0)
   call void @llvm.memset.p0.i64(ptr @pool.done, i8 0, i64 64, i1 0)
@@ -265,14 +348,57 @@ def pool_symbols() -> dict[str, int]:
     """Compile and link the runtime (once per process); the addresses of its functions."""
     from rlx.codegen.jit import link_runtime
 
-    addresses = link_runtime(_RUNTIME_IR, IMPORTED_LIBC, (ACQUIRE, RUN, _RESET))
+    addresses = link_runtime(_RUNTIME_IR, IMPORTED_LIBC, (ACQUIRE, RUN, _RESET, USE_OPENMP))
     reset = ctypes.CFUNCTYPE(None)(addresses[_RESET])
     os.register_at_fork(after_in_child=reset)
-    return {ACQUIRE: addresses[ACQUIRE], RUN: addresses[RUN]}
+    _set_openmp(addresses[USE_OPENMP])
+    return {ACQUIRE: addresses[ACQUIRE], RUN: addresses[RUN], USE_OPENMP: addresses[USE_OPENMP]}
 
 
 def declare_pool(module: ir.Module) -> tuple[ir.Function, ir.Function]:
     """``(acquire, run)`` declared in a generated module."""
     acquire = declare(module, ACQUIRE, I32, [I32])
-    run = declare(module, RUN, ir.VoidType(), [PTR, PTR, I32])
+    run = declare(module, RUN, ir.VoidType(), [PTR, PTR, PTR, I32])
     return acquire, run
+
+
+_openmp: tuple[int | None, ...] | None = None  # the functions and thread limit use_openmp() found
+_OPENMP_FUNCTIONS = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads", "omp_in_parallel")
+_MOST_OPENMP_THREADS = MAX_WORKERS + 1
+
+
+def use_openmp(library: str | None) -> bool:
+    """Run every later multi-threaded call on the threads of an OpenMP runtime already loaded in
+    the process (GNU libgomp's ABI, at path ``library``), or on rlx's own workers again (None).
+
+    Why: a host such as torch keeps its OpenMP workers spinning after each of its ops. On a
+    machine with as many cores as threads, rlx's workers then wait for cores those spinners hold:
+    an attention call right after a torch op took 21 ms instead of 17. Borrowing the host's
+    threads makes it one team, as two OpenMP libraries share one runtime. Each region's member 0
+    sizes rlx's barrier for the threads the region really got, so a region with fewer threads
+    than asked (a thread limit) runs correctly on those. Returns whether the mode is on: not if
+    the runtime is not loaded, lacks a function, or adjusts team sizes dynamically
+    (``OMP_DYNAMIC``). A child made by ``os.fork`` goes back to rlx's workers.
+    """
+    global _openmp
+    if library is None:
+        _openmp = None
+    else:
+        try:  # RTLD_NOLOAD: only a runtime the host has loaded already, never a second copy
+            runtime = ctypes.CDLL(library, mode=os.RTLD_NOLOAD | os.RTLD_LOCAL)
+            functions = [ctypes.cast(getattr(runtime, name), ctypes.c_void_p).value for name in _OPENMP_FUNCTIONS]
+            dynamic = runtime.omp_get_dynamic()
+            limit = runtime.omp_get_thread_limit()
+        except (OSError, AttributeError):
+            return False
+        if dynamic or not all(functions) or limit < 2:
+            return False
+        _openmp = (*functions, min(limit, _MOST_OPENMP_THREADS))
+    if pool_symbols.cache_info().currsize:  # linked already: switch now (else when it is linked)
+        _set_openmp(pool_symbols()[USE_OPENMP])
+    return _openmp is not None
+
+
+def _set_openmp(address: int) -> None:
+    set_mode = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 4, ctypes.c_int)(address)
+    set_mode(*(_openmp if _openmp is not None else (None, None, None, None, 0)))
