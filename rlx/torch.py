@@ -218,14 +218,12 @@ class _Plan:
     forward: Executable
     captured: list[torch.Tensor]
     backward_exe: dict[tuple[bool, bool], Executable]
-    config: rlx.RuntimeConfig | None = None
+    threads: int | None = None  # this call's thread cap (see _threads_for)
 
     def backward(self, tensor_grads: bool, lse_grad: bool) -> Executable:
         key = (tensor_grads, lse_grad)
         if key not in self.backward_exe:
-            self.backward_exe[key] = rlx.compile(
-                _backward_graph(self.graph, tensor_grads, lse_grad), config=self.config
-            )
+            self.backward_exe[key] = rlx.compile(_backward_graph(self.graph, tensor_grads, lse_grad))
         return self.backward_exe[key]
 
 
@@ -270,12 +268,12 @@ def _plan(
     compilation serves every length, unless the mods need them static (they use the lengths
     themselves): then the graph has this call's sizes. Captured tensors keep their own shapes
     (an SDPA mask's sequence axes excepted, see ``declared``)."""
-    config = _config_for(_attention_flops(q, k, v))
+    threads = _threads_for(_attention_flops(q, k, v))
     try:
         graph, captured = _flex_graph(q, k, v, score_mod, mask_mod, scale, symbolic=True, declared=declared)
     except RlxError:
         graph, captured = _flex_graph(q, k, v, score_mod, mask_mod, scale, symbolic=False)
-    return _plan_cache(graph, captured, config)
+    return _plan_cache(graph, captured, threads)
 
 
 def _flex_graph(
@@ -339,42 +337,47 @@ _SHARES_TORCH_THREADS = False
 share_torch_threads(os.environ.get("RLX_TORCH_OPENMP", "").strip() != "0")
 
 
-_plans: dict[tuple[str, bool], tuple[Executable, dict[tuple[bool, bool], Executable]]] = {}
+_plans: dict[str, tuple[Executable, dict[tuple[bool, bool], Executable]]] = {}
 _sdpa_plans: dict[tuple[Any, ...], _Plan] = {}  # SDPA calls by shapes and mask kind: no tracing
 _plans_lock = threading.Lock()
 
 
-SMALL_ATTENTION_FLOPS = 1 << 26
-"""Below this many FLOPs (~0.5 ms of one core) an attention call runs on the calling thread.
+SMALL_ATTENTION_FLOPS = 1 << 20
+"""Below this many FLOPs an attention call runs on the calling thread (on torch's threads).
 
-Starting rlx's thread team costs tens of microseconds a call, and its threads then compete with
-torch's own intra-op pool, whose workers keep spinning after torch's ops: measured on the
-char-LM example (head dim 16, ~17 MFLOP a call), two threads made the run 1.5x slower than one.
+Measured with a torch matmul before each call, as in a model, on two cores: from ~1 MFLOP up
+two threads win on torch's OpenMP team (B4 H4 S32 D16: 85 us against 95; the char LM's B16
+H4 S64 D16: 322 against 539; a decode step against 1000 keys: 127 against 131, 250 keys: 89
+against 79).
+"""
+
+SMALL_ATTENTION_FLOPS_OWN_WORKERS = 1 << 26
+"""The same threshold when rlx runs on its own workers (``RLX_TORCH_OPENMP=0``, or torch without
+GNU OpenMP). They compete with torch's workers, which keep spinning after torch's ops: on the
+char-LM example two threads made the run 1.5x slower than one, and a decode step 3x slower.
 """
 
 
-def _config_for(flops: float) -> rlx.RuntimeConfig | None:
-    """One thread for small attention calls (see :data:`SMALL_ATTENTION_FLOPS`), else rlx's default."""
-    return _one_thread() if flops < SMALL_ATTENTION_FLOPS else None
+def _threads_for(flops: float) -> int | None:
+    """One thread for small attention calls (see :data:`SMALL_ATTENTION_FLOPS`), else all.
+
+    A cap on the call, not a build: one executable serves both, so a decode loop or a batch of
+    a new length crossing the threshold compiles nothing.
+    """
+    small = SMALL_ATTENTION_FLOPS if _SHARES_TORCH_THREADS else SMALL_ATTENTION_FLOPS_OWN_WORKERS
+    return 1 if flops < small else None
 
 
-@functools.cache
-def _one_thread() -> rlx.RuntimeConfig:
-    """Made once: building and validating a config on every call was a few percent of a decode step."""
-    return rlx.RuntimeConfig(num_threads=1)
-
-
-def _plan_cache(graph: Graph, captured: list[torch.Tensor], config: rlx.RuntimeConfig | None) -> _Plan:
-    """One forward and its backwards per distinct traced graph (shapes, dtypes and mods) and
-    thread setting (a graph with symbolic lengths has a small-call and a large-call build)."""
-    key = (str(graph), config is None)
+def _plan_cache(graph: Graph, captured: list[torch.Tensor], threads: int | None) -> _Plan:
+    """One forward and its backwards per distinct traced graph (shapes, dtypes and mods)."""
+    key = str(graph)
     with _plans_lock:
         found = _plans.get(key)
     if found is None:
-        found = (rlx.compile(graph, config=config), {})
+        found = (rlx.compile(graph), {})
         with _plans_lock:
             _plans[key] = found
-    return _Plan(graph, found[0], captured, found[1], config)
+    return _Plan(graph, found[0], captured, found[1], threads)
 
 
 def _eager_under_torch_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -448,7 +451,7 @@ class _FlexFunction(torch.autograd.Function):
     def forward(
         ctx: Any, plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *captured: torch.Tensor
     ) -> Any:
-        result = plan.forward(**_attention_arrays(q, k, v, captured))
+        result = plan.forward.run(_attention_arrays(q, k, v, captured), plan.threads)
         out = _tensor(result["out"], q.dtype)
         lse = torch.from_numpy(result["lse"])
         ctx.plan = plan
@@ -474,7 +477,7 @@ class _FlexFunction(torch.autograd.Function):
         if d_lse is not None:
             arrays["dlse"] = _array(d_lse)
         exe = plan.backward(tensor_grads, lse_grad)
-        grads = exe(**{name: arrays[name] for name in exe.graph.inputs})
+        grads = exe.run({name: arrays[name] for name in exe.graph.inputs}, plan.threads)
         dtypes = ctx.dtypes
         result: list[torch.Tensor | None] = [None]
         for i, name in enumerate(("dq", "dk", "dv")):
@@ -827,7 +830,8 @@ def _masked_plan(
     cached = _sdpa_plans.get(plan_key)
     if cached is not None:
         captured = [] if full is None else [full]
-        return _Plan(cached.graph, cached.forward, captured, cached.backward_exe, cached.config)
+        threads = _threads_for(_attention_flops(q, k, v))
+        return _Plan(cached.graph, cached.forward, captured, cached.backward_exe, threads)
     score_mod = mask_mod = None
     if attn_mask is not None and full is not None:  # checked by _sdpa_eager: a CPU tensor, bool or float
         target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
@@ -860,22 +864,19 @@ class _FixedPlan:
     The graphs declare the sequence lengths as symbolic dimensions (``"Sq"``/``"Sk"``, or one
     ``"S"`` when causal), so a decode loop whose KV cache grows by a token a step, or training on
     batches of varying length, reuses one compilation. Calls below :data:`SMALL_ATTENTION_FLOPS`
-    run on a one-thread build (compiled on first need), the others on rlx's default threads.
+    run on one thread of the same build (:func:`_threads_for`).
     """
 
     forward_graph: Graph
     backward_graph: Graph
-    executables: dict[tuple[str, bool], Executable]
+    executables: dict[str, Executable]
 
-    def executable(self, which: str, flops: float) -> Executable:
-        config = _config_for(flops)
-        key = (which, config is None)
-        exe = self.executables.get(key)
+    def executable(self, which: str) -> Executable:
+        exe = self.executables.get(which)
         if exe is None:
-            graph = self.forward_graph if which == "forward" else self.backward_graph
-            exe = rlx.compile(graph, config=config)
+            exe = rlx.compile(self.forward_graph if which == "forward" else self.backward_graph)
             with _plans_lock:
-                self.executables[key] = exe
+                exe = self.executables.setdefault(which, exe)
         return exe
 
 
@@ -921,22 +922,8 @@ def _fixed_plan(
     return plan
 
 
-MEMORY_BOUND_BYTES = 1 << 21
-"""A call that reads more key and value bytes than this is bound by memory bandwidth (a decode
-step against a long KV cache: far more bytes than FLOPs), which a second core doubles. On torch's
-threads (:func:`share_torch_threads`) such a call runs on rlx's default threads whatever its FLOPs:
-at Sk = 4000 (B1 H8 D64) a step right after a torch op took 365 us on two threads against 830 on
-one; on rlx's own workers, which wait for the cores torch's spinning workers hold, it stays on one.
-"""
-
-
 def _attention_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
-    """The call's FLOPs, as :func:`_config_for` weighs them (see :data:`MEMORY_BOUND_BYTES`)."""
-    flops = 2.0 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * (q.shape[3] + v.shape[3])
-    key_value_bytes = 4.0 * (k.numel() + v.numel())
-    if _SHARES_TORCH_THREADS and key_value_bytes >= MEMORY_BOUND_BYTES:
-        return max(flops, SMALL_ATTENTION_FLOPS)
-    return flops
+    return 2.0 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * (q.shape[3] + v.shape[3])
 
 
 def _fixed_forward(plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -952,7 +939,8 @@ def _fixed_forward(plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.
 
 def _fixed_out(plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flops: float) -> torch.Tensor:
     """The fixed-mask forward kernel's ``out``, in the query's dtype."""
-    result = plan.executable("forward", flops)(q=_array(q), k=_array(k), v=_array(v))
+    arrays = {"q": _array(q), "k": _array(k), "v": _array(v)}
+    result = plan.executable("forward").run(arrays, _threads_for(flops))
     return _tensor(result["out"], q.dtype)
 
 
@@ -980,8 +968,8 @@ def _fixed_grads(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv from the fixed-mask backward kernel, each in its input's dtype (``flops``: the
     forward's, which pick the thread count)."""
-    exe = plan.executable("backward", 2.5 * flops)
-    grads = exe(q=_array(q), k=_array(k), v=_array(v), dy=_array(d_out))
+    arrays = {"q": _array(q), "k": _array(k), "v": _array(v), "dy": _array(d_out)}
+    grads = plan.executable("backward").run(arrays, _threads_for(2.5 * flops))
     dq, dk, dv = (_tensor(grads[f"d{n}"], t.dtype) for n, t in zip("qkv", (q, k, v), strict=True))
     return dq, dk, dv
 
@@ -1071,7 +1059,7 @@ def _sdpa_masked_op(
     """Masked SDPA (``out`` and ``lse``) on the programmable kernels as a torch custom op: the
     backward op takes ``out`` and ``lse`` back, as the eager path saves them."""
     plan = _masked_plan(query, key, value, attn_mask, is_causal, scale)
-    result = plan.forward(**_attention_arrays(query, key, value, plan.captured))
+    result = plan.forward.run(_attention_arrays(query, key, value, plan.captured), plan.threads)
     return torch.from_numpy(result["out"]), torch.from_numpy(result["lse"])
 
 
@@ -1102,7 +1090,7 @@ def _sdpa_masked_backward_op(
     plan = _masked_plan(query, key, value, attn_mask, is_causal, scale)
     arrays = _attention_arrays(query, key, value, plan.captured, out=out, lse=lse, dy=grad)
     exe = plan.backward(False, False)
-    grads = exe(**{name: arrays[name] for name in exe.graph.inputs})
+    grads = exe.run({name: arrays[name] for name in exe.graph.inputs}, plan.threads)
     return tuple(torch.from_numpy(grads[name]) for name in ("dq", "dk", "dv"))
 
 

@@ -60,6 +60,24 @@ def test_sdpa_backward_with_varying_lengths_matches_torch_and_compiles_once() ->
     assert compile_count() == seen
 
 
+def test_lengths_on_both_sides_of_the_small_call_threshold_compile_once() -> None:
+    # Small calls run on one thread, large ones on all: a cap per call on one build, so a decode
+    # loop or a batch of a new length crossing the threshold compiles nothing.
+    seen = None
+    for step, seq in enumerate((3, 700, 5, 650)):
+        assert 2.0 * 2 * 4 * seq * seq * 128 < rt.SMALL_ATTENTION_FLOPS_OWN_WORKERS or seq > 600
+        tensors = _tensors([(2, 4, seq, 64)] * 3, seed=20 + step)
+        dy = torch.randn(2, 4, seq, 64, generator=torch.Generator().manual_seed(step))
+        out, grads = _forward_backward(rt.scaled_dot_product_attention, tensors, dy, is_causal=True)
+        want_out, want_grads = _forward_backward(F.scaled_dot_product_attention, tensors, dy, is_causal=True)
+        _close(out, want_out)
+        for got, want in zip(grads, want_grads, strict=True):
+            _close(got, want, 5e-5)
+        if step == 0:
+            seen = compile_count()
+    assert compile_count() == seen
+
+
 def test_causal_sdpa_over_training_batches_of_varying_length() -> None:
     seen = None
     for step, seq in enumerate((12, 31, 96, 5)):

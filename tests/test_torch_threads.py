@@ -160,3 +160,29 @@ def test_a_forked_child_runs_on_rlx_workers() -> None:
         """
     )
     assert out == "0"
+
+
+@needs_libgomp
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_regions_keep_the_hosts_team_size_and_start_no_thread() -> None:
+    # libgomp ends surplus threads when a region is smaller than the last one and starts them
+    # for a larger one: every region rlx opens has torch's team size, so no call creates threads.
+    g = Graph("team")
+    x = g.input("x", (64, 1024))
+    g.output(y=g.exp(x) * 2.0)
+    exes = [rlx.compile(g, config=RuntimeConfig(num_threads=n)) for n in (2, 3, 4)]
+    values = np.ones((64, 1024), np.float32)
+    before = rt._SHARES_TORCH_THREADS
+    try:
+        assert rt.share_torch_threads()
+        for exe in exes:
+            exe(x=values)
+        torch.ones(1 << 20).exp().sum()
+        threads = len(os.listdir("/proc/self/task"))
+        for _ in range(50):
+            for exe in exes:
+                exe(x=values)
+            torch.ones(1 << 20).exp().sum()
+        assert len(os.listdir("/proc/self/task")) == threads
+    finally:
+        rt.share_torch_threads(before)

@@ -408,12 +408,23 @@ class Executable:
         return {name: float(ns) * 1e-9 for name, ns in zip(BREAKDOWN, totals, strict=True)}
 
     def __call__(self, *args: object, **arrays: object) -> dict[str, np.ndarray]:
-        program = self._program
         if args:
-            names = ", ".join(f"{name}=..." for name in program.graph.inputs)
+            names = ", ".join(f"{name}=..." for name in self._program.graph.inputs)
             raise RlxTypeError(
                 f"{len(args)} positional argument(s): pass the inputs by name, exe({names}) (or exe(**arrays))"
             )
+        return self.run(arrays)
+
+    def run(self, arrays: Mapping[str, object], threads: int | None = None) -> dict[str, np.ndarray]:
+        """``exe(**arrays)`` on at most ``threads`` of the executable's threads (None: all).
+
+        For a caller that knows a call is too small to pay for starting a team (a decode step):
+        the same machine code runs on fewer threads, so nothing is compiled again, and the
+        results are bit-identical for any thread count.
+        """
+        program = self._program
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise RlxValueError(f"threads must be a positive int or None, got {threads!r}")
         assert program.binder is not None
         bound, sizes = program.binder(arrays)
         check_index_inputs(program.graph, bound, program.index_bounds)  # before native code reads with ids
@@ -429,7 +440,7 @@ class Executable:
                 buffers.append(program.call_buffers[name](bound, sizes))
             else:
                 buffers.append(outputs.take(name, shape, dtype))
-        pointers = (ctypes.c_void_p * max(1, len(buffers)))(*map(data_address, buffers))
+        pointers = (ctypes.c_void_p * (len(buffers) + 1))(*map(data_address, buffers), threads or 0)
         arena, arena_address = self._arena(layout.arena_bytes)
         if layout.table:
             ctypes.memmove(arena_address + program.call_data_offset, layout.table, len(layout.table))

@@ -1,6 +1,7 @@
 """Graph -> one LLVM module with one entry function ``void rlx_entry(ptr buffers, ptr arena)``.
 
-``buffers`` holds the graph inputs then the output arrays, in ``MemoryPlan.buffer_names`` order;
+``buffers`` holds the graph inputs then the output arrays, in ``MemoryPlan.buffer_names`` order,
+then the call's own buffers (block maps), then the most threads the call may use (0: all);
 intermediates and per-thread scratch live in ``arena``; constants are data in the module. The
 schedule (:mod:`rlx.codegen.schedule`) lists the kernels of one call; each becomes an item
 function run by a native parallel-for: fused loop nests (:mod:`rlx.codegen.fused`), BLAS
@@ -516,7 +517,10 @@ def lower_graph(
         dynamic = DynamicScratch(state.symbols, tuple(state.attention_specs), plan.scratch_stride, end)
         stride = b.load(gep(b, state.sizes, [i64(len(state.symbols))], I64), typ=I64, name="scratch.stride")
         scratch = gep(b, arena, [i64(end)], I8, "scratch")  # after everything of static size
-    emit_team(module, b, state.steps, threads, scratch, stride, profile, now)
+    # After the buffers (inputs, outputs, per-call buffers): the most threads this call may use.
+    cap_slot = len(plan.buffer_names) + len(state.call_buffers)
+    cap = b.ptrtoint(b.load(gep(b, buffers, [i64(cap_slot)], PTR), typ=PTR), I64, name="threads.cap")
+    emit_team(module, b, state.steps, threads, scratch, stride, profile, now, cap)
     b.ret_void()
     return LoweredModule(
         str(module), tuple(state.call_data), call_data_offset(plan), timings, dynamic, tuple(state.call_buffers)

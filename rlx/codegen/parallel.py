@@ -57,8 +57,13 @@ def emit_team(
     stride: int | ir.Value,
     profile: ir.Value | None,
     now: Callable[[ir.IRBuilder], ir.Value] | None,
+    cap: ir.Value | None = None,
 ) -> None:
-    """Emit, at ``b``, the whole parallel region of one call running ``steps`` in order."""
+    """Emit, at ``b``, the whole parallel region of one call running ``steps`` in order.
+
+    ``cap`` (an i64; 0: none) limits the members of this call below ``threads``: a caller that
+    knows a call is too small to pay for a team asks for one thread without a second build.
+    """
     team = _emit_team_main(module, steps, now if profile is not None else None)
     args_table = alloca_entry(b, PTR, "steps.args", max(1, len(steps)))
     counters = alloca_entry(b, I64, "steps.counters", max(1, len(steps)))
@@ -92,9 +97,12 @@ def emit_team(
         b.call(start_fn, [shared, members])
 
     threads, spawned = _team_size(b, steps, threads)
+    if threads > 1 and cap is not None:
+        capped = b.and_(b.icmp_signed(">", cap, i64(0)), b.icmp_signed("<", cap, spawned))
+        spawned = b.select(capped, cap, spawned, name="members.capped")
     if threads > 1:
         acquire, run = declare_pool(module)
-        pooled = b.call(acquire, [b.trunc(spawned, I32)], name="pooled")
+        pooled = b.call(acquire, [b.trunc(spawned, I32), i32(threads)], name="pooled")
         with b.if_else(b.icmp_signed("!=", pooled, i32(0))) as (from_pool, own_threads):
             with from_pool:  # the process's waiting workers, or the host's OpenMP threads (rlx.codegen.pool)
                 b.call(run, [team, start_fn, shared, pooled])

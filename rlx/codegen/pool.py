@@ -27,7 +27,7 @@ from llvmlite import ir
 
 from rlx.codegen.irutil import I32, PTR, declare
 
-ACQUIRE = "rlx_pool_acquire"  # i32 (i32 wanted): members the call may use (>= 2), or 0: no pool
+ACQUIRE = "rlx_pool_acquire"  # i32 (i32 wanted, i32 most): members the call may use (>= 2), or 0: no pool
 RUN = "rlx_pool_run"  # void (ptr team, ptr start, ptr shared, i32 members): start(shared, n), team(shared, tid)
 USE_OPENMP = "rlx_pool_use_openmp"  # see use_openmp()
 _RESET = "rlx_pool_after_fork"
@@ -64,6 +64,7 @@ _RUNTIME_IR = f"""
 @omp.thread_num = internal global ptr null     ; omp_get_thread_num()
 @omp.num_threads = internal global ptr null    ; omp_get_num_threads()
 @omp.in_parallel = internal global ptr null    ; omp_in_parallel()
+@omp.max_threads = internal global ptr null    ; omp_get_max_threads(): the host's team size
 @omp.limit = internal global i32 0             ; the most threads a region gets
 
 declare i32 @pthread_create(ptr, ptr, ptr, ptr)
@@ -174,7 +175,10 @@ signal:
   br label %wait
 }}
 
-define i32 @{ACQUIRE}(i32 %wanted) {{
+; OpenMP mode: a team as large as the host's own (at most %most, the call's build), whatever the
+; call's items: libgomp ends surplus threads when a region is smaller than the last and starts
+; them again for a larger one, so regions of varying sizes would create threads call after call.
+define i32 @{ACQUIRE}(i32 %wanted, i32 %most) {{
 entry:
   %many = icmp sgt i32 %wanted, 1
   br i1 %many, label %openmp, label %none
@@ -182,9 +186,16 @@ openmp:
   %omp = call i1 @use_openmp()
   br i1 %omp, label %omp.members, label %take
 omp.members:
+  %max.threads = load ptr, ptr @omp.max_threads
+  %host = call i32 %max.threads()
   %limit = load i32, ptr @omp.limit
-  %over = icmp sgt i32 %wanted, %limit
-  %omp.count = select i1 %over, i32 %limit, i32 %wanted
+  %host.over = icmp sgt i32 %host, %limit
+  %host.team = select i1 %host.over, i32 %limit, i32 %host
+  %over = icmp sgt i32 %most, %host.team
+  %omp.count = select i1 %over, i32 %host.team, i32 %most
+  %useful.omp = icmp sgt i32 %omp.count, 1
+  br i1 %useful.omp, label %omp.done, label %none
+omp.done:
   ret i32 %omp.count
 take:
   %taken = cmpxchg ptr @pool.lock, i32 0, i32 1 acquire monotonic
@@ -305,8 +316,10 @@ pool:
 }}
 
 ; Run calls on the host's OpenMP threads (null: rlx's own workers again).
-define void @{USE_OPENMP}(ptr %parallel, ptr %thread.num, ptr %num.threads, ptr %in.parallel, i32 %limit) {{
+define void @{USE_OPENMP}(ptr %parallel, ptr %thread.num, ptr %num.threads, ptr %in.parallel, ptr %max.threads,
+                          i32 %limit) {{
   store ptr %thread.num, ptr @omp.thread_num
+  store ptr %max.threads, ptr @omp.max_threads
   store ptr %num.threads, ptr @omp.num_threads
   store ptr %in.parallel, ptr @omp.in_parallel
   store i32 %limit, ptr @omp.limit
@@ -357,13 +370,19 @@ def pool_symbols() -> dict[str, int]:
 
 def declare_pool(module: ir.Module) -> tuple[ir.Function, ir.Function]:
     """``(acquire, run)`` declared in a generated module."""
-    acquire = declare(module, ACQUIRE, I32, [I32])
+    acquire = declare(module, ACQUIRE, I32, [I32, I32])
     run = declare(module, RUN, ir.VoidType(), [PTR, PTR, PTR, I32])
     return acquire, run
 
 
 _openmp: tuple[int | None, ...] | None = None  # the functions and thread limit use_openmp() found
-_OPENMP_FUNCTIONS = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads", "omp_in_parallel")
+_OPENMP_FUNCTIONS = (
+    "GOMP_parallel",
+    "omp_get_thread_num",
+    "omp_get_num_threads",
+    "omp_in_parallel",
+    "omp_get_max_threads",
+)
 _MOST_OPENMP_THREADS = MAX_WORKERS + 1
 
 
@@ -400,5 +419,5 @@ def use_openmp(library: str | None) -> bool:
 
 
 def _set_openmp(address: int) -> None:
-    set_mode = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 4, ctypes.c_int)(address)
-    set_mode(*(_openmp if _openmp is not None else (None, None, None, None, 0)))
+    set_mode = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * len(_OPENMP_FUNCTIONS), ctypes.c_int)(address)
+    set_mode(*(_openmp if _openmp is not None else (None,) * len(_OPENMP_FUNCTIONS) + (0,)))

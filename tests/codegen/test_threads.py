@@ -275,3 +275,33 @@ def test_a_forked_child_gets_a_pool_of_its_own() -> None:
             pytest.fail("the forked child hung in a threaded call")
         time.sleep(0.05)
     assert os.waitstatus_to_exitcode(status) == 0, "the child's results differ"
+
+
+@pytest.mark.parametrize("cap", [1, 2, 3, 8])
+def test_a_call_capped_to_fewer_threads_is_bit_identical(graph: Graph, cap: int) -> None:
+    arrays = case_inputs(CASE, np.random.default_rng(7))
+    exe = rlx.compile(graph, config=RuntimeConfig(num_threads=3))
+    want = exe(**arrays)
+    got = exe.run(arrays, threads=cap)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
+
+
+def test_a_capped_call_of_symbolic_sizes_and_a_matmul() -> None:
+    g = Graph("capped")
+    x = g.input("x", ("S", 96))
+    w = g.input("w", (96, 80))
+    g.output(y=g.softmax(x @ w, axis=-1))
+    exe = rlx.compile(g, config=RuntimeConfig(num_threads=2))
+    rng = np.random.default_rng(1)
+    weight = rng.standard_normal((96, 80)).astype(np.float32)
+    for rows in (1, 33, 400):
+        arrays = {"x": rng.standard_normal((rows, 96)).astype(np.float32), "w": weight}
+        np.testing.assert_array_equal(exe.run(arrays, threads=1)["y"], exe(**arrays)["y"])
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "2"])
+def test_a_bad_thread_cap_is_an_error(graph: Graph, bad: object) -> None:
+    exe = rlx.compile(graph, config=RuntimeConfig(num_threads=2))
+    with pytest.raises(rlx.RlxValueError, match="threads"):
+        exe.run(case_inputs(CASE, np.random.default_rng(7)), threads=bad)  # type: ignore[arg-type]
