@@ -440,6 +440,7 @@ class Executable:
                 buffers.append(program.call_buffers[name](bound, sizes))
             else:
                 buffers.append(outputs.take(name, shape, dtype))
+        assert len(buffers) == len(program.plan.buffer_names)  # the thread cap's slot comes next
         pointers = (ctypes.c_void_p * (len(buffers) + 1))(*map(data_address, buffers), threads or 0)
         arena, arena_address = self._arena(layout.arena_bytes)
         if layout.table:

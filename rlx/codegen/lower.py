@@ -517,8 +517,9 @@ def lower_graph(
         dynamic = DynamicScratch(state.symbols, tuple(state.attention_specs), plan.scratch_stride, end)
         stride = b.load(gep(b, state.sizes, [i64(len(state.symbols))], I64), typ=I64, name="scratch.stride")
         scratch = gep(b, arena, [i64(end)], I8, "scratch")  # after everything of static size
-    # After the buffers (inputs, outputs, per-call buffers): the most threads this call may use.
-    cap_slot = len(plan.buffer_names) + len(state.call_buffers)
+    # After the buffers (inputs, outputs, then the per-call buffers lowering appended to the
+    # plan's names): the most threads this call may use.
+    cap_slot = len(plan.buffer_names)
     cap = b.ptrtoint(b.load(gep(b, buffers, [i64(cap_slot)], PTR), typ=PTR), I64, name="threads.cap")
     emit_team(module, b, state.steps, threads, scratch, stride, profile, now, cap)
     b.ret_void()

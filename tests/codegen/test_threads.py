@@ -305,3 +305,37 @@ def test_a_bad_thread_cap_is_an_error(graph: Graph, bad: object) -> None:
     exe = rlx.compile(graph, config=RuntimeConfig(num_threads=2))
     with pytest.raises(rlx.RlxValueError, match="threads"):
         exe.run(case_inputs(CASE, np.random.default_rng(7)), threads=bad)  # type: ignore[arg-type]
+
+
+_CAP_SCRIPT = """
+import os, numpy as np, rlx
+from rlx import Graph, RuntimeConfig, mods
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+g = Graph("cap")
+q, k, v = (g.input(n, (2, "S", 4, 16)) for n in "qkv")
+doc = g.input("doc", (2, "S"), dtype="int64")
+g.output(out=g.attention(q, k, v, mask_mod=mods.document(doc)))  # a block map made per call
+exe = rlx.compile(g, config=RuntimeConfig(num_threads=2))
+rng = np.random.default_rng(0)
+arrays = {n: rng.standard_normal((2, 300, 4, 16)).astype(np.float32) for n in "qkv"}
+arrays["doc"] = np.sort(rng.integers(0, 3, (2, 300)), axis=1)
+before = threads()
+capped = [exe.run(arrays, threads=1)["out"] for _ in range(3)]
+after_capped = threads()
+full = exe(**arrays)["out"]
+print(after_capped - before, threads() - before, all(np.array_equal(c, full) for c in capped))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_a_capped_call_starts_no_worker() -> None:
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key not in ("RLX_NUM_THREADS", "RLX_ATTN_BWD_SERIAL")}
+    result = subprocess.run([sys.executable, "-c", _CAP_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["0", "1", "True"]
