@@ -323,7 +323,9 @@ def share_torch_threads(enabled: bool = True) -> bool:
     torch's workers spin for a while after each of its ops; rlx's own workers would wait for the
     cores they hold (an attention call right after a torch op took 21 ms instead of 17 on two
     cores), and a call with little work paid more to start its threads than it gained. On one
-    team, a call right after torch's ops finds the workers awake.
+    team, a call right after torch's ops finds the workers awake. Each region has torch's team
+    size (``torch.get_num_threads()``, at most the executable's threads); when torch runs one
+    thread (``OMP_NUM_THREADS=1`` under torchrun) rlx's calls use its own workers.
     """
     from rlx.codegen.pool import use_openmp
 

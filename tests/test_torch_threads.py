@@ -186,3 +186,25 @@ def test_regions_keep_the_hosts_team_size_and_start_no_thread() -> None:
         assert len(os.listdir("/proc/self/task")) == threads
     finally:
         rt.share_torch_threads(before)
+
+
+@needs_libgomp
+def test_a_host_on_one_thread_leaves_rlx_its_own_workers() -> None:
+    # OMP_NUM_THREADS=1 under torchrun: torch has no team to share; rlx's calls take its own
+    # pool (one worker, started once), never a thread per call.
+    out = _run(
+        """
+        import os, numpy as np, torch, rlx, rlx.torch as rt
+        from rlx import Graph, RuntimeConfig
+        g = Graph("g")
+        x = g.input("x", (300, 40))
+        g.output(y=x @ g.transpose(x, (1, 0)))
+        exe = rlx.compile(g, config=RuntimeConfig(num_threads=2))
+        ones = np.ones((300, 40), np.float32)
+        before = len(os.listdir("/proc/self/task"))
+        results = [bool((exe(x=ones)["y"] == 40).all()) for _ in range(50)]
+        print(rt._SHARES_TORCH_THREADS, len(os.listdir("/proc/self/task")) - before, all(results))
+        """,
+        OMP_NUM_THREADS="1",
+    )
+    assert out == "True 1 True"

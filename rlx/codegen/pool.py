@@ -12,6 +12,10 @@ made while another Python thread's call holds it gets 0 from ``rlx_pool_acquire`
 its own threads, the old way. A child made by ``os.fork`` has none of the parent's workers, so
 the pool is reset in it (``rlx_pool_after_fork``, registered with ``os.register_at_fork``).
 
+In OpenMP mode (:func:`use_openmp`, switched on by ``rlx.torch``) a call's team is instead an
+OpenMP region of the host's runtime, torch's libgomp: the host's workers, spinning after its own
+ops, take rlx's items at once instead of holding the cores rlx's workers wait for.
+
 The runtime is one small LLVM module written out below, compiled and linked once per process;
 generated code imports its two functions by address, like BLAS.
 """
@@ -27,7 +31,7 @@ from llvmlite import ir
 
 from rlx.codegen.irutil import I32, PTR, declare
 
-ACQUIRE = "rlx_pool_acquire"  # i32 (i32 wanted, i32 most): members the call may use (>= 2), or 0: no pool
+ACQUIRE = "rlx_pool_acquire"  # i32 (i32 wanted, i32 most): members (>= 2; negated: OpenMP), or 0: no pool
 RUN = "rlx_pool_run"  # void (ptr team, ptr start, ptr shared, i32 members): start(shared, n), team(shared, tid)
 USE_OPENMP = "rlx_pool_use_openmp"  # see use_openmp()
 _RESET = "rlx_pool_after_fork"
@@ -178,6 +182,8 @@ signal:
 ; OpenMP mode: a team as large as the host's own (at most %most, the call's build), whatever the
 ; call's items: libgomp ends surplus threads when a region is smaller than the last and starts
 ; them again for a larger one, so regions of varying sizes would create threads call after call.
+; The count comes back negated, which tells @{RUN} to open a region. A host running one thread
+; (OMP_NUM_THREADS=1 under torchrun) has no team to share: the call takes rlx's workers.
 define i32 @{ACQUIRE}(i32 %wanted, i32 %most) {{
 entry:
   %many = icmp sgt i32 %wanted, 1
@@ -194,9 +200,10 @@ omp.members:
   %over = icmp sgt i32 %most, %host.team
   %omp.count = select i1 %over, i32 %host.team, i32 %most
   %useful.omp = icmp sgt i32 %omp.count, 1
-  br i1 %useful.omp, label %omp.done, label %none
+  br i1 %useful.omp, label %omp.done, label %take
 omp.done:
-  ret i32 %omp.count
+  %omp.tagged = sub i32 0, %omp.count
+  ret i32 %omp.tagged
 take:
   %taken = cmpxchg ptr @pool.lock, i32 0, i32 1 acquire monotonic
   %ok = extractvalue {{ i32, i1 }} %taken, 1
@@ -287,9 +294,10 @@ work:
 
 define void @{RUN}(ptr %team, ptr %start, ptr %shared, i32 %members) {{
 entry:
-  %omp = call i1 @use_openmp()
+  %omp = icmp slt i32 %members, 0
   br i1 %omp, label %openmp, label %pool
 openmp:
+  %omp.members = sub i32 0, %members
   %call = alloca %omp.call
   %team.at = getelementptr %omp.call, ptr %call, i32 0, i32 0
   store ptr %team, ptr %team.at
@@ -298,7 +306,7 @@ openmp:
   %shared.at = getelementptr %omp.call, ptr %call, i32 0, i32 2
   store ptr %shared, ptr %shared.at
   %parallel = load ptr, ptr @omp.parallel
-  call void %parallel(ptr @omp_body, ptr %call, i32 %members, i32 0)
+  call void %parallel(ptr @omp_body, ptr %call, i32 %omp.members, i32 0)
   ret void
 pool:
   call void %start(ptr %shared, i32 %members)
