@@ -208,3 +208,29 @@ def test_a_host_on_one_thread_leaves_rlx_its_own_workers() -> None:
         OMP_NUM_THREADS="1",
     )
     assert out == "True 1 True"
+
+
+@needs_libgomp
+def test_switching_the_mode_while_calls_run() -> None:
+    arrays = _arrays()
+    exe = rlx.compile(_graph(), config=RuntimeConfig(num_threads=2))
+    want = rlx.compile(_graph(), config=RuntimeConfig(num_threads=1))(**arrays)["y"]
+    before = rt._SHARES_TORCH_THREADS
+    stop = threading.Event()
+    wrong: list[int] = []
+
+    def work() -> None:
+        while not stop.is_set():
+            if not np.array_equal(exe(**arrays)["y"], want):
+                wrong.append(1)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    try:
+        for turn in range(200):
+            rt.share_torch_threads(turn % 2 == 0)
+    finally:
+        stop.set()
+        worker.join(timeout=120)
+        rt.share_torch_threads(before)
+    assert not wrong

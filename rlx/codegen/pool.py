@@ -63,7 +63,10 @@ _RUNTIME_IR = f"""
 @pool.mutex = internal global [64 x i8] zeroinitializer, align 16
 @pool.work = internal global [64 x i8] zeroinitializer, align 16   ; signalled when a call is posted
 @pool.done = internal global [64 x i8] zeroinitializer, align 16   ; signalled by the last worker
-; OpenMP mode (see rlx_pool_use_openmp): the host's runtime functions, or null.
+; OpenMP mode (see rlx_pool_use_openmp): on while @omp.enabled is 1. The host's runtime functions
+; are set before the mode is first switched on and never cleared (a call that found the mode on
+; may still be about to use them when another thread switches it off).
+@omp.enabled = internal global i32 0
 @omp.parallel = internal global ptr null       ; GOMP_parallel(fn, data, threads, flags)
 @omp.thread_num = internal global ptr null     ; omp_get_thread_num()
 @omp.num_threads = internal global ptr null    ; omp_get_num_threads()
@@ -254,8 +257,8 @@ none:
 ; not inside a parallel region already (where a nested region would get one thread).
 define internal i1 @use_openmp() {{
 entry:
-  %parallel = load atomic ptr, ptr @omp.parallel acquire, align 8
-  %on = icmp ne ptr %parallel, null
+  %enabled = load atomic i32, ptr @omp.enabled acquire, align 4
+  %on = icmp ne i32 %enabled, 0
   br i1 %on, label %check, label %no
 check:
   %in.parallel = load ptr, ptr @omp.in_parallel
@@ -326,12 +329,20 @@ pool:
 ; Run calls on the host's OpenMP threads (null: rlx's own workers again).
 define void @{USE_OPENMP}(ptr %parallel, ptr %thread.num, ptr %num.threads, ptr %in.parallel, ptr %max.threads,
                           i32 %limit) {{
+entry:
+  %off = icmp eq ptr %parallel, null
+  br i1 %off, label %disable, label %enable
+disable:
+  store atomic i32 0, ptr @omp.enabled release, align 4
+  ret void
+enable:
   store ptr %thread.num, ptr @omp.thread_num
   store ptr %max.threads, ptr @omp.max_threads
   store ptr %num.threads, ptr @omp.num_threads
   store ptr %in.parallel, ptr @omp.in_parallel
   store i32 %limit, ptr @omp.limit
-  store atomic ptr %parallel, ptr @omp.parallel release, align 8
+  store ptr %parallel, ptr @omp.parallel
+  store atomic i32 1, ptr @omp.enabled release, align 4
   ret void
 }}
 
@@ -352,7 +363,7 @@ done:
 
 ; In a child made by fork: no workers exist there, and the parent may have held the pool.
 define void @{_RESET}() {{
-  store atomic ptr null, ptr @omp.parallel release, align 8
+  store atomic i32 0, ptr @omp.enabled release, align 4
   call void @llvm.memset.p0.i64(ptr @pool.mutex, i8 0, i64 64, i1 0)
   call void @llvm.memset.p0.i64(ptr @pool.work, i8 0, i64 64, i1 0)
   call void @llvm.memset.p0.i64(ptr @pool.done, i8 0, i64 64, i1 0)
