@@ -90,11 +90,15 @@ def resolve_num_threads(config: RuntimeConfig) -> int:
         if not (env.isascii() and env.isdigit()) or int(env) < 1:
             raise RlxValueError(f"RLX_NUM_THREADS must be a positive integer, got {env!r}")
         return int(env)
-    return machine_cores()
+    return _available_cores()
+
+
+def _available_cores() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
 @functools.cache
 def machine_cores() -> int:
-    """The cores this process may run on, read once: the default thread count, and what work
-    that must split the same way for every thread count (a matmul's blocks) is split for."""
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    """The cores this process may run on, read once: what work that must split the same way for
+    every thread count (a matmul's blocks) is split for, so it never changes within a process."""
+    return _available_cores()

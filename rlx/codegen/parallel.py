@@ -1,15 +1,16 @@
 """One parallel region per call: a team of native threads runs every kernel of the call in turn.
 
 The team is the process's pool of waiting workers (:mod:`rlx.codegen.pool`) plus the calling
-thread; when another Python thread's call holds the pool, the entry function starts its own
+thread, or, once ``rlx.torch`` shares torch's threads, an OpenMP region of torch's runtime.
+When another Python thread's call holds the pool, the entry function starts its own
 ``threads - 1`` pthreads for the call and joins them after. Every member runs the same step
 list (``team``): for each kernel it takes the next item from that kernel's atomic counter until
 none is left, then waits at a barrier, so the next kernel sees all of this one's results. A
 *serial* step (the embedding scatter-add and its zeroing) runs on member 0 while the others
-sleep in the barrier. Every item is
-computed by exactly one thread with the same code, so results do not depend on which thread ran
-it: the output is bit-identical for any thread count. If a thread cannot be created, the
-barrier is sized for the members that exist, and they take its share.
+sleep in the barrier. Every item is computed by exactly one thread with the same code, so
+results do not depend on which thread ran it: the output is bit-identical for any thread
+count. The barrier is sized for the members a call really got (a thread that could not be
+created, an OpenMP region with fewer threads than asked), and they take the others' share.
 """
 
 from __future__ import annotations
