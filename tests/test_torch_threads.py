@@ -103,13 +103,13 @@ _COUNT_THREADS = """
     import os, numpy as np, torch, rlx, rlx.torch as rt
     from rlx import Graph, RuntimeConfig
     g = Graph("g")
-    x = g.input("x", (64, 256))
-    g.output(y=g.softmax(x @ g.transpose(x, (1, 0)), axis=-1))
+    x = g.input("x", (512, 1024))
+    g.output(y=g.exp(x) * 2.0)  # many items whatever the machine's cores: a team of 2 works
     exe = rlx.compile(g, config=RuntimeConfig(num_threads=2))
     torch.set_num_threads(2)
     torch.ones(1 << 20).exp().sum()  # starts torch's OpenMP workers
     before = len(os.listdir("/proc/self/task"))
-    exe(x=np.ones((64, 256), np.float32))
+    exe(x=np.ones((512, 1024), np.float32))
     print(rt._SHARES_TORCH_THREADS, len(os.listdir("/proc/self/task")) - before)
 """
 
@@ -198,7 +198,7 @@ def test_a_host_on_one_thread_leaves_rlx_its_own_workers() -> None:
         from rlx import Graph, RuntimeConfig
         g = Graph("g")
         x = g.input("x", (300, 40))
-        g.output(y=x @ g.transpose(x, (1, 0)))
+        g.output(y=x @ g.transpose(x, (1, 0)), z=g.exp(g.broadcast_to(g.mean(x), (512, 1024))))
         exe = rlx.compile(g, config=RuntimeConfig(num_threads=2))
         ones = np.ones((300, 40), np.float32)
         before = len(os.listdir("/proc/self/task"))
