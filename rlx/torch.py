@@ -39,6 +39,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
 import rlx
 import rlx.mods as _mods
 from rlx.codegen.executable import Executable
+from rlx.codegen.pool import openmp_in_use, use_openmp
 from rlx.errors import RlxError, RlxTypeError, RlxValueError
 from rlx.ir.graph import Graph, Value
 from rlx.ir.ops import OpKind
@@ -327,15 +328,10 @@ def share_torch_threads(enabled: bool = True) -> bool:
     size (``torch.get_num_threads()``, at most the executable's threads); when torch runs one
     thread (``OMP_NUM_THREADS=1`` under torchrun) rlx's calls use its own workers.
     """
-    from rlx.codegen.pool import use_openmp
-
-    global _SHARES_TORCH_THREADS
     library = _loaded_openmp() if enabled and torch.backends.openmp.is_available() else None
-    _SHARES_TORCH_THREADS = use_openmp(library)
-    return _SHARES_TORCH_THREADS
+    return use_openmp(library)
 
 
-_SHARES_TORCH_THREADS = False
 share_torch_threads(os.environ.get("RLX_TORCH_OPENMP", "").strip() != "0")
 
 
@@ -366,7 +362,7 @@ def _threads_for(flops: float) -> int | None:
     A cap on the call, not a build: one executable serves both, so a decode loop or a batch of
     a new length crossing the threshold compiles nothing.
     """
-    small = SMALL_ATTENTION_FLOPS if _SHARES_TORCH_THREADS else SMALL_ATTENTION_FLOPS_OWN_WORKERS
+    small = SMALL_ATTENTION_FLOPS if openmp_in_use() else SMALL_ATTENTION_FLOPS_OWN_WORKERS
     return 1 if flops < small else None
 
 

@@ -21,6 +21,7 @@ import pytest
 
 import rlx
 from rlx import Graph, RuntimeConfig
+from rlx.codegen.pool import openmp_in_use
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
@@ -52,7 +53,7 @@ def test_results_are_bit_identical_on_torch_threads_and_on_rlx_workers() -> None
     arrays = _arrays()
     one = rlx.compile(_graph(), config=RuntimeConfig(num_threads=1))(**arrays)["y"]
     exe = rlx.compile(_graph(), config=RuntimeConfig(num_threads=2))
-    before = rt._SHARES_TORCH_THREADS
+    before = openmp_in_use()
     try:
         assert rt.share_torch_threads()
         torch.ones(1 << 16).sum()  # torch's workers awake, as in a training loop
@@ -101,6 +102,7 @@ def _run(code: str, **env: str) -> str:
 
 _COUNT_THREADS = """
     import os, numpy as np, torch, rlx, rlx.torch as rt
+    from rlx.codegen.pool import openmp_in_use
     from rlx import Graph, RuntimeConfig
     g = Graph("g")
     x = g.input("x", (512, 1024))
@@ -110,7 +112,7 @@ _COUNT_THREADS = """
     torch.ones(1 << 20).exp().sum()  # starts torch's OpenMP workers
     before = len(os.listdir("/proc/self/task"))
     exe(x=np.ones((512, 1024), np.float32))
-    print(rt._SHARES_TORCH_THREADS, len(os.listdir("/proc/self/task")) - before)
+    print(openmp_in_use(), len(os.listdir("/proc/self/task")) - before)
 """
 
 
@@ -126,12 +128,13 @@ def test_a_runtime_that_may_shrink_a_region_is_not_used(env: dict[str, str]) -> 
     out = _run(
         """
         import numpy as np, torch, rlx, rlx.torch as rt
+        from rlx.codegen.pool import openmp_in_use
         from rlx import Graph, RuntimeConfig
         g = Graph("g")
         x = g.input("x", (300, 40))
         g.output(y=x @ g.transpose(x, (1, 0)))
         got = rlx.compile(g, config=RuntimeConfig(num_threads=2))(x=np.ones((300, 40), np.float32))["y"]
-        print(rt._SHARES_TORCH_THREADS, bool((got == 40).all()))
+        print(openmp_in_use(), bool((got == 40).all()))
         """,
         **env,
     )
@@ -140,26 +143,33 @@ def test_a_runtime_that_may_shrink_a_region_is_not_used(env: dict[str, str]) -> 
 
 @needs_libgomp
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-def test_a_forked_child_runs_on_rlx_workers() -> None:
+@pytest.mark.parametrize("linked", [True, False], ids=["after-calls", "before-any-call"])
+def test_a_forked_child_runs_on_rlx_workers(linked: bool) -> None:
+    # Whether or not the parent's runtime was linked (by a call) before the fork, the child leaves
+    # torch's OpenMP team alone.
     out = _run(
-        """
+        f"""
         import os, numpy as np, torch, rlx, rlx.torch as rt
+        from rlx.codegen.pool import openmp_in_use
         from rlx import Graph, RuntimeConfig
         g = Graph("g")
         x = g.input("x", (300, 40))
         g.output(y=x @ g.transpose(x, (1, 0)))
-        exe = rlx.compile(g, config=RuntimeConfig(num_threads=2))
         ones = np.ones((300, 40), np.float32)
-        assert (exe(x=ones)["y"] == 40).all()
+        exe = None
+        if {linked}:
+            exe = rlx.compile(g, config=RuntimeConfig(num_threads=2))
+            assert (exe(x=ones)["y"] == 40).all()
         torch.ones(1 << 20).exp().sum()
         pid = os.fork()
         if pid == 0:
-            os._exit(0 if (exe(x=ones)["y"] == 40).all() else 3)
+            exe = exe or rlx.compile(g, config=RuntimeConfig(num_threads=2))
+            os._exit(0 if (exe(x=ones)["y"] == 40).all() and not openmp_in_use() else 3)
         _, status = os.waitpid(pid, 0)
-        print(os.waitstatus_to_exitcode(status))
+        print(openmp_in_use(), os.waitstatus_to_exitcode(status))
         """
     )
-    assert out == "0"
+    assert out == "True 0"
 
 
 @needs_libgomp
@@ -172,7 +182,7 @@ def test_regions_keep_the_hosts_team_size_and_start_no_thread() -> None:
     g.output(y=g.exp(x) * 2.0)
     exes = [rlx.compile(g, config=RuntimeConfig(num_threads=n)) for n in (2, 3, 4)]
     values = np.ones((64, 1024), np.float32)
-    before = rt._SHARES_TORCH_THREADS
+    before = openmp_in_use()
     try:
         assert rt.share_torch_threads()
         for exe in exes:
@@ -195,6 +205,7 @@ def test_a_host_on_one_thread_leaves_rlx_its_own_workers() -> None:
     out = _run(
         """
         import os, numpy as np, torch, rlx, rlx.torch as rt
+        from rlx.codegen.pool import openmp_in_use
         from rlx import Graph, RuntimeConfig
         g = Graph("g")
         x = g.input("x", (300, 40))
@@ -203,7 +214,7 @@ def test_a_host_on_one_thread_leaves_rlx_its_own_workers() -> None:
         ones = np.ones((300, 40), np.float32)
         before = len(os.listdir("/proc/self/task"))
         results = [bool((exe(x=ones)["y"] == 40).all()) for _ in range(50)]
-        print(rt._SHARES_TORCH_THREADS, len(os.listdir("/proc/self/task")) - before, all(results))
+        print(openmp_in_use(), len(os.listdir("/proc/self/task")) - before, all(results))
         """,
         OMP_NUM_THREADS="1",
     )
@@ -215,7 +226,7 @@ def test_switching_the_mode_while_calls_run() -> None:
     arrays = _arrays()
     exe = rlx.compile(_graph(), config=RuntimeConfig(num_threads=2))
     want = rlx.compile(_graph(), config=RuntimeConfig(num_threads=1))(**arrays)["y"]
-    before = rt._SHARES_TORCH_THREADS
+    before = openmp_in_use()
     stop = threading.Event()
     wrong: list[int] = []
 

@@ -437,6 +437,21 @@ def use_openmp(library: str | None) -> bool:
     return _openmp is not None
 
 
+def openmp_in_use() -> bool:
+    """Whether multi-threaded calls run on the host's OpenMP threads (see :func:`use_openmp`)."""
+    return _openmp is not None
+
+
+def _forget_openmp() -> None:
+    """In a child made by ``os.fork``: rlx's own workers, whether or not the runtime was linked
+    before the fork (if it was, its own reset switched the mode off there too)."""
+    global _openmp
+    _openmp = None
+
+
+os.register_at_fork(after_in_child=_forget_openmp)
+
+
 def _set_openmp(address: int) -> None:
     set_mode = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * len(_OPENMP_FUNCTIONS), ctypes.c_int)(address)
     set_mode(*(_openmp if _openmp is not None else (None,) * len(_OPENMP_FUNCTIONS) + (0,)))
