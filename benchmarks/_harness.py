@@ -457,3 +457,146 @@ def breakdown_table(rows: Sequence[tuple[str, dict[str, float], dict[str, float]
             f"{split['softmax_backward']:.0%}", f"{split['other']:.0%}",
         ])  # fmt: skip
     return markdown_table(header, lines)
+
+
+# ----------------------------------------------------------------------------- rlx's BLAS against torch's
+
+
+@dataclass(frozen=True)
+class Product:
+    """``count`` matrix products ``C[m, n] = op(A) @ op(B)``, ``op`` transposing where flagged."""
+
+    m: int
+    n: int
+    k: int
+    trans_a: bool = False
+    trans_b: bool = False
+    count: int = 1
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.n * self.k * self.count
+
+    @property
+    def label(self) -> str:
+        return f"{self.m}x{self.n}x{self.k} {'T' if self.trans_a else 'N'}{'T' if self.trans_b else 'N'}"
+
+
+@dataclass(frozen=True)
+class BlasComparison:
+    """Seconds the same products take on one thread through rlx's OpenBLAS and through torch's BLAS."""
+
+    openblas_s: float
+    torch_s: float
+    flops: float
+    per_product: tuple[tuple[str, float, float], ...]  # (label, OpenBLAS GFLOP/s, torch GFLOP/s)
+
+    @property
+    def torch_speedup(self) -> float:
+        """How many times faster torch's BLAS runs these products than rlx's OpenBLAS."""
+        return self.openblas_s / self.torch_s
+
+    def as_dict(self) -> dict[str, object]:
+        """The JSON form: the sums, the speed-up and each product's two rates."""
+        products = [{"product": label, "rlx_openblas_gflops": ours, "torch_blas_gflops": theirs}
+                    for label, ours, theirs in self.per_product]  # fmt: skip
+        return {"openblas_s": self.openblas_s, "torch_s": self.torch_s, "flops": self.flops,
+                "torch_speedup": self.torch_speedup, "products": products}  # fmt: skip
+
+
+def compare_blas(
+    blas: RlxOpenBlas, products: Sequence[Product], burst: float = 0.05, rounds: int = 5
+) -> BlasComparison:
+    """Time each product on ONE thread through rlx's OpenBLAS and through ``torch.mm`` (torch's BLAS:
+    MKL in the x86 wheels), alternating bursts of ``burst`` seconds, ``rounds`` of each; the best
+    burst counts. This says what part of a gap to torch is the BLAS's: an implementation whose
+    products take longer than torch's own cannot beat torch by more than the rest of torch's time.
+    Needs torch."""
+    import torch
+
+    previous_torch, previous_blas = torch.get_num_threads(), blas.threads()
+    torch.set_num_threads(1)
+    blas.set_threads(1)
+    openblas_s = torch_s = 0.0
+    rows = []
+    try:
+        for product in products:
+            ours, theirs = _time_product(blas, product, burst, rounds)
+            openblas_s += ours * product.count
+            torch_s += theirs * product.count
+            one = 2.0 * product.m * product.n * product.k / 1e9
+            rows.append((product.label, one / ours, one / theirs))
+    finally:
+        torch.set_num_threads(previous_torch)
+        blas.set_threads(previous_blas)
+    return BlasComparison(openblas_s, torch_s, sum(p.flops for p in products), tuple(rows))
+
+
+def _time_product(blas: RlxOpenBlas, p: Product, burst: float, rounds: int) -> tuple[float, float]:
+    """Seconds of one product through rlx's OpenBLAS and through torch.mm: the best burst of each."""
+    import torch
+
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((p.k, p.m) if p.trans_a else (p.m, p.k), dtype=np.float32)
+    b = rng.standard_normal((p.n, p.k) if p.trans_b else (p.k, p.n), dtype=np.float32)
+    c = np.zeros((p.m, p.n), dtype=np.float32)
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    ta, tb = (ta.t() if p.trans_a else ta), (tb.t() if p.trans_b else tb)
+    tc = torch.empty(p.m, p.n)
+    flags = (112 if p.trans_a else 111, 112 if p.trans_b else 111)
+
+    def openblas() -> None:
+        blas.sgemm(101, *flags, p.m, p.n, p.k, 1.0, a.ctypes.data, a.shape[1], b.ctypes.data, b.shape[1], 0.0,
+                   c.ctypes.data, p.n)  # fmt: skip
+
+    def torch_mm() -> None:
+        torch.mm(ta, tb, out=tc)
+
+    best = [float("inf"), float("inf")]
+    for _ in range(rounds):
+        for which, call in enumerate((openblas, torch_mm)):
+            call()
+            count, start = 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - start) < burst:
+                call()
+                count += 1
+            best[which] = min(best[which], elapsed / count)
+    if not np.allclose(c, tc.numpy(), rtol=1e-3, atol=1e-3 * math.sqrt(p.k)):
+        raise RuntimeError(f"OpenBLAS and torch disagree on the product {p.label}")
+    return best[0], best[1]
+
+
+def attention_products(batch: int, heads: int, seq: int, dim: int, causal: bool, backward: bool) -> list[Product]:
+    """The products rlx's attention kernel calls BLAS for, strip by strip (its own strip height):
+    ``S = Q K^T`` and ``out = P V`` forward; ``S``, ``dP = dY V^T``, ``dV += P^T dY``,
+    ``dQ = dS K`` and ``dK += dS^T Q`` backward. A causal strip sees the keys up to its last row."""
+    from rlx.codegen.lower_attention import choose_block_q
+
+    block_q = choose_block_q(seq, seq, needs_dp=backward, causal_like=causal)
+    counts: dict[tuple[int, int, int, bool, bool], int] = {}
+    for first in range(0, seq, block_q):
+        rows = min(block_q, seq - first)
+        keys = min(seq, first + rows) if causal else seq
+        shapes = [(rows, keys, dim, False, True)]
+        if backward:
+            shapes += [(rows, keys, dim, False, True), (keys, dim, rows, True, False), (rows, dim, keys, False, False),
+                       (keys, dim, rows, True, False)]  # fmt: skip
+        else:
+            shapes.append((rows, dim, keys, False, False))
+        for shape in shapes:
+            counts[shape] = counts.get(shape, 0) + batch * heads
+    return [Product(m, n, k, ta, tb, count) for (m, n, k, ta, tb), count in counts.items()]
+
+
+def blas_table(rows: Sequence[tuple[str, Mapping[str, object], float | None]]) -> str:
+    """One line per case: its products on one thread through both BLAS libraries (a
+    :meth:`BlasComparison.as_dict`), and the share of the rlx kernel's time that is BLAS."""
+    header = ["case", "products GFLOP", "rlx OpenBLAS ms", "torch BLAS ms", "torch BLAS speed-up", "BLAS share of rlx"]
+    lines = []
+    for label, c, share in rows:
+        lines.append([
+            label, f"{float(c['flops']) / 1e9:.2f}", f"{float(c['openblas_s']) * 1e3:.1f}",
+            f"{float(c['torch_s']) * 1e3:.1f}", f"{float(c['torch_speedup']):.2f}x",
+            "-" if share is None else f"{share:.0%}",
+        ])  # fmt: skip
+    return markdown_table(header, lines)

@@ -35,7 +35,10 @@ from _harness import (
     SgemmRate,
     Stats,
     attention_breakdown,
+    attention_products,
+    blas_table,
     breakdown_table,
+    compare_blas,
     core_count,
     cpu_flags,
     cpu_model,
@@ -500,6 +503,9 @@ def run_case(index: int, case: Case, args: argparse.Namespace, torch: ModuleType
     result["stats"] = {name: asdict(Stats.of(times)) for name, times in samples.items()}
     profiled = compile_graph(build_bwd_graph(case), config=config, options=CodegenOptions(profile=True))
     result["breakdown"] = attention_breakdown(profiled, arrays)
+    if torch is not None:
+        products = attention_products(case.batch, case.heads, case.seq, case.dim, case.causal, backward=True)
+        result["blas_vs_torch"] = compare_blas(RlxOpenBlas(), products, burst=0.02, rounds=3).as_dict()
     del benches, arrays, fused, unfused, profiled
     gc.collect()
 
@@ -875,6 +881,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(breakdown_table([
         (r["label"], r["roofline"], r["breakdown"]) for r in results if "breakdown" in r and "roofline" in r
     ]))
+    compared = [r for r in results if "blas_vs_torch" in r]
+    if compared:
+        print("\n### The fused kernel's matrix products (its strips' shapes), each timed on ONE thread through rlx's "
+              "OpenBLAS and through torch's BLAS (torch.mm), contiguous operands, alternating bursts\n")
+        print(blas_table([(r["label"], r["blas_vs_torch"], r.get("breakdown", {}).get("blas")) for r in compared]))
+        speedup = geomean(r["blas_vs_torch"]["torch_speedup"] for r in compared)
+        print(f"\ntorch's BLAS runs these products {speedup:.2f}x as fast as rlx's OpenBLAS (geometric mean)")
     print("\n### Extra peak RSS of one call (fresh process) and rlx fused compile times\n")
     print(memory_table(results))
     print("\n### Summary\n")

@@ -134,9 +134,13 @@ def main() -> int:
         medians = {name: float(np.median(values)) for name, values in samples.items()}
         profiled = compile_graph(fixed_graph(case, arrays), options=CodegenOptions(profile=True))
         breakdown = h.attention_breakdown(profiled, arrays)
+        blas = None
+        if torch is not None:
+            products = h.attention_products(case.batch, case.heads, case.seq, case.dim, case.causal, backward=False)
+            blas = h.compare_blas(h.RlxOpenBlas(), products, burst=0.02, rounds=3).as_dict()
         nbytes = 4 * arrays["q"].nbytes  # q, k, v read and out written once
         results.append({"case": case.label, "flops": case.flops, "bytes": nbytes, "median_s": medians,
-                        "samples_s": samples, "breakdown": breakdown})  # fmt: skip
+                        "samples_s": samples, "breakdown": breakdown, "blas_vs_torch": blas})  # fmt: skip
         print(f"  {case.label}: " + ", ".join(f"{n} {m * 1e3:.2f} ms" for n, m in medians.items()), flush=True)
     again = h.measure_sgemm(h.RlxOpenBlas(), 2048, threads, 5, args.gap)
     rate = max(sgemm.gflops_multi, again.gflops_multi)
@@ -164,6 +168,14 @@ def main() -> int:
         f"{bandwidth:.1f} GB/s (bytes: q, k, v, out once); the kernel's split of its CPU time (profiling build)"
     )
     print(h.breakdown_table([(r["case"], r["roofline"], r["breakdown"]) for r in results]))
+    if torch is not None:
+        print(
+            "\nThe kernel's matrix products (its strips' shapes), each timed on ONE thread through rlx's OpenBLAS"
+            " and through torch's BLAS (torch.mm), contiguous operands, alternating bursts:"
+        )
+        print(h.blas_table([(r["case"], r["blas_vs_torch"], r["breakdown"]["blas"]) for r in results]))
+        summary_blas = h.geomean(r["blas_vs_torch"]["torch_speedup"] for r in results)
+        print(f"torch's BLAS runs these products {summary_blas:.2f}x as fast as rlx's OpenBLAS (geometric mean)")
     summary: dict[str, Any] = {}
     if torch is not None:
         summary["geomean_torch_over_rlx"] = h.geomean(r["median_s"]["torch"] / r["median_s"]["rlx"] for r in results)

@@ -166,6 +166,33 @@ def profile_breakdown(graph: rlx.Graph, arrays: dict[str, np.ndarray], threads: 
     return kinds
 
 
+def matmul_products(graph: rlx.Graph) -> list[h.Product]:
+    """The matrix products of a compiled graph's ``matmul`` nodes, with the transposes BLAS is told
+    of (an operand that is a ``transpose`` of its last two axes), equal ones counted together. A
+    batch of rows times one matrix is one product of all the rows, as both libraries run it."""
+    counts: dict[tuple[int, int, int, bool, bool], int] = {}
+    for node in graph.nodes:
+        if node.op is not rlx.OpKind.MATMUL:
+            continue
+        a, b = node.inputs
+        out = node.outputs[0].static_shape
+        m, k = a.static_shape[-2:]
+        n = b.static_shape[-1]
+
+        def swapped(value: Any) -> bool:
+            if value.node.op is not rlx.OpKind.TRANSPOSE:
+                return False
+            perm = tuple(value.node.attrs.perm)
+            return perm[-2:] == (len(perm) - 1, len(perm) - 2)
+
+        batch = int(np.prod(out[:-2], dtype=np.int64))
+        if len(b.static_shape) == 2 and not swapped(a):
+            m, batch = m * batch, 1
+        key = (m, n, k, swapped(a), swapped(b))
+        counts[key] = counts.get(key, 0) + batch
+    return [h.Product(m, n, k, ta, tb, count) for (m, n, k, ta, tb), count in counts.items()]
+
+
 def run_shape(shape: tuple[int, int, int, int], args: argparse.Namespace, torch: Any) -> dict[str, Any]:
     batch, seq, embed, heads = shape
     start = time.perf_counter()
@@ -220,6 +247,7 @@ def run_shape(shape: tuple[int, int, int, int], args: argparse.Namespace, torch:
         if shape == max(SHAPES, key=lambda s: s[0] * s[1] * s[2]) or args.profile_all
         else None
     )
+    blas = h.compare_blas(h.RlxOpenBlas(), matmul_products(exe.graph))
     flops = block_flops(batch, seq, embed, heads)
     bound = (flops["matmul"] + flops["attention"]) / (args.sgemm_gflops * 1e9)
     return {
@@ -241,6 +269,8 @@ def run_shape(shape: tuple[int, int, int, int], args: argparse.Namespace, torch:
         "torch_compile_first_call_s": compiled_warmup,
         "max_rel_error_vs_torch": worst,
         "breakdown_s": breakdown,
+        "matmuls_one_thread_s": {"rlx OpenBLAS": blas.openblas_s, "torch BLAS": blas.torch_s},
+        "matmuls_vs_torch_blas": blas.as_dict(),
     }
 
 
@@ -295,6 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rlx MiB",
         "eager MiB",
         "compile s",
+        "matmuls 1 thr: OpenBLAS / torch ms",
     ]
     rows = []
     for r in results:
@@ -315,6 +346,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{mem['rlx'] / 2**20:.0f}" if mem.get("rlx") is not None else "-",
                 f"{mem['torch eager'] / 2**20:.0f}" if mem.get("torch eager") is not None else "-",
                 f"{r['compile_s']:.2f}",
+                "{rlx OpenBLAS:.0f} / {torch BLAS:.0f}".format_map(
+                    {k: v * 1e3 for k, v in r["matmuls_one_thread_s"].items()}
+                ),
             ]
         )
     print()
@@ -325,6 +359,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "\nsgemm-bound: the block's matmul and causal-attention FLOPs at the sgemm rate measured above, the"
         " least time an implementation on this BLAS can take. Against it torch eager leaves room for at most"
         f" {h.geomean(r['best_possible_speedup_vs_eager'] for r in results):.2f}x (geometric mean)."
+        "\nmatmuls 1 thr: the block's matrix products (the matmul nodes, not attention), each timed on one"
+        " thread through rlx's OpenBLAS and through torch's BLAS (torch.mm) in alternating bursts: torch's BLAS"
+        f" runs them {h.geomean(r['matmuls_vs_torch_blas']['torch_speedup'] for r in results):.2f}x"
+        " as fast (geometric mean)."
         f"\ngeometric mean speed-up: vs torch eager {eager:.2f}x (target 1.5x)"
         + (f", vs torch.compile {compiled:.2f}x (target 1.2x)" if compiled else "")
     )
