@@ -1,0 +1,56 @@
+"""The benchmarks' own arithmetic: the products they time against torch's BLAS must be the ones rlx
+runs, or the table's "torch BLAS speed-up" would explain a gap with the wrong numbers."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import rlx
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import _harness as h  # noqa: E402
+import block  # noqa: E402
+
+
+@pytest.mark.parametrize("seq", [96, 128, 513, 3000])
+def test_attention_products_cover_every_score_once(seq: int) -> None:
+    batch, heads, dim = 2, 3, 64
+    full = 2.0 * batch * heads * seq * seq * dim
+    assert sum(p.flops for p in h.attention_products(batch, heads, seq, dim, False, backward=False)) == 2 * full
+    assert sum(p.flops for p in h.attention_products(batch, heads, seq, dim, False, backward=True)) == 5 * full
+    causal = sum(p.flops for p in h.attention_products(batch, heads, seq, dim, True, backward=True))
+    # Strips see the keys up to their last row: at least the lower triangle, less than everything.
+    assert 5 * full / 2 <= causal < 5 * full or (seq <= 128 and causal == 5 * full)
+
+
+def test_block_matmul_products_are_the_blocks_flops() -> None:
+    """Counted from the compiled graph's matmul nodes, independently of ``block_flops``'s formula."""
+    shape = (2, 32, 64, 2)
+    exe = rlx.compile(block.build_block(*shape))
+    products = block.matmul_products(exe.graph)
+    assert sum(p.flops for p in products) == block.block_flops(*shape)["matmul"]
+    # Weights applied to every token are one product over all the rows, as rlx and torch run them.
+    assert any(p.m == shape[0] * shape[1] and p.count == 1 for p in products)
+    assert any(p.trans_a or p.trans_b for p in products)
+
+
+def test_compare_blas_times_both_libraries() -> None:
+    pytest.importorskip("torch")
+    import torch
+
+    threads = torch.get_num_threads()
+    blas = h.RlxOpenBlas()
+    before = blas.threads()
+    products = [h.Product(64, 48, 32, trans_a=True, count=3), h.Product(40, 64, 32, trans_b=True)]
+    result = h.compare_blas(blas, products, burst=0.002, rounds=1)
+    assert result.openblas_s > 0 and result.torch_s > 0
+    assert result.flops == sum(p.flops for p in products)
+    assert [row[0] for row in result.per_product] == ["64x48x32 TN", "40x64x32 NT"]
+    assert np.isfinite(result.torch_speedup)
+    assert torch.get_num_threads() == threads and blas.threads() == before  # both restored
