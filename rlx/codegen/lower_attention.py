@@ -214,14 +214,11 @@ class AttentionLowering:
         else:  # item = (batch, kv head): its query heads in order, so dK/dV of a group sum without races
             batch = b.sdiv(item, i64(dims.kv_heads), name="b")
             group = b.srem(item, i64(dims.kv_heads), name="g")
-            kv = self._head_pointers(b, base, batch, group, group)
-            for slot in ("dk", "dv"):
-                if slot in kv:
-                    self._zero_rows(b, kv[slot], self.sk, slot)
             with for_range(b, 0, dims.group, "member") as member:
                 head = b.add(b.mul(group, i64(dims.group)), member, name="h")
                 heads = self._head_pointers(b, base, batch, head, group)
-                self._strips(b, heads, base, batch, head, strip_s, strip_dp)
+                first = b.icmp_signed("==", member, i64(0), name="first.member")
+                self._strips(b, heads, base, batch, head, strip_s, strip_dp, first)
         self._count(b, "kernel", started)
         b.ret_void()
         return fn
@@ -269,7 +266,10 @@ class AttentionLowering:
         head: ir.Value,
         strip_s: ir.Value,
         strip_dp: ir.Value | None,
+        first_member: ir.Value | None = None,
     ) -> None:
+        """The query strips of one head; ``first_member`` (backward): this head is the first of its
+        kv group, whose first strip writes dK/dV instead of adding to them."""
         spec = self.spec
         mask_base = self._mask_base(b, base.get("mask"), batch, head)
         n_strips = b.sdiv(b.add(self.sq, i64(spec.block_q - 1)), i64(spec.block_q), name="strips")
@@ -290,7 +290,9 @@ class AttentionLowering:
                 self._forward_gemm(b, heads, i0, rows, ks, nk, strip_s)
                 self._scale_rows(b, heads, i0, rows, inverse)
             else:
-                self._backward_gemms(b, heads, i0, rows, ks, nk, strip_s, strip_dp, mask_base)
+                assert first_member is not None
+                first = b.and_(first_member, b.icmp_signed("==", strip, i64(0)), name="first.write")
+                self._backward_gemms(b, heads, i0, rows, ks, nk, strip_s, strip_dp, mask_base, first)
 
     # ------------------------------------------------------------------ addressing
 
@@ -329,7 +331,7 @@ class AttentionLowering:
         return gep_f32(b, mask, b.mul(plane, b.mul(self.sq, self.sk)), name="bias.plane")
 
     def _zero_rows(self, b: ir.IRBuilder, head: ir.Value, rows: ir.Value, slot: str) -> None:
-        """Zero a head's rows before strips accumulate into them with beta = 1."""
+        """Zero ``rows`` rows of a head from ``head`` on (rows no strip's keys reach get no write)."""
         zero_rows(b, self.memset, head, rows, self._ld(slot), self._geometry(slot)[2])
 
     # ------------------------------------------------------------------ masks
@@ -618,7 +620,11 @@ class AttentionLowering:
         p: ir.Value,
         dp: ir.Value | None,
         mask_base: ir.Value,
+        first: ir.Value,
     ) -> None:
+        """The strip's dV, dP, dS, dQ and dK. dK/dV sum over strips and over the kv group's heads;
+        the ``first`` write of a group stores (beta = 0) and zeroes the rows outside its keys, so
+        no pass zeroes the whole head beforehand (strided rows cost a cache miss each to zero)."""
         spec, d, dv_width = self.spec, self.spec.dims.head_dim, self.spec.dims.value_dim
         ldq, ldk, ldv, ldo = self._ld("q"), self._ld("k"), self._ld("v"), self._ld("dy")
         grads = spec.grads
@@ -627,9 +633,16 @@ class AttentionLowering:
         dy_strip = gep_f32(b, heads["dy"], b.mul(i0, i64(ldo)), name="dy.strip")
         k_vis = gep_f32(b, heads["k"], b.mul(ks, i64(ldk)), name="k.vis")
         v_vis = gep_f32(b, heads["v"], b.mul(ks, i64(ldv)), name="v.vis")
+        accumulate = b.select(first, f32(0.0), f32(1.0), name="beta.kv")
+        with b.if_then(first):
+            for slot in ("dk", "dv"):
+                if slot in heads:
+                    self._zero_rows(b, heads[slot], ks, slot)
+                    after = gep_f32(b, heads[slot], b.mul(b.add(ks, nk), i64(self._ld(slot))), name=f"{slot}.after")
+                    self._zero_rows(b, after, b.sub(self.sk, b.add(ks, nk)), slot)
         if grads & Wrt.VALUE:  # dV_vis += P^T dY_strip
             dv = gep_f32(b, heads["dv"], b.mul(ks, i64(ldv)), name="dv.vis")
-            self._sgemm(b, TRANS, NO_TRANS, nk, i64(dv_width), rows, 1.0, p, nk, dy_strip, ldo, 1.0, dv, ldv)
+            self._sgemm(b, TRANS, NO_TRANS, nk, i64(dv_width), rows, 1.0, p, nk, dy_strip, ldo, accumulate, dv, ldv)
         if dp is None:
             return
         # dP = dY_strip V_vis^T, then dS in place
@@ -640,7 +653,7 @@ class AttentionLowering:
             self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(d), nk, spec.scale, dp, nk, k_vis, ldk, 0.0, dq, ldq)
         if grads & Wrt.KEY:  # dK_vis += scale · dS^T Q_strip
             dk = gep_f32(b, heads["dk"], b.mul(ks, i64(ldk)), name="dk.vis")
-            self._sgemm(b, TRANS, NO_TRANS, nk, i64(d), rows, spec.scale, dp, nk, q_strip, ldq, 1.0, dk, ldk)
+            self._sgemm(b, TRANS, NO_TRANS, nk, i64(d), rows, spec.scale, dp, nk, q_strip, ldq, accumulate, dk, ldk)
 
     def _sgemm(
         self,
@@ -655,7 +668,7 @@ class AttentionLowering:
         lda: int | ir.Value,
         b_mat: ir.Value,
         ldb: int | ir.Value,
-        beta: float,
+        beta: float | ir.Value,
         c: ir.Value,
         ldc: int | ir.Value,
     ) -> None:

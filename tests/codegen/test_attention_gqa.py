@@ -102,3 +102,34 @@ def test_attention_bwd_builder_takes_gqa_shapes() -> None:
     assert (dq.shape, dk.shape, dv.shape) == ((1, 7, 4, 8), (1, 9, 2, 8), (1, 9, 2, 3))
     with pytest.raises(rlx.RlxValueError, match="GQA"):
         g.attention(q, g.input("k3", (1, 9, 3, 8)), g.input("v3", (1, 9, 3, 3)))
+
+
+WRITE_CASES = [
+    (mask, sq, sk, block_q)
+    for mask in (MaskKind.NONE, MaskKind.CAUSAL, MaskKind.sliding_window(2), MaskKind.CUSTOM)
+    for sq, sk in ((11, 17), (17, 11))
+    for block_q in (4, None)
+]
+
+
+@pytest.mark.parametrize(("mask", "sq", "sk", "block_q"), WRITE_CASES)
+def test_key_gradients_overwrite_reused_outputs(mask: MaskKind, sq: int, sk: int, block_q: int | None) -> None:
+    """dK and dV sum over strips and over a kv group's heads; their first write stores and the rows
+    its keys miss are zeroed, so nothing of an earlier call survives in a reused output array. The
+    first call fills every output with NaN (NaN inputs); the second, whose outputs reuse those
+    arrays, must equal the reference exactly as a fresh call does."""
+    from rlx.codegen import CodegenOptions, compile_graph
+
+    g = build(mask, Layout.BSHD, 2, sq, sk, 4, 2, 3, 5)
+    exe = compile_graph(g, options=CodegenOptions(block_q=block_q))
+    arrays = arrays_for(g, seed=sq)
+    poisoned = {name: np.full_like(a, np.nan) for name, a in arrays.items()}
+    first = exe(**poisoned)
+    assert all(np.isnan(first[name]).any() for name in ("dk", "dv"))
+    addresses = {name: first[name].ctypes.data for name in first}
+    del first
+    got = exe(**arrays)
+    assert any(got[name].ctypes.data == addresses[name] for name in got), "the test needs reused outputs"
+    want = evaluate(g, arrays)
+    for name in ("out", "dq", "dk", "dv"):
+        np.testing.assert_allclose(got[name], want[name], rtol=2e-4, atol=2e-5, err_msg=f"{name} {mask}")
