@@ -28,7 +28,7 @@ from rlx.codegen.lower_attention import AttentionKernelSpec, AttentionLowering, 
 from rlx.codegen.lower_gemm import emit_gemm_item, gemm_spec
 from rlx.codegen.lower_scatter import emit_scatter_item
 from rlx.codegen.memory_plan import MemoryPlan
-from rlx.codegen.parallel import Step, emit_team
+from rlx.codegen.parallel import Step, emit_team, share_identical_items
 from rlx.codegen.schedule import Kernel, Schedule
 from rlx.codegen.sizes import load_symbols
 from rlx.config import RuntimeConfig
@@ -521,7 +521,7 @@ def lower_graph(
     # plan's names): the most threads this call may use.
     cap_slot = len(plan.buffer_names)
     cap = b.ptrtoint(b.load(gep(b, buffers, [i64(cap_slot)], PTR), typ=PTR), I64, name="threads.cap")
-    emit_team(module, b, state.steps, threads, scratch, stride, profile, now, cap)
+    emit_team(module, b, share_identical_items(module, state.steps), threads, scratch, stride, profile, now, cap)
     b.ret_void()
     return LoweredModule(
         str(module), tuple(state.call_data), call_data_offset(plan), timings, dynamic, tuple(state.call_buffers)

@@ -41,6 +41,29 @@ class Step:
     serial: bool = False  # run by member 0 alone, as one item
 
 
+def share_identical_items(module: ir.Module, steps: list[Step]) -> list[Step]:
+    """The steps with one item function for each distinct body: the kernels of a model's repeated
+    layers lower to identical functions (an 8-layer LM: 307 functions, 56 distinct), and LLVM
+    would optimise and compile every copy. A copy is dropped from the module; its step calls the
+    first function of that body. Bodies compare as IR text, so only identical code is shared.
+
+    Item functions are called by the steps alone, so dropping a copy leaves no reference to it.
+    """
+    first: dict[str, ir.Function] = {}
+    shared = []
+    for step in steps:
+        fn = step.item_fn
+        header = f"{fn.get_reference()}("
+        text = str(fn)
+        assert header in text, f"unexpected function header for {fn.name}"
+        body = text.replace(header, "@(", 1)  # the definition's own name is all that may differ
+        kept = first.setdefault(body, fn)
+        if kept is not fn:
+            del module.globals[fn.name]
+        shared.append(Step(kept, step.args, step.items, step.serial))
+    return shared
+
+
 def _field(b: ir.IRBuilder, ty: ir.LiteralStructType, ptr: ir.Value, index: int) -> ir.Value:
     return gep(b, ptr, [i32(0), i32(index)], ty)
 
