@@ -86,10 +86,13 @@ Body = Callable[[ir.IRBuilder, ir.Value, Lanes], None]
 Term = Callable[[ir.IRBuilder, ir.Value, Lanes], ir.Value]
 
 
-def _split(b: ir.IRBuilder, start: ir.Value, stop: ir.Value) -> ir.Value:
-    """End of the vector part: ``start + floor((stop - start) / WIDTH) * WIDTH``."""
+MAX_ACCUMULATORS = 4  # independent partial maxima: the NaN-propagating maximum's chain is ~7 cycles
+
+
+def _split(b: ir.IRBuilder, start: ir.Value, stop: ir.Value, step: int = WIDTH) -> ir.Value:
+    """End of the part in whole steps: ``start + floor((stop - start) / step) * step``."""
     count = b.sub(stop, start)
-    whole = b.mul(b.sdiv(count, i64(WIDTH)), i64(WIDTH))
+    whole = b.mul(b.sdiv(count, i64(step)), i64(step))
     return b.add(start, whole, name="vec.end")
 
 
@@ -115,7 +118,23 @@ def vector_reduce(b: ir.IRBuilder, start: ir.Value, stop: ir.Value, name: str, k
     middle = _split(b, start, stop)
     vector_acc = alloca_entry(b, vec.type, f"{name}.vacc")
     b.store(vec.const(identity), vector_acc)
-    with for_range(b, start, middle, f"{name}.v", step=WIDTH) as j:
+    vectors_from = start
+    if kind == "max":
+        # A maximum is the same in any order (NaN and signed zeros included), so independent
+        # partial maxima change no result; one accumulator would wait on each vector's chain.
+        partials = [vector_acc] + [alloca_entry(b, vec.type, f"{name}.vacc{i}") for i in range(1, MAX_ACCUMULATORS)]
+        for partial in partials[1:]:
+            b.store(vec.const(identity), partial)
+        vectors_from = _split(b, start, middle, WIDTH * MAX_ACCUMULATORS)
+        with for_range(b, start, vectors_from, f"{name}.u", step=WIDTH * MAX_ACCUMULATORS) as j:
+            for i, partial in enumerate(partials):
+                value = term(b, b.add(j, i64(i * WIDTH)), vec)
+                b.store(combine(vec, b.load(partial, typ=vec.type), value), partial)
+        merged = b.load(vector_acc, typ=vec.type)
+        for partial in partials[1:]:
+            merged = combine(vec, merged, b.load(partial, typ=vec.type))
+        b.store(merged, vector_acc)
+    with for_range(b, vectors_from, middle, f"{name}.v", step=WIDTH) as j:
         b.store(combine(vec, b.load(vector_acc, typ=vec.type), term(b, j, vec)), vector_acc)
     folded = fold_lanes(b, kind, b.load(vector_acc, typ=vec.type))
     scalar_acc = alloca_entry(b, F32, f"{name}.acc")

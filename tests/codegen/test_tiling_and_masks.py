@@ -286,3 +286,23 @@ def test_infinite_bias_entries_like_the_reference(rng: np.random.Generator) -> N
     for name, value in got.items():
         np.testing.assert_allclose(np.where(np.isnan(value), 0.0, value), finite[name], rtol=1e-4, atol=1e-5,
                                    err_msg=name)
+
+
+@pytest.mark.parametrize("seq_k", [63, 64, 65, 130, 200])
+def test_row_maxima_over_long_rows(seq_k: int, rng: np.random.Generator) -> None:
+    """Rows of 64 keys and more take the row maximum over several partial maxima at once: each key
+    position, NaN or the largest score, must count wherever it falls among them. The largest
+    score, 800, sits at one position and a score of 700 sixteen keys on (in another partial
+    maximum): unless 800 is the maximum subtracted, exp(800 - 700) overflows."""
+    case = Case(5, seq_k, head_dim=4, batch=1, heads=2, mask=MaskKind.NONE)
+    g = multi_graph(case, wrts=(Wrt.ALL,))
+    arrays = case_inputs(case, rng)
+    arrays["q"][0, :, 0, :] = 10.0
+    for key in (0, 17, 33, 50, seq_k - 1):  # the largest score in each partial maximum, and last
+        spiked = {name: value.copy() for name, value in arrays.items()}
+        spiked["k"][0, key, 0, :] = 40.0
+        spiked["k"][0, (key + 16) % seq_k, 0, :] = 35.0
+        check_against_reference(g, spiked, options=CodegenOptions(block_q=2), rtol=1e-3, atol=1e-4)
+        spiked["k"][0, key, 1, 2] = np.nan  # head 1: every one of its rows sees a NaN score
+        got = compile_graph(g, options=CodegenOptions(block_q=2))(**spiked)
+        assert np.isnan(got["out"][0, :, 1, :]).all() and not np.isnan(got["out"][0, :, 0, :]).any()
