@@ -641,19 +641,22 @@ class AttentionLowering:
                     after = gep_f32(b, heads[slot], b.mul(b.add(ks, nk), i64(self._ld(slot))), name=f"{slot}.after")
                     self._zero_rows(b, after, b.sub(self.sk, b.add(ks, nk)), slot)
         if grads & Wrt.VALUE:  # dV_vis += P^T dY_strip
-            dv = gep_f32(b, heads["dv"], b.mul(ks, i64(ldv)), name="dv.vis")
-            self._sgemm(b, TRANS, NO_TRANS, nk, i64(dv_width), rows, 1.0, p, nk, dy_strip, ldo, accumulate, dv, ldv)
+            ld_dv = self._ld("dv")
+            dv = gep_f32(b, heads["dv"], b.mul(ks, i64(ld_dv)), name="dv.vis")
+            self._sgemm(b, TRANS, NO_TRANS, nk, i64(dv_width), rows, 1.0, p, nk, dy_strip, ldo, accumulate, dv, ld_dv)
         if dp is None:
             return
         # dP = dY_strip V_vis^T, then dS in place
         self._sgemm(b, NO_TRANS, TRANS, rows, nk, i64(dv_width), 1.0, dy_strip, ldo, v_vis, ldv, 0.0, dp, nk)
         self._timed(b, "softmax_backward", lambda: self._softmax_backward_rows(b, p, dp, i0, rows, ks, nk, mask_base))
         if grads & Wrt.QUERY:  # dQ_strip = scale · dS K_vis
-            dq = gep_f32(b, heads["dq"], b.mul(i0, i64(ldq)), name="dq.strip")
-            self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(d), nk, spec.scale, dp, nk, k_vis, ldk, 0.0, dq, ldq)
+            ld_dq = self._ld("dq")
+            dq = gep_f32(b, heads["dq"], b.mul(i0, i64(ld_dq)), name="dq.strip")
+            self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(d), nk, spec.scale, dp, nk, k_vis, ldk, 0.0, dq, ld_dq)
         if grads & Wrt.KEY:  # dK_vis += scale · dS^T Q_strip
-            dk = gep_f32(b, heads["dk"], b.mul(ks, i64(ldk)), name="dk.vis")
-            self._sgemm(b, TRANS, NO_TRANS, nk, i64(d), rows, spec.scale, dp, nk, q_strip, ldq, accumulate, dk, ldk)
+            ld_dk = self._ld("dk")
+            dk = gep_f32(b, heads["dk"], b.mul(ks, i64(ld_dk)), name="dk.vis")
+            self._sgemm(b, TRANS, NO_TRANS, nk, i64(d), rows, spec.scale, dp, nk, q_strip, ldq, accumulate, dk, ld_dk)
 
     def _sgemm(
         self,
