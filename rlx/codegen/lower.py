@@ -309,6 +309,16 @@ class _Lowering:
     attention_specs: list[tuple[str, AttentionKernelSpec | FlexKernelSpec]] = field(default_factory=list)
     call_buffers: list[tuple[str, CallBufferFill]] = field(default_factory=list)
     _entry_symbols: dict[str, ir.Value] | None = None
+    _items: dict[tuple[object, ...], ir.Function] = field(default_factory=dict)
+
+    def item_function(self, key: tuple[object, ...], emit: Callable[[], ir.Function]) -> ir.Function:
+        """The item function for ``key`` (a kernel's spec, which alone decides its code): emitted
+        once, so the equal matmuls and attention nodes of repeated layers are not even emitted
+        twice (identical fused loops are shared after emission: ``share_identical_items``)."""
+        fn = self._items.get(key)
+        if fn is None:
+            fn = self._items[key] = emit()
+        return fn
 
     def base_pointer(self, value: Value) -> ir.Value:
         """The address of a materialised value's first element, in the entry function."""
@@ -353,7 +363,8 @@ class _Lowering:
             spec = kernel_spec(node, self.config, self.options, self.symbols)
             if spec.profile:  # every attention node counts into the last 64 bytes of the thread's scratch
                 spec = replace(spec, counters_at=self.plan.scratch_stride - 64)
-            item_fn = AttentionLowering(self.module, spec, f"{node.op}.{node.id}").emit()
+            name = f"{node.op}.{node.id}"
+            item_fn = self.item_function(("attention", spec), lambda: AttentionLowering(self.module, spec, name).emit())
             pointers = [self.view_pointer(v) for v in node.inputs] + [self.base_pointer(v) for v in node.outputs]
             if not spec.is_static:
                 assert self.sizes is not None
@@ -367,7 +378,10 @@ class _Lowering:
             assert a is not None and bm is not None
             gemm = gemm_spec(a, bm, node.outputs[0].shape)
             symbols = self.symbols if self.sizes is not None else ()
-            item_fn = emit_gemm_item(self.module, gemm, f"matmul.{node.id}", symbols)
+            name = f"matmul.{node.id}"
+            item_fn = self.item_function(
+                ("matmul", gemm, symbols), lambda: emit_gemm_item(self.module, gemm, name, symbols)
+            )
             pointers = [self.base_pointer(a.base), self.base_pointer(bm.base), self.base_pointer(node.outputs[0])]
             if self.sizes is not None:
                 pointers.append(self.sizes)

@@ -50,14 +50,18 @@ def share_identical_items(module: ir.Module, steps: list[Step]) -> list[Step]:
     Item functions are called by the steps alone, so dropping a copy leaves no reference to it.
     """
     first: dict[str, ir.Function] = {}
+    decided: dict[int, ir.Function] = {}  # by id of a function already seen: what its steps call
     shared = []
     for step in steps:
         fn = step.item_fn
+        if id(fn) in decided:  # a function emitted once for several kernels
+            shared.append(Step(decided[id(fn)], step.args, step.items, step.serial))
+            continue
         header = f"{fn.get_reference()}("
         text = str(fn)
         assert header in text, f"unexpected function header for {fn.name}"
         body = text.replace(header, "@(", 1)  # the definition's own name is all that may differ
-        kept = first.setdefault(body, fn)
+        kept = decided[id(fn)] = first.setdefault(body, fn)
         if kept is not fn:
             del module.globals[fn.name]
         shared.append(Step(kept, step.args, step.items, step.serial))
