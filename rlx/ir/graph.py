@@ -246,6 +246,9 @@ class Graph:
         self._inputs_view: Mapping[str, Value] | None = None  # cache of `inputs`; reset when _inputs changes
         self._outputs: dict[str, Value] = {}
         self._order: list[Node] | None = None  # cached topological order; every mutation resets it
+        # A rank per node id that grows along every edge (not unique, gaps between): what lets
+        # set_input skip the search for a cycle. Kept across edits while it stays valid.
+        self._rank: dict[int, int] | None = None
 
     # ----------------------------------------------------------------- queries
 
@@ -412,10 +415,16 @@ class Graph:
         if old.type != value.type:
             raise RlxValueError(f"set_input: slot {slot} of node {node.id} has type {old.type}, got {value.type}")
         self._order = None
+        rank = self._ranks()
         self._store.remove_edge(old.node.id, node.id, key=slot)
-        if nx.has_path(self._store, node.id, value.node.id):
-            self._store.add_edge(old.node.id, node.id, key=slot)
-            raise RlxValueError(f"set_input: reading node {value.node.id} from node {node.id} would make a cycle")
+        # A value ranked below the node cannot be reached from it: no cycle, and the ranks still
+        # grow along every edge after the edit. Otherwise search, then raise the node's rank (and
+        # its readers', as far as needed) above the value's.
+        if rank[value.node.id] >= rank[node.id]:
+            if nx.has_path(self._store, node.id, value.node.id):
+                self._store.add_edge(old.node.id, node.id, key=slot)
+                raise RlxValueError(f"set_input: reading node {value.node.id} from node {node.id} would make a cycle")
+            self._raise_rank(node.id, rank[value.node.id] + 1)
         self._store.add_edge(value.node.id, node.id, key=slot)
         node._inputs = node.inputs[:slot] + (value,) + node.inputs[slot + 1 :]
 
@@ -451,6 +460,7 @@ class Graph:
         from rlx.ir.verify import verify
 
         self._order = None  # the store may have been changed behind the API: recompute the order
+        self._rank = None
         verify(self)
 
     @staticmethod
@@ -509,9 +519,30 @@ class Graph:
     def _insert(self, node: Node) -> None:
         self._nodes[node.id] = node
         self._order = None
+        if self._rank is not None:  # nothing reads a new node yet: above its inputs is enough
+            self._rank[node.id] = 1 + max((self._rank[value.node.id] for value in node.inputs), default=0)
         self._store.add_node(node.id)
         for slot, value in enumerate(node.inputs):
             self._store.add_edge(value.node.id, node.id, key=slot)
+
+    def _raise_rank(self, node_id: int, at_least: int) -> None:
+        """Give ``node_id`` a rank of at least ``at_least`` and its readers ranks above it, where
+        theirs are not already (a walk forward that stops where ranks are high enough)."""
+        rank = self._ranks()
+        pending = [(node_id, at_least)]
+        while pending:
+            current, low = pending.pop()
+            if rank[current] >= low:
+                continue
+            rank[current] = low
+            pending.extend((reader, low + 1) for reader in self._store.successors(current))
+
+    def _ranks(self) -> dict[int, int]:
+        """:attr:`_rank`, computed from a topological order (1024 apart, so that nodes added
+        later fit between) when an edit has made it stale."""
+        if self._rank is None:
+            self._rank = {node_id: 1024 * (i + 1) for i, node_id in enumerate(nx.topological_sort(self._store))}
+        return self._rank
 
     def _inputs_changed(self) -> None:
         self._inputs_view = None
