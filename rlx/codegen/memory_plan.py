@@ -163,13 +163,19 @@ def plan_memory(
 def check_plan(plan: MemoryPlan) -> None:
     """Raise if two arena values live at once overlap, or a node's output overlaps its input."""
     arena = [(v, loc.index, loc.index + v.type.nbytes) for v, loc in plan.locations.items() if loc.kind == "arena"]
-    for i, (a, a_start, a_end) in enumerate(arena):
+    # A sweep in the order values come alive: each is checked against those still live then
+    # (all pairs would be quadratic in a deep model's thousands of arena values).
+    arena.sort(key=lambda entry: plan.live[entry[0]][0])
+    live: list[tuple[Value, int, int, int]] = []
+    for a, a_start, a_end in arena:
         if a_end > plan.scratch_offset:
             raise RlxError(f"memory plan bug: {a} runs into the scratch region")
-        for b, b_start, b_end in arena[i + 1 :]:
-            (a_first, a_last), (b_first, b_last) = plan.live[a], plan.live[b]
-            if a_start < b_end and b_start < a_end and not (a_last < b_first or b_last < a_first):
+        a_first, a_last = plan.live[a]
+        live = [entry for entry in live if entry[3] >= a_first]
+        for b, b_start, b_end, _ in live:
+            if a_start < b_end and b_start < a_end:
                 raise RlxError(f"memory plan bug: {a} and {b} are live together and overlap")
+        live.append((a, a_start, a_end, a_last))
     for node, writes, reads in plan.accesses:
         for out in writes:
             for operand in reads:

@@ -10,6 +10,7 @@ They are compiled with many random topological orders and must always equal the 
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import numpy as np
 import pytest
@@ -282,3 +283,38 @@ def test_plan_memory_rejects_bad_orders() -> None:
         plan_memory(g, lambda node: 0, 1, [*order, order[-1]])
     with pytest.raises(RlxError, match="before its operand"):
         plan_memory(g, lambda node: 0, 1, list(reversed(order)))
+
+
+def _pairwise_overlap(plan: MemoryPlan) -> bool:
+    """The all-pairs form of check_plan's first test: two arena values live together share bytes."""
+    arena = [(v, loc.index, loc.index + v.type.nbytes) for v, loc in plan.locations.items() if loc.kind == "arena"]
+    for i, (a, a0, a1) in enumerate(arena):
+        for b, b0, b1 in arena[i + 1 :]:
+            (af, al), (bf, bl) = plan.live[a], plan.live[b]
+            if a0 < b1 and b0 < a1 and not (al < bf or bl < af):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_check_plan_sweep_agrees_with_all_pairs(seed: int) -> None:
+    """check_plan sweeps values in the order they come alive; for random lifetimes and places in
+    an arena, it must find an overlap exactly when comparing every pair does."""
+    rng = random.Random(seed)
+    g = tempting_graph()
+    plan = _plan(g, None)
+    arena = [v for v, loc in plan.locations.items() if loc.kind == "arena"]
+    room = rng.choice([2, 4, 8]) * sum(v.type.nbytes for v in arena)
+    steps = len(plan.order)
+    live = dict(plan.live)
+    locations = dict(plan.locations)
+    for value in arena:
+        first = rng.randrange(steps)
+        live[value] = (first, rng.randrange(first, steps))
+        locations[value] = Location("arena", ALIGN * rng.randrange(room // ALIGN))
+    moved = dataclasses.replace(plan, live=live, locations=locations, accesses=[], scratch_offset=room + 4096)
+    if _pairwise_overlap(moved):
+        with pytest.raises(RlxError, match="live together and overlap"):
+            check_plan(moved)
+    else:
+        check_plan(moved)
