@@ -99,7 +99,8 @@ class CompiledLibrary:
 
 
 def optimize(module: llvm.ModuleRef, machine: llvm.TargetMachine) -> None:
-    """A lean pipeline: inline, promote allocas, simplify, value-number, clean up.
+    """A lean pipeline: drop unused internal functions, inline, promote allocas, simplify,
+    value-number, clean up.
 
     The kernels are vectorised by hand and spend their time in BLAS, so LLVM's standard O1-O3
     pipelines bought no speed here but cost 100-140 ms (of a 200 ms budget) on the demo graph;
@@ -109,6 +110,7 @@ def optimize(module: llvm.ModuleRef, machine: llvm.TargetMachine) -> None:
     """
     builder = llvm.create_pass_builder(machine, llvm.create_pipeline_tuning_options(speed_level=2))
     passes = llvm.create_new_module_pass_manager()
+    passes.add_global_dead_code_eliminate_pass()  # e.g. the names of kernels that share code
     passes.add_always_inliner_pass()
     passes.add_sroa_pass()
     passes.add_instruction_combine_pass()

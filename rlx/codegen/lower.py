@@ -28,7 +28,7 @@ from rlx.codegen.lower_attention import AttentionKernelSpec, AttentionLowering, 
 from rlx.codegen.lower_gemm import emit_gemm_item, gemm_spec
 from rlx.codegen.lower_scatter import emit_scatter_item
 from rlx.codegen.memory_plan import MemoryPlan
-from rlx.codegen.parallel import Step, emit_team, share_identical_items
+from rlx.codegen.parallel import Step, emit_team, forward_to, share_identical_items
 from rlx.codegen.schedule import Kernel, Schedule
 from rlx.codegen.sizes import load_symbols
 from rlx.config import RuntimeConfig
@@ -311,13 +311,15 @@ class _Lowering:
     _entry_symbols: dict[str, ir.Value] | None = None
     _items: dict[tuple[object, ...], ir.Function] = field(default_factory=dict)
 
-    def item_function(self, key: tuple[object, ...], emit: Callable[[], ir.Function]) -> ir.Function:
+    def item_function(self, key: tuple[object, ...], name: str, emit: Callable[[], ir.Function]) -> ir.Function:
         """The item function for ``key`` (a kernel's spec, which alone decides its code): emitted
         once, so the equal matmuls and attention nodes of repeated layers are not even emitted
-        twice (identical fused loops are shared after emission: ``share_identical_items``)."""
+        twice (identical fused loops are shared after emission: ``share_identical_items``). A
+        later kernel of the same spec gets only a function ``name`` that calls the first."""
         fn = self._items.get(key)
         if fn is None:
-            fn = self._items[key] = emit()
+            return self._items.setdefault(key, emit())
+        forward_to(ir.Function(self.module, fn.function_type, name=name), fn)
         return fn
 
     def base_pointer(self, value: Value) -> ir.Value:
@@ -364,7 +366,9 @@ class _Lowering:
             if spec.profile:  # every attention node counts into the last 64 bytes of the thread's scratch
                 spec = replace(spec, counters_at=self.plan.scratch_stride - 64)
             name = f"{node.op}.{node.id}"
-            item_fn = self.item_function(("attention", spec), lambda: AttentionLowering(self.module, spec, name).emit())
+            item_fn = self.item_function(
+                ("attention", spec), name, lambda: AttentionLowering(self.module, spec, name).emit()
+            )
             pointers = [self.view_pointer(v) for v in node.inputs] + [self.base_pointer(v) for v in node.outputs]
             if not spec.is_static:
                 assert self.sizes is not None
@@ -380,7 +384,7 @@ class _Lowering:
             symbols = self.symbols if self.sizes is not None else ()
             name = f"matmul.{node.id}"
             item_fn = self.item_function(
-                ("matmul", gemm, symbols), lambda: emit_gemm_item(self.module, gemm, name, symbols)
+                ("matmul", gemm, symbols), name, lambda: emit_gemm_item(self.module, gemm, name, symbols)
             )
             pointers = [self.base_pointer(a.base), self.base_pointer(bm.base), self.base_pointer(node.outputs[0])]
             if self.sizes is not None:
@@ -535,7 +539,7 @@ def lower_graph(
     # plan's names): the most threads this call may use.
     cap_slot = len(plan.buffer_names)
     cap = b.ptrtoint(b.load(gep(b, buffers, [i64(cap_slot)], PTR), typ=PTR), I64, name="threads.cap")
-    emit_team(module, b, share_identical_items(module, state.steps), threads, scratch, stride, profile, now, cap)
+    emit_team(module, b, share_identical_items(state.steps), threads, scratch, stride, profile, now, cap)
     b.ret_void()
     return LoweredModule(
         str(module), tuple(state.call_data), call_data_offset(plan), timings, dynamic, tuple(state.call_buffers)

@@ -41,13 +41,15 @@ class Step:
     serial: bool = False  # run by member 0 alone, as one item
 
 
-def share_identical_items(module: ir.Module, steps: list[Step]) -> list[Step]:
+def share_identical_items(steps: list[Step]) -> list[Step]:
     """The steps with one item function for each distinct body: the kernels of a model's repeated
     layers lower to identical functions (an 8-layer LM: 307 functions, 56 distinct), and LLVM
-    would optimise and compile every copy. A copy is dropped from the module; its step calls the
-    first function of that body. Bodies compare as IR text, so only identical code is shared.
+    would optimise and compile every copy. Bodies compare as IR text, so only identical code is
+    shared; a copy's step calls the first function of that body.
 
-    Item functions are called by the steps alone, so dropping a copy leaves no reference to it.
+    The copy keeps its name as a one-line function that calls the one kept, so the IR still has a
+    kernel function per node (``attention.7``, ``matmul.12``) for a reader to find; nothing calls
+    it, and LLVM drops it before making machine code.
     """
     first: dict[str, ir.Function] = {}
     decided: dict[int, ir.Function] = {}  # by id of a function already seen: what its steps call
@@ -63,9 +65,19 @@ def share_identical_items(module: ir.Module, steps: list[Step]) -> list[Step]:
         body = text.replace(header, "@(", 1)  # the definition's own name is all that may differ
         kept = decided[id(fn)] = first.setdefault(body, fn)
         if kept is not fn:
-            del module.globals[fn.name]
+            forward_to(fn, kept)
         shared.append(Step(kept, step.args, step.items, step.serial))
     return shared
+
+
+def forward_to(copy: ir.Function, kept: ir.Function) -> None:
+    """Give ``copy`` (empty, or a body equal to ``kept``'s) the body ``kept(args...)``: the name
+    of a kernel whose code another function holds."""
+    copy.linkage = "internal"
+    copy.blocks = []
+    b = ir.IRBuilder(copy.append_basic_block("same.as.kept"))
+    b.call(kept, list(copy.args))
+    b.ret_void()
 
 
 def _field(b: ir.IRBuilder, ty: ir.LiteralStructType, ptr: ir.Value, index: int) -> ir.Value:

@@ -1,20 +1,38 @@
-"""Kernels of repeated layers share one item function: the module holds one copy of each body."""
+"""Kernels of repeated layers share one item function: the module compiles one copy of each body.
+
+Every kernel keeps a function of its own name (``matmul.12``) so the IR can be read kernel by
+kernel; a kernel whose code another one holds has a one-line body that calls it, which LLVM drops
+before making machine code.
+"""
 
 from __future__ import annotations
 
 import re
 
 import numpy as np
+from codegen_helpers import function_bodies, sgemm_calls_reached
 
 import rlx
 from rlx import Graph
 from rlx.models import LMConfig, char_lm, init_params
 from rlx.reference import evaluate
 
+ITEM = re.compile(r"(?:fused|matmul|attention|attention_bwd)\.\d+")
 
-def item_functions(llvm_ir: str) -> list[str]:
-    """Names of the kernel item functions the module defines (fused loops, matmuls, attention)."""
-    return re.findall(r'^define internal void @"((?:fused|matmul|attention|attention_bwd)\.\d+)"', llvm_ir, re.M)
+
+def kernel_functions(llvm_ir: str) -> tuple[dict[str, str], dict[str, str]]:
+    """``(own, forwarding)``: item functions with code of their own, and those whose body only
+    calls another item function (name -> the function called)."""
+    own, forwarding = {}, {}
+    for name, (_, body) in function_bodies(llvm_ir).items():
+        if not ITEM.fullmatch(name):
+            continue
+        calls = re.findall(r'call [^@]*@"?([A-Za-z0-9_.]+)"?\(', body)
+        if len(calls) == 1 and ITEM.fullmatch(calls[0]) and body.count("\n") <= 4:
+            forwarding[name] = calls[0]
+        else:
+            own[name] = body
+    return own, forwarding
 
 
 def test_identical_kernels_share_a_function_and_others_do_not() -> None:
@@ -26,10 +44,14 @@ def test_identical_kernels_share_a_function_and_others_do_not() -> None:
         outputs[f"y{name}"] = g.silu(x @ w) * 2.0
     g.output(**outputs)
     exe = rlx.compile(g)
-    names = item_functions(exe.llvm_ir)
-    kinds = [n.split(".")[0] for n in names]
-    assert kinds.count("matmul") == 2 and kinds.count("fused") == 2, names  # one for a and b, one for c
+    own, forwarding = kernel_functions(exe.llvm_ir)
+    kinds = sorted(n.split(".")[0] for n in own)
+    assert kinds == ["fused", "fused", "matmul", "matmul"], own.keys()  # one for a and b, one for c
+    assert len(forwarding) == 2 and all(target in own for target in forwarding.values())
     assert len(exe.kernels) == 6  # every kernel still runs
+    for node in exe.graph.nodes:  # and every matmul node has its function by name
+        if node.op is rlx.OpKind.MATMUL:
+            assert f"matmul.{node.id}" in own or f"matmul.{node.id}" in forwarding
     rng = np.random.default_rng(0)
     arrays = {n: rng.standard_normal(v.shape).astype(np.float32) for n, v in g.inputs.items()}
     got, want = exe(**arrays), evaluate(g, arrays)
@@ -44,8 +66,12 @@ def test_a_deep_model_compiles_each_distinct_kernel_once() -> None:
     grads = rlx.grad(g, loss, params)
     g.output(loss=loss, **{f"d{i}": grad for i, grad in enumerate(grads)})
     exe = rlx.compile(g)
-    names = item_functions(exe.llvm_ir)
-    assert len(names) * 2 < len(exe.kernels)  # four layers share their kernels' code
+    own, forwarding = kernel_functions(exe.llvm_ir)
+    assert len(own) * 2 < len(exe.kernels) and len(forwarding) > len(own)  # four layers share code
+    bodies = function_bodies(exe.llvm_ir)
+    for node in exe.graph.nodes:  # each attention node's function reaches its GEMMs, shared or not
+        if node.op in (rlx.OpKind.ATTENTION, rlx.OpKind.ATTENTION_BWD):
+            assert sgemm_calls_reached(bodies, f"{node.op}.{node.id}") >= 2
     arrays = init_params(g, params)
     rng = np.random.default_rng(1)
     for name in ("tokens", "targets"):
@@ -53,3 +79,16 @@ def test_a_deep_model_compiles_each_distinct_kernel_once() -> None:
     got, want = exe(**arrays), evaluate(g, arrays)
     for name, value in want.items():
         np.testing.assert_allclose(got[name], value, rtol=2e-4, atol=2e-5, err_msg=name)
+
+
+def test_functions_that_only_name_a_kernel_are_not_compiled() -> None:
+    g = Graph("twice")
+    w = g.input("w", (16, 16))
+    g.output(**{f"y{i}": g.input(f"x{i}", (4, 16)) @ w for i in range(3)})
+    exe = rlx.compile(g)
+    _, forwarding = kernel_functions(exe.llvm_ir)
+    assert len(forwarding) == 2
+    optimized = exe._program.library.optimized_ir
+    assert optimized is not None
+    for name in forwarding:
+        assert f'@"{name}"' not in optimized
