@@ -193,6 +193,13 @@ def distributed_step(data_path: Path, seed: int, config: Config | None = None) -
     loss = ddp(tokens[rank * share : (rank + 1) * share], targets[rank * share : (rank + 1) * share])
     loss.backward()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    # Tear down in order: DDP's reducer holds the process group, and freeing the last reference
+    # to a gloo group joins its worker thread with the GIL held. Dropped after destroy (when the
+    # function returns), that join can wait forever on a worker still finishing a callback that
+    # needs the GIL; seen here as a hang in one of two runs. So: DDP first, then a barrier (every
+    # earlier work item done), then the group.
+    del ddp, loss
+    dist.barrier()
     dist.destroy_process_group()
     return grads
 
