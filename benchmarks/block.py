@@ -166,6 +166,14 @@ def profile_breakdown(graph: rlx.Graph, arrays: dict[str, np.ndarray], threads: 
     return kinds
 
 
+def swaps_last_axes(value: rlx.Value) -> bool:
+    """Whether ``value`` is a ``transpose`` of its last two axes (a matmul operand BLAS transposes)."""
+    if value.node.op is not rlx.OpKind.TRANSPOSE:
+        return False
+    perm = tuple(value.node.attrs.perm)
+    return perm[-2:] == (len(perm) - 1, len(perm) - 2)
+
+
 def matmul_products(graph: rlx.Graph) -> list[h.Product]:
     """The matrix products of a compiled graph's ``matmul`` nodes, with the transposes BLAS is told
     of (an operand that is a ``transpose`` of its last two axes), equal ones counted together. A
@@ -178,17 +186,11 @@ def matmul_products(graph: rlx.Graph) -> list[h.Product]:
         out = node.outputs[0].static_shape
         m, k = a.static_shape[-2:]
         n = b.static_shape[-1]
-
-        def swapped(value: Any) -> bool:
-            if value.node.op is not rlx.OpKind.TRANSPOSE:
-                return False
-            perm = tuple(value.node.attrs.perm)
-            return perm[-2:] == (len(perm) - 1, len(perm) - 2)
-
+        trans_a, trans_b = swaps_last_axes(a), swaps_last_axes(b)
         batch = int(np.prod(out[:-2], dtype=np.int64))
-        if len(b.static_shape) == 2 and not swapped(a):
+        if len(b.static_shape) == 2 and not trans_a:
             m, batch = m * batch, 1
-        key = (m, n, k, swapped(a), swapped(b))
+        key = (m, n, k, trans_a, trans_b)
         counts[key] = counts.get(key, 0) + batch
     return [h.Product(m, n, k, ta, tb, count) for (m, n, k, ta, tb), count in counts.items()]
 

@@ -637,11 +637,12 @@ class AttentionLowering:
         v_vis = gep_f32(b, heads["v"], b.mul(ks, i64(ldv)), name="v.vis")
         accumulate = b.select(first, f32(0.0), f32(1.0), name="beta.kv")
         with b.if_then(first):
+            keys_end = b.add(ks, nk, name="keys.end")
             for slot in ("dk", "dv"):
                 if slot in heads:
                     self._zero_rows(b, heads[slot], ks, slot)
-                    after = gep_f32(b, heads[slot], b.mul(b.add(ks, nk), i64(self._ld(slot))), name=f"{slot}.after")
-                    self._zero_rows(b, after, b.sub(self.sk, b.add(ks, nk)), slot)
+                    after = gep_f32(b, heads[slot], b.mul(keys_end, i64(self._ld(slot))), name=f"{slot}.after")
+                    self._zero_rows(b, after, b.sub(self.sk, keys_end), slot)
         if grads & Wrt.VALUE:  # dV_vis += P^T dY_strip
             ld_dv = self._ld("dv")
             dv = gep_f32(b, heads["dv"], b.mul(ks, i64(ld_dv)), name="dv.vis")
