@@ -890,22 +890,24 @@ def _fixed_plan(
     ``Sq == Sk``. Causal calls with ``Sq != Sk`` take the programmable-attention path (compiled
     per shape), as do calls with an ``attn_mask``.
     """
-    batch, heads, seq_q, dim = q.shape
+    _, heads, seq_q, dim = q.shape
     kv_heads, seq_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     if is_causal and seq_q != seq_k:
         return None
     # The kernels scale scores by 1/sqrt(D); another scale multiplies q first (in the graph, so
     # its gradient follows).
     factor = 1.0 if scale is None else float(scale) * math.sqrt(dim)
-    key = (batch, heads, kv_heads, dim, value_dim, is_causal, factor)
+    key = (heads, kv_heads, dim, value_dim, is_causal, factor)
     plan = _fixed_plans.get(key)
     if plan is None:
+        # The batch and the lengths are symbolic: a smaller last batch, or a decode batch that
+        # shrinks as sequences finish, runs on the same machine code.
         sq, sk = ("S", "S") if is_causal else ("Sq", "Sk")
         mask = rlx.MaskKind.CAUSAL if is_causal else rlx.MaskKind.NONE
         forward = Graph("sdpa")
-        qi = forward.input("q", (batch, heads, sq, dim))
-        ki = forward.input("k", (batch, kv_heads, sk, dim))
-        vi = forward.input("v", (batch, kv_heads, sk, value_dim))
+        qi = forward.input("q", ("B", heads, sq, dim))
+        ki = forward.input("k", ("B", kv_heads, sk, dim))
+        vi = forward.input("v", ("B", kv_heads, sk, value_dim))
         scaled = qi if factor == 1.0 else qi * factor
         forward.output(out=forward.attention(scaled, ki, vi, mask=mask, layout=Layout.BHSD))
         backward = forward.copy()

@@ -93,6 +93,26 @@ def test_causal_sdpa_over_training_batches_of_varying_length() -> None:
     assert compile_count() == seen
 
 
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_sdpa_over_batches_of_varying_size_compiles_once(is_causal: bool) -> None:
+    """A smaller last batch (or a decode batch that shrinks) runs on the same machine code:
+    the fixed-mask kernels take the batch per call, GQA included."""
+    seen = None
+    for step, (batch, seq) in enumerate(((4, 12), (1, 12), (3, 31), (2, 2))):
+        shapes = [(batch, 4, seq, 8), (batch, 2, seq, 8), (batch, 2, seq, 8)]
+        tensors = _tensors(shapes, seed=30 + step)
+        dy = torch.randn(batch, 4, seq, 8, generator=torch.Generator().manual_seed(step))
+        kwargs = {"is_causal": is_causal, "enable_gqa": True}
+        out, grads = _forward_backward(rt.scaled_dot_product_attention, tensors, dy, **kwargs)
+        want_out, want_grads = _forward_backward(F.scaled_dot_product_attention, tensors, dy, **kwargs)
+        _close(out, want_out)
+        for got, want in zip(grads, want_grads, strict=True):
+            _close(got, want, 5e-5)
+        if step == 0:
+            seen = compile_count()
+    assert compile_count() == seen
+
+
 def test_causal_with_more_keys_than_queries_keeps_torchs_top_left_alignment() -> None:
     q, k, v = _tensors([(1, 2, 3, 8), (1, 2, 7, 8), (1, 2, 7, 8)], seed=5)
     got = rt.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -30,7 +30,7 @@ from rlx.codegen.lower_scatter import emit_scatter_item
 from rlx.codegen.memory_plan import MemoryPlan
 from rlx.codegen.parallel import Step, emit_team, forward_to, share_identical_items
 from rlx.codegen.schedule import Kernel, Schedule
-from rlx.codegen.sizes import load_symbols
+from rlx.codegen.sizes import emit_size, load_symbols
 from rlx.config import RuntimeConfig
 from rlx.ir.graph import Graph, Node, Value
 from rlx.ir.ops import AttentionAttrs, AttentionBwdAttrs, OpKind, attention_dims
@@ -374,7 +374,9 @@ class _Lowering:
                 assert self.sizes is not None
                 pointers.append(self.sizes)
                 self.attention_specs.append((f"node {node.id} ({node.op})", spec))
-            self.call(item_fn, pointers, spec.work_items, False, str(node.id))
+            items = spec.work_items  # a symbolic batch: counted in the entry function per call
+            count = items if isinstance(items, int) else emit_size(self.b, items, self.entry_symbols())
+            self.call(item_fn, pointers, count, False, str(node.id))
         elif op in FLEX_OPS:
             self.lower_flex(node)
         elif op == "matmul":

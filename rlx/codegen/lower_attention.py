@@ -54,7 +54,7 @@ from rlx.codegen.irutil import (
     smax,
     smin,
 )
-from rlx.codegen.sizes import ceil_div, emit_size, load_symbols
+from rlx.codegen.sizes import SizeLike, ceil_div, emit_size, load_symbols, size_of
 from rlx.codegen.vector import Lanes, vector_fill, vector_loop, vector_reduce
 from rlx.ir.ops import AttentionDims
 from rlx.ir.types import Layout, MaskKind, Wrt
@@ -95,9 +95,10 @@ class AttentionKernelSpec:
         return self.grads is not None and bool(self.grads & (Wrt.QUERY | Wrt.KEY))
 
     @property
-    def work_items(self) -> int:
-        """Forward: one item per (batch, head); backward: per (batch, kv head), its group inside."""
-        return self.dims.batch * (self.dims.heads if self.grads is None else self.dims.kv_heads)
+    def work_items(self) -> SizeLike:
+        """Forward: one item per (batch, head); backward: per (batch, kv head), its group inside.
+        A symbolic batch makes it a size of the call (the item code never needs the batch)."""
+        return size_of(self.dims.batch) * (self.dims.heads if self.grads is None else self.dims.kv_heads)
 
     def strip_floats(self, seq_k: int | None = None) -> int:
         """Floats in one scores strip, rounded up to keep every scratch buffer 64-byte aligned

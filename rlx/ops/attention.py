@@ -47,9 +47,9 @@ class AttentionBwdAttrs:
 class AttentionDims:
     """The sizes an attention node works on, read from its operand types."""
 
-    batch: int
+    batch: Dim  # the batch and the sequence lengths may be symbolic dimensions, sized per call
     heads: int
-    seq_q: Dim  # the sequence lengths may be symbolic dimensions, sized per call
+    seq_q: Dim
     seq_k: Dim
     head_dim: int
     kv_heads: int = 0  # 0: as many as heads (k and v may have fewer: GQA / MQA)
@@ -92,7 +92,7 @@ def attention_dims(
     b, sq, h, d = layout.split(q.shape)
     kb, sk, hkv, kd = layout.split(k.shape)
     dv = layout.split(v.shape)[3]
-    b, h, d, hkv, dv = static_sizes(what, layout, q, k, v, (b, h, d, hkv, dv))
+    h, d, hkv, dv = static_sizes(what, layout, q, k, v, (h, d, hkv, dv))
     if (kb, kd) != (b, d) or hkv > h or h % hkv:
         raise RlxValueError(
             f"{what}: k must have batch {b}, heads {h} and head_dim {d} like q {q} "
@@ -119,13 +119,20 @@ def attention_dims(
 
 
 def static_sizes(
-    what: str, layout: Layout, q: TensorType, k: TensorType, v: TensorType, sizes: tuple[Dim, ...]
+    what: str,
+    layout: Layout,
+    q: TensorType,
+    k: TensorType,
+    v: TensorType,
+    sizes: tuple[Dim, ...],
+    symbolic: str = "the batch and the sequence lengths",
 ) -> tuple[int, ...]:
-    """Batch, heads and head dims as ints: only sequence lengths may be symbolic dimensions."""
+    """Heads and head dims (and whatever else ``sizes`` holds) as ints: the kernels are generated
+    for them. Only what ``symbolic`` names may be a symbolic dimension."""
     if not all(isinstance(size, int) for size in sizes):
         raise RlxValueError(
-            f"{what}: only the sequence lengths of attention operands may be symbolic dimensions; batch, heads and "
-            f"head dims must be static (layout {layout}: {_layout_names(layout)}), got q {q}, k {k}, v {v}"
+            f"{what}: only {symbolic} of attention operands may be symbolic dimensions; the heads and head dims "
+            f"must be static (layout {layout}: {_layout_names(layout)}), got q {q}, k {k}, v {v}"
         )
     return sizes  # type: ignore[return-value]
 

@@ -87,7 +87,7 @@ def flex_dims(what: str, q: TensorType, k: TensorType, v: TensorType, layout: La
     b, sq, h, d = layout.split(q.shape)
     kb, sk, hkv, kd = layout.split(k.shape)
     vb, vs, vh, dv = layout.split(v.shape)
-    b, h, d, hkv, dv = static_sizes(what, layout, q, k, v, (b, h, d, hkv, dv))
+    b, h, d, hkv, dv = static_sizes(what, layout, q, k, v, (b, h, d, hkv, dv), "the sequence lengths")
     if kb != b or kd != d:
         raise RlxValueError(f"{what}: k must have batch {b} and head dim {d} like q {q} (layout {layout}), got {k}")
     if h % hkv:
