@@ -15,7 +15,7 @@ import numpy as np
 
 from rlx.autodiff import grad
 from rlx.ir.graph import Graph, Value
-from rlx.ir.types import Layout, MaskKind
+from rlx.ir.types import Dim, Layout, MaskKind
 
 BLOCK_WEIGHTS = ("attn_norm", "wqkv", "wo", "mlp_norm", "w1", "w3", "w2")
 """The seven weights of a block, in the order :func:`block_weight_shapes` lists them."""
@@ -57,7 +57,7 @@ def transformer_block(g: Graph, x: Value, heads: int, prefix: str = "", hidden: 
     return h + (g.silu(n @ w["w1"]) * (n @ w["w3"])) @ w["w2"]
 
 
-def block_training_graph(batch: int, seq: int, embed: int, heads: int) -> Graph:
+def block_training_graph(batch: Dim, seq: Dim, embed: int, heads: int) -> Graph:
     """The block on ``x [B, S, E]`` with loss ``mean(y*y)`` and its gradients w.r.t. x and the seven
     weights: outputs ``loss`` and ``d_<name>`` (what ``benchmarks/block.py`` measures)."""
     g = Graph("block")

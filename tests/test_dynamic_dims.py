@@ -302,6 +302,21 @@ def test_a_transformer_block_trains_on_any_sequence_length(threads: int) -> None
     _compile_and_compare(g, make, (1, 5, 64, 129), threads)
 
 
+def test_a_transformer_block_trains_on_any_batch_and_length() -> None:
+    """Batch and length both symbolic: projections, fused norms, causal attention and the MLP,
+    forward and every gradient, on one compilation."""
+    from rlx.models import BLOCK_WEIGHTS, block_training_graph, init_params
+
+    g = block_training_graph("B", "S", 32, 4)
+    params = init_params(g, [g.inputs[name] for name in BLOCK_WEIGHTS])
+    rng = np.random.default_rng(12)
+
+    def make(size: tuple[int, int]) -> dict[str, np.ndarray]:
+        return {"x": rng.standard_normal((*size, 32), dtype=np.float32), **params}
+
+    _compile_and_compare(g, make, ((1, 1), (3, 5), (2, 64), (5, 17)))
+
+
 def test_embedding_and_cross_entropy_over_a_symbolic_length() -> None:
     rng = np.random.default_rng(9)
     g = rlx.Graph()
