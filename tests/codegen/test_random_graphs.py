@@ -27,24 +27,33 @@ WRTS = st.sampled_from([Wrt.QUERY, Wrt.KEY, Wrt.VALUE, Wrt.QUERY | Wrt.KEY, Wrt.
     batch=st.integers(1, 2), heads=st.integers(1, 3), seq_q=st.integers(1, 40), seq_k=st.integers(1, 40),
     dim=st.integers(1, 20), mask=MASKS, layout=st.sampled_from(list(Layout)), wrt=WRTS,
     neg=st.sampled_from([-1e9, -math.inf, -3.0]), block_q=st.one_of(st.none(), st.integers(1, 17)),
-    seed=st.integers(0, 2**16),
+    symbolic=st.sets(st.sampled_from(["B", "Sq", "Sk"])), seed=st.integers(0, 2**16),
 )
 def test_compiled_equals_reference(batch: int, heads: int, seq_q: int, seq_k: int, dim: int, mask: MaskKind,
-                                   layout: Layout, wrt: Wrt, neg: float, block_q: int | None, seed: int) -> None:
+                                   layout: Layout, wrt: Wrt, neg: float, block_q: int | None, symbolic: set[str],
+                                   seed: int) -> None:
+    """Any of the batch and the lengths may be declared symbolic: the same kernels, sized per call."""
     rng = np.random.default_rng(seed)
     g = Graph("random")
-    q, dy = (g.input(name, layout.join(batch, seq_q, heads, dim)) for name in ("q", "dy"))
-    k, v = (g.input(name, layout.join(batch, seq_k, heads, dim)) for name in ("k", "v"))
+    sizes = {"B": batch, "Sq": seq_q, "Sk": seq_k}
+    b, sq, sk = (name if name in symbolic else sizes[name] for name in ("B", "Sq", "Sk"))
+    q, dy = (g.input(name, layout.join(b, sq, heads, dim)) for name in ("q", "dy"))
+    k, v = (g.input(name, layout.join(b, sk, heads, dim)) for name in ("k", "v"))
     mask_input = None
     if mask == MaskKind.CUSTOM:
-        mask_input = g.input("pad", (batch, seq_k))
+        mask_input = g.input("pad", (b, sk))
     elif mask == MaskKind.BIAS:
-        mask_input = g.input("bias", (batch, heads, seq_q, seq_k))
+        mask_input = g.input("bias", (b, heads, sq, sk))
     grads = g.attention_bwd(q, k, v, dy, wrt=wrt, mask=mask, layout=layout, mask_input=mask_input)
     grads = grads if isinstance(grads, tuple) else (grads,)
     g.output(out=g.attention(q, k, v, mask=mask, layout=layout, mask_input=mask_input),
              **{f"d{flag}": value for flag, value in zip(wrt.members, grads, strict=True)})
-    arrays = {name: rng.standard_normal(value.shape).astype(np.float32) * 2 for name, value in g.inputs.items()}
+    def concrete(shape: tuple[int | str, ...]) -> tuple[int, ...]:
+        return tuple(sizes[d] if isinstance(d, str) else d for d in shape)
+
+    arrays = {
+        name: rng.standard_normal(concrete(value.shape)).astype(np.float32) * 2 for name, value in g.inputs.items()
+    }
     if mask == MaskKind.CUSTOM:
         arrays["pad"] = (rng.random((batch, seq_k)) > 0.4).astype(np.float32)
 
