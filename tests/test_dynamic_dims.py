@@ -416,13 +416,67 @@ def test_attention_heads_and_head_dims_must_be_static() -> None:
         x = g.input(f"x{len(g.inputs)}", shape)
         with pytest.raises(rlx.RlxValueError, match="only the batch and the sequence lengths"):
             g.attention(x, x, x)
+        with pytest.raises(rlx.RlxValueError, match="only the batch and the sequence lengths"):
+            g.attention(x, x, x, mask_mod=rlx.mods.causal)
 
 
-def test_programmable_attention_batch_must_be_static() -> None:
+def _flex_batch_mods(g: rlx.Graph, name: str, seq: int | str) -> dict[str, object]:
+    if name == "document":  # a mask reading a tensor by b: its tile map is made per call
+        return {"mask_mod": rlx.mods.document(g.input("doc", ("B", seq), dtype="int32"))}
+    if name == "alibi":  # slopes[h] read without b: its gradient sums one partial per batch
+        return {"score_mod": rlx.mods.alibi(g.input("slopes", (H,))), "mask_mod": rlx.mods.causal}
+    if name == "key_lengths":
+        return {"mask_mod": rlx.mods.key_lengths(g.input("lens", ("B",), dtype="int32"))}
+    return {"mask_mod": rlx.mods.sliding_window(4)}  # indices alone
+
+
+@pytest.mark.parametrize("seq", ["S", 33], ids=["symbolic-length", "static-length"])
+@pytest.mark.parametrize("mods", ["document", "alibi", "key_lengths", "window"])
+def test_programmable_attention_with_a_symbolic_batch_compiles_once(mods: str, seq: int | str) -> None:
+    """Forward, lse and every gradient (the slopes' included) for batches of any size."""
     g = rlx.Graph()
-    x = g.input("x", ("B", 4, 8, 16))
-    with pytest.raises(rlx.RlxValueError, match="only the sequence lengths"):
-        g.attention(x, x, x, mask_mod=rlx.mods.causal)
+    q = g.input("q", ("B", seq, H, D))
+    k = g.input("k", ("B", seq, 2, D))
+    v = g.input("v", ("B", seq, 2, 24))
+    out, lse = g.attention(q, k, v, return_lse=True, **_flex_batch_mods(g, mods, seq))  # type: ignore[arg-type]
+    xs = [q, k, v] + ([g.inputs["slopes"]] if "slopes" in g.inputs else [])
+    grads = rlx.grad(g, g.sum(out * out) + g.sum(lse), xs)
+    g.output(out=out, lse=lse, **{f"d{i}": d for i, d in enumerate(grads)})
+    exe = rlx.compile(g)
+    before = compile_count()
+    rng = np.random.default_rng(13)
+    for batch, length in ((1, 5), (3, 70), (2, 1), (4, 33)):
+        length = length if seq == "S" else 33
+        arrays = {
+            "q": rng.standard_normal((batch, length, H, D), dtype=np.float32),
+            "k": rng.standard_normal((batch, length, 2, D), dtype=np.float32),
+            "v": rng.standard_normal((batch, length, 2, 24), dtype=np.float32),
+        }
+        extra = {
+            "doc": np.sort(rng.integers(0, 3, (batch, length)), axis=1).astype(np.int32),
+            "slopes": rng.random(H, dtype=np.float32),
+            "lens": rng.integers(1, length + 1, batch).astype(np.int32),
+        }
+        arrays |= {name: array for name, array in extra.items() if name in g.inputs}
+        got, want = exe(**arrays), rlx.reference.run(g, **arrays)
+        for name in want:
+            finite = np.isfinite(want[name])  # lse is -inf on rows that see no key
+            np.testing.assert_array_equal(np.isfinite(got[name]), finite)
+            scale = float(np.abs(want[name][finite]).max(initial=0.0)) + 1.0
+            assert float(np.abs(got[name][finite] - want[name][finite]).max(initial=0.0)) <= 2e-5 * scale, name
+    assert compile_count() == before
+
+
+def test_a_static_tensor_indexed_by_a_symbolic_batch_is_checked_per_call() -> None:
+    g = rlx.Graph()
+    q = g.input("q", ("B", 4, 16, 8))
+    doc = g.input("doc", (2, 16), dtype="int32")
+    g.output(o=g.attention(q, q, q, layout=rlx.Layout.BHSD, mask_mod=rlx.mods.document(doc)))
+    exe = rlx.compile(g)
+    docs = np.zeros((2, 16), np.int32)
+    assert exe(q=np.ones((2, 4, 16, 8), np.float32), doc=docs)["o"].shape == (2, 4, 16, 8)
+    with pytest.raises(rlx.RlxValueError, match="outside"):
+        exe(q=np.ones((3, 4, 16, 8), np.float32), doc=docs)  # b = 2 would read past doc
 
 
 def test_symbolic_executable_pickles() -> None:

@@ -29,9 +29,9 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 class TileGrid:
     """The tiling of one attention node: strips of ``block_q`` queries, tiles of ``block_k`` keys."""
 
-    batch: int
+    batch: int | str  # a symbolic batch or length: resolve the grid per call (``dataclasses.replace``)
     heads: int
-    seq_q: int | str  # a symbolic length: resolve the grid per call (``dataclasses.replace``)
+    seq_q: int | str
     seq_k: int | str
     block_q: int
     block_k: int
@@ -48,7 +48,7 @@ class TileGrid:
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        return (self.batch if self.by_batch else 1, self.heads if self.by_head else 1, self.strips, self.tiles)
+        return (int(self.batch) if self.by_batch else 1, self.heads if self.by_head else 1, self.strips, self.tiles)
 
     @functools.cached_property
     def symbol_boxes(self) -> dict[str, Interval]:
@@ -60,7 +60,8 @@ class TileGrid:
         k_hi = np.minimum(k_lo + self.block_k, self.seq_k) - 1
         b = np.arange(bm, dtype=np.float64).reshape(-1, 1, 1, 1)
         h = np.arange(hm, dtype=np.float64).reshape(1, -1, 1, 1)
-        b_box = (b, b) if self.by_batch else (np.float64(0), np.float64(self.batch - 1))
+        # A map not by batch holds for every b: any batch, a symbolic one included.
+        b_box = (b, b) if self.by_batch else (np.float64(0), np.float64(np.inf))
         h_box = (h, h) if self.by_head else (np.float64(0), np.float64(self.heads - 1))
         return {
             "b": b_box,

@@ -30,13 +30,19 @@ from rlx.codegen.lower_scatter import emit_scatter_item
 from rlx.codegen.memory_plan import MemoryPlan
 from rlx.codegen.parallel import Step, emit_team, forward_to, share_identical_items
 from rlx.codegen.schedule import Kernel, Schedule
-from rlx.codegen.sizes import emit_size, load_symbols
+from rlx.codegen.sizes import SizeLike, emit_size, load_symbols, product
 from rlx.config import RuntimeConfig
 from rlx.ir.graph import Graph, Node, Value
 from rlx.ir.ops import AttentionAttrs, AttentionBwdAttrs, OpKind, attention_dims
 from rlx.ir.region import Region
 from rlx.ir.types import Wrt, resolve_dims
-from rlx.ops.flex_attention import FlexAttentionBwdAttrs, bwd_operands, flex_dims, tensor_grad_layout
+from rlx.ops.flex_attention import (
+    FlexAttentionBwdAttrs,
+    bwd_operands,
+    dims_are_static,
+    flex_dims,
+    tensor_grad_layout,
+)
 
 if TYPE_CHECKING:
     from rlx.codegen.block_map import TileGrid
@@ -137,7 +143,7 @@ def flex_spec(node: Node, options: CodegenOptions, symbols: tuple[str, ...] = ()
     grads = attrs.wrt if backward else None
     tensor_grads = tuple(tensor_grad_layout(attrs.score_mod, captured, dims)) if backward and attrs.tensor_grads else ()
     needs_dp = backward and (bool(attrs.wrt & (Wrt.QUERY | Wrt.KEY)) or bool(tensor_grads))
-    static = isinstance(dims.seq_q, int) and isinstance(dims.seq_k, int) and all(t.is_static for t in captured)
+    static = dims_are_static(dims) and all(t.is_static for t in captured)
     # The tile map comes from the mask_mod and from a score_mod that replaces the scores outside
     # some index condition by a constant (a MaskKind with a finite neg): hidden tiles skipped.
     mask, masked_value = map_mask(attrs.score_mod, attrs.mask_mod)
@@ -417,15 +423,19 @@ class _Lowering:
             self.attention_specs.append((f"node {node.id} ({node.op})", spec))
         if spec.tensor_grads:  # partial gradient slices are accumulated into: zero them first
             partials = node.outputs[len(spec.grads.members) if spec.grads else 0 :]
-            zero = emit_zero_item(self.module, [math.prod(v.static_shape) * 4 for v in partials], f"zero.{node.id}")
-            self.call(zero, [self.base_pointer(v) for v in partials], 1, True, f"z{node.id}")
+            symbols = self.symbols if self.sizes is not None else ()
+            zero = emit_zero_item(self.module, [product(v.shape) * 4 for v in partials], f"zero.{node.id}", symbols)
+            pointers = [self.base_pointer(v) for v in partials] + ([self.sizes] if symbols else [])
+            self.call(zero, pointers, 1, True, f"z{node.id}")
         item_fn = FlexLowering(self.module, spec, f"{node.op}.{node.id}").emit()
         pointers = [self.view_pointer(v) for v in node.inputs] + [self.base_pointer(v) for v in node.outputs]
         pointers.append(self.block_map_pointer(node, spec))
         if spec.per_call:
             assert self.sizes is not None
             pointers.append(self.sizes)
-        self.call(item_fn, pointers, spec.work_items, False, str(node.id))
+        items = spec.work_items  # a symbolic batch: counted in the entry function per call
+        count = items if isinstance(items, int) else emit_size(self.b, items, self.entry_symbols())
+        self.call(item_fn, pointers, count, False, str(node.id))
 
     def block_map_pointer(self, node: Node, spec: FlexKernelSpec) -> ir.Value:
         """Where the kernel reads its tile states: module data (static), call data (dynamic), a
@@ -491,15 +501,20 @@ class _Lowering:
         return self._entry_symbols
 
 
-def emit_zero_item(module: ir.Module, sizes: list[int], name: str) -> ir.Function:
-    """An item function that zeroes ``len(sizes)`` buffers (argument slots) of the given byte sizes."""
+def emit_zero_item(module: ir.Module, sizes: list[SizeLike], name: str, symbols: tuple[str, ...] = ()) -> ir.Function:
+    """An item function that zeroes ``len(sizes)`` buffers (argument slots) of the given byte
+    sizes; sizes of the call's symbols read the sizes table, the argument after the buffers."""
     fn = ir.Function(module, ir.FunctionType(VOID, [PTR, I64, PTR]), name=name)
     fn.linkage = "internal"
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     memset = declare(module, "llvm.memset.p0.i64", VOID, [PTR, I8, I64, ir.IntType(1)])
+    values: dict[str, ir.Value] = {}
+    if symbols:
+        table = b.load(gep(b, fn.args[0], [i64(len(sizes))], PTR), typ=PTR, name="sizes")
+        values = load_symbols(b, table, symbols)
     for slot, size in enumerate(sizes):
         ptr = b.load(gep(b, fn.args[0], [i64(slot)], PTR), typ=PTR)
-        b.call(memset, [ptr, ir.Constant(I8, 0), i64(size), ir.Constant(ir.IntType(1), 0)])
+        b.call(memset, [ptr, ir.Constant(I8, 0), emit_size(b, size, values), ir.Constant(ir.IntType(1), 0)])
     b.ret_void()
     return fn
 
@@ -549,20 +564,20 @@ def lower_graph(
 
 
 @functools.lru_cache(maxsize=256)
-def _map_for_lengths(spec: FlexKernelSpec, seq_q: int, seq_k: int) -> np.ndarray:
-    return _tile_states(spec, (), None, replace(spec.grid, seq_q=seq_q, seq_k=seq_k))
+def _map_for_sizes(spec: FlexKernelSpec, batch: int, seq_q: int, seq_k: int) -> np.ndarray:
+    return _tile_states(spec, (), None, replace(spec.grid, batch=batch, seq_q=seq_q, seq_k=seq_k))
 
 
 def _call_map(
     spec: FlexKernelSpec, captured: tuple[Value, ...], bound: Mapping[str, np.ndarray], sizes: Mapping[str, int]
 ) -> np.ndarray:
-    """The tile states at one call's lengths: from its tensors when the mask reads any, else
-    (a mask of indices alone) cached by the lengths."""
+    """The tile states at one call's batch and lengths: from its tensors when the mask reads
+    any, else (a mask of indices alone) cached by the sizes."""
     assert spec.map_mask is not None
-    seq_q, seq_k = resolve_dims((spec.dims.seq_q, spec.dims.seq_k), sizes)
+    batch, seq_q, seq_k = resolve_dims((spec.dims.batch, spec.dims.seq_q, spec.dims.seq_k), sizes)
     if not spec.map_mask.reads():
-        return _map_for_lengths(spec, seq_q, seq_k)
-    return _tile_states(spec, captured, bound, replace(spec.grid, seq_q=seq_q, seq_k=seq_k))
+        return _map_for_sizes(spec, batch, seq_q, seq_k)
+    return _tile_states(spec, captured, bound, replace(spec.grid, batch=batch, seq_q=seq_q, seq_k=seq_k))
 
 
 def call_checks(graph: Graph) -> list[Callable[[Mapping[str, int]], None]]:

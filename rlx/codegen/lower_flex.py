@@ -57,11 +57,11 @@ from rlx.codegen.lower_attention import (
     zero_rows,
 )
 from rlx.codegen.region_emit import LaneValue, RegionEmitter, Tensor, lane_indices
-from rlx.codegen.sizes import ceil_div, emit_size, load_symbols
+from rlx.codegen.sizes import SizeLike, ceil_div, emit_size, load_symbols, size_of
 from rlx.codegen.vector import Lanes, fold_lanes, vector_fill, vector_loop, vector_reduce
 from rlx.codegen.views import dense_strides
 from rlx.ir.region import GradientRegion, Region
-from rlx.ir.types import Layout, TensorType, Wrt
+from rlx.ir.types import Dim, Layout, TensorType, Wrt
 from rlx.ops.flex_attention import FlexDims
 
 NEG_INF = -math.inf
@@ -78,7 +78,7 @@ class FlexKernelSpec:
     mask_mod: Region | None
     captured: tuple[TensorType, ...]
     grads: Wrt | None  # None: the forward
-    tensor_grads: tuple[tuple[int, int, bool, bool], ...]  # (tensor, partials, by_batch, by_kv_head)
+    tensor_grads: tuple[tuple[int, Dim, bool, bool], ...]  # (tensor, partials, by_batch, by_kv_head)
     lse_grad: bool
     grid: TileGrid
     map_kind: str  # "none" (no mask: all FULL), "all" (every tile PARTIAL), "static", "dynamic", "call"
@@ -126,9 +126,11 @@ class FlexKernelSpec:
         return self.needs_dp and self.score_mod is not None
 
     @property
-    def work_items(self) -> int:
+    def work_items(self) -> SizeLike:
+        """Forward: one item per (batch, head); backward: per (batch, kv head). A symbolic batch
+        makes it a size of the call (the item code never needs the batch)."""
         d = self.dims
-        return d.batch * (d.kv_heads if self.backward else d.heads)
+        return size_of(d.batch) * (d.kv_heads if self.backward else d.heads)
 
     def strip_floats(self, seq_k: int | None = None) -> int:
         """Floats of one strip (``seq_k``: the call's, when it is symbolic)."""

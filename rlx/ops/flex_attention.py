@@ -27,7 +27,7 @@ import numpy as np
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.opdef import EvalContext, OpDef, not_differentiable, register_op
 from rlx.ir.region import GradientRegion, Interval, Region
-from rlx.ir.types import Dim, Layout, TensorType, Wrt
+from rlx.ir.types import Dim, Layout, TensorType, Wrt, dim_factors, make_dim
 from rlx.ops._common import F32, op_kind
 from rlx.ops.attention import from_heads, static_sizes, to_heads
 
@@ -63,10 +63,10 @@ class FlexAttentionBwdAttrs:
 
 @dataclass(frozen=True)
 class FlexDims:
-    batch: int
+    batch: Dim  # the batch and the sequence lengths may be symbolic dimensions, sized per call
     heads: int
     kv_heads: int
-    seq_q: Dim  # the sequence lengths may be symbolic dimensions, sized per call
+    seq_q: Dim
     seq_k: Dim
     head_dim: int
     value_dim: int
@@ -87,14 +87,19 @@ def flex_dims(what: str, q: TensorType, k: TensorType, v: TensorType, layout: La
     b, sq, h, d = layout.split(q.shape)
     kb, sk, hkv, kd = layout.split(k.shape)
     vb, vs, vh, dv = layout.split(v.shape)
-    b, h, d, hkv, dv = static_sizes(what, layout, q, k, v, (b, h, d, hkv, dv), "the sequence lengths")
+    h, d, hkv, dv = static_sizes(what, layout, q, k, v, (h, d, hkv, dv))
     if kb != b or kd != d:
         raise RlxValueError(f"{what}: k must have batch {b} and head dim {d} like q {q} (layout {layout}), got {k}")
     if h % hkv:
         raise RlxValueError(f"{what}: q's {h} heads must be a multiple of k's {hkv} heads (GQA), got q {q}, k {k}")
     if (vb, vs, vh) != (b, sk, hkv):
         raise RlxValueError(f"{what}: v must have batch {b}, {sk} keys and {hkv} heads like k {k}, got {v}")
-    return FlexDims(b, h, hkv, sq, sk, d, dv)  # only the sequence lengths may be symbolic
+    return FlexDims(b, h, hkv, sq, sk, d, dv)  # only the batch and the sequence lengths may be symbolic
+
+
+def dims_are_static(dims: FlexDims) -> bool:
+    """Whether the batch and both lengths are known at build time (else per call)."""
+    return all(isinstance(size, int) for size in (dims.batch, dims.seq_q, dims.seq_k))
 
 
 def captured_kinds(types: Sequence[TensorType]) -> list[tuple[tuple[Dim, ...], str]]:
@@ -119,7 +124,7 @@ def check_regions(
             raise RlxTypeError(f"{what}: {label} must give a {want}, its result is {kinds[-1]!r}")
         if label == "mask_mod" and "score" in set().union(*region.dependences()):
             raise RlxValueError(f"{what}: mask_mod cannot read the score")
-        if isinstance(dims.seq_q, int) and all(t.is_static for t in captured) and isinstance(dims.seq_k, int):
+        if dims_are_static(dims) and all(t.is_static for t in captured):
             _check_index_ranges(what, label, region, dims, captured)
         # else: the sizes are known per call, and so is the check (check_index_ranges_per_call)
 
@@ -136,7 +141,7 @@ def check_index_ranges_per_call(
 def _check_index_ranges(what: str, label: str, region: Region, dims: FlexDims, captured: Sequence[TensorType]) -> None:
     full: dict[str, Interval] = {
         "score": (np.float64(-np.inf), np.float64(np.inf)),
-        "b": (np.float64(0), np.float64(dims.batch - 1)),
+        "b": (np.float64(0), np.float64(int(dims.batch) - 1)),
         "h": (np.float64(0), np.float64(dims.heads - 1)),
         "q_idx": (np.float64(0), np.float64(int(dims.seq_q) - 1)),
         "kv_idx": (np.float64(0), np.float64(int(dims.seq_k) - 1)),
@@ -165,7 +170,7 @@ def _fmt(x: np.ndarray) -> str:
 
 def tensor_grad_layout(
     region: Region | None, captured: Sequence[TensorType], dims: FlexDims
-) -> list[tuple[int, int, bool, bool]]:
+) -> list[tuple[int, Dim, bool, bool]]:
     """``(tensor, partials, by_batch, by_kv_head)`` for each captured float tensor the score_mod reads.
 
     A backward work item is one (batch, kv head); items write disjoint gradient entries when
@@ -183,7 +188,8 @@ def tensor_grad_layout(
     for tensor, steps in reads.items():
         exact_b = all(("s", "b") in region.steps[s].args[1:] for s in steps)
         exact_h = all(("s", "h") in region.steps[s].args[1:] for s in steps)
-        partials = (1 if exact_b else dims.batch) * (1 if exact_h else dims.kv_heads)
+        coefficient, symbols = dim_factors(1 if exact_b else dims.batch)  # a symbolic batch: "B" partials
+        partials = make_dim(coefficient * (1 if exact_h else dims.kv_heads), symbols)
         layout.append((tensor, partials, not exact_b, not exact_h))
     return layout
 
@@ -279,7 +285,7 @@ def _visible(mask_mod: Region | None, dims: FlexDims, tensors: Sequence[np.ndarr
     if mask_mod is None:
         return np.ones((1, 1, 1, 1), dtype=bool)
     return np.broadcast_to(
-        mask_mod.evaluate(_symbols(dims, None), tensors), (dims.batch, dims.heads, int(dims.seq_q), int(dims.seq_k))
+        mask_mod.evaluate(_symbols(dims, None), tensors), (int(dims.batch), dims.heads, int(dims.seq_q), int(dims.seq_k))
     )
 
 
@@ -338,7 +344,7 @@ def flex_attention_backward(
     check_index_ranges_per_call("flex_attention_bwd", attrs.score_mod, attrs.mask_mod, dims, _types(captured))
     scale = 1.0 / math.sqrt(dims.head_dim) if attrs.scale is None else attrs.scale
     grid = _symbols(dims, None)
-    full = (dims.batch, dims.heads, int(dims.seq_q), int(dims.seq_k))
+    full = (int(dims.batch), dims.heads, int(dims.seq_q), int(dims.seq_k))
     with np.errstate(all="ignore"):
         raw = _scores(qh, kh, dims, attrs.scale)
         g_score: np.ndarray = np.ones(full)
@@ -375,7 +381,7 @@ def flex_attention_backward(
         ds_raw = np.where(visible & (g_score != 0.0), ds * g_score, 0.0)
 
         def group_sum(x: np.ndarray) -> np.ndarray:
-            return x.reshape(dims.batch, dims.kv_heads, dims.group, *x.shape[2:]).sum(axis=2)
+            return x.reshape(int(dims.batch), dims.kv_heads, dims.group, *x.shape[2:]).sum(axis=2)
 
         grads: dict[Wrt, np.ndarray] = {
             Wrt.QUERY: scale * ds_raw @ np.repeat(kh, dims.group, axis=1),
@@ -403,7 +409,7 @@ def _tensor_grads(
     values = region.evaluate_all(grid | {"score": np.zeros((1, 1, 1, 1))}, captured)
     full = ds.shape
     partial_of = {tensor: (count, by_b, by_h) for tensor, count, by_b, by_h in tensor_grad_layout(region, shapes, dims)}
-    sums = {tensor: np.zeros((count, *shapes[tensor].static_shape)) for tensor, (count, _, _) in partial_of.items()}
+    sums = {tensor: np.zeros((int(count), *shapes[tensor].static_shape)) for tensor, (count, _, _) in partial_of.items()}
     batch = np.broadcast_to(grid["b"], full)
     kv_head = np.broadcast_to(grid["h"] // dims.group, full)
     for (step, tensor), local in zip(region.float_reads(kinds), read_grads, strict=True):
@@ -463,7 +469,7 @@ def _flex_grad(
     q, k, v = node.inputs[:3]
     captured = node.inputs[3:]
     if d_out is None:
-        d_out = graph.constant(np.zeros(out.static_shape, np.float32))
+        d_out = graph.broadcast_to(graph.constant(np.zeros((), np.float32)), out.shape)  # shapes may be symbolic
     dlse = () if d_lse is None else (d_lse,)
     operands = (q, k, v, out, d_out, lse, *dlse, *captured)
 
