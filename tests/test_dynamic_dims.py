@@ -560,3 +560,18 @@ def test_a_refused_size_stays_refused_between_good_calls_of_other_sizes() -> Non
                 continue
             want = rlx.reference.run(g, **arrays)["out"]
             np.testing.assert_allclose(exe(**arrays)["out"], want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_loss_of_lse_alone_differentiates_at_symbolic_sizes() -> None:
+    """Only lse reaches the loss: out's cotangent is a zero of out's symbolic shape."""
+    g = rlx.Graph()
+    q = g.input("q", ("B", "S", 2, 8))
+    k = g.input("k", ("B", "S", 2, 8))
+    _, lse = g.attention(q, k, k, mask_mod=rlx.mods.causal, return_lse=True)
+    dq, dk = rlx.grad(g, g.sum(lse * lse), [q, k])
+    g.output(dq=dq, dk=dk)
+    exe = rlx.compile(g)
+    rng = np.random.default_rng(14)
+    for batch, length in ((2, 9), (1, 4)):
+        arrays = {name: rng.standard_normal((batch, length, 2, 8), dtype=np.float32) for name in ("q", "k")}
+        _check_close(exe(**arrays), rlx.reference.run(g, **arrays))
