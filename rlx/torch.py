@@ -265,10 +265,10 @@ def _plan(
     scale: float | None,
     declared: dict[int, tuple[int | str, ...]] | None = None,
 ) -> _Plan:
-    """Trace the mods and find (or compile) the plan. The sequence lengths are symbolic, so one
-    compilation serves every length, unless the mods need them static (they use the lengths
-    themselves): then the graph has this call's sizes. Captured tensors keep their own shapes
-    (an SDPA mask's sequence axes excepted, see ``declared``)."""
+    """Trace the mods and find (or compile) the plan. The batch and the sequence lengths are
+    symbolic, so one compilation serves every size, unless the mods need them static (they use
+    the lengths themselves): then the graph has this call's sizes. Captured tensors keep their
+    own shapes (an SDPA mask's sequence axes excepted, see ``declared``)."""
     threads = _threads_for(_attention_flops(q, k, v))
     try:
         graph, captured = _flex_graph(q, k, v, score_mod, mask_mod, scale, symbolic=True, declared=declared)
@@ -288,10 +288,10 @@ def _flex_graph(
     declared: dict[int, tuple[int | str, ...]] | None = None,
 ) -> tuple[Graph, list[torch.Tensor]]:
     g = Graph("flex")
-    seq_q, seq_k = ("Sq", "Sk") if symbolic else (q.shape[2], k.shape[2])
-    qi = g.input("q", (q.shape[0], q.shape[1], seq_q, q.shape[3]))
-    ki = g.input("k", (k.shape[0], k.shape[1], seq_k, k.shape[3]))
-    vi = g.input("v", (v.shape[0], v.shape[1], seq_k, v.shape[3]))
+    batch, seq_q, seq_k = ("B", "Sq", "Sk") if symbolic else (q.shape[0], q.shape[2], k.shape[2])
+    qi = g.input("q", (batch, q.shape[1], seq_q, q.shape[3]))
+    ki = g.input("k", (batch, k.shape[1], seq_k, k.shape[3]))
+    vi = g.input("v", (batch, v.shape[1], seq_k, v.shape[3]))
     capture = _Capture(g, declared if symbolic else None)
     _capturing.current = capture
     try:
@@ -813,16 +813,17 @@ def _masked_plan(
     mask_shape: tuple[int | str, ...] | None = None
     symbolic_key: tuple[Any, ...] | None = None
     if full is not None and not (full.is_floating_point() and full.requires_grad):
-        # A mask's query and key axes follow the sequence lengths: declared symbolic, so one
-        # compilation serves every length (a mask that needs a gradient stays static for now).
+        # A mask's batch, query and key axes follow the batch and the sequence lengths: declared
+        # symbolic, so one compilation serves every size (a mask that needs a gradient stays
+        # static for now).
         shape = tuple(full.shape)
         mask_shape = (
-            shape[0],
+            "B" if shape[0] == q.shape[0] and shape[0] != 1 else shape[0],
             shape[1],
             "Sq" if shape[2] == q.shape[2] and shape[2] != 1 else shape[2],
             "Sk" if shape[3] == k.shape[2] and shape[3] != 1 else shape[3],
         )
-        symbolic_key = (q.shape[:2], q.shape[3], k.shape[:2], v.shape[3], scale, mask_shape, full.dtype, is_causal)
+        symbolic_key = (q.shape[1:2], q.shape[3], k.shape[1:2], v.shape[3], scale, mask_shape, full.dtype, is_causal)
         if symbolic_key in _sdpa_plans:
             plan_key = symbolic_key
     cached = _sdpa_plans.get(plan_key)

@@ -262,3 +262,59 @@ def test_flex_mask_that_reads_the_lengths_compiles_once() -> None:
         for g, w in zip(got_grads, want_grads, strict=True):
             _close(g, w)
     assert compile_count() - before <= 2  # the forward once, its backward once
+
+
+def test_flex_attention_over_batches_of_varying_size_compiles_once() -> None:
+    """Batch and lengths both vary; a learnable per-head slope (read without b) gets its gradient
+    summed over the call's batch."""
+    slopes = torch.rand(2, generator=torch.Generator().manual_seed(4), requires_grad=True)
+
+    def alibi(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return score - slopes[h] * (q_idx - kv_idx)
+
+    def causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return q_idx >= kv_idx
+
+    seen = None
+    for step, (batch, seq) in enumerate(((3, 16), (1, 33), (4, 7), (2, 100))):
+        tensors = _tensors([(batch, 2, seq, 8)] * 3, seed=80 + step)
+        dy = torch.randn(batch, 2, seq, 8, generator=torch.Generator().manual_seed(step))
+        slopes.grad = None
+        out, grads = _forward_backward(rt.flex_attention, tensors, dy, score_mod=alibi, mask_mod=causal)
+        x2 = [t.detach().double().requires_grad_(True) for t in tensors]
+        s2 = slopes.detach().double().requires_grad_(True)
+        distance = (torch.arange(seq)[:, None] - torch.arange(seq)[None, :]).double()
+        scores = (x2[0] @ x2[1].transpose(-1, -2)) / 8**0.5 - s2[:, None, None] * distance
+        keep = torch.ones(seq, seq, dtype=torch.bool).tril()
+        want = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ x2[2]
+        want.backward(dy.double())
+        _close(out, want.detach().float())
+        for got, ref in zip([*grads, slopes.grad], [*x2, s2], strict=True):
+            _close(got, ref.grad.float(), 5e-5)
+        if step == 0:
+            seen = compile_count()
+    assert compile_count() == seen
+
+
+@pytest.mark.parametrize("kind", ["bool", "float", "padding"])
+def test_sdpa_with_a_mask_tensor_over_batches_of_varying_size_compiles_once(kind: str) -> None:
+    seen = None
+    for step, (batch, seq_q, seq_k) in enumerate(((2, 5, 9), (3, 40, 40), (4, 7, 30), (3, 16, 17))):
+        gen = torch.Generator().manual_seed(step)
+        tensors = _tensors([(batch, 3, seq_q, 16), (batch, 3, seq_k, 16), (batch, 3, seq_k, 16)], seed=90 + step)
+        if kind == "bool":
+            mask = torch.rand(batch, 3, seq_q, seq_k, generator=gen) > 0.2
+        elif kind == "float":
+            mask = torch.randn(seq_q, seq_k, generator=gen)
+        else:  # key padding: each sequence of the batch its own length
+            lengths = torch.randint(1, seq_k + 1, (batch,), generator=gen)
+            mask = (torch.arange(seq_k)[None, :] < lengths[:, None]).view(batch, 1, 1, seq_k)
+        dy = torch.randn(batch, 3, seq_q, 16, generator=gen)
+        out, grads = _forward_backward(rt.scaled_dot_product_attention, tensors, dy, attn_mask=mask)
+        want_out, want_grads = _forward_backward(F.scaled_dot_product_attention, tensors, dy, attn_mask=mask)
+        _close(out, want_out)
+        for got, want in zip(grads, want_grads, strict=True):
+            _close(got, want, 5e-5)
+        if step == 0:
+            seen = compile_count()
+    assert compile_count() == seen

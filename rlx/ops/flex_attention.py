@@ -284,9 +284,8 @@ def _scores(q: np.ndarray, k: np.ndarray, dims: FlexDims, scale: float | None) -
 def _visible(mask_mod: Region | None, dims: FlexDims, tensors: Sequence[np.ndarray]) -> np.ndarray:
     if mask_mod is None:
         return np.ones((1, 1, 1, 1), dtype=bool)
-    return np.broadcast_to(
-        mask_mod.evaluate(_symbols(dims, None), tensors), (int(dims.batch), dims.heads, int(dims.seq_q), int(dims.seq_k))
-    )
+    full = (int(dims.batch), dims.heads, int(dims.seq_q), int(dims.seq_k))
+    return np.broadcast_to(mask_mod.evaluate(_symbols(dims, None), tensors), full)
 
 
 def _softmax_and_lse(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -409,7 +408,7 @@ def _tensor_grads(
     values = region.evaluate_all(grid | {"score": np.zeros((1, 1, 1, 1))}, captured)
     full = ds.shape
     partial_of = {tensor: (count, by_b, by_h) for tensor, count, by_b, by_h in tensor_grad_layout(region, shapes, dims)}
-    sums = {tensor: np.zeros((int(count), *shapes[tensor].static_shape)) for tensor, (count, _, _) in partial_of.items()}
+    sums = {t: np.zeros((int(count), *shapes[t].static_shape)) for t, (count, _, _) in partial_of.items()}
     batch = np.broadcast_to(grid["b"], full)
     kv_head = np.broadcast_to(grid["h"] // dims.group, full)
     for (step, tensor), local in zip(region.float_reads(kinds), read_grads, strict=True):
