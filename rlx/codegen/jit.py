@@ -31,9 +31,6 @@ ENTRY = "rlx_entry"
 _IMPORTED_LIBC = (
     "pthread_create",
     "pthread_join",
-    "pthread_barrier_init",
-    "pthread_barrier_wait",
-    "pthread_barrier_destroy",
     "sched_yield",
     "logf",
     "powf",

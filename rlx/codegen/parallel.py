@@ -5,12 +5,13 @@ thread, or, once ``rlx.torch`` shares torch's threads, an OpenMP region of torch
 When another Python thread's call holds the pool, the entry function starts its own
 ``threads - 1`` pthreads for the call and joins them after. Every member runs the same step
 list (``team``): for each kernel it takes the next item from that kernel's atomic counter until
-none is left, then waits at a barrier, so the next kernel sees all of this one's results. A
-*serial* step (the embedding scatter-add and its zeroing) runs on member 0 while the others
-sleep in the barrier. Every item is computed by exactly one thread with the same code, so
-results do not depend on which thread ran it: the output is bit-identical for any thread
-count. The barrier is sized for the members a call really got (a thread that could not be
-created, an OpenMP region with fewer threads than asked), and they take the others' share.
+none is left, then waits at a barrier (the pool's: a short spin, then sleep; see
+``rlx_pool_barrier``), so the next kernel sees all of this one's results. A *serial* step (the
+embedding scatter-add and its zeroing) runs on member 0 while the others wait in the barrier.
+Every item is computed by exactly one thread with the same code, so results do not depend on
+which thread ran it: the output is bit-identical for any thread count. The barrier is sized
+for the members a call really got (a thread that could not be created, an OpenMP region with
+fewer threads than asked), and they take the others' share.
 """
 
 from __future__ import annotations
@@ -21,9 +22,7 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from rlx.codegen.irutil import I8, I32, I64, PTR, VOID, alloca_entry, declare, for_range, gep, i32, i64
-from rlx.codegen.pool import declare_pool
-
-BARRIER_BYTES = 128  # >= sizeof(pthread_barrier_t) on every glibc target (32 on x86-64)
+from rlx.codegen.pool import BARRIER_WORDS, declare_barrier, declare_pool
 
 # Shared by the members: step arguments, counters, scratch, its stride, barrier, start flag, profile,
 # and each step's item count (for steps whose count only a call knows: symbolic dimensions).
@@ -112,7 +111,7 @@ def emit_team(
         b.store(step.args, gep(b, args_table, [i64(index)], PTR))
         b.store(i64(0), gep(b, counters, [i64(index)], I64))
         b.store(i64(step.items) if isinstance(step.items, int) else step.items, gep(b, limits, [i64(index)], I64))
-    barrier = alloca_entry(b, ir.ArrayType(I8, BARRIER_BYTES), "barrier")
+    barrier = alloca_entry(b, ir.ArrayType(I32, BARRIER_WORDS), "barrier")
     barrier.align = 16
     ready = alloca_entry(b, I32, "ready")
     b.store(i32(0), ready)
@@ -130,7 +129,6 @@ def emit_team(
     for index, value in enumerate(values):
         b.store(value, _field(b, _SHARED, shared, index))
 
-    destroy = declare(module, "pthread_barrier_destroy", I32, [PTR])
     start_fn = _emit_start(module)
 
     def start(members: ir.Value) -> None:
@@ -151,7 +149,6 @@ def emit_team(
     else:
         start(i32(1))
         b.call(team, [shared, i64(0)])
-    b.call(destroy, [barrier])
 
 
 def _emit_start(module: ir.Module) -> ir.Function:
@@ -164,8 +161,9 @@ def _emit_start(module: ir.Module) -> ir.Function:
     fn.linkage = "internal"
     shared, members = fn.args
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    init = declare(module, "pthread_barrier_init", I32, [PTR, PTR, I32])
-    b.call(init, [_load(b, _SHARED, shared, 4, "barrier"), ir.Constant(PTR, None), members])
+    words = _load(b, _SHARED, shared, 4, "barrier")  # the pool's team barrier: all zero but members
+    for index in range(BARRIER_WORDS):
+        b.store(members if index == 2 else i32(0), gep(b, words, [i64(index)], I32))
     b.atomic_rmw("xchg", _load(b, _SHARED, shared, 5, "ready"), i32(1), "release")  # a release store
     b.ret_void()
     return fn
@@ -244,7 +242,7 @@ def _emit_team_main(
     ready = _load(b, _SHARED, shared, 5, "ready")
     profile = _load(b, _SHARED, shared, 6, "profile")
     limits = _load(b, _SHARED, shared, 7, "limits")
-    wait = declare(module, "pthread_barrier_wait", I32, [PTR])
+    wait = declare_barrier(module)
     yield_ = declare(module, "sched_yield", I32, [])
 
     spin = b.append_basic_block("start.wait")

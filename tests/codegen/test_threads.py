@@ -339,3 +339,28 @@ def test_a_capped_call_starts_no_worker() -> None:
     result = subprocess.run([sys.executable, "-c", _CAP_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["0", "1", "True"]
+
+
+@pytest.mark.parametrize("threads", [2, 4, 7])
+def test_members_that_outwait_the_barriers_spin_sleep_and_wake(threads: int) -> None:
+    """A serial step (the embedding gradient's scatter-add, on member 0) long enough that the
+    other members stop spinning at the barrier after it and sleep, between steps that every
+    member shares; more members than cores too. Every call is bit-identical to one thread's."""
+    rng = np.random.default_rng(21)
+    g = Graph("barriers")
+    table = g.input("table", (20000, 64))
+    ids = g.input("ids", (64, 512), dtype="int32")
+    rows = g.embedding(table, ids)
+    loss = g.sum(g.tanh(rows) * rows)
+    (d_table,) = rlx.grad(g, loss, [table])
+    g.output(loss=loss, d_table=g.exp(d_table * 0.5) + d_table)
+    arrays = {
+        "table": rng.standard_normal((20000, 64), dtype=np.float32),
+        "ids": rng.integers(0, 20000, (64, 512)).astype(np.int32),
+    }
+    want = rlx.compile(g, config=RuntimeConfig(num_threads=1))(**arrays)
+    exe = rlx.compile(g, config=RuntimeConfig(num_threads=threads))
+    for _ in range(5):
+        got = exe(**arrays)
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name])
