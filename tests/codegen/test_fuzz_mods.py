@@ -137,6 +137,7 @@ def evaluate(tree: Tree, env: dict[str, Any]) -> Any:
     value_dim=st.integers(1, 8),
     layout=st.sampled_from(list(Layout)),
     scale=st.one_of(st.none(), st.floats(0.05, 2.0)),
+    symbolic=st.sets(st.sampled_from(["B", "Sq", "Sk"])),
     seed=st.integers(0, 2**16),
 )
 def test_random_mods_compile_to_the_reference(
@@ -151,13 +152,17 @@ def test_random_mods_compile_to_the_reference(
     value_dim: int,
     layout: Layout,
     scale: float | None,
+    symbolic: set[str],
     seed: int,
 ) -> None:
+    """Any of the batch and the lengths may be declared symbolic (the bias keeps static sizes)."""
     heads = kv_heads * group
+    sizes = {"B": batch, "Sq": seq_q, "Sk": seq_k}
+    b, sq, sk = (name if name in symbolic else sizes[name] for name in ("B", "Sq", "Sk"))
     g = Graph("fuzz_mods")
-    q = g.input("q", layout.join(batch, seq_q, heads, dim))
-    k = g.input("k", layout.join(batch, seq_k, kv_heads, dim))
-    v = g.input("v", layout.join(batch, seq_k, kv_heads, value_dim))
+    q = g.input("q", layout.join(b, sq, heads, dim))
+    k = g.input("k", layout.join(b, sk, kv_heads, dim))
+    v = g.input("v", layout.join(b, sk, kv_heads, value_dim))
     bias = g.input("bias", (heads, seq_q, seq_k))
 
     def score_mod(score: Any, b: Any, h: Any, i: Any, j: Any) -> Any:
@@ -186,7 +191,8 @@ def test_random_mods_compile_to_the_reference(
     g.output(out=out, lse=lse, **{f"d{name}": grad for name, grad in zip(names, grads, strict=True)})
 
     rng = np.random.default_rng(seed)
-    arrays = {name: rng.standard_normal(value.shape).astype(np.float32) for name, value in g.inputs.items()}
+    shapes = {name: tuple(sizes.get(d, d) for d in value.shape) for name, value in g.inputs.items()}
+    arrays = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
     got = rlx.compile(g)(**arrays)
     expected = rlx.reference.run(g, **arrays)
     for name, value in expected.items():
