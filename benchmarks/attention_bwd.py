@@ -52,7 +52,7 @@ from _harness import (
     numpy_blas_info,
     roofline,
     set_numpy_blas_threads,
-    time_interleaved,
+    time_bursts,
     timed,
 )
 
@@ -494,13 +494,16 @@ def run_case(index: int, case: Case, args: argparse.Namespace, torch: ModuleType
     repeat = choose_repeat(args, sum(warmup.values()) + args.gap * len(benches))
     print(f"   timing {repeat} interleaved rounds ...", flush=True)
     foreign = ForeignLoad()
-    samples = time_interleaved(benches, repeat, args.gap)
+    bursts = time_bursts(benches, repeat, args.gap, args.warm)
+    samples = bursts.cold
     result["foreign_load_cores"] = foreign.cores()
     if result["foreign_load_cores"] is not None:
         print(f"   other processes kept {result['foreign_load_cores']:.2f} of {core_count()} cores busy meanwhile",
               flush=True)
     result["repeat"] = repeat
     result["stats"] = {name: asdict(Stats.of(times)) for name, times in samples.items()}
+    if args.warm:
+        result["warm_stats"] = {name: asdict(Stats.of(times)) for name, times in bursts.warm.items()}
     profiled = compile_graph(build_bwd_graph(case), config=config, options=CodegenOptions(profile=True))
     result["breakdown"] = attention_breakdown(profiled, arrays)
     if torch is not None:
@@ -663,6 +666,28 @@ def rate_table(results: list[dict[str, Any]], sgemm_gflops: float, sgemm_multi_g
     return markdown_table(header, rows)
 
 
+def warm_ratio(result: dict[str, Any]) -> float | None:
+    """torch / rlx fused over the warm calls (medians), or None."""
+    stats = result.get("warm_stats", {})
+    if "torch" not in stats or "rlx_fused" not in stats:
+        return None
+    return float(stats["torch"]["median"] / stats["rlx_fused"]["median"])
+
+
+def warm_table(results: list[dict[str, Any]], sgemm_multi_gflops: float) -> str:
+    header = ["#", "case", "rlx fused ms", "torch ms", "torch/fused", "fused/sgemm(measured N-thr)"]
+    rows = []
+    for r in results:
+        stats = r.get("warm_stats")
+        if not stats:
+            continue
+        fused = stats["rlx_fused"]["median"]
+        torch_s = stats.get("torch", {}).get("median")
+        rows.append([str(r["index"]), r["label"], f"{fused * 1e3:.1f}", fmt(torch_s and torch_s * 1e3, ".1f"),
+                     fmt(warm_ratio(r), ".2f", "x"), f"{r['flops'] / fused / 1e9 / sgemm_multi_gflops * 100:.0f}%"])
+    return markdown_table(header, rows)
+
+
 def memory_table(results: list[dict[str, Any]]) -> str:
     header = ["#", "case", "7 tensors MiB", "fused extra MiB", "fused/7", "unfused extra MiB", "numpy extra MiB",
               "torch extra MiB", "compile cold ms", "first in-proc ms", "cached ms"]
@@ -800,6 +825,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-long", action="store_true", help=f"skip case {LONG_CASE} (S=16384)")
     parser.add_argument("--gap", type=float, default=0.2,
                         help="seconds of idle before each timed call, so BLAS/OpenMP spinning threads settle")
+    parser.add_argument("--warm", type=int, default=2,
+                        help="calls timed right after each timed one, back to back (default 2; 0: none)")
     parser.add_argument("--memory", choices=("all", "fused", "none"), default=None,
                         help="peak-memory probes: every implementation, rlx fused only, or none "
                         "(default all; fused with --quick)")
@@ -888,6 +915,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(blas_table([(r["label"], r["blas_vs_torch"], r.get("breakdown", {}).get("blas")) for r in compared]))
         speedup = geomean(r["blas_vs_torch"]["torch_speedup"] for r in compared)
         print(f"\ntorch's BLAS runs these products {speedup:.2f}x as fast as rlx's OpenBLAS (geometric mean)")
+    warm = [r for r in results if r.get("warm_stats")]
+    if warm:
+        print(f"\n### Warm: the {args.warm} calls right after each timed one, back to back (as a training loop calls), "
+              "median; the threads of the first call's wake-up are awake\n")
+        print(warm_table(warm, measured_multi))
+        headline = [r for r in warm if r["index"] != LONG_CASE]
+        ratios = [x for x in (warm_ratio(r) for r in headline) if x is not None]
+        fractions = [r["flops"] / r["warm_stats"]["rlx_fused"]["median"] / 1e9 / measured_multi for r in headline]
+        middle = median_or_none(fractions)
+        print(f"\nwarm: torch/fused geomean {fmt(geomean(ratios), '.2f', 'x')}, fused/sgemm median "
+              f"{fmt(middle and middle * 100, '.1f', '%')} (the targets are judged on the first calls, above)")
     print("\n### Extra peak RSS of one call (fresh process) and rlx fused compile times\n")
     print(memory_table(results))
     print("\n### Summary\n")

@@ -238,8 +238,9 @@ def run_shape(shape: tuple[int, int, int, int], args: argparse.Namespace, torch:
         raise RuntimeError(f"rlx and torch disagree on {shape}: relative errors {errors}")
     for call in calls.values():
         call.run()  # warm-up
-    samples = h.time_interleaved(calls, args.repeat, args.gap)
-    stats = {name: h.Stats.of(s) for name, s in samples.items()}
+    bursts = h.time_bursts(calls, args.repeat, args.gap, args.warm)
+    stats = {name: h.Stats.of(s) for name, s in bursts.cold.items()}
+    warm = {name: float(np.median(s)) for name, s in bursts.warm.items() if s}
     memory = {}
     if not args.no_memory:
         for name in ("rlx", "torch eager"):
@@ -267,6 +268,9 @@ def run_shape(shape: tuple[int, int, int, int], args: argparse.Namespace, torch:
         "min_s": {name: s.minimum for name, s in stats.items()},
         "samples_s": {name: list(s.samples) for name, s in stats.items()},
         "speedup_vs": {name: stats[name].median / stats["rlx"].median for name in stats if name != "rlx"},
+        "warm_median_s": warm,
+        "warm_samples_s": bursts.warm,
+        "warm_speedup_vs": {name: warm[name] / warm["rlx"] for name in warm if name != "rlx"},
         "peak_extra_bytes": memory,
         "torch_compile_first_call_s": compiled_warmup,
         "max_rel_error_vs_torch": worst,
@@ -282,6 +286,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gap", type=float, default=0.05)
+    parser.add_argument("--warm", type=int, default=2, help="calls timed right after each timed one (0: none)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (its first compile is slow)")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--profile-all", action="store_true", help="time breakdown for every shape")
@@ -368,6 +373,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"\ngeometric mean speed-up: vs torch eager {eager:.2f}x (target 1.5x)"
         + (f", vs torch.compile {compiled:.2f}x (target 1.2x)" if compiled else "")
     )
+    if args.warm:
+        warm_rows = [
+            [f"{r['shape']['B']},{r['shape']['S']},{r['shape']['E']},{r['shape']['H']}"]
+            + [f"{r['warm_median_s'][name] * 1e3:.1f}" for name in r["warm_median_s"]]
+            + [f"{x:.2f}x" for x in r["warm_speedup_vs"].values()]
+            for r in results
+        ]
+        names = list(results[0]["warm_median_s"])
+        header_warm = ["B,S,E,H", *(f"{n} ms" for n in names), *(f"{n}/rlx" for n in names if n != "rlx")]
+        print(
+            f"\nWarm: the {args.warm} calls right after each timed one, back to back (as a training loop calls),"
+            " median; the threads the first call woke are awake:"
+        )
+        print(h.markdown_table(header_warm, warm_rows))
+        print(
+            "warm geometric mean speed-up: "
+            + ", ".join(
+                f"vs {n} {h.geomean(r['warm_speedup_vs'][n] for r in results):.2f}x" for n in names if n != "rlx"
+            )
+            + " (the targets are judged on the first calls, above)"
+        )
     print(
         f"largest shape {largest}: build + grad {cold['build_grad']:.2f} s + cold compile {cold['compile']:.2f} s "
         f"in a fresh process (target under 2 s together; import {cold['import']:.2f} s); "

@@ -54,3 +54,28 @@ def test_compare_blas_times_both_libraries() -> None:
     assert [row[0] for row in result.per_product] == ["64x48x32 TN", "40x64x32 NT"]
     assert np.isfinite(result.torch_speedup)
     assert torch.get_num_threads() == threads and blas.threads() == before  # both restored
+
+
+def test_bursts_time_the_first_call_after_the_gap_and_the_warm_ones_apart() -> None:
+    """Each implementation's burst: a setup before every call, the gap before the first only, the
+    first call's time cold and the rest warm; the rotation still alternates implementations."""
+    log: list[str] = []
+
+    class Fake:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def setup(self) -> None:
+            log.append(f"setup {self.name}")
+
+        def run(self) -> object:
+            log.append(f"run {self.name}")
+            return None
+
+    bursts = h.time_bursts({"a": Fake("a"), "b": Fake("b")}, repeat=3, gap=0.0, warm=2)
+    assert {name: len(times) for name, times in bursts.cold.items()} == {"a": 3, "b": 3}
+    assert {name: len(times) for name, times in bursts.warm.items()} == {"a": 6, "b": 6}
+    runs = [entry.split()[1] for entry in log if entry.startswith("run")]
+    assert runs == ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3 + ["a"] * 3 + ["b"] * 3
+    assert all(log[i].startswith("setup") and log[i + 1].startswith("run") for i in range(0, len(log), 2))
+    assert [len(times) for times in h.time_interleaved({"a": Fake("a")}, repeat=2, gap=0.0).values()] == [2]
