@@ -26,8 +26,9 @@ from rlx.codegen.pool import openmp_in_use
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
 rt = pytest.importorskip("rlx.torch")
+from rlx.torch.threads import loaded_openmp  # noqa: E402
 
-needs_libgomp = pytest.mark.skipif(rt._loaded_openmp() is None, reason="torch is not built with GNU OpenMP here")
+needs_libgomp = pytest.mark.skipif(loaded_openmp() is None, reason="torch is not built with GNU OpenMP here")
 
 
 def _graph() -> Graph:

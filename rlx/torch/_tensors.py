@@ -1,0 +1,45 @@
+"""torch tensors to and from the NumPy arrays rlx's executables take: no copy for contiguous float32."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rlx.errors import RlxTypeError
+
+_COMPUTED = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_tensor(tensor: object, name: str, kinds: str = "float") -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise RlxTypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_cpu:  # (tensor.device.type costs 0.4 us a call; this, 0.07)
+        raise RlxTypeError(f"{name} is on device {tensor.device}; rlx runs on the CPU (move it with .cpu())")
+    if kinds == "float" and tensor.dtype not in _COMPUTED:
+        raise RlxTypeError(f"{name} has dtype {tensor.dtype}; rlx.torch takes float32, float16 or bfloat16")
+    return tensor
+
+
+def _array(tensor: torch.Tensor) -> np.ndarray:
+    """A float32 (or int/bool) NumPy view of a CPU tensor: no copy when it is contiguous float32."""
+    x = tensor.detach() if tensor.requires_grad else tensor
+    if x.dtype == torch.float32:
+        pass  # the common case: each call below costs a microsecond even when it does nothing
+    elif x.is_floating_point():
+        x = x.float()  # half precisions are computed in float32
+    elif x.dtype not in (torch.int32, torch.int64, torch.bool):
+        x = x.to(torch.int64)  # int8/int16/uint8 index tensors
+    return (x if x.is_contiguous() else x.contiguous()).numpy()
+
+
+def _tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.from_numpy(array)
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+def _rlx_dtype(tensor: torch.Tensor) -> str:
+    if tensor.is_floating_point():
+        return "float32"
+    if tensor.dtype == torch.bool:
+        return "bool"
+    return "int32" if tensor.dtype == torch.int32 else "int64"

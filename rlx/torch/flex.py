@@ -1,0 +1,270 @@
+"""``rlx.torch.flex_attention``: torch's flex_attention on rlx's programmable-attention kernels,
+with a CPU backward; the plans (traced graph, forward and backwards) cached by graph."""
+
+from __future__ import annotations
+
+import numbers
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+import rlx
+from rlx.codegen.executable import Executable
+from rlx.errors import RlxError, RlxTypeError, RlxValueError
+from rlx.ir.graph import Graph
+from rlx.ir.types import Layout, Wrt
+from rlx.torch._autograd import _eager_under_torch_compile, _once_differentiable
+from rlx.torch._capture import _Capture, _capturing
+from rlx.torch._tensors import _array, _check_tensor, _tensor
+from rlx.torch.threads import _attention_flops, _threads_for
+
+
+@dataclass
+class _Plan:
+    """A traced and compiled attention call: its forward and (built on first use) its backward."""
+
+    graph: Graph
+    forward: Executable
+    captured: list[torch.Tensor]
+    backward_exe: dict[tuple[bool, bool], Executable]
+    threads: int | None = None  # this call's thread cap (see _threads_for)
+
+    def backward(self, tensor_grads: bool, lse_grad: bool) -> Executable:
+        key = (tensor_grads, lse_grad)
+        if key not in self.backward_exe:
+            self.backward_exe[key] = rlx.compile(_backward_graph(self.graph, tensor_grads, lse_grad))
+        return self.backward_exe[key]
+
+
+def _backward_graph(forward: Graph, tensor_grads: bool, lse_grad: bool) -> Graph:
+    """q, k, v, out, dy, lse, [dlse], captured -> dq, dk, dv and the captured float tensors' gradients."""
+    node = forward.outputs["out"].node
+    attrs = node.attrs
+    g = Graph("flex_bwd")
+    q, k, v = (g.input(name, forward.inputs[name].shape) for name in "qkv")
+    out = g.input("out", forward.outputs["out"].shape)
+    dy = g.input("dy", out.shape)
+    lse = g.input("lse", forward.outputs["lse"].shape)
+    dlse = (g.input("dlse", lse.shape),) if lse_grad else ()
+    captured = [g.input(value.node.attrs.name, value.shape, dtype=value.dtype) for value in node.inputs[3:]]
+    outputs = g.flex_attention_bwd(
+        q, k, v, out, dy, lse, *dlse, *captured,
+        wrt=Wrt.ALL, tensor_grads=tensor_grads, lse_grad=lse_grad,
+        score_mod=attrs.score_mod, mask_mod=attrs.mask_mod, scale=attrs.scale, layout=attrs.layout,
+    )  # fmt: skip
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    g.output(dq=outputs[0], dk=outputs[1], dv=outputs[2])
+    if tensor_grads:
+        from rlx.ops.flex_attention import flex_dims, tensor_grad_layout
+
+        dims = flex_dims("rlx.torch", q.type, k.type, v.type, attrs.layout)
+        layout = tensor_grad_layout(attrs.score_mod, [c.type for c in captured], dims)
+        for (tensor, _, _, _), partial in zip(layout, outputs[3:], strict=True):
+            g.output(**{f"d{captured[tensor].node.attrs.name}": g.sum(partial, axis=0)})
+    return g
+
+
+def _plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    score_mod: Callable[..., Any] | None,
+    mask_mod: Callable[..., Any] | None,
+    scale: float | None,
+    declared: dict[int, tuple[int | str, ...]] | None = None,
+) -> _Plan:
+    """Trace the mods and find (or compile) the plan. The batch and the sequence lengths are
+    symbolic, so one compilation serves every size, unless the mods need them static (they use
+    the lengths themselves): then the graph has this call's sizes. Captured tensors keep their
+    own shapes (an SDPA mask's sequence axes excepted, see ``declared``)."""
+    threads = _threads_for(_attention_flops(q, k, v))
+    try:
+        graph, captured = _flex_graph(q, k, v, score_mod, mask_mod, scale, symbolic=True, declared=declared)
+    except RlxError:
+        graph, captured = _flex_graph(q, k, v, score_mod, mask_mod, scale, symbolic=False)
+    return _plan_cache(graph, captured, threads)
+
+
+def _flex_graph(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    score_mod: Callable[..., Any] | None,
+    mask_mod: Callable[..., Any] | None,
+    scale: float | None,
+    symbolic: bool,
+    declared: dict[int, tuple[int | str, ...]] | None = None,
+) -> tuple[Graph, list[torch.Tensor]]:
+    g = Graph("flex")
+    batch, seq_q, seq_k = ("B", "Sq", "Sk") if symbolic else (q.shape[0], q.shape[2], k.shape[2])
+    qi = g.input("q", (batch, q.shape[1], seq_q, q.shape[3]))
+    ki = g.input("k", (batch, k.shape[1], seq_k, k.shape[3]))
+    vi = g.input("v", (batch, v.shape[1], seq_k, v.shape[3]))
+    capture = _Capture(g, declared if symbolic else None)
+    _capturing.current = capture
+    try:
+        out, lse = g.attention(
+            qi, ki, vi, score_mod=score_mod, mask_mod=mask_mod, scale=scale, layout=Layout.BHSD, return_lse=True
+        )
+    finally:
+        _capturing.current = None
+    g.output(out=out, lse=lse)
+    return g, capture.tensors
+
+
+_plans: dict[str, tuple[Executable, dict[tuple[bool, bool], Executable]]] = {}
+
+_plans_lock = threading.Lock()
+
+
+def _plan_cache(graph: Graph, captured: list[torch.Tensor], threads: int | None) -> _Plan:
+    """One forward and its backwards per distinct traced graph (shapes, dtypes and mods)."""
+    key = str(graph)
+    with _plans_lock:
+        found = _plans.get(key)
+    if found is None:
+        found = (rlx.compile(graph), {})
+        with _plans_lock:
+            _plans[key] = found
+    return _Plan(graph, found[0], captured, found[1], threads)
+
+
+def _attention_arrays(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, captured: Sequence[torch.Tensor], **more: torch.Tensor
+) -> dict[str, np.ndarray]:
+    """An attention plan's graph inputs by name: q, k, v, the captured tensors (``c0``, ``c1``, ...)
+    and ``more`` (the backward's ``out``, ``lse``, ``dy``)."""
+    arrays = {"q": _array(q), "k": _array(k), "v": _array(v)}
+    arrays |= {f"c{i}": _array(t) for i, t in enumerate(captured)}
+    return arrays | {name: _array(t) for name, t in more.items()}
+
+
+class _FlexFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *captured: torch.Tensor
+    ) -> Any:
+        result = plan.forward.run(_attention_arrays(q, k, v, captured), plan.threads)
+        out = _tensor(result["out"], q.dtype)
+        lse = torch.from_numpy(result["lse"])
+        ctx.plan = plan
+        # Saved as tensors, so torch refuses a backward after any of them was modified in place.
+        ctx.save_for_backward(q, k, v, out, lse, *captured)
+        ctx.float_out = result["out"]  # out in float32 (``out`` itself may be bf16/f16)
+        ctx.dtypes = [t.dtype for t in (q, k, v, *captured)]
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    @_once_differentiable
+    def backward(ctx: Any, d_out: torch.Tensor | None, d_lse: torch.Tensor | None) -> Any:
+        plan: _Plan = ctx.plan
+        needs = ctx.needs_input_grad[1:]
+        float_captured = [i for i, t in enumerate(plan.captured) if t.is_floating_point()]
+        tensor_grads = any(needs[3 + i] for i in float_captured)
+        q, k, v, out, lse, *captured = ctx.saved_tensors
+        arrays = _attention_arrays(q, k, v, captured, lse=lse)
+        arrays["out"] = _array(out) if out.dtype == torch.float32 else ctx.float_out
+        arrays["dy"] = _array(d_out) if d_out is not None else np.zeros_like(arrays["out"])
+        lse_grad = d_lse is not None
+        if d_lse is not None:
+            arrays["dlse"] = _array(d_lse)
+        exe = plan.backward(tensor_grads, lse_grad)
+        grads = exe.run({name: arrays[name] for name in exe.graph.inputs}, plan.threads)
+        dtypes = ctx.dtypes
+        result: list[torch.Tensor | None] = [None]
+        for i, name in enumerate(("dq", "dk", "dv")):
+            result.append(_tensor(grads[name], dtypes[i]) if needs[i] else None)
+        for i in range(len(plan.captured)):
+            key = f"dc{i}"
+            wanted = needs[3 + i] and key in grads
+            result.append(_tensor(grads[key], dtypes[3 + i]) if wanted else None)
+        return tuple(result)
+
+
+def _check_scale(scale: object, where: str) -> float | None:
+    """``scale`` as a float (None stays None); anything but a real number is an RlxTypeError."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise RlxTypeError(f"{where}: scale must be a number (or None for 1/sqrt(D)), got {type(scale).__name__}")
+    return float(scale)
+
+
+@_eager_under_torch_compile
+def flex_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    score_mod: Callable[..., Any] | None = None,
+    mask_mod: Callable[..., Any] | None = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    kernel_options: dict[str, Any] | None = None,
+    *,
+    block_mask: Any = None,
+    return_aux: Any = None,
+) -> Any:
+    """torch's ``flex_attention`` on CPU, forward and backward: ``[B, H, S, D]`` tensors.
+
+    ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx, kv_idx)`` are written as
+    for torch. A torch ``BlockMask`` is accepted for its ``mask_mod``, as ``block_mask=`` or in
+    the fifth place, where torch's signature has it, so calls written for torch run unchanged.
+    ``kernel_options`` tune torch's kernels and do not change results; rlx accepts and ignores
+    them. ``return_aux=AuxRequest(lse=True)`` returns ``(out, AuxOutput(lse=...))`` as torch does.
+    Differentiable w.r.t. query, key, value and float tensors the score_mod captures.
+    """
+    q = _check_tensor(query, "query")
+    k = _check_tensor(key, "key")
+    v = _check_tensor(value, "value")
+    scale = _check_scale(scale, "flex_attention")
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if t.ndim != 4:
+            raise RlxValueError(f"flex_attention: {name} must be [B, H, S, D], got shape {tuple(t.shape)}")
+    if k.shape[1] != q.shape[1] and not enable_gqa:
+        raise RlxValueError(
+            f"flex_attention: query has {q.shape[1]} heads and key {k.shape[1]}; pass enable_gqa=True for GQA"
+        )
+    if kernel_options is not None and not isinstance(kernel_options, dict):
+        raise RlxTypeError(f"flex_attention: kernel_options must be a dict, got {type(kernel_options).__name__}")
+    if _is_block_mask(mask_mod):  # torch's fifth parameter is block_mask
+        if block_mask is not None:
+            raise RlxValueError("flex_attention: block_mask given twice (in the fifth place and by name)")
+        mask_mod, block_mask = None, mask_mod
+    if block_mask is not None:
+        if mask_mod is not None:
+            raise RlxValueError("flex_attention: give mask_mod or block_mask, not both")
+        mask_mod = getattr(block_mask, "mask_mod", None)
+        if mask_mod is None:
+            raise RlxTypeError("flex_attention: block_mask must be a torch BlockMask (with a mask_mod)")
+    want_lse = return_lse
+    if return_aux is not None:
+        if return_lse:
+            raise RlxValueError("flex_attention: give return_lse or return_aux, not both (as torch)")
+        if getattr(return_aux, "max_scores", False):
+            raise RlxValueError(
+                "flex_attention: return_aux asks for max_scores, which rlx does not compute; ask for lse only"
+            )
+        want_lse = bool(getattr(return_aux, "lse", False))
+    plan = _plan(q, k, v, score_mod, mask_mod, scale)
+    out, lse = _FlexFunction.apply(plan, q, k, v, *plan.captured)
+    if return_aux is not None:
+        return out, _aux_output(lse if want_lse else None)
+    return (out, lse) if return_lse else out
+
+
+def _is_block_mask(candidate: object) -> bool:
+    """Is ``candidate`` a torch ``BlockMask`` (passed where rlx's signature has ``mask_mod``)?"""
+    return type(candidate).__name__ == "BlockMask" and hasattr(candidate, "mask_mod")
+
+
+def _aux_output(lse: torch.Tensor | None) -> Any:
+    """torch's ``AuxOutput(lse=..., max_scores=None)``: a torch that has ``return_aux`` has it."""
+    from torch.nn.attention.flex_attention import AuxOutput
+
+    return AuxOutput(lse=lse, max_scores=None)
