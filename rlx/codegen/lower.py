@@ -30,7 +30,7 @@ from rlx.codegen.lower_scatter import emit_scatter_item
 from rlx.codegen.memory_plan import MemoryPlan
 from rlx.codegen.parallel import Step, emit_team, forward_to, share_identical_items
 from rlx.codegen.schedule import Kernel, Schedule
-from rlx.codegen.sizes import SizeLike, emit_size, load_symbols, product
+from rlx.codegen.sizes import Size, SizeLike, emit_size, load_symbols, product
 from rlx.config import RuntimeConfig
 from rlx.ir.graph import Graph, Node, Value
 from rlx.ir.ops import AttentionAttrs, AttentionBwdAttrs, OpKind, attention_dims
@@ -350,14 +350,22 @@ class _Lowering:
         return gep(self.b, base, [i64(view.offset * view.base.dtype.itemsize)], I8)
 
     def call(
-        self, item_fn: ir.Function, pointers: list[ir.Value], items: int | ir.Value, serial: bool, tag: str
+        self, item_fn: ir.Function, pointers: list[ir.Value], items: SizeLike | ir.Value, serial: bool, tag: str
     ) -> None:
-        """Add a step to the call's parallel region: ``item_fn`` over ``items`` items."""
+        """Add a step to the call's parallel region: ``item_fn`` over ``items`` items (a count of
+        the call's symbols, such as a symbolic batch's items, is computed in the entry function)."""
         b = self.b
         args = alloca_entry(b, PTR, f"args.{tag}", max(1, len(pointers)))
         for slot, ptr in enumerate(pointers):
             b.store(ptr, gep(b, args, [i64(slot)], PTR))
+        if isinstance(items, Size):
+            items = emit_size(b, items, self.entry_symbols())
         self.steps.append(Step(item_fn, args, items, serial))
+
+    @property
+    def table_symbols(self) -> tuple[str, ...]:
+        """The symbols a kernel reads from the call's sizes table (none for static graphs)."""
+        return self.symbols if self.sizes is not None else ()
 
     # ------------------------------------------------------------------ kernels
 
@@ -380,16 +388,14 @@ class _Lowering:
                 assert self.sizes is not None
                 pointers.append(self.sizes)
                 self.attention_specs.append((f"node {node.id} ({node.op})", spec))
-            items = spec.work_items  # a symbolic batch: counted in the entry function per call
-            count = items if isinstance(items, int) else emit_size(self.b, items, self.entry_symbols())
-            self.call(item_fn, pointers, count, False, str(node.id))
+            self.call(item_fn, pointers, spec.work_items, False, str(node.id))
         elif op in FLEX_OPS:
             self.lower_flex(node)
         elif op == "matmul":
             a, bm = (self.schedule.view(v) for v in node.inputs)
             assert a is not None and bm is not None
             gemm = gemm_spec(a, bm, node.outputs[0].shape)
-            symbols = self.symbols if self.sizes is not None else ()
+            symbols = self.table_symbols
             name = f"matmul.{node.id}"
             item_fn = self.item_function(
                 ("matmul", gemm, symbols), name, lambda: emit_gemm_item(self.module, gemm, name, symbols)
@@ -404,7 +410,7 @@ class _Lowering:
             assert dy is not None and ids is not None
             out = node.outputs[0]
             rows, width = out.static_shape
-            symbols = self.symbols if self.sizes is not None else ()
+            symbols = self.table_symbols
             item_fn = emit_scatter_item(
                 self.module, dy, ids, (rows, width), ids.base.dtype.itemsize, f"embedding_grad.{node.id}", symbols
             )
@@ -423,7 +429,7 @@ class _Lowering:
             self.attention_specs.append((f"node {node.id} ({node.op})", spec))
         if spec.tensor_grads:  # partial gradient slices are accumulated into: zero them first
             partials = node.outputs[len(spec.grads.members) if spec.grads else 0 :]
-            symbols = self.symbols if self.sizes is not None else ()
+            symbols = self.table_symbols
             zero = emit_zero_item(self.module, [product(v.shape) * 4 for v in partials], f"zero.{node.id}", symbols)
             pointers = [self.base_pointer(v) for v in partials] + ([self.sizes] if symbols else [])
             self.call(zero, pointers, 1, True, f"z{node.id}")
@@ -433,9 +439,7 @@ class _Lowering:
         if spec.per_call:
             assert self.sizes is not None
             pointers.append(self.sizes)
-        items = spec.work_items  # a symbolic batch: counted in the entry function per call
-        count = items if isinstance(items, int) else emit_size(self.b, items, self.entry_symbols())
-        self.call(item_fn, pointers, count, False, str(node.id))
+        self.call(item_fn, pointers, spec.work_items, False, str(node.id))
 
     def block_map_pointer(self, node: Node, spec: FlexKernelSpec) -> ir.Value:
         """Where the kernel reads its tile states: module data (static), call data (dynamic), a

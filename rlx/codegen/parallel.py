@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from rlx.codegen.irutil import I8, I32, I64, PTR, VOID, alloca_entry, declare, for_range, gep, i32, i64
-from rlx.codegen.pool import BARRIER_WORDS, declare_barrier, declare_pool
+from rlx.codegen.pool import BARRIER_MEMBERS, BARRIER_WORDS, declare_barrier, declare_pool
 
 # Shared by the members: step arguments, counters, scratch, its stride, barrier, start flag, profile,
 # and each step's item count (for steps whose count only a call knows: symbolic dimensions).
@@ -163,7 +163,7 @@ def _emit_start(module: ir.Module) -> ir.Function:
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     words = _load(b, _SHARED, shared, 4, "barrier")  # the pool's team barrier: all zero but members
     for index in range(BARRIER_WORDS):
-        b.store(members if index == 2 else i32(0), gep(b, words, [i64(index)], I32))
+        b.store(members if index == BARRIER_MEMBERS else i32(0), gep(b, words, [i64(index)], I32))
     b.atomic_rmw("xchg", _load(b, _SHARED, shared, 5, "ready"), i32(1), "release")  # a release store
     b.ret_void()
     return fn

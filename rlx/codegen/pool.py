@@ -48,6 +48,8 @@ IMPORTED_LIBC = (
 )
 MAX_WORKERS = 255
 SPIN_NS = 200_000  # how long a waiting thread spins before it sleeps
+BARRIER_WORDS = 4  # i32 arrived, generation, members, sleepers
+BARRIER_MEMBERS = 2  # the word a team's start sets to its members (the others start at zero)
 
 _PAUSE = "call void @llvm.x86.sse2.pause()" if platform.machine() in ("x86_64", "AMD64") else ""
 _PAUSE_DECLARATION = "declare void @llvm.x86.sse2.pause()" if _PAUSE else ""
@@ -381,7 +383,7 @@ done:
 define void @{BARRIER}(ptr %words) {{
 entry:
   %generation.at = getelementptr i32, ptr %words, i64 1
-  %members.at = getelementptr i32, ptr %words, i64 2
+  %members.at = getelementptr i32, ptr %words, i64 {BARRIER_MEMBERS}
   %sleepers.at = getelementptr i32, ptr %words, i64 3
   %generation = load atomic i32, ptr %generation.at acquire, align 4
   %members = load i32, ptr %members.at
@@ -452,9 +454,6 @@ def declare_pool(module: ir.Module) -> tuple[ir.Function, ir.Function]:
     acquire = declare(module, ACQUIRE, I32, [I32, I32])
     run = declare(module, RUN, ir.VoidType(), [PTR, PTR, PTR, I32])
     return acquire, run
-
-
-BARRIER_WORDS = 4  # i32 arrived, generation, members, sleepers
 
 
 def declare_barrier(module: ir.Module) -> ir.Function:

@@ -119,20 +119,14 @@ def attention_dims(
 
 
 def static_sizes(
-    what: str,
-    layout: Layout,
-    q: TensorType,
-    k: TensorType,
-    v: TensorType,
-    sizes: tuple[Dim, ...],
-    symbolic: str = "the batch and the sequence lengths",
+    what: str, layout: Layout, q: TensorType, k: TensorType, v: TensorType, sizes: tuple[Dim, ...]
 ) -> tuple[int, ...]:
-    """Heads and head dims (and whatever else ``sizes`` holds) as ints: the kernels are generated
-    for them. Only what ``symbolic`` names may be a symbolic dimension."""
+    """Heads and head dims as ints: the kernels are generated for them. Only the batch and the
+    sequence lengths may be symbolic dimensions."""
     if not all(isinstance(size, int) for size in sizes):
         raise RlxValueError(
-            f"{what}: only {symbolic} of attention operands may be symbolic dimensions; the heads and head dims "
-            f"must be static (layout {layout}: {_layout_names(layout)}), got q {q}, k {k}, v {v}"
+            f"{what}: only the batch and the sequence lengths of attention operands may be symbolic dimensions; the "
+            f"heads and head dims must be static (layout {layout}: {_layout_names(layout)}), got q {q}, k {k}, v {v}"
         )
     return sizes  # type: ignore[return-value]
 
