@@ -7,6 +7,7 @@ returns ``None`` instead of failing when a file is missing, so the benchmark sti
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import gc
 import math
@@ -160,6 +161,23 @@ def time_bursts(calls: Mapping[str, Timeable], repeat: int, gap: float, warm: in
                 del result
                 (cold if index == 0 else later)[name].append(elapsed)
     return Bursts(cold, later)
+
+
+def add_warm_option(parser: argparse.ArgumentParser) -> None:
+    """``--warm``: how many calls :func:`time_bursts` times right after each timed one."""
+    help_text = "calls timed right after each timed one (default 2; 0: none)"
+    parser.add_argument("--warm", type=int, default=2, help=help_text)
+
+
+def warm_heading(warm: int) -> str:
+    """The title of a benchmark's table of warm calls."""
+    return (
+        f"Warm: the {warm} calls right after each timed one, back to back (as a training loop calls), median;"
+        " the threads the first call woke are awake"
+    )
+
+
+WARM_NOT_TARGETS = "(the targets are judged on the first calls, above)"
 
 
 def timed(call: Timeable) -> tuple[object, float]:

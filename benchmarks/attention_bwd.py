@@ -30,10 +30,12 @@ from typing import Any
 
 import numpy as np
 from _harness import (
+    WARM_NOT_TARGETS,
     ForeignLoad,
     RlxOpenBlas,
     SgemmRate,
     Stats,
+    add_warm_option,
     attention_breakdown,
     attention_products,
     blas_table,
@@ -54,6 +56,7 @@ from _harness import (
     set_numpy_blas_threads,
     time_bursts,
     timed,
+    warm_heading,
 )
 
 import rlx
@@ -825,8 +828,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-long", action="store_true", help=f"skip case {LONG_CASE} (S=16384)")
     parser.add_argument("--gap", type=float, default=0.2,
                         help="seconds of idle before each timed call, so BLAS/OpenMP spinning threads settle")
-    parser.add_argument("--warm", type=int, default=2,
-                        help="calls timed right after each timed one, back to back (default 2; 0: none)")
+    add_warm_option(parser)
     parser.add_argument("--memory", choices=("all", "fused", "none"), default=None,
                         help="peak-memory probes: every implementation, rlx fused only, or none "
                         "(default all; fused with --quick)")
@@ -917,15 +919,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\ntorch's BLAS runs these products {speedup:.2f}x as fast as rlx's OpenBLAS (geometric mean)")
     warm = [r for r in results if r.get("warm_stats")]
     if warm:
-        print(f"\n### Warm: the {args.warm} calls right after each timed one, back to back (as a training loop calls), "
-              "median; the threads of the first call's wake-up are awake\n")
+        print(f"\n### {warm_heading(args.warm)}\n")
         print(warm_table(warm, measured_multi))
         headline = [r for r in warm if r["index"] != LONG_CASE]
         ratios = [x for x in (warm_ratio(r) for r in headline) if x is not None]
         fractions = [r["flops"] / r["warm_stats"]["rlx_fused"]["median"] / 1e9 / measured_multi for r in headline]
         middle = median_or_none(fractions)
         print(f"\nwarm: torch/fused geomean {fmt(geomean(ratios), '.2f', 'x')}, fused/sgemm median "
-              f"{fmt(middle and middle * 100, '.1f', '%')} (the targets are judged on the first calls, above)")
+              f"{fmt(middle and middle * 100, '.1f', '%')} {WARM_NOT_TARGETS}")
     print("\n### Extra peak RSS of one call (fresh process) and rlx fused compile times\n")
     print(memory_table(results))
     print("\n### Summary\n")

@@ -102,7 +102,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="3 repetitions")
     parser.add_argument("--repeat", type=int, default=11)
     parser.add_argument("--gap", type=float, default=0.05)
-    parser.add_argument("--warm", type=int, default=2, help="calls timed right after each timed one (0: none)")
+    h.add_warm_option(parser)
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args()
     threads = rlx.RuntimeConfig().num_threads or h.core_count()
@@ -181,16 +181,15 @@ def main() -> int:
         summary_blas = h.geomean(r["blas_vs_torch"]["torch_speedup"] for r in results)
         print(f"torch's BLAS runs these products {summary_blas:.2f}x as fast as rlx's OpenBLAS (geometric mean)")
     if args.warm and torch is not None:
-        print(f"\nWarm: the {args.warm} calls right after each timed one, back to back (as a training loop calls), "
-              "median; the threads the first call woke are awake:")
+        print(f"\n{h.warm_heading(args.warm)}:")
         warm_rows = [[r["case"], f"{r['warm_median_s']['rlx'] * 1e3:.2f}", f"{r['warm_median_s']['torch'] * 1e3:.2f}",
                       f"{r['warm_median_s']['torch'] / r['warm_median_s']['rlx']:.2f}x",
                       f"{r['flops'] / r['warm_median_s']['rlx'] / 1e9 / rate:.0%}"] for r in results]  # fmt: skip
         print(h.markdown_table(["case", "rlx ms", "torch ms", "torch/rlx", "rlx % sgemm"], warm_rows))
         warm_ratio = h.geomean(r["warm_median_s"]["torch"] / r["warm_median_s"]["rlx"] for r in results)
         warm_fraction = float(np.median([r["flops"] / r["warm_median_s"]["rlx"] / 1e9 / rate for r in results]))
-        print(f"warm: torch/rlx geomean {warm_ratio:.2f}x, rlx sgemm fraction median {warm_fraction:.0%} "
-              "(the targets are judged on the first calls, above)")
+        summary_warm = f"warm: torch/rlx geomean {warm_ratio:.2f}x, rlx sgemm fraction median {warm_fraction:.0%}"
+        print(summary_warm, h.WARM_NOT_TARGETS)
     summary: dict[str, Any] = {}
     if torch is not None:
         summary["geomean_torch_over_rlx"] = h.geomean(r["median_s"]["torch"] / r["median_s"]["rlx"] for r in results)

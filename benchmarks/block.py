@@ -286,7 +286,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gap", type=float, default=0.05)
-    parser.add_argument("--warm", type=int, default=2, help="calls timed right after each timed one (0: none)")
+    h.add_warm_option(parser)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (its first compile is slow)")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--profile-all", action="store_true", help="time breakdown for every shape")
@@ -382,17 +382,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
         names = list(results[0]["warm_median_s"])
         header_warm = ["B,S,E,H", *(f"{n} ms" for n in names), *(f"{n}/rlx" for n in names if n != "rlx")]
-        print(
-            f"\nWarm: the {args.warm} calls right after each timed one, back to back (as a training loop calls),"
-            " median; the threads the first call woke are awake:"
-        )
+        print(f"\n{h.warm_heading(args.warm)}:")
         print(h.markdown_table(header_warm, warm_rows))
         print(
             "warm geometric mean speed-up: "
             + ", ".join(
                 f"vs {n} {h.geomean(r['warm_speedup_vs'][n] for r in results):.2f}x" for n in names if n != "rlx"
             )
-            + " (the targets are judged on the first calls, above)"
+            + f" {h.WARM_NOT_TARGETS}"
         )
     print(
         f"largest shape {largest}: build + grad {cold['build_grad']:.2f} s + cold compile {cold['compile']:.2f} s "
