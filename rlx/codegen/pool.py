@@ -133,17 +133,27 @@ no:
   ret i1 0
 }}
 
-; Wait until %word != %value: spin, then sleep on %cond (whoever changes %word broadcasts it
-; under the mutex, so no wake-up is lost).
+; Wait until %word != %value: spin, then sleep on %cond.
 define internal void @wait_while_equal(ptr %word, i32 %value, ptr %cond) {{
 entry:
   %changed = call i1 @spin_while_equal(ptr %word, i32 %value)
   br i1 %changed, label %done, label %sleep
 sleep:
+  call void @sleep_while_equal(ptr %word, i32 %value, ptr %cond)
+  br label %done
+done:
+  ret void
+}}
+
+; Sleep on %cond until %word != %value (whoever changes %word broadcasts it under the mutex, so
+; no wake-up is lost). The check is sequentially consistent, as the barrier's count of sleepers
+; needs (see the barrier).
+define internal void @sleep_while_equal(ptr %word, i32 %value, ptr %cond) {{
+entry:
   call i32 @pthread_mutex_lock(ptr @pool.mutex)
   br label %check
 check:
-  %current = load atomic i32, ptr %word acquire, align 4
+  %current = load atomic i32, ptr %word seq_cst, align 4
   %same = icmp eq i32 %current, %value
   br i1 %same, label %wait, label %wake
 wait:
@@ -151,8 +161,6 @@ wait:
   br label %check
 wake:
   call i32 @pthread_mutex_unlock(ptr @pool.mutex)
-  br label %done
-done:
   ret void
 }}
 
@@ -405,17 +413,7 @@ wait:
   br i1 %changed, label %done, label %sleep
 sleep:
   atomicrmw add ptr %sleepers.at, i32 1 seq_cst
-  call i32 @pthread_mutex_lock(ptr @pool.mutex)
-  br label %check
-check:
-  %current = load atomic i32, ptr %generation.at seq_cst, align 4
-  %same = icmp eq i32 %current, %generation
-  br i1 %same, label %sleep.wait, label %awake
-sleep.wait:
-  call i32 @pthread_cond_wait(ptr @pool.arrived, ptr @pool.mutex)
-  br label %check
-awake:
-  call i32 @pthread_mutex_unlock(ptr @pool.mutex)
+  call void @sleep_while_equal(ptr %generation.at, i32 %generation, ptr @pool.arrived)
   atomicrmw sub ptr %sleepers.at, i32 1 seq_cst
   br label %done
 done:
