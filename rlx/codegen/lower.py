@@ -148,7 +148,7 @@ def flex_spec(node: Node, options: CodegenOptions, symbols: tuple[str, ...] = ()
     # some index condition by a constant (a MaskKind with a finite neg): hidden tiles skipped.
     mask, masked_value = map_mask(attrs.score_mod, attrs.mask_mod)
     if isinstance(dims.seq_q, int) and isinstance(dims.seq_k, int):
-        block_q, block_k = choose_blocks(dims.seq_q, dims.seq_k, needs_dp)
+        block_q, block_k = choose_blocks(dims.seq_q, dims.seq_k, needs_dp, masked=mask is not None)
         if mask is None and attrs.score_mod is None:  # nothing to skip: as tall as the fixed kernels
             block_q = choose_block_q(dims.seq_q, dims.seq_k, needs_dp, causal_like=False)
         if options.block_q:
