@@ -16,6 +16,7 @@ from rlx.errors import RlxValueError
 
 SGEMM = "scipy_cblas_sgemm"
 SGEMV = "scipy_cblas_sgemv"
+OMATCOPY = "scipy_cblas_somatcopy"  # out-of-place scaled copy or transpose of a matrix
 SET_THREADS = "scipy_openblas_set_num_threads"
 
 INT32_MAX = 2**31 - 1  # BLAS (LP64 here) takes 32-bit sizes and leading dimensions
@@ -32,6 +33,7 @@ class Blas:
     library: ctypes.CDLL
     sgemm_address: int
     sgemv_address: int
+    omatcopy_address: int
 
 
 @functools.cache
@@ -48,7 +50,9 @@ def load_blas() -> Blas:
     assert address, f"{SGEMM} not found in {path}"
     gemv_address = ctypes.cast(getattr(library, SGEMV), ctypes.c_void_p).value
     assert gemv_address, f"{SGEMV} not found in {path}"
-    return Blas(path, library, int(address), int(gemv_address))
+    omatcopy_address = ctypes.cast(getattr(library, OMATCOPY), ctypes.c_void_p).value
+    assert omatcopy_address, f"{OMATCOPY} not found in {path}"
+    return Blas(path, library, int(address), int(gemv_address), int(omatcopy_address))
 
 
 @functools.cache

@@ -24,7 +24,7 @@ from typing import Any
 import llvmlite
 import llvmlite.binding as llvm
 
-from rlx.codegen.blas import SGEMM, SGEMV, libc_symbol, load_blas
+from rlx.codegen.blas import OMATCOPY, SGEMM, SGEMV, libc_symbol, load_blas
 from rlx.errors import RlxError
 
 ENTRY = "rlx_entry"
@@ -194,7 +194,7 @@ def _load(object_code: bytes, llvm_ir: str, optimized_ir: str | None, times: dic
 
     start = time.perf_counter()
     blas = load_blas()
-    imports = {SGEMM: blas.sgemm_address, SGEMV: blas.sgemv_address}
+    imports = {SGEMM: blas.sgemm_address, SGEMV: blas.sgemv_address, OMATCOPY: blas.omatcopy_address}
     imports |= {name: libc_symbol(name) for name in _IMPORTED_LIBC}
     imports |= pool_symbols()
     tracker = _link(object_code, imports, (ENTRY,))

@@ -25,13 +25,14 @@ BHSD, and that stride is the BLAS leading dimension, so no head is ever copied.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from llvmlite import ir
 
-from rlx.codegen.blas import NO_TRANS, ROW_MAJOR, SGEMM, SGEMV, TRANS
+from rlx.codegen.blas import NO_TRANS, OMATCOPY, ROW_MAJOR, SGEMM, SGEMV, TRANS
 from rlx.codegen.irutil import (
     F32,
     I1,
@@ -63,6 +64,11 @@ from rlx.ir.types import Layout, MaskKind, Wrt
 # summed over 10^7 keys that is far under float32 rounding of the row sum (which is >= 1).
 SKIP_MARGIN = -50.0
 SCRATCH_ALIGN = 64
+# Queries from which a head's K (and, for dP, V) is first copied transposed, so that the strips'
+# products S = Q K^T and dP = dY V^T run as NN products: OpenBLAS (SkylakeX kernels) ran 64 x 128
+# x 64 at 128 GFLOP/s as NN and at 91 as NT, 128 x 512 x 64 at 138 against 131. A copy costs a
+# pass over the head's K (4 us at S = 128, D = 64), which a single query row does not repay.
+PACK_MIN_ROWS = 16
 # Where a profiling build's attention time goes: nanoseconds per thread, kept after its scratch.
 BREAKDOWN = ("blas", "softmax", "softmax_backward", "kernel")
 
@@ -118,8 +124,33 @@ class AttentionKernelSpec:
 
     def _strips_bytes(self, seq_k: int | None) -> int:
         if self.grads is None:
-            return self.strip_floats(seq_k) * 4 + -(-self.block_q // 16) * 64
-        return self.strip_floats(seq_k) * 4 * (2 if self.needs_dp else 1)
+            strips = self.strip_floats(seq_k) * 4 + -(-self.block_q // 16) * 64
+        else:
+            strips = self.strip_floats(seq_k) * 4 * (2 if self.needs_dp else 1)
+        if not self.may_pack:
+            return strips
+        length = self.dims.seq_k if seq_k is None else seq_k
+        assert isinstance(length, int), "give the call's Sk"
+        widths = self.packed_widths
+        return strips + sum(_whole_lines(width * length) for width in widths) * 4
+
+    @property
+    def packed_widths(self) -> tuple[int, ...]:
+        """Row widths of the head operands packed transposed: K (the scores' product), and V when
+        the backward forms dP = dY V^T."""
+        return (self.dims.head_dim, self.dims.value_dim) if self.needs_dp else (self.dims.head_dim,)
+
+    @property
+    def may_pack(self) -> bool:
+        """Whether a call may pack K (and V) transposed (:data:`PACK_MIN_ROWS`); a symbolic query
+        length decides per call, so its scratch has room for them."""
+        return not isinstance(self.dims.seq_q, int) or self.dims.seq_q >= PACK_MIN_ROWS
+
+
+def _whole_lines(floats: int) -> int:
+    """``floats`` rounded up to whole 64-byte lines."""
+    per_line = SCRATCH_ALIGN // 4
+    return -(-floats // per_line) * per_line
 
 
 def emit_strip_floats(b: ir.IRBuilder, block_q: int, seq_k: ir.Value) -> ir.Value:
@@ -218,22 +249,59 @@ class AttentionLowering:
         started = self._start_counting(b, scratch)
         strip_s = scratch
         strip_dp = gep_f32(b, scratch, self._strip_floats(b), name="dp.strip") if spec.needs_dp else None
+        packed = self._packed_buffers(b, scratch)
         if spec.grads is None:  # item = (batch, query head)
             batch = b.sdiv(item, i64(dims.heads), name="b")
             head = b.srem(item, i64(dims.heads), name="h")
             group = b.sdiv(head, i64(dims.group), name="g")
-            self._strips(b, self._head_pointers(b, base, batch, head, group), base, batch, head, strip_s, strip_dp)
+            heads = self._head_pointers(b, base, batch, head, group)
+            self._pack(b, heads, packed)
+            self._strips(b, heads, packed, base, batch, head, strip_s, strip_dp)
         else:  # item = (batch, kv head): its query heads in order, so dK/dV of a group sum without races
             batch = b.sdiv(item, i64(dims.kv_heads), name="b")
             group = b.srem(item, i64(dims.kv_heads), name="g")
+            self._pack(b, self._head_pointers(b, base, batch, group, group), packed)
             with for_range(b, 0, dims.group, "member") as member:
                 head = b.add(b.mul(group, i64(dims.group)), member, name="h")
                 heads = self._head_pointers(b, base, batch, head, group)
                 first = b.icmp_signed("==", member, i64(0), name="first.member")
-                self._strips(b, heads, base, batch, head, strip_s, strip_dp, first)
+                self._strips(b, heads, packed, base, batch, head, strip_s, strip_dp, first)
         self._count(b, "kernel", started)
         b.ret_void()
         return fn
+
+    # ------------------------------------------------------------------ packing
+
+    def _packed_buffers(self, b: ir.IRBuilder, scratch: ir.Value) -> dict[str, ir.Value]:
+        """Where this call's transposed K (and V) go in the thread's scratch, after the strips;
+        null pointers where the call does not pack (:data:`PACK_MIN_ROWS` query rows)."""
+        spec = self.spec
+        null = ir.Constant(PTR, None)
+        slots = ("k", "v")[: len(spec.packed_widths)]
+        if not spec.may_pack:
+            return dict.fromkeys(slots, null)
+        strip = self._strip_floats(b)
+        if spec.grads is None:
+            offset = b.add(strip, i64(-(-spec.block_q // 16) * 16), name="strips.floats")
+        else:
+            offset = b.mul(strip, i64(2 if spec.needs_dp else 1), name="strips.floats")
+        pack = b.icmp_signed(">=", self.sq, i64(PACK_MIN_ROWS), name="pack")
+        packed = {}
+        for slot, width in zip(slots, spec.packed_widths, strict=True):
+            packed[slot] = b.select(pack, gep_f32(b, scratch, offset, name=f"{slot}t"), null, name=f"{slot}t.or.null")
+            offset = b.add(offset, b.mul(ceil_div(b, b.mul(self.sk, i64(width)), 16), i64(16)), name="packed.end")
+        return packed
+
+    def _pack(self, b: ir.IRBuilder, heads: dict[str, ir.Value], packed: dict[str, ir.Value]) -> None:
+        """Copy the head's K (and V) transposed into ``packed`` (where not null): ``width x Sk``,
+        leading dimension ``Sk``, by OpenBLAS's ``somatcopy``."""
+        omatcopy = declare(self.module, OMATCOPY, VOID, [I32, I32, I32, I32, F32, PTR, I32, PTR, I32])
+        sk = b.trunc(self.sk, I32)
+        for slot, target in packed.items():
+            width = self._geometry(slot)[2]
+            args = [i32(ROW_MAJOR), i32(TRANS), sk, i32(width), f32(1.0), heads[slot], i32(self._ld(slot)), target, sk]
+            with b.if_then(b.icmp_unsigned("!=", target, ir.Constant(PTR, None))):
+                self._timed(b, "blas", functools.partial(b.call, omatcopy, args))
 
     # ------------------------------------------------------------------ profiling
 
@@ -273,6 +341,7 @@ class AttentionLowering:
         self,
         b: ir.IRBuilder,
         heads: dict[str, ir.Value],
+        packed: dict[str, ir.Value],
         base: dict[str, ir.Value],
         batch: ir.Value,
         head: ir.Value,
@@ -294,7 +363,7 @@ class AttentionLowering:
             inverse = gep_f32(b, strip_s, self._strip_floats(b), name="inv.sums") if forward else ir.Constant(PTR, None)
             keys = b.call(
                 self._softmax_function(),
-                [heads["q"], heads["k"], mask_base, strip_s, i0, rows, inverse, self.sq, self.sk],
+                [heads["q"], heads["k"], packed["k"], mask_base, strip_s, i0, rows, inverse, self.sq, self.sk],
                 name="keys",
             )
             ks, nk = b.extract_value(keys, 0, name="ks"), b.extract_value(keys, 1, name="nk")
@@ -304,7 +373,7 @@ class AttentionLowering:
             else:
                 assert first_member is not None
                 first = b.and_(first_member, b.icmp_signed("==", strip, i64(0)), name="first.write")
-                self._backward_gemms(b, heads, i0, rows, ks, nk, strip_s, strip_dp, mask_base, first)
+                self._backward_gemms(b, heads, packed, i0, rows, ks, nk, strip_s, strip_dp, mask_base, first)
 
     # ------------------------------------------------------------------ addressing
 
@@ -408,11 +477,11 @@ class AttentionLowering:
         if existing is not None:
             return existing  # type: ignore[return-value]
         keys_type = ir.LiteralStructType([I64, I64])
-        signature = ir.FunctionType(keys_type, [PTR, PTR, PTR, PTR, I64, I64, PTR, I64, I64])
+        signature = ir.FunctionType(keys_type, [PTR, PTR, PTR, PTR, PTR, I64, I64, PTR, I64, I64])
         fn = ir.Function(self.module, signature, name=name)
         fn.linkage = "internal"
-        q_head, k_head, mask_base, strip, i0, rows, inverse, sq, sk = fn.args
-        names = ("q.head", "k.head", "mask.base", "strip", "i0", "rows", "inverse", "sq", "sk")
+        q_head, k_head, k_packed, mask_base, strip, i0, rows, inverse, sq, sk = fn.args
+        names = ("q.head", "k.head", "k.packed", "mask.base", "strip", "i0", "rows", "inverse", "sq", "sk")
         for arg, arg_name in zip(fn.args, names, strict=True):
             arg.name = arg_name
         b = ir.IRBuilder(fn.append_basic_block("entry"))
@@ -420,7 +489,7 @@ class AttentionLowering:
         self.sq, self.sk = sq, sk  # the lengths as this function sees them: its arguments
         if self.profiling:  # the strip is the thread's scratch
             self.counters = gep(b, strip, [i64(self.spec.counters_at)], I8, "counters")
-        ks, nk = self._scores_and_softmax(b, q_head, k_head, mask_base, strip, i0, rows, inverse)
+        ks, nk = self._scores_and_softmax(b, q_head, k_head, k_packed, mask_base, strip, i0, rows, inverse)
         self.sq, self.sk, self.counters = caller
         keys = b.insert_value(ir.Constant(keys_type, ir.Undefined), ks, 0)
         b.ret(b.insert_value(keys, nk, 1))
@@ -431,6 +500,7 @@ class AttentionLowering:
         b: ir.IRBuilder,
         q_head: ir.Value,
         k_head: ir.Value,
+        k_packed: ir.Value,
         mask_base: ir.Value,
         strip: ir.Value,
         i0: ir.Value,
@@ -453,9 +523,8 @@ class AttentionLowering:
         ks.add_incoming(i64(0), retry)
         nk.add_incoming(self.sk, retry)
         q_strip = gep_f32(b, q_head, b.mul(i0, i64(ldq)), name="q.strip")
-        k_vis = gep_f32(b, k_head, b.mul(ks, i64(ldk)), name="k.vis")
-        self._sgemm(
-            b, NO_TRANS, TRANS, rows, nk, i64(dims.head_dim), spec.scale, q_strip, ldq, k_vis, ldk, 0.0, strip, nk
+        self._product_with_transposed(
+            b, rows, nk, dims.head_dim, spec.scale, q_strip, ldq, k_head, ldk, k_packed, ks, strip, nk
         )
         started = self.now(b) if self.now is not None else None
         needs_all_keys = self._mask_softmax_rows(b, strip, i0, rows, ks, nk, mask_base, inverse)
@@ -625,6 +694,7 @@ class AttentionLowering:
         self,
         b: ir.IRBuilder,
         heads: dict[str, ir.Value],
+        packed: dict[str, ir.Value],
         i0: ir.Value,
         rows: ir.Value,
         ks: ir.Value,
@@ -644,7 +714,6 @@ class AttentionLowering:
         q_strip = gep_f32(b, heads["q"], b.mul(i0, i64(ldq)), name="q.strip")
         dy_strip = gep_f32(b, heads["dy"], b.mul(i0, i64(ldo)), name="dy.strip")
         k_vis = gep_f32(b, heads["k"], b.mul(ks, i64(ldk)), name="k.vis")
-        v_vis = gep_f32(b, heads["v"], b.mul(ks, i64(ldv)), name="v.vis")
         accumulate = b.select(first, f32(0.0), f32(1.0), name="beta.kv")
         with b.if_then(first):
             keys_end = b.add(ks, nk, name="keys.end")
@@ -660,7 +729,8 @@ class AttentionLowering:
         if dp is None:
             return
         # dP = dY_strip V_vis^T, then dS in place
-        self._sgemm(b, NO_TRANS, TRANS, rows, nk, i64(dv_width), 1.0, dy_strip, ldo, v_vis, ldv, 0.0, dp, nk)
+        v, v_packed = heads["v"], packed["v"]
+        self._product_with_transposed(b, rows, nk, dv_width, 1.0, dy_strip, ldo, v, ldv, v_packed, ks, dp, nk)
         self._timed(b, "softmax_backward", lambda: self._softmax_backward_rows(b, p, dp, i0, rows, ks, nk, mask_base))
         if grads & Wrt.QUERY:  # dQ_strip = scale · dS K_vis
             ld_dq = self._ld("dq")
@@ -671,11 +741,38 @@ class AttentionLowering:
             dk = gep_f32(b, heads["dk"], b.mul(ks, i64(ld_dk)), name="dk.vis")
             self._sgemm(b, TRANS, NO_TRANS, nk, i64(d), rows, spec.scale, dp, nk, q_strip, ldq, accumulate, dk, ld_dk)
 
+    def _product_with_transposed(
+        self,
+        b: ir.IRBuilder,
+        rows: ir.Value,
+        nk: ir.Value,
+        width: int,
+        alpha: float,
+        a: ir.Value,
+        lda: int,
+        head: ir.Value,
+        ld_head: int,
+        packed: ir.Value,
+        ks: ir.Value,
+        c: ir.Value,
+        ldc: ir.Value,
+    ) -> None:
+        """``C = alpha A X_vis^T`` for a head operand X (K or V) over the visible keys ``[ks, ks +
+        nk)``: an NN product with X's transposed copy where the call packed one (``packed`` not
+        null; its leading dimension is Sk), else an NT product reading X in place."""
+        is_packed = b.icmp_unsigned("!=", packed, ir.Constant(PTR, None), name="is.packed")
+        columns = gep_f32(b, packed, ks, name="packed.vis")
+        rows_vis = gep_f32(b, head, b.mul(ks, i64(ld_head)), name="head.vis")
+        operand = b.select(is_packed, columns, rows_vis, name="x.vis")
+        ld = b.select(is_packed, self.sk, i64(ld_head), name="ld.x")
+        trans = b.select(is_packed, i32(NO_TRANS), i32(TRANS), name="trans.x")
+        self._sgemm(b, NO_TRANS, trans, rows, nk, i64(width), alpha, a, lda, operand, ld, 0.0, c, ldc)
+
     def _sgemm(
         self,
         b: ir.IRBuilder,
         trans_a: int,
-        trans_b: int,
+        trans_b: int | ir.Value,
         m: ir.Value,
         n: ir.Value,
         k: ir.Value,
@@ -748,7 +845,7 @@ def emit_sgemm(
     b: ir.IRBuilder,
     sgemm: ir.Function,
     trans_a: int,
-    trans_b: int,
+    trans_b: int | ir.Value,
     m: int | ir.Value,
     n: int | ir.Value,
     k: int | ir.Value,
@@ -766,7 +863,8 @@ def emit_sgemm(
     A product of one row (a decode step's single query, a strip's last row) is a matrix-vector
     product, which OpenBLAS's ``sgemv`` runs 2-2.5x faster than ``sgemm`` (no packing of B;
     measured for 1 x 64 by 64 x 1000 on the benchmark host); with ``m`` known only at run time,
-    the choice is a branch.
+    the choice is a branch. ``trans_b`` may be an i32 of the call (a head operand read in place
+    or from its transposed copy): one call site either way.
     """
 
     def as_i32(value: int | ir.Value) -> ir.Value:
@@ -775,7 +873,8 @@ def emit_sgemm(
     beta_value = beta if isinstance(beta, ir.Value) else f32(beta)
 
     def matrix(b: ir.IRBuilder) -> None:
-        args = [i32(ROW_MAJOR), i32(trans_a), i32(trans_b), as_i32(m), as_i32(n), as_i32(k), f32(alpha), a]
+        trans = i32(trans_b) if isinstance(trans_b, int) else trans_b
+        args = [i32(ROW_MAJOR), i32(trans_a), trans, as_i32(m), as_i32(n), as_i32(k), f32(alpha), a]
         b.call(sgemm, [*args, as_i32(lda), b_mat, as_i32(ldb), beta_value, c, as_i32(ldc)])
 
     def vector(b: ir.IRBuilder) -> None:
@@ -784,8 +883,18 @@ def emit_sgemm(
         gemv = declare(sgemm.module, SGEMV, VOID, [I32, I32, I32, I32, F32, PTR, I32, PTR, I32, F32, PTR, I32])
         incx = i32(1) if trans_a == NO_TRANS else as_i32(lda)
         # B is k x n (C^T = B^T x) or, transposed, n x k (C^T = B x).
-        transposed = trans_b != NO_TRANS
-        shape = [i32(NO_TRANS if transposed else TRANS), as_i32(n if transposed else k), as_i32(k if transposed else n)]
+        transposed: bool | ir.Value
+        if isinstance(trans_b, int):
+            transposed = trans_b != NO_TRANS
+        else:
+            transposed = b.icmp_signed("!=", trans_b, i32(NO_TRANS), name="b.transposed")
+
+        def pick(if_transposed: ir.Value, otherwise: ir.Value) -> ir.Value:
+            if isinstance(transposed, bool):
+                return if_transposed if transposed else otherwise
+            return b.select(transposed, if_transposed, otherwise)
+
+        shape = [pick(i32(NO_TRANS), i32(TRANS)), pick(as_i32(n), as_i32(k)), pick(as_i32(k), as_i32(n))]
         b.call(gemv, [i32(ROW_MAJOR), *shape, f32(alpha), b_mat, as_i32(ldb), a, incx, beta_value, c, i32(1)])
 
     if isinstance(m, int):
