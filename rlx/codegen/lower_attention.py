@@ -127,12 +127,9 @@ class AttentionKernelSpec:
             strips = self.strip_floats(seq_k) * 4 + -(-self.block_q // 16) * 64
         else:
             strips = self.strip_floats(seq_k) * 4 * (2 if self.needs_dp else 1)
-        if not self.may_pack:
-            return strips
         length = self.dims.seq_k if seq_k is None else seq_k
         assert isinstance(length, int), "give the call's Sk"
-        widths = self.packed_widths
-        return strips + sum(_whole_lines(width * length) for width in widths) * 4
+        return strips + packed_bytes(self.dims.seq_q, length, self.packed_widths)
 
     @property
     def packed_widths(self) -> tuple[int, ...]:
@@ -140,17 +137,60 @@ class AttentionKernelSpec:
         the backward forms dP = dY V^T."""
         return (self.dims.head_dim, self.dims.value_dim) if self.needs_dp else (self.dims.head_dim,)
 
-    @property
-    def may_pack(self) -> bool:
-        """Whether a call may pack K (and V) transposed (:data:`PACK_MIN_ROWS`); a symbolic query
-        length decides per call, so its scratch has room for them."""
-        return not isinstance(self.dims.seq_q, int) or self.dims.seq_q >= PACK_MIN_ROWS
 
 
 def _whole_lines(floats: int) -> int:
     """``floats`` rounded up to whole 64-byte lines."""
     per_line = SCRATCH_ALIGN // 4
     return -(-floats // per_line) * per_line
+
+
+def packed_bytes(seq_q: int | str, seq_k: int, widths: tuple[int, ...]) -> int:
+    """Scratch bytes for the transposed copies of head operands of these ``widths`` (none when a
+    static query length is below :data:`PACK_MIN_ROWS`; a symbolic one decides per call)."""
+    if isinstance(seq_q, int) and seq_q < PACK_MIN_ROWS:
+        return 0
+    return sum(_whole_lines(width * seq_k) for width in widths) * 4
+
+
+def packed_buffers(
+    b: ir.IRBuilder, scratch: ir.Value, offset: ir.Value, seq_q: ir.Value, seq_k: ir.Value, widths: tuple[int, ...]
+) -> list[ir.Value]:
+    """One buffer per width in the thread's scratch from float ``offset`` on, for a head operand's
+    transposed copy (``width x Sk``, leading dimension ``Sk``); null where this call does not pack
+    (fewer than :data:`PACK_MIN_ROWS` query rows: a decode step reads K in place)."""
+    null = ir.Constant(PTR, None)
+    pack = b.icmp_signed(">=", seq_q, i64(PACK_MIN_ROWS), name="pack")
+    pointers = []
+    for width in widths:
+        pointers.append(b.select(pack, gep_f32(b, scratch, offset, name="packed"), null, name="packed.or.null"))
+        offset = b.add(offset, b.mul(ceil_div(b, b.mul(seq_k, i64(width)), 16), i64(16)), name="packed.end")
+    return pointers
+
+
+def emit_transposed_copy(
+    b: ir.IRBuilder, head: ir.Value, ld: int, seq_k: ir.Value, width: int, target: ir.Value
+) -> None:
+    """Copy a head operand (``Sk`` rows of ``width``, ``ld`` apart) transposed into ``target``
+    where it is not null, by OpenBLAS's ``somatcopy``."""
+    omatcopy = declare(b.module, OMATCOPY, VOID, [I32, I32, I32, I32, F32, PTR, I32, PTR, I32])
+    sk = b.trunc(seq_k, I32)
+    with b.if_then(b.icmp_unsigned("!=", target, ir.Constant(PTR, None))):
+        b.call(omatcopy, [i32(ROW_MAJOR), i32(TRANS), sk, i32(width), f32(1.0), head, i32(ld), target, sk])
+
+
+def keys_operand(
+    b: ir.IRBuilder, head: ir.Value, ld_head: int, packed: ir.Value, c0: ir.Value, seq_k: ir.Value
+) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """``(operand, ld, trans_b)`` for ``A X[c0:]^T``, X a head operand (K or V): its transposed
+    copy from column ``c0`` as an NN product where the call packed one (``packed`` not null;
+    leading dimension Sk), else X's rows from ``c0`` in place as an NT product."""
+    is_packed = b.icmp_unsigned("!=", packed, ir.Constant(PTR, None), name="is.packed")
+    columns = gep_f32(b, packed, c0, name="packed.from")
+    rows = gep_f32(b, head, b.mul(c0, i64(ld_head)), name="head.from")
+    operand = b.select(is_packed, columns, rows, name="keys.operand")
+    ld = b.select(is_packed, seq_k, i64(ld_head), name="keys.ld")
+    return operand, ld, b.select(is_packed, i32(NO_TRANS), i32(TRANS), name="keys.trans")
 
 
 def emit_strip_floats(b: ir.IRBuilder, block_q: int, seq_k: ir.Value) -> ir.Value:
@@ -278,30 +318,22 @@ class AttentionLowering:
         spec = self.spec
         null = ir.Constant(PTR, None)
         slots = ("k", "v")[: len(spec.packed_widths)]
-        if not spec.may_pack:
+        if packed_bytes(spec.dims.seq_q, 1, spec.packed_widths) == 0:
             return dict.fromkeys(slots, null)
         strip = self._strip_floats(b)
         if spec.grads is None:
             offset = b.add(strip, i64(-(-spec.block_q // 16) * 16), name="strips.floats")
         else:
             offset = b.mul(strip, i64(2 if spec.needs_dp else 1), name="strips.floats")
-        pack = b.icmp_signed(">=", self.sq, i64(PACK_MIN_ROWS), name="pack")
-        packed = {}
-        for slot, width in zip(slots, spec.packed_widths, strict=True):
-            packed[slot] = b.select(pack, gep_f32(b, scratch, offset, name=f"{slot}t"), null, name=f"{slot}t.or.null")
-            offset = b.add(offset, b.mul(ceil_div(b, b.mul(self.sk, i64(width)), 16), i64(16)), name="packed.end")
-        return packed
+        pointers = packed_buffers(b, scratch, offset, self.sq, self.sk, spec.packed_widths)
+        return dict(zip(slots, pointers, strict=True))
 
     def _pack(self, b: ir.IRBuilder, heads: dict[str, ir.Value], packed: dict[str, ir.Value]) -> None:
-        """Copy the head's K (and V) transposed into ``packed`` (where not null): ``width x Sk``,
-        leading dimension ``Sk``, by OpenBLAS's ``somatcopy``."""
-        omatcopy = declare(self.module, OMATCOPY, VOID, [I32, I32, I32, I32, F32, PTR, I32, PTR, I32])
-        sk = b.trunc(self.sk, I32)
+        """Copy the head's K (and V) transposed into ``packed`` (where not null)."""
         for slot, target in packed.items():
-            width = self._geometry(slot)[2]
-            args = [i32(ROW_MAJOR), i32(TRANS), sk, i32(width), f32(1.0), heads[slot], i32(self._ld(slot)), target, sk]
-            with b.if_then(b.icmp_unsigned("!=", target, ir.Constant(PTR, None))):
-                self._timed(b, "blas", functools.partial(b.call, omatcopy, args))
+            width, ld = self._geometry(slot)[2], self._ld(slot)
+            copy = functools.partial(emit_transposed_copy, b, heads[slot], ld, self.sk, width, target)
+            self._timed(b, "blas", copy)
 
     # ------------------------------------------------------------------ profiling
 
@@ -758,14 +790,8 @@ class AttentionLowering:
         ldc: ir.Value,
     ) -> None:
         """``C = alpha A X_vis^T`` for a head operand X (K or V) over the visible keys ``[ks, ks +
-        nk)``: an NN product with X's transposed copy where the call packed one (``packed`` not
-        null; its leading dimension is Sk), else an NT product reading X in place."""
-        is_packed = b.icmp_unsigned("!=", packed, ir.Constant(PTR, None), name="is.packed")
-        columns = gep_f32(b, packed, ks, name="packed.vis")
-        rows_vis = gep_f32(b, head, b.mul(ks, i64(ld_head)), name="head.vis")
-        operand = b.select(is_packed, columns, rows_vis, name="x.vis")
-        ld = b.select(is_packed, self.sk, i64(ld_head), name="ld.x")
-        trans = b.select(is_packed, i32(NO_TRANS), i32(TRANS), name="trans.x")
+        nk)`` (see :func:`keys_operand`)."""
+        operand, ld, trans = keys_operand(b, head, ld_head, packed, ks, self.sk)
         self._sgemm(b, NO_TRANS, trans, rows, nk, i64(width), alpha, a, lda, operand, ld, 0.0, c, ldc)
 
     def _sgemm(

@@ -50,7 +50,11 @@ from rlx.codegen.lower_attention import (
     declare_sgemm,
     emit_sgemm,
     emit_strip_floats,
+    emit_transposed_copy,
     head_offset,
+    keys_operand,
+    packed_buffers,
+    packed_bytes,
     row_stride,
     scale_row,
     scale_rows,
@@ -140,10 +144,21 @@ class FlexKernelSpec:
         return -(-(self.grid.block_q * length) // per_line) * per_line
 
     def scratch_bytes(self, seq_k: int | None = None) -> int:
-        """The strips, then (forward) one reciprocal row sum per strip row."""
+        """The strips, then (forward) one reciprocal row sum per strip row, then the transposed
+        copies of K (and V) (``lower_attention.packed_buffers``)."""
+        length = self.dims.seq_k if seq_k is None else seq_k
+        assert isinstance(length, int), "give the call's Sk"
+        return self.strips_bytes(length) + packed_bytes(self.dims.seq_q, length, self.packed_widths)
+
+    def strips_bytes(self, seq_k: int) -> int:
         buffers = 1 + int(self.needs_dp) + int(self.keeps_raw)
         sums = 0 if self.backward else -(-self.grid.block_q // 16) * 64
         return self.strip_floats(seq_k) * 4 * buffers + sums
+
+    @property
+    def packed_widths(self) -> tuple[int, ...]:
+        """Row widths of the head operands copied transposed: K, and V where dP = dY V^T is formed."""
+        return (self.dims.head_dim, self.dims.value_dim) if self.needs_dp else (self.dims.head_dim,)
 
 
 class FlexLowering:
@@ -240,19 +255,45 @@ class FlexLowering:
         second = gep_f32(b, scratch, floats, name="dp.strip")
         third = gep_f32(b, scratch, b.mul(floats, i64(2)), name="raw.strip")
         dims = self.spec.dims
+        self.packed = self._packed_buffers(b, scratch, floats)
         if not self.spec.backward:
             batch = b.sdiv(item, i64(dims.heads), name="b")
             head = b.srem(item, i64(dims.heads), name="h")
+            self._pack(b, batch, b.sdiv(head, i64(dims.group), name="g"))
             self._forward_head(b, batch, head, strip, second)
         else:
             batch = b.sdiv(item, i64(dims.kv_heads), name="b")
             group = b.srem(item, i64(dims.kv_heads), name="g")
             self._zero_kv_grads(b, batch, group)
+            self._pack(b, batch, group)
             with for_range(b, 0, dims.group, "member") as member:
                 head = b.add(b.mul(group, i64(dims.group)), member, name="h")
                 self._backward_head(b, batch, head, group, strip, second, third)
         b.ret_void()
         return fn
+
+    # ------------------------------------------------------------------ packing
+
+    def _packed_buffers(self, b: ir.IRBuilder, scratch: ir.Value, strip_floats: ir.Value) -> dict[str, ir.Value]:
+        """This call's buffers for K (and V) transposed, after the strips; null where it reads
+        them in place."""
+        spec = self.spec
+        slots = ("k", "v")[: len(spec.packed_widths)]
+        if packed_bytes(spec.dims.seq_q, 1, spec.packed_widths) == 0:
+            return dict.fromkeys(slots, ir.Constant(PTR, None))
+        buffers = 1 + int(spec.needs_dp) + int(spec.keeps_raw)
+        sums = 0 if spec.backward else -(-spec.grid.block_q // 16) * 16
+        offset = b.add(b.mul(strip_floats, i64(buffers)), i64(sums), name="strips.floats")
+        pointers = packed_buffers(b, scratch, offset, self.sq, self.sk, spec.packed_widths)
+        return dict(zip(slots, pointers, strict=True))
+
+    def _pack(self, b: ir.IRBuilder, batch: ir.Value, group: ir.Value) -> None:
+        """Copy kv head ``group``'s K (and V) transposed into this call's buffers."""
+        d = self.spec.dims
+        for slot, target in self.packed.items():
+            width = d.head_dim if slot == "k" else d.value_dim
+            head = self._head(b, self.base[slot], batch, group, self.sk, d.kv_heads, width)
+            emit_transposed_copy(b, head, self._row_stride(d.kv_heads, width), self.sk, width, target)
 
     # ------------------------------------------------------------------ tiles
 
@@ -486,13 +527,13 @@ class FlexLowering:
         ldq, ldk = self._row_stride(d.heads, d.head_dim), self._row_stride(d.kv_heads, d.head_dim)
 
         def gemm(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value) -> None:
-            k_run = gep_f32(b, k_head, b.mul(c0, i64(ldk)))
+            k_run, ld_run, trans = keys_operand(b, k_head, ldk, self.packed["k"], c0, self.sk)
             target = gep_f32(b, out, b.sub(c0, ks))
             emit_sgemm(
                 b,
                 self.sgemm,
                 NO_TRANS,
-                TRANS,
+                trans,
                 rows,
                 b.sub(c1, c0),
                 d.head_dim,
@@ -500,7 +541,7 @@ class FlexLowering:
                 q_strip,
                 ldq,
                 k_run,
-                ldk,
+                ld_run,
                 0.0,
                 target,
                 nk,
@@ -849,19 +890,20 @@ class FlexLowering:
                             if spec.needs_dp:
 
                                 def dp_gemm(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value) -> None:
+                                    v_run, ld_run, trans = keys_operand(b, v_head, ldv, self.packed["v"], c0, self.sk)
                                     emit_sgemm(
                                         b,
                                         self.sgemm,
                                         NO_TRANS,
-                                        TRANS,
+                                        trans,
                                         rows,
                                         b.sub(c1, c0),
                                         d.value_dim,
                                         1.0,
                                         dy_strip,
                                         ldo,
-                                        gep_f32(b, v_head, b.mul(c0, i64(ldv))),
-                                        ldv,
+                                        v_run,
+                                        ld_run,
                                         0.0,
                                         gep_f32(b, dp_buf, b.sub(c0, ks)),
                                         nk,
