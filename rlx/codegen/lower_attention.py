@@ -172,7 +172,9 @@ def emit_transposed_copy(
     b: ir.IRBuilder, head: ir.Value, ld: int, seq_k: ir.Value, width: int, target: ir.Value
 ) -> None:
     """Copy a head operand (``Sk`` rows of ``width``, ``ld`` apart) transposed into ``target``
-    where it is not null, by OpenBLAS's ``somatcopy``."""
+    where it is not null, by OpenBLAS's ``somatcopy`` (nothing at all for a constant null)."""
+    if isinstance(target, ir.Constant) and target.constant is None:
+        return
     omatcopy = declare(b.module, OMATCOPY, VOID, [I32, I32, I32, I32, F32, PTR, I32, PTR, I32])
     sk = b.trunc(seq_k, I32)
     with b.if_then(b.icmp_unsigned("!=", target, ir.Constant(PTR, None))):
