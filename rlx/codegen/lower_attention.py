@@ -122,20 +122,21 @@ class AttentionKernelSpec:
             return self._strips_bytes(seq_k) + 64
         return self._strips_bytes(seq_k)
 
-    def _strips_bytes(self, seq_k: int | None) -> int:
+    @property
+    def strip_layout(self) -> tuple[int, int]:
+        """``(strips, floats after them)`` at the start of a thread's scratch: the P strip and the
+        dP/dS strip (backward, dQ or dK wanted), or the P strip and its rows' reciprocal sums
+        (forward). The transposed copies follow (:func:`packed_buffers`)."""
         if self.grads is None:
-            strips = self.strip_floats(seq_k) * 4 + -(-self.block_q // 16) * 64
-        else:
-            strips = self.strip_floats(seq_k) * 4 * (2 if self.needs_dp else 1)
+            return 1, -(-self.block_q // 16) * 16
+        return (2 if self.needs_dp else 1), 0
+
+    def _strips_bytes(self, seq_k: int | None) -> int:
         length = self.dims.seq_k if seq_k is None else seq_k
         assert isinstance(length, int), "give the call's Sk"
-        return strips + packed_bytes(self.dims.seq_q, length, self.packed_widths)
-
-    @property
-    def packed_widths(self) -> tuple[int, ...]:
-        """Row widths of the head operands packed transposed: K (the scores' product), and V when
-        the backward forms dP = dY V^T."""
-        return (self.dims.head_dim, self.dims.value_dim) if self.needs_dp else (self.dims.head_dim,)
+        strips, tail = self.strip_layout
+        widths = transposed_widths(self.dims.head_dim, self.dims.value_dim, self.needs_dp)
+        return (self.strip_floats(length) * strips + tail) * 4 + packed_bytes(self.dims.seq_q, length, widths)
 
 
 
@@ -145,12 +146,21 @@ def _whole_lines(floats: int) -> int:
     return -(-floats // per_line) * per_line
 
 
+def may_pack(seq_q: int | str) -> bool:
+    """Whether calls may copy K (and V) transposed: a static query length of at least
+    :data:`PACK_MIN_ROWS`, or a symbolic one (each call decides)."""
+    return not isinstance(seq_q, int) or seq_q >= PACK_MIN_ROWS
+
+
+def transposed_widths(head_dim: int, value_dim: int, needs_dp: bool) -> tuple[int, ...]:
+    """Row widths of the head operands copied transposed: K (the scores' product), and V where
+    the backward forms dP = dY V^T."""
+    return (head_dim, value_dim) if needs_dp else (head_dim,)
+
+
 def packed_bytes(seq_q: int | str, seq_k: int, widths: tuple[int, ...]) -> int:
-    """Scratch bytes for the transposed copies of head operands of these ``widths`` (none when a
-    static query length is below :data:`PACK_MIN_ROWS`; a symbolic one decides per call)."""
-    if isinstance(seq_q, int) and seq_q < PACK_MIN_ROWS:
-        return 0
-    return sum(_whole_lines(width * seq_k) for width in widths) * 4
+    """Scratch bytes for the transposed copies of head operands of these ``widths``."""
+    return sum(_whole_lines(width * seq_k) for width in widths) * 4 if may_pack(seq_q) else 0
 
 
 def packed_buffers(
@@ -318,17 +328,13 @@ class AttentionLowering:
         """Where this call's transposed K (and V) go in the thread's scratch, after the strips;
         null pointers where the call does not pack (:data:`PACK_MIN_ROWS` query rows)."""
         spec = self.spec
-        null = ir.Constant(PTR, None)
-        slots = ("k", "v")[: len(spec.packed_widths)]
-        if packed_bytes(spec.dims.seq_q, 1, spec.packed_widths) == 0:
-            return dict.fromkeys(slots, null)
-        strip = self._strip_floats(b)
-        if spec.grads is None:
-            offset = b.add(strip, i64(-(-spec.block_q // 16) * 16), name="strips.floats")
-        else:
-            offset = b.mul(strip, i64(2 if spec.needs_dp else 1), name="strips.floats")
-        pointers = packed_buffers(b, scratch, offset, self.sq, self.sk, spec.packed_widths)
-        return dict(zip(slots, pointers, strict=True))
+        widths = transposed_widths(spec.dims.head_dim, spec.dims.value_dim, spec.needs_dp)
+        slots = ("k", "v")[: len(widths)]
+        if not may_pack(spec.dims.seq_q):
+            return dict.fromkeys(slots, ir.Constant(PTR, None))
+        strips, tail = spec.strip_layout
+        offset = b.add(b.mul(self._strip_floats(b), i64(strips)), i64(tail), name="strips.floats")
+        return dict(zip(slots, packed_buffers(b, scratch, offset, self.sq, self.sk, widths), strict=True))
 
     def _pack(self, b: ir.IRBuilder, heads: dict[str, ir.Value], packed: dict[str, ir.Value]) -> None:
         """Copy the head's K (and V) transposed into ``packed`` (where not null)."""

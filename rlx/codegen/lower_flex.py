@@ -53,11 +53,13 @@ from rlx.codegen.lower_attention import (
     emit_transposed_copy,
     head_offset,
     keys_operand,
+    may_pack,
     packed_buffers,
     packed_bytes,
     row_stride,
     scale_row,
     scale_rows,
+    transposed_widths,
     zero_rows,
 )
 from rlx.codegen.region_emit import LaneValue, RegionEmitter, Tensor, lane_indices
@@ -148,17 +150,17 @@ class FlexKernelSpec:
         copies of K (and V) (``lower_attention.packed_buffers``)."""
         length = self.dims.seq_k if seq_k is None else seq_k
         assert isinstance(length, int), "give the call's Sk"
-        return self.strips_bytes(length) + packed_bytes(self.dims.seq_q, length, self.packed_widths)
-
-    def strips_bytes(self, seq_k: int) -> int:
-        buffers = 1 + int(self.needs_dp) + int(self.keeps_raw)
-        sums = 0 if self.backward else -(-self.grid.block_q // 16) * 64
-        return self.strip_floats(seq_k) * 4 * buffers + sums
+        strips, tail = self.strip_layout
+        widths = transposed_widths(self.dims.head_dim, self.dims.value_dim, self.needs_dp)
+        return (self.strip_floats(length) * strips + tail) * 4 + packed_bytes(self.dims.seq_q, length, widths)
 
     @property
-    def packed_widths(self) -> tuple[int, ...]:
-        """Row widths of the head operands copied transposed: K, and V where dP = dY V^T is formed."""
-        return (self.dims.head_dim, self.dims.value_dim) if self.needs_dp else (self.dims.head_dim,)
+    def strip_layout(self) -> tuple[int, int]:
+        """``(strips, floats after them)`` at the start of a thread's scratch: the score strip, the
+        dP/dS strip (backward with dP) and the raw scores (a score_mod's derivative), or in the
+        forward the score strip and its rows' reciprocal sums."""
+        strips = 1 + int(self.needs_dp) + int(self.keeps_raw)
+        return strips, 0 if self.backward else -(-self.grid.block_q // 16) * 16
 
 
 class FlexLowering:
@@ -278,14 +280,13 @@ class FlexLowering:
         """This call's buffers for K (and V) transposed, after the strips; null where it reads
         them in place."""
         spec = self.spec
-        slots = ("k", "v")[: len(spec.packed_widths)]
-        if packed_bytes(spec.dims.seq_q, 1, spec.packed_widths) == 0:
+        widths = transposed_widths(spec.dims.head_dim, spec.dims.value_dim, spec.needs_dp)
+        slots = ("k", "v")[: len(widths)]
+        if not may_pack(spec.dims.seq_q):
             return dict.fromkeys(slots, ir.Constant(PTR, None))
-        buffers = 1 + int(spec.needs_dp) + int(spec.keeps_raw)
-        sums = 0 if spec.backward else -(-spec.grid.block_q // 16) * 16
-        offset = b.add(b.mul(strip_floats, i64(buffers)), i64(sums), name="strips.floats")
-        pointers = packed_buffers(b, scratch, offset, self.sq, self.sk, spec.packed_widths)
-        return dict(zip(slots, pointers, strict=True))
+        strips, tail = spec.strip_layout
+        offset = b.add(b.mul(strip_floats, i64(strips)), i64(tail), name="strips.floats")
+        return dict(zip(slots, packed_buffers(b, scratch, offset, self.sq, self.sk, widths), strict=True))
 
     def _pack(self, b: ir.IRBuilder, batch: ir.Value, group: ir.Value) -> None:
         """Copy kv head ``group``'s K (and V) transposed into this call's buffers."""
