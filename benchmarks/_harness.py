@@ -608,21 +608,26 @@ def _time_product(blas: RlxOpenBlas, p: Product, burst: float, rounds: int) -> t
     return best[0], best[1]
 
 
-def attention_products(batch: int, heads: int, seq: int, dim: int, causal: bool, backward: bool) -> list[Product]:
-    """The products rlx's attention kernel calls BLAS for, strip by strip (its own strip height):
-    ``S = Q K^T`` and ``out = P V`` forward; ``S``, ``dP = dY V^T``, ``dV += P^T dY``,
-    ``dQ = dS K`` and ``dK += dS^T Q`` backward. A causal strip sees the keys up to its last row."""
-    from rlx.codegen.lower_attention import choose_block_q
+def attention_products(
+    batch: int, heads: int, seq: int, dim: int, causal: bool, backward: bool, strided_rows: bool = False
+) -> list[Product]:
+    """The products rlx's attention kernel calls BLAS for, strip by strip (its own strip height,
+    ``strided_rows`` for BSHD heads): ``S = Q K^T`` and ``out = P V`` forward; ``S``, ``dP = dY
+    V^T``, ``dV += P^T dY``, ``dQ = dS K`` and ``dK += dS^T Q`` backward. A causal strip sees the
+    keys up to its last row. From ``PACK_MIN_ROWS`` queries on, the kernel reads K and V from
+    transposed copies, so ``S`` and ``dP`` are NN products; below, NT."""
+    from rlx.codegen.lower_attention import PACK_MIN_ROWS, choose_block_q
 
-    block_q = choose_block_q(seq, seq, needs_dp=backward, causal_like=causal)
+    block_q = choose_block_q(seq, seq, needs_dp=backward, causal_like=causal, strided_rows=strided_rows)
+    keys_transposed = seq < PACK_MIN_ROWS
     counts: dict[tuple[int, int, int, bool, bool], int] = {}
     for first in range(0, seq, block_q):
         rows = min(block_q, seq - first)
         keys = min(seq, first + rows) if causal else seq
-        shapes = [(rows, keys, dim, False, True)]
+        shapes = [(rows, keys, dim, False, keys_transposed)]
         if backward:
-            shapes += [(rows, keys, dim, False, True), (keys, dim, rows, True, False), (rows, dim, keys, False, False),
-                       (keys, dim, rows, True, False)]  # fmt: skip
+            shapes += [(rows, keys, dim, False, keys_transposed), (keys, dim, rows, True, False),
+                       (rows, dim, keys, False, False), (keys, dim, rows, True, False)]  # fmt: skip
         else:
             shapes.append((rows, dim, keys, False, False))
         for shape in shapes:

@@ -510,7 +510,10 @@ def run_case(index: int, case: Case, args: argparse.Namespace, torch: ModuleType
     profiled = compile_graph(build_bwd_graph(case), config=config, options=CodegenOptions(profile=True))
     result["breakdown"] = attention_breakdown(profiled, arrays)
     if torch is not None:
-        products = attention_products(case.batch, case.heads, case.seq, case.dim, case.causal, backward=True)
+        strided = case.heads > 1  # the BSHD layout: a head's rows are H·D floats apart
+        products = attention_products(
+            case.batch, case.heads, case.seq, case.dim, case.causal, backward=True, strided_rows=strided
+        )
         result["blas_vs_torch"] = compare_blas(RlxOpenBlas(), products, burst=0.02, rounds=3).as_dict()
     del benches, arrays, fused, unfused, profiled
     gc.collect()

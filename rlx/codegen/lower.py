@@ -35,7 +35,7 @@ from rlx.config import RuntimeConfig
 from rlx.ir.graph import Graph, Node, Value
 from rlx.ir.ops import AttentionAttrs, AttentionBwdAttrs, OpKind, attention_dims
 from rlx.ir.region import Region
-from rlx.ir.types import Wrt, resolve_dims
+from rlx.ir.types import Layout, Wrt, resolve_dims
 from rlx.ops.flex_attention import (
     FlexAttentionBwdAttrs,
     bwd_operands,
@@ -89,7 +89,9 @@ def kernel_spec(
     grads = attrs.wrt if isinstance(attrs, AttentionBwdAttrs) else None
     needs_dp = grads is not None and bool(grads & (Wrt.QUERY | Wrt.KEY))
     if isinstance(dims.seq_q, int) and isinstance(dims.seq_k, int):
-        block_q = options.block_q or choose_block_q(dims.seq_q, dims.seq_k, needs_dp, attrs.mask.is_causal_like)
+        strided = attrs.layout == Layout.BSHD and max(dims.heads, dims.kv_heads) > 1
+        causal_like = attrs.mask.is_causal_like
+        block_q = options.block_q or choose_block_q(dims.seq_q, dims.seq_k, needs_dp, causal_like, strided)
         block_q = max(1, min(block_q, dims.seq_q))
     else:  # one kernel for every length: a strip height that suits short and long sequences
         block_q = options.block_q or SYMBOLIC_BLOCK_Q

@@ -215,7 +215,7 @@ def emit_strip_floats(b: ir.IRBuilder, block_q: int, seq_k: ir.Value) -> ir.Valu
 SCRATCH_BUDGET = 64 << 20  # bytes of strip buffers per thread at most
 
 
-def choose_block_q(seq_q: int, seq_k: int, needs_dp: bool, causal_like: bool) -> int:
+def choose_block_q(seq_q: int, seq_k: int, needs_dp: bool, causal_like: bool, strided_rows: bool = False) -> int:
     """Query rows per strip, from measurements on the benchmark shapes (see benchmarks/README.md).
 
     Tall strips turn the rank-``block_q`` updates of dK/dV into efficient GEMMs: at Sk = 16384,
@@ -224,7 +224,10 @@ def choose_block_q(seq_q: int, seq_k: int, needs_dp: bool, causal_like: bool) ->
     scratch, so long sequences use 256. A causal-like strip computes the hidden triangle above its
     diagonal, a fraction ``block_q / 2 Sk`` of the whole, so causal-like masks take shorter
     strips: 64 rows up to Sk = 1024 (Intel Xeon, B·H = 32-96, backward against 128 rows: 25%
-    faster at S = 128, 13% at 256, 5% at 512, even at 1024), 128 up to 2048. Without a mask,
+    faster at S = 128, 13% at 256, 5% at 512, even at 1024), 128 up to 2048. Where a head's rows
+    are strided (``strided_rows``: BSHD with several heads) every strip of the backward adds into
+    dK and dV rows a cache line or two apart, so there the backward keeps 64 rows only below
+    Sk = 512 (BSHD: 14% faster at 256, 2% at 384; 3% slower at 512, 5% at 1024). Without a mask,
     Sk <= 128 takes 64 rows too: the strip products fit OpenBLAS's small-matrix path (SkylakeX
     kernels, up to 10^6 multiply-adds, no packing) and the strips stay in L1 (backward 9% faster
     at B8 H12 S128 than one 128-row strip; 256 and 384 keys ran fastest with the longest strips).
@@ -232,14 +235,15 @@ def choose_block_q(seq_q: int, seq_k: int, needs_dp: bool, causal_like: bool) ->
     (``ceil(Sq / n)`` rows each) so that no strip is a sliver.
     """
     buffers = 2 if needs_dp else 1
-    cap = _causal_strip_cap(seq_k) if causal_like else 64 if seq_k <= 128 else 256
+    cap = _causal_strip_cap(seq_k, needs_dp and strided_rows) if causal_like else 64 if seq_k <= 128 else 256
     target = max(32, min(cap, SCRATCH_BUDGET // (4 * seq_k * buffers)))
     strips = -(-seq_q // target)
     return -(-seq_q // strips)
 
 
-def _causal_strip_cap(seq_k: int) -> int:
-    return 64 if seq_k <= 1024 else 128 if seq_k <= 2048 else 256
+def _causal_strip_cap(seq_k: int, strided_backward: bool) -> int:
+    short = seq_k < 512 if strided_backward else seq_k <= 1024
+    return 64 if short else 128 if seq_k <= 2048 else 256
 
 
 class AttentionLowering:
