@@ -20,7 +20,9 @@ when a row says otherwise (a custom ``neg`` near the scores, or a row with no vi
 strip is recomputed over all keys, which is always exact.
 
 Both layouts are read in place: a head's rows are ``H·D`` floats apart in BSHD and ``D`` apart in
-BHSD, and that stride is the BLAS leading dimension, so no head is ever copied.
+BHSD, and that stride is the BLAS leading dimension. The one copy: from ``PACK_MIN_ROWS`` query
+rows on, each item first copies its head's K (and, for dP, V) transposed into the thread's
+scratch, so that ``Q K^T`` and ``dY V^T`` run as NN products, which OpenBLAS runs faster.
 """
 
 from __future__ import annotations
@@ -137,7 +139,6 @@ class AttentionKernelSpec:
         strips, tail = self.strip_layout
         widths = transposed_widths(self.dims.head_dim, self.dims.value_dim, self.needs_dp)
         return (self.strip_floats(length) * strips + tail) * 4 + packed_bytes(self.dims.seq_q, length, widths)
-
 
 
 def _whole_lines(floats: int) -> int:
@@ -316,7 +317,7 @@ class AttentionLowering:
         else:  # item = (batch, kv head): its query heads in order, so dK/dV of a group sum without races
             batch = b.sdiv(item, i64(dims.kv_heads), name="b")
             group = b.srem(item, i64(dims.kv_heads), name="g")
-            self._pack(b, self._head_pointers(b, base, batch, group, group), packed)
+            self._pack(b, self._head_pointers(b, base, batch, group, group), packed)  # K, V of kv head g
             with for_range(b, 0, dims.group, "member") as member:
                 head = b.add(b.mul(group, i64(dims.group)), member, name="h")
                 heads = self._head_pointers(b, base, batch, head, group)

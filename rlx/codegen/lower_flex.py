@@ -15,7 +15,9 @@ no GEMM columns, no exp), shows it all (the mask is not evaluated) or is partial
    ``dQ_strip = scale Σ dS K_run``; ``dK_run += scale dS^T Q_strip`` (GEMMs)
 
 Scratch per thread: the score strip (``block_q × Sk``), plus in the backward the dP/dS strip
-and, with a score_mod, the raw scores its derivative needs.
+and, with a score_mod, the raw scores its derivative needs; then, from 16 query rows on, K (and
+for dP, V) copied transposed once per item, so that each run's ``Q K^T`` and ``dY V^T`` are NN
+products (``lower_attention.packed_buffers``).
 """
 
 from __future__ import annotations
