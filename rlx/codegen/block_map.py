@@ -141,7 +141,7 @@ class _RangeTable:
         return low, high
 
 
-def choose_blocks(seq_q: int, seq_k: int, needs_dp: bool, masked: bool) -> tuple[int, int]:
+def choose_blocks(seq_q: int, seq_k: int, needs_dp: bool, masked: bool = False) -> tuple[int, int]:
     """Query rows per strip and keys per tile for the flex kernels (``masked``: a tile map may
     skip tiles).
 
