@@ -31,6 +31,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from llvmlite import ir
 
@@ -60,7 +61,7 @@ from rlx.codegen.irutil import (
 from rlx.codegen.sizes import SizeLike, ceil_div, emit_size, load_symbols, size_of
 from rlx.codegen.vector import Lanes, vector_fill, vector_loop, vector_reduce
 from rlx.ir.ops import AttentionDims
-from rlx.ir.types import Layout, MaskKind, Wrt
+from rlx.ir.types import Dim, Layout, MaskKind, Wrt
 
 # A hidden key may be skipped when its softmax weight exp(neg - rowmax) is below e^-50: even
 # summed over 10^7 keys that is far under float32 rounding of the row sum (which is >= 1).
@@ -128,17 +129,13 @@ class AttentionKernelSpec:
     def strip_layout(self) -> tuple[int, int]:
         """``(strips, floats after them)`` at the start of a thread's scratch: the P strip and the
         dP/dS strip (backward, dQ or dK wanted), or the P strip and its rows' reciprocal sums
-        (forward). The transposed copies follow (:func:`packed_buffers`)."""
+        (forward). The transposed copies follow (:func:`transposed_buffers`)."""
         if self.grads is None:
             return 1, -(-self.block_q // 16) * 16
         return (2 if self.needs_dp else 1), 0
 
     def _strips_bytes(self, seq_k: int | None) -> int:
-        length = self.dims.seq_k if seq_k is None else seq_k
-        assert isinstance(length, int), "give the call's Sk"
-        strips, tail = self.strip_layout
-        widths = transposed_widths(self.dims.head_dim, self.dims.value_dim, self.needs_dp)
-        return (self.strip_floats(length) * strips + tail) * 4 + packed_bytes(self.dims.seq_q, length, widths)
+        return strips_and_copies_bytes(self, seq_k)
 
 
 def _whole_lines(floats: int) -> int:
@@ -153,30 +150,65 @@ def may_pack(seq_q: int | str) -> bool:
     return not isinstance(seq_q, int) or seq_q >= PACK_MIN_ROWS
 
 
-def transposed_widths(head_dim: int, value_dim: int, needs_dp: bool) -> tuple[int, ...]:
-    """Row widths of the head operands copied transposed: K (the scores' product), and V where
-    the backward forms dP = dY V^T."""
-    return (head_dim, value_dim) if needs_dp else (head_dim,)
+class _HeadDims(Protocol):
+    @property
+    def seq_q(self) -> Dim: ...
+    @property
+    def seq_k(self) -> Dim: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def value_dim(self) -> int: ...
 
 
-def packed_bytes(seq_q: int | str, seq_k: int, widths: tuple[int, ...]) -> int:
-    """Scratch bytes for the transposed copies of head operands of these ``widths``."""
-    return sum(_whole_lines(width * seq_k) for width in widths) * 4 if may_pack(seq_q) else 0
+class StripScratch(Protocol):
+    """What both attention kernels' specs say about the start of a thread's scratch."""
+
+    @property
+    def dims(self) -> _HeadDims: ...
+    @property
+    def needs_dp(self) -> bool: ...
+    @property
+    def strip_layout(self) -> tuple[int, int]: ...
+    def strip_floats(self, seq_k: int | None = None) -> int: ...
 
 
-def packed_buffers(
-    b: ir.IRBuilder, scratch: ir.Value, offset: ir.Value, seq_q: ir.Value, seq_k: ir.Value, widths: tuple[int, ...]
-) -> list[ir.Value]:
-    """One buffer per width in the thread's scratch from float ``offset`` on, for a head operand's
-    transposed copy (``width x Sk``, leading dimension ``Sk``); null where this call does not pack
-    (fewer than :data:`PACK_MIN_ROWS` query rows: a decode step reads K in place)."""
+def _copied(spec: StripScratch) -> dict[str, int]:
+    """The head operands a kernel copies transposed, with their row widths: K (the scores'
+    product), and V where the backward forms dP = dY V^T."""
+    dims = spec.dims
+    return {"k": dims.head_dim, "v": dims.value_dim} if spec.needs_dp else {"k": dims.head_dim}
+
+
+def strips_and_copies_bytes(spec: StripScratch, seq_k: int | None = None) -> int:
+    """Bytes of a thread's scratch: the strips and what follows them (``spec.strip_layout``),
+    then the transposed copies of K (and V) where calls may make them."""
+    length = spec.dims.seq_k if seq_k is None else seq_k
+    assert isinstance(length, int), "give the call's Sk"
+    strips, tail = spec.strip_layout
+    copies = sum(_whole_lines(width * length) for width in _copied(spec).values()) if may_pack(spec.dims.seq_q) else 0
+    return (spec.strip_floats(length) * strips + tail + copies) * 4
+
+
+def transposed_buffers(
+    b: ir.IRBuilder, spec: StripScratch, scratch: ir.Value, strip_floats: ir.Value, seq_q: ir.Value, seq_k: ir.Value
+) -> dict[str, ir.Value]:
+    """Per copied operand (``"k"``, ``"v"``), its buffer in the thread's scratch after the strips
+    (``width x Sk``, leading dimension ``Sk``): null where this call does not pack (fewer than
+    :data:`PACK_MIN_ROWS` query rows: a decode step reads K in place), a constant null where no
+    call of the kernel can."""
     null = ir.Constant(PTR, None)
+    copied = _copied(spec)
+    if not may_pack(spec.dims.seq_q):
+        return dict.fromkeys(copied, null)
+    strips, tail = spec.strip_layout
+    offset = b.add(b.mul(strip_floats, i64(strips)), i64(tail), name="strips.floats")
     pack = b.icmp_signed(">=", seq_q, i64(PACK_MIN_ROWS), name="pack")
-    pointers = []
-    for width in widths:
-        pointers.append(b.select(pack, gep_f32(b, scratch, offset, name="packed"), null, name="packed.or.null"))
-        offset = b.add(offset, b.mul(ceil_div(b, b.mul(seq_k, i64(width)), 16), i64(16)), name="packed.end")
-    return pointers
+    buffers = {}
+    for slot, width in copied.items():
+        buffers[slot] = b.select(pack, gep_f32(b, scratch, offset, name=f"{slot}t"), null, name=f"{slot}t.or.null")
+        offset = b.add(offset, b.mul(ceil_div(b, b.mul(seq_k, i64(width)), 16), i64(16)), name="copies.end")
+    return buffers
 
 
 def emit_transposed_copy(
@@ -306,7 +338,7 @@ class AttentionLowering:
         started = self._start_counting(b, scratch)
         strip_s = scratch
         strip_dp = gep_f32(b, scratch, self._strip_floats(b), name="dp.strip") if spec.needs_dp else None
-        packed = self._packed_buffers(b, scratch)
+        packed = transposed_buffers(b, spec, scratch, self._strip_floats(b), self.sq, self.sk)
         if spec.grads is None:  # item = (batch, query head)
             batch = b.sdiv(item, i64(dims.heads), name="b")
             head = b.srem(item, i64(dims.heads), name="h")
@@ -328,18 +360,6 @@ class AttentionLowering:
         return fn
 
     # ------------------------------------------------------------------ packing
-
-    def _packed_buffers(self, b: ir.IRBuilder, scratch: ir.Value) -> dict[str, ir.Value]:
-        """Where this call's transposed K (and V) go in the thread's scratch, after the strips;
-        null pointers where the call does not pack (:data:`PACK_MIN_ROWS` query rows)."""
-        spec = self.spec
-        widths = transposed_widths(spec.dims.head_dim, spec.dims.value_dim, spec.needs_dp)
-        slots = ("k", "v")[: len(widths)]
-        if not may_pack(spec.dims.seq_q):
-            return dict.fromkeys(slots, ir.Constant(PTR, None))
-        strips, tail = spec.strip_layout
-        offset = b.add(b.mul(self._strip_floats(b), i64(strips)), i64(tail), name="strips.floats")
-        return dict(zip(slots, packed_buffers(b, scratch, offset, self.sq, self.sk, widths), strict=True))
 
     def _pack(self, b: ir.IRBuilder, heads: dict[str, ir.Value], packed: dict[str, ir.Value]) -> None:
         """Copy the head's K (and V) transposed into ``packed`` (where not null)."""

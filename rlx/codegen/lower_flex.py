@@ -17,7 +17,7 @@ no GEMM columns, no exp), shows it all (the mask is not evaluated) or is partial
 Scratch per thread: the score strip (``block_q × Sk``), plus in the backward the dP/dS strip
 and, with a score_mod, the raw scores its derivative needs; then, from 16 query rows on, K (and
 for dP, V) copied transposed once per item, so that each run's ``Q K^T`` and ``dY V^T`` are NN
-products (``lower_attention.packed_buffers``).
+products (``lower_attention.transposed_buffers``).
 """
 
 from __future__ import annotations
@@ -55,13 +55,11 @@ from rlx.codegen.lower_attention import (
     emit_transposed_copy,
     head_offset,
     keys_operand,
-    may_pack,
-    packed_buffers,
-    packed_bytes,
     row_stride,
     scale_row,
     scale_rows,
-    transposed_widths,
+    strips_and_copies_bytes,
+    transposed_buffers,
     zero_rows,
 )
 from rlx.codegen.region_emit import LaneValue, RegionEmitter, Tensor, lane_indices
@@ -149,12 +147,8 @@ class FlexKernelSpec:
 
     def scratch_bytes(self, seq_k: int | None = None) -> int:
         """The strips, then (forward) one reciprocal row sum per strip row, then the transposed
-        copies of K (and V) (``lower_attention.packed_buffers``)."""
-        length = self.dims.seq_k if seq_k is None else seq_k
-        assert isinstance(length, int), "give the call's Sk"
-        strips, tail = self.strip_layout
-        widths = transposed_widths(self.dims.head_dim, self.dims.value_dim, self.needs_dp)
-        return (self.strip_floats(length) * strips + tail) * 4 + packed_bytes(self.dims.seq_q, length, widths)
+        copies of K (and V) (``lower_attention.strips_and_copies_bytes``)."""
+        return strips_and_copies_bytes(self, seq_k)
 
     @property
     def strip_layout(self) -> tuple[int, int]:
@@ -259,7 +253,7 @@ class FlexLowering:
         second = gep_f32(b, scratch, floats, name="dp.strip")
         third = gep_f32(b, scratch, b.mul(floats, i64(2)), name="raw.strip")
         dims = self.spec.dims
-        self.packed = self._packed_buffers(b, scratch, floats)
+        self.packed = transposed_buffers(b, self.spec, scratch, floats, self.sq, self.sk)
         if not self.spec.backward:
             batch = b.sdiv(item, i64(dims.heads), name="b")
             head = b.srem(item, i64(dims.heads), name="h")
@@ -277,18 +271,6 @@ class FlexLowering:
         return fn
 
     # ------------------------------------------------------------------ packing
-
-    def _packed_buffers(self, b: ir.IRBuilder, scratch: ir.Value, strip_floats: ir.Value) -> dict[str, ir.Value]:
-        """This call's buffers for K (and V) transposed, after the strips; null where it reads
-        them in place."""
-        spec = self.spec
-        widths = transposed_widths(spec.dims.head_dim, spec.dims.value_dim, spec.needs_dp)
-        slots = ("k", "v")[: len(widths)]
-        if not may_pack(spec.dims.seq_q):
-            return dict.fromkeys(slots, ir.Constant(PTR, None))
-        strips, tail = spec.strip_layout
-        offset = b.add(b.mul(strip_floats, i64(strips)), i64(tail), name="strips.floats")
-        return dict(zip(slots, packed_buffers(b, scratch, offset, self.sq, self.sk, widths), strict=True))
 
     def _pack(self, b: ir.IRBuilder, batch: ir.Value, group: ir.Value) -> None:
         """Copy kv head ``group``'s K (and V) transposed into this call's buffers."""
