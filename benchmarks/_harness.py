@@ -616,10 +616,10 @@ def attention_products(
     V^T``, ``dV += P^T dY``, ``dQ = dS K`` and ``dK += dS^T Q`` backward. A causal strip sees the
     keys up to its last row. From ``PACK_MIN_ROWS`` queries on, the kernel reads K and V from
     transposed copies, so ``S`` and ``dP`` are NN products; below, NT."""
-    from rlx.codegen.lower_attention import PACK_MIN_ROWS, choose_block_q
+    from rlx.codegen.lower_attention import choose_block_q, may_pack
 
     block_q = choose_block_q(seq, seq, needs_dp=backward, causal_like=causal, strided_rows=strided_rows)
-    keys_transposed = seq < PACK_MIN_ROWS
+    keys_transposed = not may_pack(seq)
     counts: dict[tuple[int, int, int, bool, bool], int] = {}
     for first in range(0, seq, block_q):
         rows = min(block_q, seq - first)

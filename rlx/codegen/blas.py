@@ -46,13 +46,13 @@ def load_blas() -> Blas:
     set_threads = getattr(library, SET_THREADS)
     set_threads.argtypes = [ctypes.c_int]
     set_threads(1)
-    address = ctypes.cast(getattr(library, SGEMM), ctypes.c_void_p).value
-    assert address, f"{SGEMM} not found in {path}"
-    gemv_address = ctypes.cast(getattr(library, SGEMV), ctypes.c_void_p).value
-    assert gemv_address, f"{SGEMV} not found in {path}"
-    omatcopy_address = ctypes.cast(getattr(library, OMATCOPY), ctypes.c_void_p).value
-    assert omatcopy_address, f"{OMATCOPY} not found in {path}"
-    return Blas(path, library, int(address), int(gemv_address), int(omatcopy_address))
+
+    def address(name: str) -> int:
+        found = ctypes.cast(getattr(library, name), ctypes.c_void_p).value
+        assert found, f"{name} not found in {path}"
+        return int(found)
+
+    return Blas(path, library, address(SGEMM), address(SGEMV), address(OMATCOPY))
 
 
 @functools.cache
