@@ -32,7 +32,7 @@ from rlx.codegen.expf import define_expf
 from rlx.codegen.irutil import CONTRACT, F32, I1, I8, I32, I64, REDUCE, alloca_entry, declare, gep, i64, intrinsic, smin
 from rlx.codegen.schedule import Kernel, Schedule, inline_values, is_unit_reshape, reduces_last_axis, reduction_of
 from rlx.codegen.sizes import Size, SizeLike, ceil_div, emit_size, nominal, product
-from rlx.codegen.vector import WIDTH, fold_lanes, splat
+from rlx.codegen.vector import WIDTH, any_lane, fold_lanes, fold_max_ignoring_nan, max_ignoring_nan, splat
 from rlx.codegen.views import View
 from rlx.ir.graph import Value
 from rlx.ir.types import Dim
@@ -279,9 +279,22 @@ class FusedEmitter:
         lanes_acc = alloca_entry(self.b, ir.VectorType(F32, WIDTH), f"{kind}.vacc") if not outer_vector else None
         if lanes_acc is not None:
             self.b.store(LaneMath(self, WIDTH).const(identity), lanes_acc)
+        # A maximum keeps NaN apart: partial maxima that ignore it (one maxps) and a mask of
+        # the lanes that met one, as in rlx.codegen.vector's row maxima.
+        nan_seen: dict[int, ir.Value] = {}
+        if kind == "max":
+            for lanes in {width, WIDTH}:
+                mask_type = ir.VectorType(I1, lanes) if lanes > 1 else I1
+                nan_seen[lanes] = alloca_entry(self.b, mask_type, f"max.nan{lanes}")
+                self.b.store(ir.Constant(mask_type, None), nan_seen[lanes])
 
         def combine(math_: LaneMath, a: ir.Value, x: ir.Value) -> ir.Value:
-            return math_.b.fadd(a, x, flags=REDUCE) if kind == "sum" else math_.maximum(a, x)
+            if kind == "sum":
+                return math_.b.fadd(a, x, flags=REDUCE)
+            seen = nan_seen[math_.width]
+            is_nan = math_.b.fcmp_unordered("uno", x, x)
+            math_.b.store(math_.b.or_(math_.b.load(seen, typ=seen.allocated_type), is_nan), seen)
+            return max_ignoring_nan(math_.b, x, a)
 
         def nest(position: int, index: list[Ix | None], in_vector_body: bool) -> None:
             reduced = [d for d in range(len(template)) if template[d] is None]
@@ -315,10 +328,18 @@ class FusedEmitter:
         nest(0, list(template), False)
         total = self.b.load(acc, typ=acc_type)
         if lanes_acc is not None:
-            folded = fold_lanes(
-                self.b, "add" if kind == "sum" else "max", self.b.load(lanes_acc, typ=lanes_acc.allocated_type)
-            )
-            total = combine(LaneMath(self, 1), folded, total)
+            lanes_total = self.b.load(lanes_acc, typ=lanes_acc.allocated_type)
+            if kind == "sum":
+                total = combine(LaneMath(self, 1), fold_lanes(self.b, "add", lanes_total), total)
+            else:
+                total = max_ignoring_nan(self.b, fold_max_ignoring_nan(self.b, lanes_total), total)
+                lane_nan = any_lane(self.b, self.b.load(nan_seen[WIDTH], typ=nan_seen[WIDTH].allocated_type))
+                seen = nan_seen[width]
+                self.b.store(self.b.or_(self.b.load(seen, typ=seen.allocated_type), lane_nan), seen)
+        if kind == "max":
+            nan = LaneMath(self, width).const(float("nan"))
+            seen = nan_seen[width]
+            total = self.b.select(self.b.load(seen, typ=seen.allocated_type), nan, total, name="max")
         return Lane(total, width, "f")
 
     def embedding(self, value: Value, idx: tuple[Ix, ...]) -> Lane:

@@ -10,13 +10,14 @@ depend only on the row length, never on threads or timing.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from llvmlite import ir
 
 from rlx.codegen.expf import define_expf, define_softmax_expf
-from rlx.codegen.irutil import F32, REDUCE, alloca_entry, for_range, gep_f32, i64, intrinsic
+from rlx.codegen.irutil import F32, I1, REDUCE, alloca_entry, for_range, gep_f32, i64, intrinsic
 
 WIDTH = 16  # floats per vector: one AVX-512 register, two AVX2 registers
 
@@ -78,15 +79,50 @@ def fold_lanes(b: ir.IRBuilder, kind: str, partial: ir.Value) -> ir.Value:
     if kind == "add":
         reduce = intrinsic(b.module, f"llvm.vector.reduce.fadd.{suffix}", F32, [F32, vec])
         return b.call(reduce, [ir.Constant(F32, 0.0), partial], fastmath=REDUCE)
-    reduce = intrinsic(b.module, f"llvm.vector.reduce.fmaximum.{suffix}", F32, [vec])
-    return b.call(reduce, [partial])
+    nan = ir.Constant(F32, math.nan)
+    return b.select(any_nan(b, partial), nan, fold_max_ignoring_nan(b, partial), name="folded")
+
+
+def max_ignoring_nan(b: ir.IRBuilder, x: ir.Value, acc: ir.Value) -> ir.Value:
+    """``x > acc ? x : acc``: one ``maxps`` on x86, where LLVM's IEEE ``maximum`` costs six
+    instructions and a chain through ``acc`` twice as long. A NaN ``x`` leaves ``acc``, so the
+    callers track NaN apart (:func:`any_nan`)."""
+    return b.select(b.fcmp_ordered(">", x, acc), x, acc)
+
+
+def any_nan(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """True (an ``i1``) if ``x``, a float or a float vector, holds a NaN."""
+    unordered = b.fcmp_unordered("uno", x, x)
+    return any_lane(b, unordered) if isinstance(x.type, ir.VectorType) else unordered
+
+
+def any_lane(b: ir.IRBuilder, mask: ir.Value) -> ir.Value:
+    """True (an ``i1``) if any lane of the ``<N x i1>`` ``mask`` is set."""
+    count = mask.type.count
+    return b.call(intrinsic(b.module, f"llvm.vector.reduce.or.v{count}i1", I1, [mask.type]), [mask])
+
+
+def fold_max_ignoring_nan(b: ir.IRBuilder, vector: ir.Value) -> ir.Value:
+    """The largest lane of ``vector`` by halving: log2(lanes) steps, where a lane-by-lane fold
+    waits on each one."""
+    count = vector.type.count
+    while count > 1:
+        half = count // 2
+        low = b.shuffle_vector(vector, ir.Constant(vector.type, ir.Undefined), _lanes(range(half)))
+        high = b.shuffle_vector(vector, ir.Constant(vector.type, ir.Undefined), _lanes(range(half, count)))
+        vector, count = max_ignoring_nan(b, high, low), half
+    return b.extract_element(vector, ir.Constant(ir.IntType(32), 0))
+
+
+def _lanes(indices: range) -> ir.Constant:
+    return ir.Constant(ir.VectorType(ir.IntType(32), len(indices)), list(indices))
 
 
 Body = Callable[[ir.IRBuilder, ir.Value, Lanes], None]
 Term = Callable[[ir.IRBuilder, ir.Value, Lanes], ir.Value]
 
 
-MAX_ACCUMULATORS = 4  # independent partial maxima: the NaN-propagating maximum's chain is ~7 cycles
+MAX_ACCUMULATORS = 4  # independent partial maxima: each waits on its own maxps (4 cycles)
 
 
 def _split(b: ir.IRBuilder, start: ir.Value, stop: ir.Value, step: int = WIDTH) -> ir.Value:
@@ -108,40 +144,63 @@ def vector_loop(b: ir.IRBuilder, start: ir.Value, stop: ir.Value, name: str, bod
 
 def vector_reduce(b: ir.IRBuilder, start: ir.Value, stop: ir.Value, name: str, kind: str, term: Term) -> ir.Value:
     """Fold ``term(j)`` over ``[start, stop)`` with ``kind`` ``"add"`` (from 0) or ``"max"`` (from -inf)."""
-    module = b.module
-    vec, one = Lanes(module, WIDTH), Lanes(module, 1)
-    identity = 0.0 if kind == "add" else float("-inf")
-
-    def combine(lanes: Lanes, acc: ir.Value, value: ir.Value) -> ir.Value:
-        return b.fadd(acc, value, flags=REDUCE) if kind == "add" else lanes.maximum(b, acc, value)
-
+    if kind == "max":
+        return _max_reduce(b, start, stop, name, term)
+    vec, one = Lanes(b.module, WIDTH), Lanes(b.module, 1)
     middle = _split(b, start, stop)
     vector_acc = alloca_entry(b, vec.type, f"{name}.vacc")
-    b.store(vec.const(identity), vector_acc)
-    vectors_from = start
-    if kind == "max":
-        # A maximum is the same in any order (NaN and signed zeros included), so independent
-        # partial maxima change no result; one accumulator would wait on each vector's chain.
-        partials = [vector_acc] + [alloca_entry(b, vec.type, f"{name}.vacc{i}") for i in range(1, MAX_ACCUMULATORS)]
-        for partial in partials[1:]:
-            b.store(vec.const(identity), partial)
-        vectors_from = _split(b, start, middle, WIDTH * MAX_ACCUMULATORS)
-        with for_range(b, start, vectors_from, f"{name}.u", step=WIDTH * MAX_ACCUMULATORS) as j:
-            for i, partial in enumerate(partials):
-                value = term(b, b.add(j, i64(i * WIDTH)), vec)
-                b.store(combine(vec, b.load(partial, typ=vec.type), value), partial)
-        merged = b.load(vector_acc, typ=vec.type)
-        for partial in partials[1:]:
-            merged = combine(vec, merged, b.load(partial, typ=vec.type))
-        b.store(merged, vector_acc)
-    with for_range(b, vectors_from, middle, f"{name}.v", step=WIDTH) as j:
-        b.store(combine(vec, b.load(vector_acc, typ=vec.type), term(b, j, vec)), vector_acc)
-    folded = fold_lanes(b, kind, b.load(vector_acc, typ=vec.type))
+    b.store(vec.const(0.0), vector_acc)
+    with for_range(b, start, middle, f"{name}.v", step=WIDTH) as j:
+        b.store(b.fadd(b.load(vector_acc, typ=vec.type), term(b, j, vec), flags=REDUCE), vector_acc)
     scalar_acc = alloca_entry(b, F32, f"{name}.acc")
-    b.store(folded, scalar_acc)
+    b.store(fold_lanes(b, kind, b.load(vector_acc, typ=vec.type)), scalar_acc)
     with for_range(b, middle, stop, f"{name}.s") as j:
-        b.store(combine(one, b.load(scalar_acc, typ=F32), term(b, j, one)), scalar_acc)
+        b.store(b.fadd(b.load(scalar_acc, typ=F32), term(b, j, one), flags=REDUCE), scalar_acc)
     return b.load(scalar_acc, typ=F32, name=name)
+
+
+def _max_reduce(b: ir.IRBuilder, start: ir.Value, stop: ir.Value, name: str, term: Term) -> ir.Value:
+    """The maximum of ``term(j)`` over ``[start, stop)``: -inf if empty, NaN if any term is NaN.
+
+    Partial maxima that ignore NaN (one ``maxps`` each), and beside them a mask of the lanes
+    that saw a NaN: a softmax row of 128 spent more time in LLVM's NaN-propagating ``maximum``
+    and its serial lane fold than in its exps. A maximum is the same in any order (only the sign
+    of a zero maximum may differ, and the order is fixed), so the partials change no value.
+    """
+    vec, one = Lanes(b.module, WIDTH), Lanes(b.module, 1)
+    nan_mask = ir.VectorType(I1, WIDTH)
+    middle = _split(b, start, stop)
+    partials = [alloca_entry(b, vec.type, f"{name}.vacc{i}") for i in range(MAX_ACCUMULATORS)]
+    for partial in partials:
+        b.store(vec.const(-math.inf), partial)
+    nan_lanes = alloca_entry(b, nan_mask, f"{name}.vnan")
+    b.store(ir.Constant(nan_mask, None), nan_lanes)
+
+    def accumulate(partial: ir.Value, j: ir.Value) -> None:
+        value = term(b, j, vec)
+        b.store(max_ignoring_nan(b, value, b.load(partial, typ=vec.type)), partial)
+        b.store(b.or_(b.load(nan_lanes, typ=nan_mask), b.fcmp_unordered("uno", value, value)), nan_lanes)
+
+    unrolled_end = _split(b, start, middle, WIDTH * MAX_ACCUMULATORS)
+    with for_range(b, start, unrolled_end, f"{name}.u", step=WIDTH * MAX_ACCUMULATORS) as j:
+        for i, partial in enumerate(partials):
+            accumulate(partial, b.add(j, i64(i * WIDTH)))
+    merged = b.load(partials[0], typ=vec.type)
+    for partial in partials[1:]:
+        merged = max_ignoring_nan(b, b.load(partial, typ=vec.type), merged)
+    b.store(merged, partials[0])
+    with for_range(b, unrolled_end, middle, f"{name}.v", step=WIDTH) as j:
+        accumulate(partials[0], j)
+    scalar_acc = alloca_entry(b, F32, f"{name}.acc")
+    b.store(fold_max_ignoring_nan(b, b.load(partials[0], typ=vec.type)), scalar_acc)
+    scalar_nan = alloca_entry(b, I1, f"{name}.nan")
+    b.store(any_lane(b, b.load(nan_lanes, typ=nan_mask)), scalar_nan)
+    with for_range(b, middle, stop, f"{name}.s") as j:
+        value = term(b, j, one)
+        b.store(max_ignoring_nan(b, value, b.load(scalar_acc, typ=F32)), scalar_acc)
+        b.store(b.or_(b.load(scalar_nan, typ=I1), b.fcmp_unordered("uno", value, value)), scalar_nan)
+    nan = b.load(scalar_nan, typ=I1)
+    return b.select(nan, one.const(math.nan), b.load(scalar_acc, typ=F32), name=name)
 
 
 def vector_fill(b: ir.IRBuilder, base: ir.Value, start: ir.Value, stop: ir.Value, value: float, name: str) -> None:
