@@ -32,7 +32,7 @@ from rlx.codegen.expf import define_expf
 from rlx.codegen.irutil import CONTRACT, F32, I1, I8, I32, I64, REDUCE, alloca_entry, declare, gep, i64, intrinsic, smin
 from rlx.codegen.schedule import Kernel, Schedule, inline_values, is_unit_reshape, reduces_last_axis, reduction_of
 from rlx.codegen.sizes import Size, SizeLike, ceil_div, emit_size, nominal, product
-from rlx.codegen.vector import WIDTH, any_lane, fold_lanes, fold_max_ignoring_nan, max_ignoring_nan, splat
+from rlx.codegen.vector import WIDTH, any_lane, fold_max_ignoring_nan, max_ignoring_nan, splat, sum_lanes
 from rlx.codegen.views import View
 from rlx.ir.graph import Value
 from rlx.ir.types import Dim
@@ -330,7 +330,7 @@ class FusedEmitter:
         if lanes_acc is not None:
             lanes_total = self.b.load(lanes_acc, typ=lanes_acc.allocated_type)
             if kind == "sum":
-                total = combine(LaneMath(self, 1), fold_lanes(self.b, "add", lanes_total), total)
+                total = combine(LaneMath(self, 1), sum_lanes(self.b, lanes_total), total)
             else:
                 total = max_ignoring_nan(self.b, fold_max_ignoring_nan(self.b, lanes_total), total)
                 lane_nan = any_lane(self.b, self.b.load(nan_seen[WIDTH], typ=nan_seen[WIDTH].allocated_type))

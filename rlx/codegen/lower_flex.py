@@ -64,7 +64,7 @@ from rlx.codegen.lower_attention import (
 )
 from rlx.codegen.region_emit import LaneValue, RegionEmitter, Tensor, lane_indices
 from rlx.codegen.sizes import SizeLike, ceil_div, emit_size, load_symbols, size_of
-from rlx.codegen.vector import Lanes, fold_lanes, vector_fill, vector_loop, vector_reduce
+from rlx.codegen.vector import Lanes, sum_lanes, vector_fill, vector_loop, vector_reduce
 from rlx.codegen.views import dense_strides
 from rlx.ir.region import GradientRegion, Region
 from rlx.ir.types import Dim, Layout, TensorType, Wrt
@@ -1150,7 +1150,7 @@ class FlexLowering:
                 continue
             offset = emitter.offset_of(step)
             if offset.uniform:
-                total = fold_lanes(b, "add", contribution) if lanes.width > 1 else contribution
+                total = sum_lanes(b, contribution) if lanes.width > 1 else contribution
                 ptr = gep_f32(b, base, offset.value)
                 b.store(b.fadd(b.load(ptr, typ=F32), total), ptr)
                 continue

@@ -72,28 +72,18 @@ def splat(b: ir.IRBuilder, scalar: ir.Value, width: int) -> ir.Value:
     return b.shuffle_vector(vector, ir.Constant(ty, ir.Undefined), zeros)
 
 
-def fold_lanes(b: ir.IRBuilder, kind: str, partial: ir.Value) -> ir.Value:
-    """Combine the lanes of a float vector: ``"add"`` (in a fixed order) or ``"max"`` (NaN-propagating)."""
+def sum_lanes(b: ir.IRBuilder, partial: ir.Value) -> ir.Value:
+    """The sum of a float vector's lanes, in a fixed order."""
     vec = partial.type
-    suffix = f"v{vec.count}f32"
-    if kind == "add":
-        reduce = intrinsic(b.module, f"llvm.vector.reduce.fadd.{suffix}", F32, [F32, vec])
-        return b.call(reduce, [ir.Constant(F32, 0.0), partial], fastmath=REDUCE)
-    nan = ir.Constant(F32, math.nan)
-    return b.select(any_nan(b, partial), nan, fold_max_ignoring_nan(b, partial), name="folded")
+    reduce = intrinsic(b.module, f"llvm.vector.reduce.fadd.v{vec.count}f32", F32, [F32, vec])
+    return b.call(reduce, [ir.Constant(F32, 0.0), partial], fastmath=REDUCE)
 
 
 def max_ignoring_nan(b: ir.IRBuilder, x: ir.Value, acc: ir.Value) -> ir.Value:
     """``x > acc ? x : acc``: one ``maxps`` on x86, where LLVM's IEEE ``maximum`` costs six
     instructions and a chain through ``acc`` twice as long. A NaN ``x`` leaves ``acc``, so the
-    callers track NaN apart (:func:`any_nan`)."""
+    callers keep apart whether they met a NaN (:func:`any_lane` of the ``uno`` masks)."""
     return b.select(b.fcmp_ordered(">", x, acc), x, acc)
-
-
-def any_nan(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
-    """True (an ``i1``) if ``x``, a float or a float vector, holds a NaN."""
-    unordered = b.fcmp_unordered("uno", x, x)
-    return any_lane(b, unordered) if isinstance(x.type, ir.VectorType) else unordered
 
 
 def any_lane(b: ir.IRBuilder, mask: ir.Value) -> ir.Value:
@@ -153,7 +143,7 @@ def vector_reduce(b: ir.IRBuilder, start: ir.Value, stop: ir.Value, name: str, k
     with for_range(b, start, middle, f"{name}.v", step=WIDTH) as j:
         b.store(b.fadd(b.load(vector_acc, typ=vec.type), term(b, j, vec), flags=REDUCE), vector_acc)
     scalar_acc = alloca_entry(b, F32, f"{name}.acc")
-    b.store(fold_lanes(b, kind, b.load(vector_acc, typ=vec.type)), scalar_acc)
+    b.store(sum_lanes(b, b.load(vector_acc, typ=vec.type)), scalar_acc)
     with for_range(b, middle, stop, f"{name}.s") as j:
         b.store(b.fadd(b.load(scalar_acc, typ=F32), term(b, j, one), flags=REDUCE), scalar_acc)
     return b.load(scalar_acc, typ=F32, name=name)
