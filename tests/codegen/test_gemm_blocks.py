@@ -89,6 +89,41 @@ def test_few_rows_split_the_columns() -> None:
     assert _spec(4, MIN_BLOCK_COLS - 1, 64, cores=8).column_blocks == 1
 
 
+def _weight_gradient_spec(m: int, n: int, k: int, cores: int) -> GemmSpec:
+    """``x^T @ dy`` with ``x [k, m]``, ``dy [k, n]``: the A operand read transposed."""
+    g = Graph("spec")
+    x = g.input("x", (k, m))
+    dy = g.input("dy", (k, n))
+    a_view = View(x, 0, (m, k), (1, m))
+    b_view = View(dy, 0, (k, n), dense_strides((k, n)))
+    return gemm_spec(a_view, b_view, (m, n), cores)
+
+
+def test_a_transposed_product_splits_its_larger_side() -> None:
+    # OpenBLAS ran half of 256 x 768 x 1024 (A transposed) faster as a column block than as a row block.
+    wide = _weight_gradient_spec(256, 768, 1024, cores=2)
+    assert (wide.row_blocks, wide.column_blocks) == (1, 2)
+    tall = _weight_gradient_spec(704, 256, 1024, cores=2)
+    assert (tall.row_blocks, tall.column_blocks) == (2, 1)
+    square = _weight_gradient_spec(256, 256, 1024, cores=2)
+    assert (square.row_blocks, square.column_blocks) == (2, 1)
+    narrow = _weight_gradient_spec(64, MIN_BLOCK_COLS + 10, 512, cores=8)  # one column block: rows take the rest
+    assert (narrow.row_blocks, narrow.column_blocks) == (4, 1)
+    assert _spec(256, 768, 1024, cores=2).row_blocks == 2  # A as stored: rows first
+
+
+@pytest.mark.parametrize("a_transposed", [False, True], ids=["a", "aT"])
+@pytest.mark.parametrize(("m", "n"), [(64, 192), (40, 1000), (300, 129)])
+def test_weight_gradient_blocks_match_numpy_and_any_thread_count(a_transposed: bool, m: int, n: int) -> None:
+    g = _product(m, n, 257, a_transposed, b_transposed=False)
+    arrays = _inputs(g, m + n)
+    want = rlx.compile(g, config=RuntimeConfig(num_threads=1))(**arrays)["c"]
+    np.testing.assert_allclose(want, _want(arrays, a_transposed, False), rtol=1e-4, atol=1e-3)
+    for threads in (2, 3):
+        got = rlx.compile(g, config=RuntimeConfig(num_threads=threads))(**arrays)["c"]
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize(("m", "n"), [(5, 777), (301, 129)], ids=["columns", "rows"])
 def test_blocks_are_bit_identical_for_any_thread_count(threads: int, m: int, n: int) -> None:
