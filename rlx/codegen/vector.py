@@ -134,6 +134,7 @@ def vector_loop(b: ir.IRBuilder, start: ir.Value, stop: ir.Value, name: str, bod
 
 def vector_reduce(b: ir.IRBuilder, start: ir.Value, stop: ir.Value, name: str, kind: str, term: Term) -> ir.Value:
     """Fold ``term(j)`` over ``[start, stop)`` with ``kind`` ``"add"`` (from 0) or ``"max"`` (from -inf)."""
+    assert kind in ("add", "max"), kind
     if kind == "max":
         return _max_reduce(b, start, stop, name, term)
     vec, one = Lanes(b.module, WIDTH), Lanes(b.module, 1)
