@@ -40,8 +40,14 @@ def test_max_over_the_last_axis_finds_nan_in_every_part_of_the_loop(keepdims: bo
 
 
 def test_max_over_a_leading_axis_keeps_nan_per_lane() -> None:
-    """Reducing axis 0 vectorises along the kept axis: each lane has its own NaN flag."""
-    x = _rows(np.random.default_rng(1)).T.copy()  # (150, rows): the NaNs at every depth of the loop
+    """Reducing axis 0 vectorises along the kept axis: each lane has its own NaN flag. 40 columns:
+    two vectors of 16 lanes and a scalar tail of 8, NaNs at every depth of the reduced loop."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((ROW, 40)).astype(np.float32)
+    for column, position in zip((0, 5, 17, 31, 33, 39), (0, 149, 64, 130, 7, 148), strict=True):
+        x[position, column] = np.nan
+    x[:, 20] = -np.inf
+    x[3, 22] = np.inf
     g = Graph("column_max")
     xv = g.input("x", x.shape)
     g.output(y=g.max(xv, axis=0))
