@@ -618,7 +618,7 @@ def attention_products(
     transposed copies, so ``S`` and ``dP`` are NN products; below, NT."""
     from rlx.codegen.lower_attention import choose_block_q, may_pack
 
-    block_q = choose_block_q(seq, seq, needs_dp=backward, causal_like=causal, strided_rows=strided_rows)
+    block_q = choose_block_q(seq, seq, needs_dp=backward, causal_like=causal, strided_rows=strided_rows, head_dim=dim)
     keys_transposed = not may_pack(seq)
     counts: dict[tuple[int, int, int, bool, bool], int] = {}
     for first in range(0, seq, block_q):

@@ -91,7 +91,8 @@ def kernel_spec(
     if isinstance(dims.seq_q, int) and isinstance(dims.seq_k, int):
         strided = attrs.layout == Layout.BSHD and max(dims.heads, dims.kv_heads) > 1
         causal_like = attrs.mask.is_causal_like
-        block_q = options.block_q or choose_block_q(dims.seq_q, dims.seq_k, needs_dp, causal_like, strided)
+        width = max(dims.head_dim, dims.value_dim)
+        block_q = options.block_q or choose_block_q(dims.seq_q, dims.seq_k, needs_dp, causal_like, strided, width)
         block_q = max(1, min(block_q, dims.seq_q))
     else:  # one kernel for every length: a strip height that suits short and long sequences
         block_q = options.block_q or SYMBOLIC_BLOCK_Q
@@ -152,7 +153,8 @@ def flex_spec(node: Node, options: CodegenOptions, symbols: tuple[str, ...] = ()
     if isinstance(dims.seq_q, int) and isinstance(dims.seq_k, int):
         block_q, block_k = choose_blocks(dims.seq_q, dims.seq_k, needs_dp, masked=mask is not None)
         if mask is None and attrs.score_mod is None:  # nothing to skip: as tall as the fixed kernels
-            block_q = choose_block_q(dims.seq_q, dims.seq_k, needs_dp, causal_like=False)
+            width = max(dims.head_dim, dims.value_dim)
+            block_q = choose_block_q(dims.seq_q, dims.seq_k, needs_dp, causal_like=False, head_dim=width)
         if options.block_q:
             block_q = max(1, min(options.block_q, dims.seq_q))
     else:  # one kernel for every length: tiles of a fixed size, the last ones cut at the length

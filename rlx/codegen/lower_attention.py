@@ -246,9 +246,13 @@ def emit_strip_floats(b: ir.IRBuilder, block_q: int, seq_k: ir.Value) -> ir.Valu
 
 
 SCRATCH_BUDGET = 64 << 20  # bytes of strip buffers per thread at most
+SMALL_PATH_MACS = 1_000_000  # OpenBLAS (SkylakeX) runs products up to this many multiply-adds unpacked
+SMALL_PATH_ROWS = 32  # the short strip height of choose_block_q
 
 
-def choose_block_q(seq_q: int, seq_k: int, needs_dp: bool, causal_like: bool, strided_rows: bool = False) -> int:
+def choose_block_q(
+    seq_q: int, seq_k: int, needs_dp: bool, causal_like: bool, strided_rows: bool = False, head_dim: int = 64
+) -> int:
     """Query rows per strip, from measurements on the benchmark shapes (see benchmarks/README.md).
 
     Tall strips turn the rank-``block_q`` updates of dK/dV into efficient GEMMs: at Sk = 16384,
@@ -264,11 +268,28 @@ def choose_block_q(seq_q: int, seq_k: int, needs_dp: bool, causal_like: bool, st
     Sk <= 128 takes 64 rows too: the strip products fit OpenBLAS's small-matrix path (SkylakeX
     kernels, up to 10^6 multiply-adds, no packing) and the strips stay in L1 (backward 9% faster
     at B8 H12 S128 than one 128-row strip; 256 and 384 keys ran fastest with the longest strips).
+    Shorter still, 32 rows, where that keeps a strip's products on that path (at most 10^6
+    multiply-adds; ``head_dim`` is the wider of D and Dv) and a taller strip would leave it.
+    Causal-like, up to Sk = 512 and Sk·D = 32768 (a causal strip's products see half the keys on
+    average): B4 H8 S512 D64, 32 rows against 64: forward 5.2 against 6.1 ms, backward 11.8
+    against 13.6 (S256: 4.2 against 5.0, 10.0 against 11.5; S256 D128 3.2 against 3.6; but S512
+    D128 ran fastest with 64). Unmasked, 128 < Sk <= 256 with 32·Sk·D within the path: B8 H12
+    S256 D64 backward 15.5 ms with 32 rows, 17.6 with 256, 19.3 with 64 (just over the path);
+    D128 stays at 256 rows, which ran fastest there. Not where the rows are strided: there the
+    BSHD backward ran fastest with 256 unmasked rows, and its causal strips gained nothing.
     Scratch stays O(block_q · Sk) per thread, capped by ``SCRATCH_BUDGET``. Strips are balanced
     (``ceil(Sq / n)`` rows each) so that no strip is a sliver.
     """
     buffers = 2 if needs_dp else 1
-    cap = _causal_strip_cap(seq_k, needs_dp and strided_rows) if causal_like else 64 if seq_k <= 128 else 256
+    strided_backward = needs_dp and strided_rows
+    if causal_like:
+        short = seq_k <= 512 and seq_k * head_dim <= 32768 and not strided_backward
+        cap = SMALL_PATH_ROWS if short else _causal_strip_cap(seq_k, strided_backward)
+    elif seq_k <= 128:
+        cap = 64
+    else:
+        short = seq_k <= 256 and SMALL_PATH_ROWS * seq_k * head_dim <= SMALL_PATH_MACS and not strided_rows
+        cap = SMALL_PATH_ROWS if short else 256
     target = max(32, min(cap, SCRATCH_BUDGET // (4 * seq_k * buffers)))
     strips = -(-seq_q // target)
     return -(-seq_q // strips)
