@@ -114,8 +114,7 @@ class AttentionKernelSpec:
         (``seq_k``: one call's length, for a spec whose ``Sk`` is symbolic)."""
         length = self.dims.seq_k if seq_k is None else seq_k
         assert isinstance(length, int), "give the call's Sk"
-        per_line = SCRATCH_ALIGN // 4
-        return -(-(self.block_q * length) // per_line) * per_line
+        return whole_lines(self.block_q * length)
 
     def scratch_bytes(self, seq_k: int | None = None) -> int:
         """Per-thread scratch: the P strip, plus the dP/dS strip when dQ or dK are wanted; the
@@ -131,17 +130,23 @@ class AttentionKernelSpec:
         dP/dS strip (backward, dQ or dK wanted), or the P strip and its rows' reciprocal sums
         (forward). The transposed copies follow (:func:`transposed_buffers`)."""
         if self.grads is None:
-            return 1, -(-self.block_q // 16) * 16
+            return 1, whole_lines(self.block_q)
         return (2 if self.needs_dp else 1), 0
 
     def _strips_bytes(self, seq_k: int | None) -> int:
         return strips_and_copies_bytes(self, seq_k)
 
 
-def _whole_lines(floats: int) -> int:
-    """``floats`` rounded up to whole 64-byte lines."""
+def whole_lines(floats: int) -> int:
+    """``floats`` rounded up to whole 64-byte lines: every scratch buffer starts on a line."""
     per_line = SCRATCH_ALIGN // 4
     return -(-floats // per_line) * per_line
+
+
+def emit_whole_lines(b: ir.IRBuilder, floats: ir.Value, name: str) -> ir.Value:
+    """:func:`whole_lines` of a count known per call."""
+    per_line = SCRATCH_ALIGN // 4
+    return b.mul(ceil_div(b, floats, per_line), i64(per_line), name=name)
 
 
 def may_pack(seq_q: int | str) -> bool:
@@ -186,7 +191,7 @@ def strips_and_copies_bytes(spec: StripScratch, seq_k: int | None = None) -> int
     length = spec.dims.seq_k if seq_k is None else seq_k
     assert isinstance(length, int), "give the call's Sk"
     strips, tail = spec.strip_layout
-    copies = sum(_whole_lines(width * length) for width in _copied(spec).values()) if may_pack(spec.dims.seq_q) else 0
+    copies = sum(whole_lines(width * length) for width in _copied(spec).values()) if may_pack(spec.dims.seq_q) else 0
     return (spec.strip_floats(length) * strips + tail + copies) * 4
 
 
@@ -207,7 +212,7 @@ def transposed_buffers(
     buffers = {}
     for slot, width in copied.items():
         buffers[slot] = b.select(pack, gep_f32(b, scratch, offset, name=f"{slot}t"), null, name=f"{slot}t.or.null")
-        offset = b.add(offset, b.mul(ceil_div(b, b.mul(seq_k, i64(width)), 16), i64(16)), name="copies.end")
+        offset = b.add(offset, emit_whole_lines(b, b.mul(seq_k, i64(width)), f"{slot}t.floats"), name="copies.end")
     return buffers
 
 
@@ -241,8 +246,7 @@ def keys_operand(
 def emit_strip_floats(b: ir.IRBuilder, block_q: int, seq_k: ir.Value) -> ir.Value:
     """Floats in one scores strip of ``block_q`` rows and ``seq_k`` keys known per call, rounded
     up to whole cache lines as the specs' ``strip_floats`` round them."""
-    per_line = SCRATCH_ALIGN // 4
-    return b.mul(ceil_div(b, b.mul(seq_k, i64(block_q)), per_line), i64(per_line), name="strip.floats")
+    return emit_whole_lines(b, b.mul(seq_k, i64(block_q)), "strip.floats")
 
 
 SCRATCH_BUDGET = 64 << 20  # bytes of strip buffers per thread at most

@@ -48,7 +48,6 @@ from rlx.codegen.irutil import (
     smin,
 )
 from rlx.codegen.lower_attention import (
-    SCRATCH_ALIGN,
     declare_sgemm,
     emit_sgemm,
     emit_strip_floats,
@@ -60,6 +59,7 @@ from rlx.codegen.lower_attention import (
     scale_rows,
     strips_and_copies_bytes,
     transposed_buffers,
+    whole_lines,
     zero_rows,
 )
 from rlx.codegen.region_emit import LaneValue, RegionEmitter, Tensor, lane_indices
@@ -142,8 +142,7 @@ class FlexKernelSpec:
         """Floats of one strip (``seq_k``: the call's, when it is symbolic)."""
         length = self.dims.seq_k if seq_k is None else seq_k
         assert isinstance(length, int), "give the call's Sk"
-        per_line = SCRATCH_ALIGN // 4
-        return -(-(self.grid.block_q * length) // per_line) * per_line
+        return whole_lines(self.grid.block_q * length)
 
     def scratch_bytes(self, seq_k: int | None = None) -> int:
         """The strips, then (forward) one reciprocal row sum per strip row, then the transposed
@@ -156,7 +155,7 @@ class FlexKernelSpec:
         dP/dS strip (backward with dP) and the raw scores (a score_mod's derivative), or in the
         forward the score strip and its rows' reciprocal sums."""
         strips = 1 + int(self.needs_dp) + int(self.keeps_raw)
-        return strips, 0 if self.backward else -(-self.grid.block_q // 16) * 16
+        return strips, 0 if self.backward else whole_lines(self.grid.block_q)
 
 
 class FlexLowering:

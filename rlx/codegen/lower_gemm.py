@@ -149,9 +149,7 @@ def gemm_spec(a: View, b: View, out_shape: tuple[Dim, ...], cores: int | None = 
     return replace(spec, row_blocks=row_blocks, column_blocks=column_blocks)
 
 
-def _blocks(
-    batch: int | None, m: SizeLike, n: SizeLike, cores: int, columns_first: bool = False
-) -> tuple[int, int]:
+def _blocks(batch: int | None, m: SizeLike, n: SizeLike, cores: int, columns_first: bool = False) -> tuple[int, int]:
     """Row and column blocks so that ``batch`` x blocks items share out evenly over ``cores``.
 
     A batch that already does (or is large, or known only per call) is not split. Otherwise the
