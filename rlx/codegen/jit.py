@@ -191,12 +191,14 @@ def compile_ir(llvm_ir: str, prebuilt: Mapping[str, bytes] | None = None) -> Com
 def _load(object_code: bytes, llvm_ir: str, optimized_ir: str | None, times: dict[str, float]) -> CompiledLibrary:
     """Link object code into the JIT with BLAS, pthread and thread-pool symbols imported by address."""
     from rlx.codegen.pool import pool_symbols
+    from rlx.codegen.tile_gemm import tile_symbols
 
     start = time.perf_counter()
     blas = load_blas()
     imports = {SGEMM: blas.sgemm_address, SGEMV: blas.sgemv_address, OMATCOPY: blas.omatcopy_address}
     imports |= {name: libc_symbol(name) for name in _IMPORTED_LIBC}
     imports |= pool_symbols()
+    imports |= tile_symbols(llvm_ir)
     tracker = _link(object_code, imports, (ENTRY,))
     times["link"] = time.perf_counter() - start
     return CompiledLibrary(tracker[ENTRY], tracker, llvm_ir, object_code, times, optimized_ir)

@@ -59,6 +59,7 @@ from rlx.codegen.irutil import (
     smin,
 )
 from rlx.codegen.sizes import SizeLike, ceil_div, emit_size, load_symbols, size_of
+from rlx.codegen.tile_gemm import declare_tile_gemm, host_tile_shape
 from rlx.codegen.vector import Lanes, vector_fill, vector_loop, vector_reduce
 from rlx.ir.ops import AttentionDims
 from rlx.ir.types import Dim, Layout, MaskKind, Wrt
@@ -72,6 +73,10 @@ SCRATCH_ALIGN = 64
 # x 64 at 128 GFLOP/s as NN and at 91 as NT, 128 x 512 x 64 at 138 against 131. A copy costs a
 # pass over the head's K (4 us at S = 128, D = 64), which a single query row does not repay.
 PACK_MIN_ROWS = 16
+# The largest products (m·n·k) the register tiles take: up to here they ran 1.1-1.5x OpenBLAS
+# (32-128-row strips over 128-1024 keys, D = 64-128); from 256-row strips over 768 keys (25M)
+# OpenBLAS's packed path was as fast or faster (0.80-1.0x), its packing paid for.
+TILE_MAX_MACS = 1 << 23
 # Where a profiling build's attention time goes: nanoseconds per thread, kept after its scratch.
 BREAKDOWN = ("blas", "softmax", "softmax_backward", "kernel")
 
@@ -944,6 +949,10 @@ def emit_sgemm(
 ) -> None:
     """The one place an attention kernel emits a matrix product: row-major ``C = alpha op(A) op(B) + beta C``.
 
+    Products of strip size (up to :data:`TILE_MAX_MACS` multiply-adds) with B as stored run on
+    the register tiles of :mod:`rlx.codegen.tile_gemm` where the CPU has FMA vectors; larger
+    ones, and those reading B transposed, on OpenBLAS.
+
     A product of one row (a decode step's single query, a strip's last row) is a matrix-vector
     product, which OpenBLAS's ``sgemv`` runs 2-2.5x faster than ``sgemm`` (no packing of B;
     measured for 1 x 64 by 64 x 1000 on the benchmark host); with ``m`` known only at run time,
@@ -956,10 +965,44 @@ def emit_sgemm(
 
     beta_value = beta if isinstance(beta, ir.Value) else f32(beta)
 
-    def matrix(b: ir.IRBuilder) -> None:
+    def blas(b: ir.IRBuilder) -> None:
         trans = i32(trans_b) if isinstance(trans_b, int) else trans_b
         args = [i32(ROW_MAJOR), i32(trans_a), trans, as_i32(m), as_i32(n), as_i32(k), f32(alpha), a]
         b.call(sgemm, [*args, as_i32(lda), b_mat, as_i32(ldb), beta_value, c, as_i32(ldc)])
+
+    def as_i64(value: int | ir.Value) -> ir.Value:
+        return i64(value) if isinstance(value, int) else value
+
+    def tiles(b: ir.IRBuilder) -> None:
+        assert shape is not None
+        product = declare_tile_gemm(sgemm.module, trans_a != NO_TRANS, shape)
+        sizes = [as_i64(m), as_i64(n), as_i64(k), f32(alpha), a, as_i64(lda), b_mat, as_i64(ldb)]
+        b.call(product, [*sizes, beta_value, c, as_i64(ldc)])
+
+    shape = host_tile_shape()
+
+    def matrix(b: ir.IRBuilder) -> None:
+        if shape is None or (isinstance(trans_b, int) and trans_b != NO_TRANS):  # the tiles read B as stored
+            blas(b)
+            return
+        conditions = [] if isinstance(trans_b, int) else [b.icmp_signed("==", trans_b, i32(NO_TRANS), name="b.stored")]
+        macs = [as_i64(m), as_i64(n), as_i64(k)]
+        if all(isinstance(size, ir.Constant) for size in macs):
+            if math.prod(int(size.constant) for size in macs) > TILE_MAX_MACS:
+                blas(b)
+                return
+        else:
+            product = b.mul(b.mul(macs[0], macs[1]), macs[2], name="macs")
+            conditions.append(b.icmp_signed("<=", product, i64(TILE_MAX_MACS), name="tile.sized"))
+        if not conditions:
+            tiles(b)
+            return
+        taken = conditions[0] if len(conditions) == 1 else b.and_(conditions[0], conditions[1], name="tiles.take")
+        with b.if_else(taken) as (tiled, packed):
+            with tiled:
+                tiles(b)
+            with packed:
+                blas(b)
 
     def vector(b: ir.IRBuilder) -> None:
         # C (1 x n) = alpha x^T op(B) + beta C, i.e. C^T = alpha op(B)^T x + beta C^T, where x is

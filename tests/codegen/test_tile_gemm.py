@@ -1,0 +1,159 @@
+"""The register-tiled products of the attention kernels (``rlx.codegen.tile_gemm``) against NumPy.
+
+Each tile shape is compiled on its own (the AVX2 tile runs on an AVX-512 machine too), and the
+products are checked against float64 over the cases that take different code: tails of rows
+(every tile height) and of columns (masked lanes, in every vector), ``k`` past one block,
+transposed A, leading dimensions wider than the matrices, beta 0 (C holds NaN and must not be
+read), beta 1 and other alphas, ``k = 0``, and products taller than wide and wider than tall
+(the two loop orders).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlx.codegen.tile_gemm import (
+    AVX2_TILE,
+    AVX512_TILE,
+    K_BLOCK,
+    TileShape,
+    host_tile_shape,
+    runtime_symbols,
+    tile_shape_for,
+)
+
+_SIGNATURE = ctypes.CFUNCTYPE(
+    None,
+    ctypes.c_int64,
+    ctypes.c_int64,
+    ctypes.c_int64,
+    ctypes.c_float,
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_float,
+    ctypes.c_void_p,
+    ctypes.c_int64,
+)
+
+SHAPES = [AVX512_TILE, AVX2_TILE]
+
+
+def _runs_here(shape: TileShape) -> bool:
+    host = host_tile_shape()
+    return host is not None and (host.width >= shape.width)
+
+
+def _products(shape: TileShape) -> dict[bool, object]:
+    """The product for A as stored and for A transposed, compiled for ``shape``."""
+    addresses = runtime_symbols(shape)
+    return {trans_a: _SIGNATURE(addresses[shape.product_name(trans_a)]) for trans_a in (False, True)}
+
+
+def _check(
+    shape: TileShape,
+    m: int,
+    n: int,
+    k: int,
+    trans_a: bool,
+    alpha: float,
+    beta: float,
+    pad: tuple[int, int, int] = (0, 0, 0),
+    seed: int = 0,
+) -> None:
+    rng = np.random.default_rng(seed)
+    a_rows, a_cols = (k, m) if trans_a else (m, k)
+    a = rng.standard_normal((a_rows, a_cols + pad[0]), dtype=np.float32)
+    b = rng.standard_normal((k, n + pad[1]), dtype=np.float32)
+    c = rng.standard_normal((m, n + pad[2]), dtype=np.float32)
+    before = c.copy()
+    if beta == 0.0:
+        c[:, :n] = np.nan  # BLAS semantics: C is not read
+    op_a = a[:, :a_cols].astype(np.float64)
+    op_a = op_a.T if trans_a else op_a
+    expected = alpha * (op_a @ b[:, :n].astype(np.float64))
+    if beta != 0.0:
+        expected += beta * before[:, :n]
+    _products(shape)[trans_a](m, n, k, alpha, a.ctypes.data, a.shape[1], b.ctypes.data, b.shape[1], beta,
+                              c.ctypes.data, c.shape[1])  # fmt: skip
+    tolerance = 1e-5 * (np.sqrt(max(k, 1)) * 4 + 1)
+    np.testing.assert_allclose(c[:, :n], expected, rtol=tolerance, atol=tolerance)
+    np.testing.assert_array_equal(c[:, n:], before[:, n:])  # padding beyond n untouched
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s.rows}x{s.vectors}x{s.width}")
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [
+        (1, 1, 1),
+        (2, 3, 5),
+        (14, 32, 64),  # one whole tile
+        (15, 33, 7),  # a row and a column past it
+        (32, 128, 64),  # a short strip: tiles of 14, 14 and 4 rows
+        (19, 20, 33),  # tiles of 14, 4 and 1 row
+        (64, 77, 64),  # a column tail in the second vector
+        (100, 64, 129),  # taller than wide: rows outermost
+        (29, 45, K_BLOCK + 3),  # k in two blocks, the second short
+        (40, 16, 2 * K_BLOCK),  # k in two whole blocks
+    ],
+)
+def test_matches_float64(shape: TileShape, trans_a: bool, m: int, n: int, k: int) -> None:
+    if not _runs_here(shape):
+        pytest.skip("this CPU has no vectors of this width")
+    _check(shape, m, n, k, trans_a, 1.0, 0.0)
+    _check(shape, m, n, k, trans_a, 0.125, 1.0, pad=(3, 5, 7), seed=1)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s.rows}x{s.vectors}x{s.width}")
+def test_zero_terms_scale_c(shape: TileShape) -> None:
+    """``k = 0`` leaves ``beta C``, as BLAS does (and zeros for beta 0, whatever C held)."""
+    if not _runs_here(shape):
+        pytest.skip("this CPU has no vectors of this width")
+    _check(shape, 9, 40, 0, False, 1.0, 0.0)
+    _check(shape, 9, 40, 0, True, 2.0, 1.0)
+
+
+@pytest.mark.parametrize("trans_a", [False, True])
+def test_nan_and_inf_propagate(trans_a: bool) -> None:
+    shape = host_tile_shape()
+    if shape is None:
+        pytest.skip("no tiles on this CPU")
+    m, n, k = 20, 40, 9
+    a = np.ones((k, m) if trans_a else (m, k), dtype=np.float32)
+    b = np.ones((k, n), dtype=np.float32)
+    b[3, 5], b[4, 37] = np.nan, np.inf
+    c = np.zeros((m, n), dtype=np.float32)
+    _products(shape)[trans_a](m, n, k, 1.0, a.ctypes.data, a.shape[1], b.ctypes.data, n, 0.0, c.ctypes.data, n)
+    assert np.isnan(c[:, 5]).all() and np.isposinf(c[:, 37]).all()
+    assert np.isfinite(np.delete(c, [5, 37], axis=1)).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    m=st.integers(1, 70),
+    n=st.integers(1, 90),
+    k=st.integers(0, 80),
+    trans_a=st.booleans(),
+    beta=st.sampled_from([0.0, 1.0, 0.5]),
+    pad=st.tuples(st.integers(0, 4), st.integers(0, 20), st.integers(0, 4)),
+)
+def test_random_shapes(m: int, n: int, k: int, trans_a: bool, beta: float, pad: tuple[int, int, int]) -> None:
+    shape = host_tile_shape()
+    if shape is None:
+        return
+    _check(shape, m, n, k, trans_a, 0.75, beta, pad)
+
+
+def test_tile_for_features() -> None:
+    assert tile_shape_for("+avx512f,+avx2,+fma,-amx-tile") == AVX512_TILE
+    assert tile_shape_for("+avx2,+fma,-avx512f") == AVX2_TILE
+    assert tile_shape_for("+sse4.2,-avx2,-fma") is None
+    assert AVX512_TILE.row_steps == (14, 4, 1)
+    assert AVX2_TILE.row_steps == (6, 4, 1)
