@@ -73,10 +73,17 @@ SCRATCH_ALIGN = 64
 # x 64 at 128 GFLOP/s as NN and at 91 as NT, 128 x 512 x 64 at 138 against 131. A copy costs a
 # pass over the head's K (4 us at S = 128, D = 64), which a single query row does not repay.
 PACK_MIN_ROWS = 16
-# The largest products (m·n·k) the register tiles take: up to here they ran 1.1-1.5x OpenBLAS
-# (32-128-row strips over 128-1024 keys, D = 64-128); from 256-row strips over 768 keys (25M)
-# OpenBLAS's packed path was as fast or faster (0.80-1.0x), its packing paid for.
-TILE_MAX_MACS = 1 << 23
+# Which strip products the register tiles take (:func:`emit_sgemm`), from one-core native-loop
+# rates against OpenBLAS. Not those on OpenBLAS's small-matrix path (:data:`SMALL_PATH_MACS`):
+# there both run the same FMA chain (bit-identical results) and OpenBLAS was 2-7% faster in
+# the kernels. Above it, with A as stored the tiles ran 1.0-1.5x OpenBLAS from 32-row strips to
+# 256-row strips over 768 keys (25M multiply-adds) and over 16384 keys; beyond that, BLAS. With
+# A transposed (``dV += P^T dY``, ``dK += dS^T Q``: a tile broadcasts a row of P per step, its
+# rows ``Sk`` floats apart) they ran 1.24-1.37x up to 512 keys and 128 strip rows, but 0.80-0.89x
+# over 768-1024 keys or 256 rows, where OpenBLAS's packing pays for itself.
+TILE_MAX_MACS = 1 << 27
+TILE_TN_MAX_ROWS = 512
+TILE_TN_MAX_DEPTH = 128
 # Where a profiling build's attention time goes: nanoseconds per thread, kept after its scratch.
 BREAKDOWN = ("blas", "softmax", "softmax_backward", "kernel")
 
@@ -154,6 +161,20 @@ def emit_whole_lines(b: ir.IRBuilder, floats: ir.Value, name: str) -> ir.Value:
     return b.mul(ceil_div(b, floats, per_line), i64(per_line), name=name)
 
 
+def packed_ld(seq_k: int) -> int:
+    """The leading dimension of a transposed copy of K or V (``width`` rows of ``Sk``): whole
+    64-byte lines, and an odd number of them. Rows a power of two of lines apart (Sk = 512,
+    1024) fall into the same few sets of L1, so the 64 rows of a product's column panel evicted
+    each other; an odd stride spreads them over every set (128 x 512 x 64 on the register
+    tiles: 156 GFLOP/s at ld 512, 175 at 528)."""
+    return (-(-seq_k // 16) | 1) * 16
+
+
+def emit_packed_ld(b: ir.IRBuilder, seq_k: ir.Value) -> ir.Value:
+    """:func:`packed_ld` of a length known per call."""
+    return b.mul(b.or_(ceil_div(b, seq_k, 16), i64(1)), i64(16), name="packed.ld")
+
+
 def may_pack(seq_q: int | str) -> bool:
     """Whether calls may copy K (and V) transposed: a static query length of at least
     :data:`PACK_MIN_ROWS`, or a symbolic one (each call decides)."""
@@ -196,7 +217,7 @@ def strips_and_copies_bytes(spec: StripScratch, seq_k: int | None = None) -> int
     length = spec.dims.seq_k if seq_k is None else seq_k
     assert isinstance(length, int), "give the call's Sk"
     strips, tail = spec.strip_layout
-    copies = sum(whole_lines(width * length) for width in _copied(spec).values()) if may_pack(spec.dims.seq_q) else 0
+    copies = sum(width * packed_ld(length) for width in _copied(spec).values()) if may_pack(spec.dims.seq_q) else 0
     return (spec.strip_floats(length) * strips + tail + copies) * 4
 
 
@@ -204,7 +225,7 @@ def transposed_buffers(
     b: ir.IRBuilder, spec: StripScratch, scratch: ir.Value, strip_floats: ir.Value, seq_q: ir.Value, seq_k: ir.Value
 ) -> dict[str, ir.Value]:
     """Per copied operand (``"k"``, ``"v"``), its buffer in the thread's scratch after the strips
-    (``width x Sk``, leading dimension ``Sk``): null where this call does not pack (fewer than
+    (``width x Sk``, leading dimension :func:`packed_ld`): null where this call does not pack (fewer than
     :data:`PACK_MIN_ROWS` query rows: a decode step reads K in place), a constant null where no
     call of the kernel can."""
     null = ir.Constant(PTR, None)
@@ -217,7 +238,7 @@ def transposed_buffers(
     buffers = {}
     for slot, width in copied.items():
         buffers[slot] = b.select(pack, gep_f32(b, scratch, offset, name=f"{slot}t"), null, name=f"{slot}t.or.null")
-        offset = b.add(offset, emit_whole_lines(b, b.mul(seq_k, i64(width)), f"{slot}t.floats"), name="copies.end")
+        offset = b.add(offset, b.mul(emit_packed_ld(b, seq_k), i64(width)), name="copies.end")
     return buffers
 
 
@@ -231,7 +252,8 @@ def emit_transposed_copy(
     omatcopy = declare(b.module, OMATCOPY, VOID, [I32, I32, I32, I32, F32, PTR, I32, PTR, I32])
     sk = b.trunc(seq_k, I32)
     with b.if_then(b.icmp_unsigned("!=", target, ir.Constant(PTR, None))):
-        b.call(omatcopy, [i32(ROW_MAJOR), i32(TRANS), sk, i32(width), f32(1.0), head, i32(ld), target, sk])
+        ld_target = b.trunc(emit_packed_ld(b, seq_k), I32)
+        b.call(omatcopy, [i32(ROW_MAJOR), i32(TRANS), sk, i32(width), f32(1.0), head, i32(ld), target, ld_target])
 
 
 def keys_operand(
@@ -239,12 +261,12 @@ def keys_operand(
 ) -> tuple[ir.Value, ir.Value, ir.Value]:
     """``(operand, ld, trans_b)`` for ``A X[c0:]^T``, X a head operand (K or V): its transposed
     copy from column ``c0`` as an NN product where the call packed one (``packed`` not null;
-    leading dimension Sk), else X's rows from ``c0`` in place as an NT product."""
+    leading dimension :func:`packed_ld`), else X's rows from ``c0`` in place as an NT product."""
     is_packed = b.icmp_unsigned("!=", packed, ir.Constant(PTR, None), name="is.packed")
     columns = gep_f32(b, packed, c0, name="packed.from")
     rows = gep_f32(b, head, b.mul(c0, i64(ld_head)), name="head.from")
     operand = b.select(is_packed, columns, rows, name="keys.operand")
-    ld = b.select(is_packed, seq_k, i64(ld_head), name="keys.ld")
+    ld = b.select(is_packed, emit_packed_ld(b, seq_k), i64(ld_head), name="keys.ld")
     return operand, ld, b.select(is_packed, i32(NO_TRANS), i32(TRANS), name="keys.trans")
 
 
@@ -949,9 +971,10 @@ def emit_sgemm(
 ) -> None:
     """The one place an attention kernel emits a matrix product: row-major ``C = alpha op(A) op(B) + beta C``.
 
-    Products of strip size (up to :data:`TILE_MAX_MACS` multiply-adds) with B as stored run on
-    the register tiles of :mod:`rlx.codegen.tile_gemm` where the CPU has FMA vectors; larger
-    ones, and those reading B transposed, on OpenBLAS.
+    Strip products with B as stored run on the register tiles of :mod:`rlx.codegen.tile_gemm`
+    where the CPU has FMA vectors and the shape is one they run faster (:data:`TILE_MAX_MACS`,
+    :data:`TILE_TN_MAX_ROWS`, :data:`TILE_TN_MAX_DEPTH`); the rest, and those reading B
+    transposed, on OpenBLAS.
 
     A product of one row (a decode step's single query, a strip's last row) is a matrix-vector
     product, which OpenBLAS's ``sgemv`` runs 2-2.5x faster than ``sgemm`` (no packing of B;
@@ -986,18 +1009,33 @@ def emit_sgemm(
             blas(b)
             return
         conditions = [] if isinstance(trans_b, int) else [b.icmp_signed("==", trans_b, i32(NO_TRANS), name="b.stored")]
-        macs = [as_i64(m), as_i64(n), as_i64(k)]
-        if all(isinstance(size, ir.Constant) for size in macs):
-            if math.prod(int(size.constant) for size in macs) > TILE_MAX_MACS:
-                blas(b)
-                return
-        else:
-            product = b.mul(b.mul(macs[0], macs[1]), macs[2], name="macs")
-            conditions.append(b.icmp_signed("<=", product, i64(TILE_MAX_MACS), name="tile.sized"))
+        # Where the tiles are faster: (value, smallest, largest), for A as stored or transposed.
+        sizes = (m, n, k)
+        macs = math.prod(sizes) if all(isinstance(size, int) for size in sizes) else None
+        limits: list[tuple[int | ir.Value, int, int]] = [
+            (
+                macs if macs is not None else b.mul(b.mul(as_i64(m), as_i64(n)), as_i64(k)),
+                SMALL_PATH_MACS + 1,
+                TILE_MAX_MACS,
+            )
+        ]
+        if trans_a != NO_TRANS:
+            limits += [(m, 0, TILE_TN_MAX_ROWS), (k, 0, TILE_TN_MAX_DEPTH)]
+        for value, smallest, largest in limits:
+            if isinstance(value, int):
+                if not smallest <= value <= largest:
+                    blas(b)
+                    return
+                continue
+            if smallest > 0:
+                conditions.append(b.icmp_signed(">=", value, i64(smallest), name="tile.large"))
+            conditions.append(b.icmp_signed("<=", value, i64(largest), name="tile.small"))
         if not conditions:
             tiles(b)
             return
-        taken = conditions[0] if len(conditions) == 1 else b.and_(conditions[0], conditions[1], name="tiles.take")
+        taken = conditions[0]
+        for condition in conditions[1:]:
+            taken = b.and_(taken, condition, name="tiles.take")
         with b.if_else(taken) as (tiled, packed):
             with tiled:
                 tiles(b)
