@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import gc
 import math
 import os
@@ -19,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -304,6 +305,7 @@ class RlxOpenBlas:
 
         self._blas = load_blas()
         library = self._blas.library
+        self.sgemm_address_value = self._blas.sgemm_address
         self.sgemm = _SGEMM_TYPE(self._blas.sgemm_address)
         self._set_threads = ctypes.CFUNCTYPE(None, ctypes.c_int)(self._address("scipy_openblas_set_num_threads"))
         self._get_threads = ctypes.CFUNCTYPE(ctypes.c_int)(self._address("scipy_openblas_get_num_threads"))
@@ -490,7 +492,7 @@ def roofline(flops: float, nbytes: float, seconds: float, gflops: float, bandwid
 
 def breakdown_table(rows: Sequence[tuple[str, dict[str, float], dict[str, float]]]) -> str:
     """One line per case: roofline numbers and the time split of the profiled kernel."""
-    header = ["case", "GFLOP", "MB moved", "FLOP/B", "bound", "% of bound", "BLAS", "softmax+mask", "dS", "other"]
+    header = ["case", "GFLOP", "MB moved", "FLOP/B", "bound", "% of bound", "products", "softmax+mask", "dS", "other"]
     lines = []
     for label, roof, split in rows:
         lines.append([
@@ -526,86 +528,217 @@ class Product:
 
 @dataclass(frozen=True)
 class BlasComparison:
-    """Seconds the same products take on one thread through rlx's OpenBLAS and through torch's BLAS."""
+    """Seconds the same products take on one thread: through what rlx's kernels call (OpenBLAS, or
+    the register tiles where the attention kernels take them), through OpenBLAS alone, and
+    through torch's BLAS."""
 
+    rlx_s: float
     openblas_s: float
     torch_s: float
     flops: float
-    per_product: tuple[tuple[str, float, float], ...]  # (label, OpenBLAS GFLOP/s, torch GFLOP/s)
+    per_product: tuple[tuple[str, float, float, float], ...]  # (label, rlx, OpenBLAS, torch GFLOP/s)
+    torch_timing: str  # how torch's BLAS was called: "native" (MKL's sgemm_ in a loop) or "torch.mm"
 
     @property
     def torch_speedup(self) -> float:
-        """How many times faster torch's BLAS runs these products than rlx's OpenBLAS."""
-        return self.openblas_s / self.torch_s
+        """How many times faster torch's BLAS runs these products than what rlx's kernels call."""
+        return self.rlx_s / self.torch_s
 
     def as_dict(self) -> dict[str, object]:
-        """The JSON form: the sums, the speed-up and each product's two rates."""
-        products = [{"product": label, "rlx_openblas_gflops": ours, "torch_blas_gflops": theirs}
-                    for label, ours, theirs in self.per_product]  # fmt: skip
-        return {"openblas_s": self.openblas_s, "torch_s": self.torch_s, "flops": self.flops,
-                "torch_speedup": self.torch_speedup, "products": products}  # fmt: skip
+        """The JSON form: the sums, the speed-up and each product's rates."""
+        products = [{"product": label, "rlx_gflops": ours, "rlx_openblas_gflops": openblas, "torch_blas_gflops": theirs}
+                    for label, ours, openblas, theirs in self.per_product]  # fmt: skip
+        return {"rlx_s": self.rlx_s, "openblas_s": self.openblas_s, "torch_s": self.torch_s, "flops": self.flops,
+                "torch_speedup": self.torch_speedup, "torch_timing": self.torch_timing,
+                "products": products}  # fmt: skip
 
 
 def compare_blas(
-    blas: RlxOpenBlas, products: Sequence[Product], burst: float = 0.05, rounds: int = 5
+    blas: RlxOpenBlas, products: Sequence[Product], burst: float = 0.05, rounds: int = 5, tiles: bool = False
 ) -> BlasComparison:
-    """Time each product on ONE thread through rlx's OpenBLAS and through ``torch.mm`` (torch's BLAS:
-    MKL in the x86 wheels), alternating bursts of ``burst`` seconds, ``rounds`` of each; the best
-    burst counts. This says what part of a gap to torch is the BLAS's: an implementation whose
-    products take longer than torch's own cannot beat torch by more than the rest of torch's time.
-    Needs torch."""
+    """Time each product on ONE thread through rlx's OpenBLAS, through rlx's register tiles where
+    the attention kernels take them (``tiles``: the products are an attention kernel's), and
+    through torch's BLAS (MKL in the x86 wheels), alternating bursts of ``burst`` seconds,
+    ``rounds`` of each; the best burst counts. Each is called in a loop of native code, as the
+    kernels call them: through ctypes or ``torch.mm`` every call paid ~5 us of Python, as much
+    as a small strip product itself. torch's BLAS is MKL's ``sgemm_`` as libtorch exports it;
+    where it does not, ``torch.mm`` (``torch_timing`` says which). This says what part of a gap
+    to torch is the BLAS's: an implementation whose products take longer than torch's own cannot
+    beat torch by more than the rest of torch's time. Needs torch."""
     import torch
+
+    from rlx.codegen.lower_attention import tiles_take
 
     previous_torch, previous_blas = torch.get_num_threads(), blas.threads()
     torch.set_num_threads(1)
     blas.set_threads(1)
-    openblas_s = torch_s = 0.0
+    loops = NativeProducts(blas)
+    rlx_s = openblas_s = torch_s = 0.0
     rows = []
     try:
         for product in products:
-            ours, theirs = _time_product(blas, product, burst, rounds)
+            uses_tiles = tiles and tiles_take(product.m, product.n, product.k, product.trans_a, product.trans_b)
+            ours, theirs, tiled = loops.time(product, burst, rounds, uses_tiles)
+            rlx_s += (tiled if uses_tiles else ours) * product.count
             openblas_s += ours * product.count
             torch_s += theirs * product.count
             one = 2.0 * product.m * product.n * product.k / 1e9
-            rows.append((product.label, one / ours, one / theirs))
+            rows.append((product.label, one / (tiled if uses_tiles else ours), one / ours, one / theirs))
     finally:
         torch.set_num_threads(previous_torch)
         blas.set_threads(previous_blas)
-    return BlasComparison(openblas_s, torch_s, sum(p.flops for p in products), tuple(rows))
+    flops = sum(p.flops for p in products)
+    timing = "native" if loops.mkl_sgemm else "torch.mm"
+    return BlasComparison(rlx_s, openblas_s, torch_s, flops, tuple(rows), timing)
 
 
-def _time_product(blas: RlxOpenBlas, p: Product, burst: float, rounds: int) -> tuple[float, float]:
-    """Seconds of one product through rlx's OpenBLAS and through torch.mm: the best burst of each."""
+_LOOP_ARGS = (ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+              ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+              ctypes.c_int64)  # fmt: skip
+_MKL_SGEMM = "rlx_benchmark_mkl_sgemm"
+
+
+class NativeProducts:
+    """Loops of native code that call one product ``reps`` times: through rlx's OpenBLAS
+    (``cblas_sgemm``), rlx's register tiles, and MKL's Fortran ``sgemm_`` found in libtorch.
+
+    Each loop takes ``(reps, trans_a, trans_b, m, n, k, a, lda, b, ldb, c, ldc)``, row-major,
+    ``C = op(A) op(B)``. MKL is column-major: the same C comes from ``C^T = op(B)^T op(A)^T``.
+    """
+
+    def __init__(self, blas: RlxOpenBlas) -> None:
+        from llvmlite import ir
+
+        import rlx.codegen.jit as jit
+        from rlx.codegen.blas import SGEMM
+        from rlx.codegen.irutil import F32, I8, I32, I64, PTR, VOID, declare, for_range
+        from rlx.codegen.tile_gemm import PRODUCT_ARGS, host_tile_shape, runtime_symbols
+
+        self.mkl_sgemm = _mkl_sgemm_address()
+        shape = host_tile_shape()
+        module = ir.Module(name="benchmark_products")
+        args = [I64, I32, I32, I64, I64, I64, PTR, I64, PTR, I64, PTR, I64]
+        sgemm = declare(module, SGEMM, VOID, [I32] * 6 + [F32, PTR, I32, PTR, I32, F32, PTR, I32])
+        imports = {SGEMM: blas.sgemm_address_value}
+        names = ["openblas_loop"]
+        if self.mkl_sgemm:
+            imports[_MKL_SGEMM] = self.mkl_sgemm
+            names.append("mkl_loop")
+        if shape is not None:
+            imports |= runtime_symbols(shape)
+            names.append("tiles_loop")
+        for name in names:
+            fn = ir.Function(module, ir.FunctionType(VOID, args), name=name)
+            reps, trans_a, trans_b, m, n, k, a, lda, b_mat, ldb, c, ldc = fn.args
+            b = ir.IRBuilder(fn.append_basic_block("entry"))
+            sizes = [b.trunc(value, I32) for value in (m, n, k, lda, ldb, ldc)]
+            one, zero = ir.Constant(F32, 1.0), ir.Constant(F32, 0.0)
+            call: Callable[[], object]
+            if name == "openblas_loop":
+                flags = [b.add(flag, ir.Constant(I32, 111)) for flag in (trans_a, trans_b)]  # 111 N, 112 T
+                call_args = [ir.Constant(I32, 101), *flags, *sizes[:3], one, a, sizes[3], b_mat, sizes[4], zero, c,
+                             sizes[5]]  # fmt: skip
+                call = functools.partial(b.call, sgemm, call_args)
+            elif name == "mkl_loop":  # Fortran, column-major, every argument by reference
+                cell = functools.partial(_stored, b)
+                # 'N' (78) or 'T' (84); C^T = op(B)^T op(A)^T, so B's flag and sizes come first
+                chars = [cell(b.trunc(b.add(b.mul(flag, ir.Constant(I32, 6)), ir.Constant(I32, 78)), I8), I8)
+                         for flag in (trans_b, trans_a)]  # fmt: skip
+                refs = [cell(value, I32) for value in sizes]
+                call_args = [*chars, refs[1], refs[0], refs[2], cell(one, F32), b_mat, refs[4], a, refs[3],
+                             cell(zero, F32), c, refs[5]]  # fmt: skip
+                mkl = declare(module, _MKL_SGEMM, VOID, [PTR] * 13)
+                call = functools.partial(b.call, mkl, call_args)
+            else:
+                assert shape is not None
+                products = [declare(module, shape.product_name(flag), VOID, PRODUCT_ARGS) for flag in (False, True)]
+                transposed = b.icmp_signed("!=", trans_a, ir.Constant(I32, 0))
+                call_args = [m, n, k, one, a, lda, b_mat, ldb, zero, c, ldc]
+                call = functools.partial(_call_either, b, transposed, products[1], products[0], call_args)
+            with for_range(b, 0, reps, "rep"):
+                call()
+            b.ret_void()
+        with jit._lock:
+            code = jit.jit_state().target_machine.emit_object(jit._optimized_module(str(module)))
+            tracker = jit._link(code, imports, tuple(names))
+        self._tracker = tracker  # keeps the code alive
+        signature = ctypes.CFUNCTYPE(None, *_LOOP_ARGS)
+        self.loops = {name: signature(int(tracker[name])) for name in names}
+
+    def time(self, p: Product, burst: float, rounds: int, tiles: bool) -> tuple[float, float, float]:
+        """Seconds of one product through OpenBLAS, torch's BLAS and the tiles (``tiles`` False: not
+        timed, 0): the best burst of each, checked against each other."""
+        rng = np.random.default_rng(0)
+        a = rng.standard_normal((p.k, p.m) if p.trans_a else (p.m, p.k), dtype=np.float32)
+        b = rng.standard_normal((p.n, p.k) if p.trans_b else (p.k, p.n), dtype=np.float32)
+        outputs = {name: np.zeros((p.m, p.n), dtype=np.float32) for name in ("openblas", "torch", "tiles")}
+        reps = max(1, int(2e6 / (p.m * p.n * p.k)))  # about a millisecond a call
+
+        def native(name: str, loop: str) -> Callable[[], None]:
+            c = outputs[name]
+            fn = self.loops[loop]
+            return lambda: fn(reps, int(p.trans_a), int(p.trans_b), p.m, p.n, p.k, a.ctypes.data, a.shape[1],
+                              b.ctypes.data, b.shape[1], c.ctypes.data, p.n)  # fmt: skip
+
+        calls = {"openblas": native("openblas", "openblas_loop")}
+        if self.mkl_sgemm:
+            calls["torch"] = native("torch", "mkl_loop")
+        else:
+            import torch
+
+            ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+            ta, tb = (ta.t() if p.trans_a else ta), (tb.t() if p.trans_b else tb)
+            tc = torch.from_numpy(outputs["torch"])
+
+            def torch_mm() -> None:
+                for _ in range(reps):
+                    torch.mm(ta, tb, out=tc)
+
+            calls["torch"] = torch_mm
+        if tiles:
+            calls["tiles"] = native("tiles", "tiles_loop")
+        best = dict.fromkeys(calls, float("inf"))
+        for _ in range(rounds):
+            for name, call in calls.items():
+                call()
+                count, start = 0, time.perf_counter()
+                while (elapsed := time.perf_counter() - start) < burst:
+                    call()
+                    count += 1
+                best[name] = min(best[name], elapsed / count / reps)
+        for name in calls:
+            if not np.allclose(outputs[name], outputs["openblas"], rtol=1e-3, atol=1e-3 * math.sqrt(p.k)):
+                raise RuntimeError(f"{name} and OpenBLAS disagree on the product {p.label}")
+        return best["openblas"], best["torch"], best.get("tiles", 0.0)
+
+
+def _stored(b: Any, value: Any, ty: Any) -> Any:
+    """A stack slot holding ``value`` (a Fortran argument)."""
+    slot = b.alloca(ty)
+    b.store(value, slot)
+    return slot
+
+
+def _call_either(b: Any, condition: Any, if_true: Any, if_false: Any, args: list[Any]) -> None:
+    """``condition ? if_true(args) : if_false(args)`` in generated code."""
+    with b.if_else(condition) as (then, otherwise):
+        with then:
+            b.call(if_true, args)
+        with otherwise:
+            b.call(if_false, args)
+
+
+def _mkl_sgemm_address() -> int | None:
+    """MKL's Fortran ``sgemm_`` in libtorch (the x86 wheels link MKL statically and export it), or
+    None where this torch has none."""
     import torch
 
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((p.k, p.m) if p.trans_a else (p.m, p.k), dtype=np.float32)
-    b = rng.standard_normal((p.n, p.k) if p.trans_b else (p.k, p.n), dtype=np.float32)
-    c = np.zeros((p.m, p.n), dtype=np.float32)
-    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
-    ta, tb = (ta.t() if p.trans_a else ta), (tb.t() if p.trans_b else tb)
-    tc = torch.empty(p.m, p.n)
-    flags = (112 if p.trans_a else 111, 112 if p.trans_b else 111)
-
-    def openblas() -> None:
-        blas.sgemm(101, *flags, p.m, p.n, p.k, 1.0, a.ctypes.data, a.shape[1], b.ctypes.data, b.shape[1], 0.0,
-                   c.ctypes.data, p.n)  # fmt: skip
-
-    def torch_mm() -> None:
-        torch.mm(ta, tb, out=tc)
-
-    best = [float("inf"), float("inf")]
-    for _ in range(rounds):
-        for which, call in enumerate((openblas, torch_mm)):
-            call()
-            count, start = 0, time.perf_counter()
-            while (elapsed := time.perf_counter() - start) < burst:
-                call()
-                count += 1
-            best[which] = min(best[which], elapsed / count)
-    if not np.allclose(c, tc.numpy(), rtol=1e-3, atol=1e-3 * math.sqrt(p.k)):
-        raise RuntimeError(f"OpenBLAS and torch disagree on the product {p.label}")
-    return best[0], best[1]
+    library = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    try:
+        handle = ctypes.CDLL(str(library))
+        return ctypes.cast(handle.sgemm_, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
 
 
 def attention_products(
@@ -636,14 +769,16 @@ def attention_products(
 
 
 def blas_table(rows: Sequence[tuple[str, Mapping[str, object], float | None]]) -> str:
-    """One line per case: its products on one thread through both BLAS libraries (a
-    :meth:`BlasComparison.as_dict`), and the share of the rlx kernel's time that is BLAS."""
-    header = ["case", "products GFLOP", "rlx OpenBLAS ms", "torch BLAS ms", "torch BLAS speed-up", "BLAS share of rlx"]
+    """One line per case: its products on one thread (a :meth:`BlasComparison.as_dict`): through
+    what rlx's kernel calls, OpenBLAS alone, torch's BLAS; and the share of the rlx kernel's time
+    spent in its products (its profiling build)."""
+    header = ["case", "products GFLOP", "rlx ms (tiles + OpenBLAS)", "OpenBLAS alone ms", "torch BLAS ms",
+              "torch BLAS speed-up over rlx", "products share of rlx"]  # fmt: skip
     lines = []
     for label, c, share in rows:
         lines.append([
-            label, f"{float(c['flops']) / 1e9:.2f}", f"{float(c['openblas_s']) * 1e3:.1f}",
-            f"{float(c['torch_s']) * 1e3:.1f}", f"{float(c['torch_speedup']):.2f}x",
-            "-" if share is None else f"{share:.0%}",
+            label, f"{float(c['flops']) / 1e9:.2f}", f"{float(c['rlx_s']) * 1e3:.1f}",
+            f"{float(c['openblas_s']) * 1e3:.1f}", f"{float(c['torch_s']) * 1e3:.1f}",
+            f"{float(c['torch_speedup']):.2f}x", "-" if share is None else f"{share:.0%}",
         ])  # fmt: skip
     return markdown_table(header, lines)

@@ -367,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         " least time an implementation on this BLAS can take. Against it torch eager leaves room for at most"
         f" {h.geomean(r['best_possible_speedup_vs_eager'] for r in results):.2f}x (geometric mean)."
         "\nmatmuls 1 thr: the block's matrix products (the matmul nodes, not attention), each timed on one"
-        " thread through rlx's OpenBLAS and through torch's BLAS (torch.mm) in alternating bursts: torch's BLAS"
+        " thread in native loops through rlx's OpenBLAS and torch's BLAS (MKL), alternating bursts: torch's BLAS"
         f" runs them {h.geomean(r['matmuls_vs_torch_blas']['torch_speedup'] for r in results):.2f}x"
         " as fast (geometric mean)."
         f"\ngeometric mean speed-up: vs torch eager {eager:.2f}x (target 1.5x)"

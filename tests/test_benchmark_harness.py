@@ -48,8 +48,8 @@ def test_compare_blas_times_both_libraries() -> None:
     blas = h.RlxOpenBlas()
     before = blas.threads()
     products = [h.Product(64, 48, 32, trans_a=True, count=3), h.Product(40, 64, 32, trans_b=True)]
-    result = h.compare_blas(blas, products, burst=0.002, rounds=1)
-    assert result.openblas_s > 0 and result.torch_s > 0
+    result = h.compare_blas(blas, products, burst=0.002, rounds=1, tiles=True)
+    assert result.openblas_s > 0 and result.torch_s > 0 and result.rlx_s > 0
     assert result.flops == sum(p.flops for p in products)
     assert [row[0] for row in result.per_product] == ["64x48x32 TN", "40x64x32 NT"]
     assert np.isfinite(result.torch_speedup)

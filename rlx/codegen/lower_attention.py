@@ -31,7 +31,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
 from llvmlite import ir
 
@@ -277,6 +277,7 @@ def emit_strip_floats(b: ir.IRBuilder, block_q: int, seq_k: ir.Value) -> ir.Valu
 
 
 SCRATCH_BUDGET = 64 << 20  # bytes of strip buffers per thread at most
+SizeT: TypeAlias = int | ir.Value  # a size known now, or one of the call
 SMALL_PATH_MACS = 1_000_000  # OpenBLAS (SkylakeX) runs products up to this many multiply-adds unpacked
 SMALL_PATH_ROWS = 32  # the short strip height of choose_block_q
 
@@ -948,6 +949,23 @@ def zero_rows(
         b.call(memset, [ptr, ir.Constant(I8, 0), i64(width * 4), ir.Constant(I1, 0)])
 
 
+def tile_limits(m: SizeT, k: SizeT, macs: SizeT, trans_a: bool) -> list[tuple[SizeT, int, int]]:
+    """``(value, smallest, largest)``: the sizes between which a product with B as stored runs on
+    the register tiles (see :data:`TILE_MAX_MACS`), for ints or values of the call."""
+    limits = [(macs, SMALL_PATH_MACS + 1, TILE_MAX_MACS)]
+    if trans_a:
+        limits += [(m, 0, TILE_TN_MAX_ROWS), (k, 0, TILE_TN_MAX_DEPTH)]
+    return limits
+
+
+def tiles_take(m: int, n: int, k: int, trans_a: bool, trans_b: bool) -> bool:
+    """Whether the attention kernels run ``op(A) op(B)`` (m x n x k) on the register tiles on this
+    machine, rather than on OpenBLAS (for benchmarks that time what the kernels call)."""
+    if host_tile_shape() is None or trans_b or m == 1:
+        return False
+    return all(smallest <= value <= largest for value, smallest, largest in tile_limits(m, k, m * n * k, trans_a))
+
+
 def declare_sgemm(module: ir.Module) -> ir.Function:
     return declare(module, SGEMM, VOID, [I32] * 6 + [F32, PTR, I32, PTR, I32, F32, PTR, I32])
 
@@ -1009,19 +1027,12 @@ def emit_sgemm(
             blas(b)
             return
         conditions = [] if isinstance(trans_b, int) else [b.icmp_signed("==", trans_b, i32(NO_TRANS), name="b.stored")]
-        # Where the tiles are faster: (value, smallest, largest), for A as stored or transposed.
-        sizes = (m, n, k)
-        macs = math.prod(sizes) if all(isinstance(size, int) for size in sizes) else None
-        limits: list[tuple[int | ir.Value, int, int]] = [
-            (
-                macs if macs is not None else b.mul(b.mul(as_i64(m), as_i64(n)), as_i64(k)),
-                SMALL_PATH_MACS + 1,
-                TILE_MAX_MACS,
-            )
-        ]
-        if trans_a != NO_TRANS:
-            limits += [(m, 0, TILE_TN_MAX_ROWS), (k, 0, TILE_TN_MAX_DEPTH)]
-        for value, smallest, largest in limits:
+        macs: SizeT
+        if isinstance(m, int) and isinstance(n, int) and isinstance(k, int):
+            macs = m * n * k
+        else:
+            macs = b.mul(b.mul(as_i64(m), as_i64(n)), as_i64(k), name="macs")
+        for value, smallest, largest in tile_limits(m, k, macs, trans_a != NO_TRANS):
             if isinstance(value, int):
                 if not smallest <= value <= largest:
                     blas(b)
