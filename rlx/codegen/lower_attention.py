@@ -299,7 +299,9 @@ def choose_block_q(
     Sk = 512 (BSHD: 14% faster at 256, 2% at 384; 3% slower at 512, 5% at 1024). Without a mask,
     Sk <= 128 takes 64 rows too: the strip products fit OpenBLAS's small-matrix path (SkylakeX
     kernels, up to 10^6 multiply-adds, no packing) and the strips stay in L1 (backward 9% faster
-    at B8 H12 S128 than one 128-row strip; 256 and 384 keys ran fastest with the longest strips).
+    at B8 H12 S128 than one 128-row strip; 256 and 384 keys ran fastest with the longest strips),
+    except in the strided backward, where one strip of up to 128 rows ran 3-9% faster since its
+    products run on the register tiles (B8 H12 S128 BSHD).
     Shorter still, 32 rows, where that keeps a strip's products on that path (at most 10^6
     multiply-adds; ``head_dim`` is the wider of D and Dv) and a taller strip would leave it.
     Causal-like, up to Sk = 512 and Sk·D = 32768 (a causal strip's products see half the keys on
@@ -318,7 +320,7 @@ def choose_block_q(
         short = seq_k <= 512 and seq_k * head_dim <= 32768 and not strided_backward
         cap = SMALL_PATH_ROWS if short else _causal_strip_cap(seq_k, strided_backward)
     elif seq_k <= 128:
-        cap = 64
+        cap = 128 if strided_backward else 64
     else:
         short = seq_k <= 256 and SMALL_PATH_ROWS * seq_k * head_dim <= SMALL_PATH_MACS and not strided_rows
         cap = SMALL_PATH_ROWS if short else 256
