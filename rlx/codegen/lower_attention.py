@@ -79,8 +79,9 @@ PACK_MIN_ROWS = 16
 # the kernels. Above it, with A as stored the tiles ran 1.0-1.5x OpenBLAS from 32-row strips to
 # 256-row strips over 768 keys (25M multiply-adds) and over 16384 keys; beyond that, BLAS. With
 # A transposed (``dV += P^T dY``, ``dK += dS^T Q``: a tile broadcasts a row of P per step, its
-# rows ``Sk`` floats apart) they ran 1.24-1.37x up to 512 keys and 128 strip rows, but 0.80-0.89x
-# over 768-1024 keys or 256 rows, where OpenBLAS's packing pays for itself.
+# rows ``Sk`` floats apart) they ran 0.98-1.11x up to 512 keys and 128 strip rows (and the BHSD
+# backward that uses them 1.02-1.13x faster in all), but 0.80-0.89x over 768-1024 keys or 256
+# rows of BSHD heads, where OpenBLAS's packing pays for itself.
 TILE_MAX_MACS = 1 << 27
 TILE_TN_MAX_ROWS = 512
 TILE_TN_MAX_DEPTH = 128
