@@ -222,11 +222,24 @@ _runtimes: list[object] = []  # runtime libraries: linked once, never freed
 
 
 def link_runtime(llvm_ir: str, libc: tuple[str, ...], exports: tuple[str, ...]) -> dict[str, int]:
-    """Compile and link a module of the rlx runtime (its thread pool) for the life of the process:
-    the addresses of its ``exports``."""
+    """Compile and link a module of the rlx runtime (its thread pool, the attention kernels'
+    register tiles) for the life of the process: the addresses of its ``exports``. With a disk
+    cache (:func:`disk_cache_dir`) its object file is kept there as a graph's is, so a process
+    that finds it links without compiling."""
+    key = cache_key(llvm_ir)
+    cache_dir = disk_cache_dir()
+    imports = {name: libc_symbol(name) for name in libc}
+    cached = _read_cache(cache_dir, key)
+    tracker = None
     with _lock:
-        object_code = jit_state().target_machine.emit_object(_optimized_module(llvm_ir))
-        tracker = _link(object_code, {name: libc_symbol(name) for name in libc}, exports)
+        if cached is not None:
+            # An entry that passed its checksum but does not link: compile afresh, overwrite it.
+            with contextlib.suppress(RlxError):
+                tracker = _link(cached, imports, exports)
+        if tracker is None:
+            object_code = jit_state().target_machine.emit_object(_optimized_module(llvm_ir))
+            tracker = _link(object_code, imports, exports)
+            _write_cache(cache_dir, key, object_code)
         _runtimes.append(tracker)
     return {name: int(tracker[name]) for name in exports}
 

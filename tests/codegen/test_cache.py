@@ -239,3 +239,23 @@ def test_version_change_misses_the_disk_cache(tmp_path: Path, monkeypatch: pytes
     exe = rlx.compile(build(name))
     assert not _disk_hit(exe)
     assert len(list(tmp_path.glob("*.o"))) == 2
+
+
+def test_runtime_modules_use_the_disk_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runtime module (the thread pool, the register tiles) is compiled once and kept in the disk
+    cache like a graph's object file: linking it again reads the object instead of compiling."""
+    monkeypatch.setenv("RLX_CACHE_DIR", str(tmp_path))
+    name = f"rlx_test_runtime_{uuid.uuid4().hex[:12]}"
+    llvm_ir = f"define i64 @{name}(i64 %x) {{\n  %y = mul i64 %x, 3\n  ret i64 %y\n}}\n"
+    first = jit.link_runtime(llvm_ir, (), (name,))
+    assert len(list(tmp_path.glob("*.o"))) == 1
+
+    def no_compiling(*_: object) -> None:
+        raise AssertionError("compiled although the disk cache holds the object")
+
+    monkeypatch.setattr(jit, "_optimized_module", no_compiling)
+    second = jit.link_runtime(llvm_ir, (), (name,))
+    import ctypes
+
+    for addresses in (first, second):
+        assert ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64)(addresses[name])(14) == 42
