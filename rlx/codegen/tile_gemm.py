@@ -142,8 +142,8 @@ def runtime_module(shape: TileShape) -> ir.Module:
 
 
 class _ProductEmitter:
-    """The loops of one product: blocks of ``k``, and in each every tile of C in the order that
-    re-reads the smaller operand."""
+    """The loops of one product: blocks of ``k``, and in each every tile of C, column panel by
+    column panel (a tall product's panels of B copied contiguous first)."""
 
     def __init__(
         self, b: ir.IRBuilder, fn: ir.Function, shape: TileShape, tiles: dict[int, ir.Function], trans_a: bool
