@@ -226,8 +226,8 @@ def link_runtime(llvm_ir: str, libc: tuple[str, ...], exports: tuple[str, ...]) 
     register tiles) for the life of the process: the addresses of its ``exports``. With a disk
     cache (:func:`disk_cache_dir`) its object file is kept there as a graph's is, so a process
     that finds it links without compiling."""
-    key = cache_key(llvm_ir)
     cache_dir = disk_cache_dir()
+    key = cache_key(llvm_ir) if cache_dir is not None else ""  # no hashing without a disk cache
     imports = {name: libc_symbol(name) for name in libc}
     cached = _read_cache(cache_dir, key)
     tracker = None

@@ -202,19 +202,11 @@ class _ProductEmitter:
         """B[:depth, j : j + columns] into :attr:`panel`, rows of ``columns`` floats (zeros past
         B's last column)."""
         b, width, vectors = self.b, self.shape.width, self.shape.vectors
-        vector, mask_type = ir.VectorType(F32, width), ir.VectorType(I1, width)
-        masked_load = intrinsic(b.module, f"llvm.masked.load.v{width}f32.p0", vector, [PTR, I32, mask_type, vector])
-        real = b.sub(self.n, j, name="real.columns")
-        lanes = [
-            ir.Constant(ir.VectorType(I64, width), list(range(v * width, (v + 1) * width))) for v in range(vectors)
-        ]
-        masks = [b.icmp_signed("<", lanes[v], splat(b, real, width), name="real") for v in range(vectors)]
+        masks = _column_masks(b, b.sub(self.n, j, name="real.columns"), self.shape)
         with for_range(b, 0, self.depth, "copy") as p:
             row = gep_f32(b, self.b_block, b.add(b.mul(p, self.ldb), j), name="b.row")
             for v in range(vectors):
-                value = b.call(
-                    masked_load, [gep_f32(b, row, i64(v * width)), i32(4), masks[v], ir.Constant(vector, [0.0] * width)]
-                )
+                value = _masked_load(b, gep_f32(b, row, i64(v * width)), masks[v])
                 b.store(value, b.gep(self.panel, [b.add(b.mul(p, i64(vectors)), i64(v))], inbounds=True), align=64)
 
     def _rows(self, start: ir.Value, height: int, body: Callable[[ir.Value], None]) -> ir.Value:
@@ -247,22 +239,13 @@ def _define_tile(module: ir.Module, shape: TileShape, height: int) -> ir.Functio
     width, vectors = shape.width, shape.vectors
     vector, mask_type = ir.VectorType(F32, width), ir.VectorType(I1, width)
     fma = intrinsic(module, f"llvm.fma.v{width}f32", vector, [vector] * 3)
-    masked_load = intrinsic(module, f"llvm.masked.load.v{width}f32.p0", vector, [PTR, I32, mask_type, vector])
     masked_store = intrinsic(module, f"llvm.masked.store.v{width}f32.p0", VOID, [vector, PTR, I32, mask_type])
     zero = ir.Constant(vector, [0.0] * width)
     # Lanes of C (and B) that exist: all but in the last panel of a width that is not a multiple.
-    masks = [
-        b.icmp_signed(
-            "<",
-            ir.Constant(ir.VectorType(I64, width), list(range(v * width, (v + 1) * width))),
-            splat(b, columns, width),
-            name="lanes",
-        )
-        for v in range(vectors)
-    ]
+    masks = _column_masks(b, columns, shape)
 
     def load(base: ir.Value, offset: ir.Value, mask: ir.Value) -> ir.Value:
-        return b.call(masked_load, [gep_f32(b, base, offset), i32(4), mask, zero])
+        return _masked_load(b, gep_f32(b, base, offset), mask)
 
     def store(value: ir.Value, offset: ir.Value, mask: ir.Value) -> None:
         b.call(masked_store, [value, gep_f32(b, c, offset), i32(4), mask])
@@ -312,3 +295,22 @@ def _define_tile(module: ir.Module, shape: TileShape, height: int) -> ir.Functio
             store(b.select(reads_c, b.call(fma, [beta_vector, old, scaled]), scaled), offset, masks[v])
     b.ret_void()
     return fn
+
+
+def _column_masks(b: ir.IRBuilder, count: ir.Value, shape: TileShape) -> list[ir.Value]:
+    """Per vector of a panel, the mask of its lanes below column ``count`` (all set where the
+    panel is whole)."""
+    width = shape.width
+    lanes = [
+        ir.Constant(ir.VectorType(I64, width), list(range(v * width, (v + 1) * width))) for v in range(shape.vectors)
+    ]
+    limit = splat(b, count, width)
+    return [b.icmp_signed("<", vector_lanes, limit, name="lanes") for vector_lanes in lanes]
+
+
+def _masked_load(b: ir.IRBuilder, ptr: ir.Value, mask: ir.Value) -> ir.Value:
+    """The lanes of ``mask`` from ``ptr``, zeros elsewhere (masked-off lanes are not read)."""
+    width = mask.type.count
+    vector = ir.VectorType(F32, width)
+    load = intrinsic(b.module, f"llvm.masked.load.v{width}f32.p0", vector, [PTR, I32, mask.type, vector])
+    return b.call(load, [ptr, i32(4), mask, ir.Constant(vector, [0.0] * width)])
