@@ -16,7 +16,7 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -221,13 +221,17 @@ def _link(object_code: bytes, imports: Mapping[str, int], exports: tuple[str, ..
 _runtimes: list[object] = []  # runtime libraries: linked once, never freed
 
 
-def link_runtime(llvm_ir: str, libc: tuple[str, ...], exports: tuple[str, ...]) -> dict[str, int]:
+def link_runtime(
+    llvm_ir: str, libc: tuple[str, ...], exports: tuple[str, ...], llvm_flags: tuple[str, ...] = ()
+) -> dict[str, int]:
     """Compile and link a module of the rlx runtime (its thread pool, the attention kernels'
     register tiles) for the life of the process: the addresses of its ``exports``. With a disk
     cache (:func:`disk_cache_dir`) its object file is kept there as a graph's is, so a process
-    that finds it links without compiling."""
+    that finds it links without compiling. ``llvm_flags`` names LLVM's boolean options (off by
+    default) to switch on while this module, and nothing else, is compiled."""
     cache_dir = disk_cache_dir()
-    key = cache_key(llvm_ir) if cache_dir is not None else ""  # no hashing without a disk cache
+    # no hashing without a disk cache; the flags change the code, so they are part of the key
+    key = cache_key(llvm_ir + "".join(f"\n; -{flag}" for flag in llvm_flags)) if cache_dir is not None else ""
     imports = {name: libc_symbol(name) for name in libc}
     cached = _read_cache(cache_dir, key)
     tracker = None
@@ -237,11 +241,25 @@ def link_runtime(llvm_ir: str, libc: tuple[str, ...], exports: tuple[str, ...]) 
             with contextlib.suppress(RlxError):
                 tracker = _link(cached, imports, exports)
         if tracker is None:
-            object_code = jit_state().target_machine.emit_object(_optimized_module(llvm_ir))
+            with _llvm_flags(llvm_flags):
+                object_code = jit_state().target_machine.emit_object(_optimized_module(llvm_ir))
             tracker = _link(object_code, imports, exports)
             _write_cache(cache_dir, key, object_code)
         _runtimes.append(tracker)
     return {name: int(tracker[name]) for name in exports}
+
+
+@contextlib.contextmanager
+def _llvm_flags(flags: tuple[str, ...]) -> Iterator[None]:
+    """LLVM's boolean command-line options ``flags`` on, then off again; the caller holds
+    ``_lock``, under which every rlx compile runs, so no other module is compiled with them."""
+    for flag in flags:
+        llvm.set_option("rlx", f"-{flag}")
+    try:
+        yield
+    finally:
+        for flag in flags:
+            llvm.set_option("rlx", f"-{flag}=false")
 
 
 _MAGIC = b"rlx-object-v1\n"

@@ -24,6 +24,7 @@ calls them, so its compile time does not grow with them.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,6 +49,9 @@ from rlx.codegen.irutil import (
 )
 from rlx.codegen.vector import splat
 
+# Compiled without loop strength reduction, which rewrote the tiles' few base pointers into A
+# (see _row_bases) back into a chain of an add per row on every step of k: 3% slower products.
+LLVM_FLAGS = ("disable-lsr",)
 K_BLOCK = 512  # terms of k per pass over C: a tile's rows of A and a panel of B stay in L2
 
 # (m, n, k, alpha, a, lda, b, ldb, beta, c, ldc): sgemm's arguments without order and transposes
@@ -124,7 +128,7 @@ def runtime_symbols(shape: TileShape) -> dict[str, int]:
     from rlx.codegen.jit import link_runtime
 
     names = tuple(shape.product_name(trans_a) for trans_a in (False, True))
-    return link_runtime(str(runtime_module(shape)), (), names)
+    return link_runtime(str(runtime_module(shape)), (), names, llvm_flags=LLVM_FLAGS)
 
 
 def runtime_module(shape: TileShape) -> ir.Module:
@@ -182,7 +186,13 @@ class _ProductEmitter:
                 self._copy_panel(j)
                 self._panel(j, self.panel, i64(columns))
             with wide, for_range(b, 0, self.n, "panel", columns) as j:
-                self._panel(j, gep_f32(b, self.b_block, j, name="b.panel.in.place"), self.ldb)
+                whole = b.icmp_signed("<=", b.add(j, i64(columns)), self.n, name="panel.whole")
+                with b.if_else(whole) as (in_place, last):
+                    with in_place:
+                        self._panel(j, gep_f32(b, self.b_block, j, name="b.panel.in.place"), self.ldb)
+                    with last:  # its columns past B's last would be read past B's rows
+                        self._copy_panel(j)
+                        self._panel(j, self.panel, i64(columns))
 
     def _panel(self, j: ir.Value, b_panel: ir.Value, ldb: ir.Value) -> None:
         """The tiles of the column panel at ``j``, every row of C, in :attr:`TileShape.row_steps`."""
@@ -241,7 +251,9 @@ def _define_tile(module: ir.Module, shape: TileShape, height: int) -> ir.Functio
     fma = intrinsic(module, f"llvm.fma.v{width}f32", vector, [vector] * 3)
     masked_store = intrinsic(module, f"llvm.masked.store.v{width}f32.p0", VOID, [vector, PTR, I32, mask_type])
     zero = ir.Constant(vector, [0.0] * width)
-    # Lanes of C (and B) that exist: all but in the last panel of a width that is not a multiple.
+    # Lanes of C that exist: all but in the last panel of a width that is not a multiple. B's
+    # panel is read whole (unmasked loads, a masked one cost an FMA port's slot): a last panel
+    # narrower than the tile is always a copy, zeros past B's last column (_ProductEmitter).
     masks = _column_masks(b, columns, shape)
 
     def load(base: ir.Value, offset: ir.Value, mask: ir.Value) -> ir.Value:
@@ -250,7 +262,9 @@ def _define_tile(module: ir.Module, shape: TileShape, height: int) -> ir.Functio
     def store(value: ir.Value, offset: ir.Value, mask: ir.Value) -> None:
         b.call(masked_store, [value, gep_f32(b, c, offset), i32(4), mask])
 
-    a_rows = [gep_f32(b, a, b.mul(i64(r), row_stride)) for r in range(height)]
+    bases, placement = _row_bases(height)
+    a_bases = [gep_f32(b, a, b.mul(i64(base), row_stride)) for base in bases]
+    row_offsets = {multiple: b.mul(i64(multiple), row_stride) for _, multiple in placement}
     b_panel = b_mat
     before = b.block
     loop, done = b.append_basic_block("k"), b.append_basic_block("k.done")
@@ -258,20 +272,25 @@ def _define_tile(module: ir.Module, shape: TileShape, height: int) -> ir.Functio
     b.position_at_end(loop)
     p = b.phi(I64, name="p")
     p.add_incoming(i64(0), before)
+    a_steps = [b.phi(PTR, name=f"a.base{base}") for base in bases]
+    for phi, start in zip(a_steps, a_bases, strict=True):
+        phi.add_incoming(start, before)
     accumulators = [[b.phi(vector, name=f"acc{r}.{v}") for v in range(vectors)] for r in range(height)]
     for row in accumulators:
         for acc in row:
             acc.add_incoming(zero, before)
     b_row = b.mul(p, ldb)
-    b_values = [load(b_panel, b.add(b_row, i64(v * width)), masks[v]) for v in range(vectors)]
-    a_step = b.mul(p, column_stride)
+    b_values = [b.load(gep_f32(b, b_panel, b.add(b_row, i64(v * width))), typ=vector, align=4) for v in range(vectors)]
     updated = []
     for r in range(height):
-        a_value = splat(b, b.load(gep_f32(b, a_rows[r], a_step), typ=F32), width)
+        base, multiple = placement[r]
+        a_value = splat(b, b.load(gep_f32(b, a_steps[base], row_offsets[multiple]), typ=F32), width)
         updated.append([b.call(fma, [a_value, b_values[v], accumulators[r][v]]) for v in range(vectors)])
     following = b.add(p, i64(1))
     last = b.block
     p.add_incoming(following, last)
+    for phi in a_steps:
+        phi.add_incoming(gep_f32(b, phi, column_stride), last)
     for row, new_row in zip(accumulators, updated, strict=True):
         for acc, new in zip(row, new_row, strict=True):
             acc.add_incoming(new, last)
@@ -295,6 +314,27 @@ def _define_tile(module: ir.Module, shape: TileShape, height: int) -> ir.Functio
             store(b.select(reads_c, b.call(fma, [beta_vector, old, scaled]), scaled), offset, masks[v])
     b.ret_void()
     return fn
+
+
+def _row_bases(height: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """Where a tile reads its rows of A: the fewest base rows (row 0 among them) such that every
+    row is ``base + m`` with ``m`` in 0, 1, 2, 4, 8, which x86 addresses in one operand as base
+    pointer + index register · scale (14 rows from bases 0, 1, 5 and 10); returns the bases and,
+    per row, (which base, m). Only the bases advance with k: a pointer per row needs more
+    registers than x86 has, and the addresses came from a chain of adds on every step of k."""
+    multiples = (0, 1, 2, 4, 8)
+    for count in range(height):
+        for others in itertools.combinations(range(1, height), count):
+            bases = (0, *others)
+            placement = []
+            for row in range(height):
+                found = next(((index, row - base) for index, base in enumerate(bases) if row - base in multiples), None)
+                if found is None:
+                    break
+                placement.append(found)
+            else:
+                return list(bases), placement
+    raise AssertionError("every row is its own base")
 
 
 def _column_masks(b: ir.IRBuilder, count: ir.Value, shape: TileShape) -> list[ir.Value]:

@@ -22,6 +22,7 @@ from rlx.codegen.tile_gemm import (
     AVX512_TILE,
     K_BLOCK,
     TileShape,
+    _row_bases,
     host_tile_shape,
     runtime_symbols,
     tile_shape_for,
@@ -200,3 +201,66 @@ def test_attention_on_the_tiles_matches_the_reference(
     expected = reference(g, **arrays)
     for name, value in expected.items():
         np.testing.assert_allclose(got[name], value, rtol=2e-4, atol=2e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("height", range(1, 17))
+def test_row_bases_address_every_row(height: int) -> None:
+    """Every row of a tile is one of its bases plus 0, 1, 2, 4 or 8 rows, as x86 addresses it."""
+    bases, placement = _row_bases(height)
+    assert bases[0] == 0 and len(placement) == height
+    for row, (index, multiple) in enumerate(placement):
+        assert multiple in (0, 1, 2, 4, 8) and bases[index] + multiple == row
+
+
+_GUARDED = """
+import ctypes, mmap, sys
+import numpy as np
+from rlx.codegen.tile_gemm import host_tile_shape, runtime_symbols
+
+m, n, k, trans_a = (int(arg) for arg in sys.argv[1:])
+page = mmap.PAGESIZE
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def guarded(rows, cols):
+    # a float32 array whose last element ends where an unreadable page begins
+    size = rows * cols * 4
+    pages = -(-size // page) + 1
+    region = mmap.mmap(-1, pages * page)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    assert libc.mprotect(start + (pages - 1) * page, page, 0) == 0  # PROT_NONE
+    offset = (pages - 1) * page - size
+    return region, np.frombuffer(region, np.float32, rows * cols, offset).reshape(rows, cols)
+
+
+shape = host_tile_shape()
+product = ctypes.CFUNCTYPE(None, *([ctypes.c_int64] * 3), ctypes.c_float, ctypes.c_void_p, ctypes.c_int64,
+                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
+                           ctypes.c_int64)(runtime_symbols(shape)[shape.product_name(bool(trans_a))])
+rng = np.random.default_rng(0)
+keep_a, a = guarded(*((k, m) if trans_a else (m, k)))
+keep_b, b = guarded(k, n)
+keep_c, c = guarded(m, n)
+a[:] = rng.standard_normal(a.shape)
+b[:] = rng.standard_normal(b.shape)
+product(m, n, k, 1.0, a.ctypes.data, a.shape[1], b.ctypes.data, n, 0.0, c.ctypes.data, n)
+expected = (a.T if trans_a else a).astype(np.float64) @ b.astype(np.float64)
+np.testing.assert_allclose(c, expected, rtol=1e-4, atol=1e-4)
+"""
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(20, 45, 7), (3, 17, 5), (45, 20, 7), (14, 100, 33)])
+@pytest.mark.parametrize("trans_a", [False, True])
+def test_reads_nothing_past_the_operands(m: int, n: int, k: int, trans_a: bool) -> None:
+    """Operands that end where an unreadable page begins: the tiles read B's panels whole, so a
+    last panel narrower than a tile must be a copy, never a read past B's last row (which would
+    kill the process: so it runs in a child)."""
+    import subprocess
+    import sys
+
+    if host_tile_shape() is None:
+        pytest.skip("no tiles on this CPU")
+    child = subprocess.run([sys.executable, "-c", _GUARDED, str(m), str(n), str(k), str(int(trans_a))],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert child.returncode == 0, child.stderr[-2000:]
