@@ -78,13 +78,13 @@ PACK_MIN_ROWS = 16
 # there both run the same FMA chain (bit-identical results) and OpenBLAS was 2-7% faster in
 # the kernels. Above it, with A as stored the tiles ran 1.0-1.5x OpenBLAS from 32-row strips to
 # 256-row strips over 768 keys (25M multiply-adds) and over 16384 keys; beyond that, BLAS. With
-# A transposed (``dV += P^T dY``, ``dK += dS^T Q``: a tile broadcasts a row of P per step, its
-# rows ``Sk`` floats apart) they ran 0.98-1.11x up to 512 keys and 128 strip rows (and the BHSD
-# backward that uses them 1.02-1.13x faster in all), but 0.80-0.89x over 768-1024 keys or 256
-# rows of BSHD heads, where OpenBLAS's packing pays for itself.
+# A transposed (``dV += P^T dY``, ``dK += dS^T Q``: a tile reads 14 adjacent floats of a row of
+# P per step of k, the strip's rows ``Sk`` floats apart) they ran 1.07-1.20x while A (Sk keys x
+# strip rows) took at most 512 KB (512 x 64 x 256, 1024 x 64 x 128, 2048 x 64 x 64), and
+# 0.96-1.01x beyond (1024 x 64 x 256, 2048 x 64 x 128, 768 x 128 x 256), where OpenBLAS's
+# packing pays for itself: every column panel of C reads all of A again.
 TILE_MAX_MACS = 1 << 27
-TILE_TN_MAX_ROWS = 512
-TILE_TN_MAX_DEPTH = 128
+TILE_TN_MAX_A = 1 << 17  # elements of op(A) = P^T or dS^T: 512 KB
 # Where a profiling build's attention time goes: nanoseconds per thread, kept after its scratch.
 BREAKDOWN = ("blas", "softmax", "softmax_backward", "kernel")
 
@@ -952,12 +952,13 @@ def zero_rows(
         b.call(memset, [ptr, ir.Constant(I8, 0), i64(width * 4), ir.Constant(I1, 0)])
 
 
-def tile_limits(m: SizeT, k: SizeT, macs: SizeT, trans_a: bool) -> list[tuple[SizeT, int, int]]:
+def tile_limits(a_size: SizeT, macs: SizeT, trans_a: bool) -> list[tuple[SizeT, int, int]]:
     """``(value, smallest, largest)``: the sizes between which a product with B as stored runs on
-    the register tiles (see :data:`TILE_MAX_MACS`), for ints or values of the call."""
+    the register tiles (see :data:`TILE_MAX_MACS`), for ints or values of the call: its
+    multiply-adds ``macs`` and the elements ``a_size`` of its A (m·k)."""
     limits = [(macs, SMALL_PATH_MACS + 1, TILE_MAX_MACS)]
     if trans_a:
-        limits += [(m, 0, TILE_TN_MAX_ROWS), (k, 0, TILE_TN_MAX_DEPTH)]
+        limits.append((a_size, 0, TILE_TN_MAX_A))
     return limits
 
 
@@ -966,7 +967,8 @@ def tiles_take(m: int, n: int, k: int, trans_a: bool, trans_b: bool) -> bool:
     machine, rather than on OpenBLAS (for benchmarks that time what the kernels call)."""
     if host_tile_shape() is None or trans_b or m == 1:
         return False
-    return all(smallest <= value <= largest for value, smallest, largest in tile_limits(m, k, m * n * k, trans_a))
+    limits = tile_limits(m * k, m * n * k, trans_a)
+    return all(smallest <= value <= largest for value, smallest, largest in limits)
 
 
 def declare_sgemm(module: ir.Module) -> ir.Function:
@@ -994,8 +996,7 @@ def emit_sgemm(
 
     Strip products with B as stored run on the register tiles of :mod:`rlx.codegen.tile_gemm`
     where the CPU has FMA vectors and the shape is one they run faster (:data:`TILE_MAX_MACS`,
-    :data:`TILE_TN_MAX_ROWS`, :data:`TILE_TN_MAX_DEPTH`); the rest, and those reading B
-    transposed, on OpenBLAS.
+    :data:`TILE_TN_MAX_A`); the rest, and those reading B transposed, on OpenBLAS.
 
     A product of one row (a decode step's single query, a strip's last row) is a matrix-vector
     product, which OpenBLAS's ``sgemv`` runs 2-2.5x faster than ``sgemm`` (no packing of B;
@@ -1030,12 +1031,12 @@ def emit_sgemm(
             blas(b)
             return
         conditions = [] if isinstance(trans_b, int) else [b.icmp_signed("==", trans_b, i32(NO_TRANS), name="b.stored")]
-        macs: SizeT
-        if isinstance(m, int) and isinstance(n, int) and isinstance(k, int):
-            macs = m * n * k
-        else:
-            macs = b.mul(b.mul(as_i64(m), as_i64(n)), as_i64(k), name="macs")
-        for value, smallest, largest in tile_limits(m, k, macs, trans_a != NO_TRANS):
+
+        def times(x: SizeT, y: SizeT, name: str) -> SizeT:
+            return x * y if isinstance(x, int) and isinstance(y, int) else b.mul(as_i64(x), as_i64(y), name=name)
+
+        a_size = times(m, k, "a.size")
+        for value, smallest, largest in tile_limits(a_size, times(a_size, n, "macs"), trans_a != NO_TRANS):
             if isinstance(value, int):
                 if not smallest <= value <= largest:
                     blas(b)
