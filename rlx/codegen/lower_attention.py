@@ -60,7 +60,7 @@ from rlx.codegen.irutil import (
 )
 from rlx.codegen.sizes import SizeLike, ceil_div, emit_size, load_symbols, size_of
 from rlx.codegen.tile_gemm import declare_tile_gemm, host_tile_shape
-from rlx.codegen.vector import Lanes, vector_fill, vector_loop, vector_reduce
+from rlx.codegen.vector import WIDTH, Lanes, vector_fill, vector_loop, vector_reduce
 from rlx.ir.ops import AttentionDims
 from rlx.ir.types import Dim, Layout, MaskKind, Wrt
 
@@ -680,13 +680,35 @@ class AttentionLowering:
         with for_range(b, 0, rows, "r") as r:
             gi = b.add(i0, r, name="gi")
             row = gep_f32(b, strip, b.mul(r, nk), name="row")
+            start, stop = i64(0), nk
             if mask.is_causal_like:
                 lo, hi = self._row_keys(b, gi, ks, nk)
-                vector_fill(b, row, i64(0), lo, neg, "fill.lo")
-                vector_fill(b, row, hi, nk, neg, "fill.hi")
                 visible_max = vector_reduce(b, lo, hi, "vis.max", "max", lambda b, j, lanes: lanes.load(b, row, j))
                 hidden = b.or_(b.icmp_signed(">", lo, i64(0)), b.icmp_signed("<", hi, nk), name="has.hidden")
                 m = b.select(hidden, Lanes(self.module, 1).maximum(b, visible_max, self.neg), visible_max, name="m")
+                # The hidden keys' weights exp(neg - m): 0 for neg = -inf, below e^-50 of the row sum
+                # unless neg is within 50 of the max (then the whole row is exponentiated, and the
+                # keys the strip skipped matter too: needs_all_keys). Else they are stored as 0
+                # and exp runs over the visible keys only: a strip of R rows over the keys to its
+                # last row's diagonal hides about R^2/2 of its scores. A NaN max (a NaN query) takes
+                # the whole row, whose hidden weights are NaN, as in the reference.
+                whole = b.and_(hidden, b.fcmp_unordered("uno", m, m), name="nan.row")
+                if math.isfinite(neg):
+                    excess = b.fsub(self.neg, m, name="hidden.excess")
+                    matters = b.fcmp_ordered(">", excess, f32(SKIP_MARGIN), name="hidden.matters")
+                    b.store(b.or_(b.load(flag, typ=I1), matters), flag)
+                    whole = b.and_(hidden, b.fcmp_unordered(">", excess, f32(SKIP_MARGIN)), name="whole.row")
+                # Exp runs over whole vectors, [start, stop) around [lo, hi): the hidden scores in
+                # it are -inf (weight 0), those outside it 0. Scalar tails of up to 15 exps a row
+                # cost more than the hidden keys' vectors saved.
+                start = b.select(whole, i64(0), b.and_(lo, i64(-WIDTH)), name="exp.start")
+                rounded = b.add(start, b.and_(b.add(b.sub(hi, start), i64(WIDTH - 1)), i64(-WIDTH)))
+                stop = b.select(whole, nk, smin(b, rounded, nk), name="exp.stop")
+                fill = b.select(whole, self.neg, f32(-math.inf), name="hidden.fill")
+                vector_fill(b, row, i64(0), start, 0.0, "zero.lo")
+                vector_fill(b, row, start, lo, fill, "fill.lo")
+                vector_fill(b, row, hi, stop, fill, "fill.hi")
+                vector_fill(b, row, stop, nk, 0.0, "zero.hi")
             else:
                 m = vector_reduce(
                     b,
@@ -696,10 +718,7 @@ class AttentionLowering:
                     "max",
                     lambda b, j, lanes: self._masked_score(b, row, gi, ks, j, lanes, mask_base),
                 )
-            if mask.is_causal_like and math.isfinite(neg):
-                matters = b.fcmp_ordered(">", b.fsub(self.neg, m), f32(SKIP_MARGIN), name="hidden.matters")
-                b.store(b.or_(b.load(flag, typ=I1), matters), flag)
-            self._exp_normalise(b, row, nk, m, inverse, r)
+            self._exp_normalise(b, row, (start, stop, nk), m, inverse, r)
         return b.load(flag, typ=I1, name="needs.all")
 
     def _masked_score(
@@ -721,10 +740,19 @@ class AttentionLowering:
         return score
 
     def _exp_normalise(
-        self, b: ir.IRBuilder, row: ir.Value, nk: ir.Value, m: ir.Value, inverse: ir.Value | None, r: ir.Value
+        self,
+        b: ir.IRBuilder,
+        row: ir.Value,
+        span: tuple[ir.Value, ir.Value, ir.Value],
+        m: ir.Value,
+        inverse: ir.Value | None,
+        r: ir.Value,
     ) -> None:
-        """``row = exp(row - m) / sum``, or with a non-null ``inverse`` ``exp(row - m)`` and
-        ``inverse[r] = 1/sum``; a row whose max is -inf (all hidden by -inf) becomes 0."""
+        """``row[start:stop] = exp(row - m)`` for ``span = (start, stop, nk)``, then divided by its
+        sum over the whole row (``row[:nk]``: zeros outside the span times a NaN ``1/sum`` are NaN,
+        as in the reference), or with a non-null ``inverse`` kept and ``inverse[r] = 1/sum``; a
+        row whose max is -inf (all hidden by -inf) becomes 0."""
+        start, stop, nk = span
         deferred = (
             ir.Constant(I1, 0)
             if inverse is None
@@ -733,7 +761,7 @@ class AttentionLowering:
         slot = gep_f32(b, inverse, r) if inverse is not None else None
         with b.if_else(b.fcmp_ordered("==", m, f32(-math.inf), name="all.hidden")) as (empty, normal):
             with empty:
-                vector_fill(b, row, i64(0), nk, 0.0, "zero.row")
+                vector_fill(b, row, start, stop, 0.0, "zero.row")
                 if slot is not None:
                     with b.if_then(deferred):
                         b.store(f32(0.0), slot)
@@ -744,7 +772,7 @@ class AttentionLowering:
                     lanes.store(b, e, row, j)
                     return e
 
-                total = vector_reduce(b, i64(0), nk, "row.sum", "add", exp_term)
+                total = vector_reduce(b, start, stop, "row.sum", "add", exp_term)
                 inv = b.fdiv(f32(1.0), total, name="inv.sum")
                 with b.if_else(deferred) as (later, now):
                     with later:

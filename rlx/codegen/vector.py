@@ -194,6 +194,12 @@ def _max_reduce(b: ir.IRBuilder, start: ir.Value, stop: ir.Value, name: str, ter
     return b.select(nan, one.const(math.nan), b.load(scalar_acc, typ=F32), name=name)
 
 
-def vector_fill(b: ir.IRBuilder, base: ir.Value, start: ir.Value, stop: ir.Value, value: float, name: str) -> None:
-    """``base[start:stop] = value``."""
-    vector_loop(b, start, stop, name, lambda b, j, lanes: lanes.store(b, lanes.const(value), base, j))
+def vector_fill(
+    b: ir.IRBuilder, base: ir.Value, start: ir.Value, stop: ir.Value, value: float | ir.Value, name: str
+) -> None:
+    """``base[start:stop] = value`` (a constant or a float of the call)."""
+
+    def fill(b: ir.IRBuilder, j: ir.Value, lanes: Lanes) -> None:
+        lanes.store(b, lanes.const(value) if isinstance(value, float) else lanes.splat(b, value), base, j)
+
+    vector_loop(b, start, stop, name, fill)
