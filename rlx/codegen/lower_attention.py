@@ -302,7 +302,9 @@ def choose_block_q(
     kernels, up to 10^6 multiply-adds, no packing) and the strips stay in L1 (backward 9% faster
     at B8 H12 S128 than one 128-row strip; 256 and 384 keys ran fastest with the longest strips),
     except in the strided backward, where one strip of up to 128 rows ran 3-9% faster since its
-    products run on the register tiles (B8 H12 S128 BSHD).
+    products run on the register tiles (B8 H12 S128 BSHD), and in the strided forward where 128
+    rows move the products onto the tiles (B8 H12 S128 D64: 15% faster; but 5% slower at S100,
+    whose 128-row products stay on the path, and at D128, whose 64-row products are on tiles).
     Shorter still, 32 rows, where that keeps a strip's products on that path (at most 10^6
     multiply-adds; ``head_dim`` is the wider of D and Dv) and a taller strip would leave it.
     Causal-like, up to Sk = 512 and Sk·D = 32768 (a causal strip's products see half the keys on
@@ -321,7 +323,9 @@ def choose_block_q(
         short = seq_k <= 512 and seq_k * head_dim <= 32768 and not strided_backward
         cap = SMALL_PATH_ROWS if short else _causal_strip_cap(seq_k, strided_backward)
     elif seq_k <= 128:
-        cap = 128 if strided_backward else 64
+        # strided: 128 rows where that moves the products off the small-matrix path onto the tiles
+        onto_tiles = 64 * seq_k * head_dim <= SMALL_PATH_MACS < 128 * seq_k * head_dim
+        cap = 128 if strided_backward or (strided_rows and onto_tiles) else 64
     else:
         short = seq_k <= 256 and SMALL_PATH_ROWS * seq_k * head_dim <= SMALL_PATH_MACS and not strided_rows
         cap = SMALL_PATH_ROWS if short else 256
