@@ -47,7 +47,7 @@ from rlx.codegen.irutil import (
     smax,
     smin,
 )
-from rlx.codegen.vector import splat
+from rlx.codegen.vector import splat, zero_vector
 
 # Compiled without loop strength reduction, which rewrote the tiles' few base pointers into A
 # (see _row_bases) back into a chain of an add per row on every step of k: 3% slower products.
@@ -250,7 +250,7 @@ def _define_tile(module: ir.Module, shape: TileShape, height: int) -> ir.Functio
     vector, mask_type = ir.VectorType(F32, width), ir.VectorType(I1, width)
     fma = intrinsic(module, f"llvm.fma.v{width}f32", vector, [vector] * 3)
     masked_store = intrinsic(module, f"llvm.masked.store.v{width}f32.p0", VOID, [vector, PTR, I32, mask_type])
-    zero = ir.Constant(vector, [0.0] * width)
+    zero = zero_vector(vector)
     # Lanes of C that exist: all but in the last panel of a width that is not a multiple. B's
     # panel is read whole (unmasked loads, a masked one cost an FMA port's slot): a last panel
     # narrower than the tile is always a copy, zeros past B's last column (_ProductEmitter).
@@ -353,4 +353,4 @@ def _masked_load(b: ir.IRBuilder, ptr: ir.Value, mask: ir.Value) -> ir.Value:
     width = mask.type.count
     vector = ir.VectorType(F32, width)
     load = intrinsic(b.module, f"llvm.masked.load.v{width}f32.p0", vector, [PTR, I32, mask.type, vector])
-    return b.call(load, [ptr, i32(4), mask, ir.Constant(vector, [0.0] * width)])
+    return b.call(load, [ptr, i32(4), mask, zero_vector(vector)])
