@@ -252,8 +252,8 @@ def _define_tile(module: ir.Module, shape: TileShape, height: int) -> ir.Functio
     masked_store = intrinsic(module, f"llvm.masked.store.v{width}f32.p0", VOID, [vector, PTR, I32, mask_type])
     zero = zero_vector(vector)
     # Lanes of C that exist: all but in the last panel of a width that is not a multiple. B's
-    # panel is read whole (unmasked loads, a masked one cost an FMA port's slot): a last panel
-    # narrower than the tile is always a copy, zeros past B's last column (_ProductEmitter).
+    # panel is read whole, with plain loads: a last panel narrower than the tile is always a
+    # copy, zeros past B's last column (_ProductEmitter), so no load reads past B.
     masks = _column_masks(b, columns, shape)
 
     def load(base: ir.Value, offset: ir.Value, mask: ir.Value) -> ir.Value:
