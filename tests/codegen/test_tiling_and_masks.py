@@ -306,3 +306,21 @@ def test_row_maxima_over_long_rows(seq_k: int, rng: np.random.Generator) -> None
         spiked["k"][0, key, 1, 2] = np.nan  # head 1: every one of its rows sees a NaN score
         got = compile_graph(g, options=CodegenOptions(block_q=2))(**spiked)
         assert np.isnan(got["out"][0, :, 1, :]).all() and not np.isnan(got["out"][0, :, 0, :]).any()
+
+
+@pytest.mark.parametrize("neg", [-10.0, -40.0, -92.0, -math.inf])
+@pytest.mark.parametrize("mask", [MaskKind.CAUSAL, MaskKind.sliding_window(5)], ids=str)
+@pytest.mark.parametrize(("seq_q", "seq_k"), [(70, 70), (40, 70)])
+def test_hidden_keys_weigh_what_the_mask_value_says(neg: float, mask: MaskKind, seq_q: int, seq_k: int) -> None:
+    """Visible scores near -32 against a finite mask value: above them (-10: the hidden keys take
+    the weight), 8 below (their weight, e^-8 each, still counts), 60 below (negligible: a causal
+    row exponentiates its visible keys only) and -inf. Forward and every gradient against the
+    reference, over several strips."""
+    case = Case(seq_q, seq_k, head_dim=4, batch=1, heads=2, mask=mask)
+    arrays = case_inputs(case, np.random.default_rng(seq_q))
+    arrays["q"][..., 0] = 8.0  # every score shifted by -8 * 8 * scale = -32
+    arrays["k"][..., 0] = -8.0
+    config = RuntimeConfig(attn_mask_neg_inf=neg)
+    got = check_against_reference(multi_graph(case, wrts=(Wrt.ALL,)), arrays, config=config)
+    for name, value in got.items():
+        assert np.all(np.isfinite(value)), name
