@@ -264,3 +264,19 @@ def test_reads_nothing_past_the_operands(m: int, n: int, k: int, trans_a: bool) 
     child = subprocess.run([sys.executable, "-c", _GUARDED, str(m), str(n), str(k), str(int(trans_a))],
                            capture_output=True, text=True, timeout=120)  # fmt: skip
     assert child.returncode == 0, child.stderr[-2000:]
+
+
+def test_transposed_products_take_the_tiles_while_a_is_small() -> None:
+    """``dV += P^T dY`` and ``dK += dS^T Q`` run on the tiles while A (keys x strip rows) is at
+    most 512 KB, above OpenBLAS's small-matrix path; B read transposed never does."""
+    from rlx.codegen.lower_attention import TILE_TN_MAX_A, tiles_take
+
+    if host_tile_shape() is None:
+        pytest.skip("no tiles on this CPU")
+    assert TILE_TN_MAX_A * 4 == 512 * 1024
+    assert tiles_take(512, 64, 256, trans_a=True, trans_b=False)
+    assert tiles_take(2048, 64, 64, trans_a=True, trans_b=False)
+    assert not tiles_take(1024, 64, 256, trans_a=True, trans_b=False)  # A is 1 MB
+    assert not tiles_take(128, 64, 64, trans_a=True, trans_b=False)  # on the small-matrix path
+    assert tiles_take(1024, 64, 256, trans_a=False, trans_b=False)  # A as stored: no such limit
+    assert not tiles_take(256, 512, 64, trans_a=False, trans_b=True)
