@@ -179,20 +179,18 @@ class _ProductEmitter:
         first: B's rows are often a head's rows, H·D floats apart in BSHD, and a panel of 32
         columns read in place fell into a few L1 sets and came from L2 for every tile (256 x 64
         x 512 with B's rows 3 KB apart: 155 GFLOP/s in place, 180 copied; OpenBLAS 141). Wide
-        ones (``Q K^T``, whose B is the transposed copy of K) read their panels in place."""
+        ones (``Q K^T``, whose B is the transposed copy of K) read their panels in place, but for
+        a last panel narrower than a tile, whose columns past B's last would be read past B."""
         b, columns = self.b, self.shape.columns
-        with b.if_else(b.icmp_signed(">", self.m, self.n, name="tall")) as (tall, wide):
-            with tall, for_range(b, 0, self.n, "panel", columns) as j:
+        tall = b.icmp_signed(">", self.m, self.n, name="tall")
+        with for_range(b, 0, self.n, "panel", columns) as j:
+            whole = b.icmp_signed("<=", b.add(j, i64(columns)), self.n, name="panel.whole")
+            copied = b.or_(tall, b.not_(whole), name="panel.copied")
+            with b.if_then(copied):
                 self._copy_panel(j)
-                self._panel(j, self.panel, i64(columns))
-            with wide, for_range(b, 0, self.n, "panel", columns) as j:
-                whole = b.icmp_signed("<=", b.add(j, i64(columns)), self.n, name="panel.whole")
-                with b.if_else(whole) as (in_place, last):
-                    with in_place:
-                        self._panel(j, gep_f32(b, self.b_block, j, name="b.panel.in.place"), self.ldb)
-                    with last:  # its columns past B's last would be read past B's rows
-                        self._copy_panel(j)
-                        self._panel(j, self.panel, i64(columns))
+            in_place = gep_f32(b, self.b_block, j, name="b.panel.in.place")
+            panel = b.select(copied, b.bitcast(self.panel, PTR), in_place, name="b.panel")
+            self._panel(j, panel, b.select(copied, i64(columns), self.ldb, name="b.panel.ld"))
 
     def _panel(self, j: ir.Value, b_panel: ir.Value, ldb: ir.Value) -> None:
         """The tiles of the column panel at ``j``, every row of C, in :attr:`TileShape.row_steps`."""
