@@ -696,12 +696,12 @@ class AttentionLowering:
                 # and exp runs over the visible keys only: a strip of R rows over the keys to its
                 # last row's diagonal hides about R^2/2 of its scores. A NaN max (a NaN query) takes
                 # the whole row, whose hidden weights are NaN, as in the reference.
-                whole = b.and_(hidden, b.fcmp_unordered("uno", m, m), name="nan.row")
+                weighty = b.fcmp_unordered("uno", m, m, name="nan.max")
                 if math.isfinite(neg):
-                    excess = b.fsub(self.neg, m, name="hidden.excess")
-                    matters = b.fcmp_ordered(">", excess, f32(SKIP_MARGIN), name="hidden.matters")
+                    matters = b.fcmp_ordered(">", b.fsub(self.neg, m), f32(SKIP_MARGIN), name="hidden.matters")
                     b.store(b.or_(b.load(flag, typ=I1), matters), flag)
-                    whole = b.and_(hidden, b.fcmp_unordered(">", excess, f32(SKIP_MARGIN)), name="whole.row")
+                    weighty = b.or_(weighty, matters, name="hidden.weighty")
+                whole = b.and_(hidden, weighty, name="whole.row")
                 # Exp runs over whole vectors, [start, stop) around [lo, hi): the hidden scores in
                 # it are -inf (weight 0), those outside it 0. Scalar tails of up to 15 exps a row
                 # cost more than the hidden keys' vectors saved.
