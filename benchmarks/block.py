@@ -33,7 +33,6 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import _harness as h  # noqa: E402
 
 import rlx  # noqa: E402
-from rlx.codegen import CodegenOptions, compile_graph  # noqa: E402
 from rlx.models import BLOCK_WEIGHTS, block_training_graph, block_weight_shapes, mlp_hidden  # noqa: E402
 
 SHAPES = [(8, 128, 256, 4), (4, 512, 512, 8), (2, 1024, 768, 12)]  # (B, S, E, H)
@@ -154,6 +153,8 @@ def run_memory_probe(impl: str, shape: tuple[int, int, int, int], threads: int) 
 
 def profile_breakdown(graph: rlx.Graph, arrays: dict[str, np.ndarray], threads: int) -> dict[str, float]:
     """Seconds per kernel kind (BLAS matmul, fused loops, attention) from a profiling build (best of 3)."""
+    from rlx.codegen import CodegenOptions, compile_graph  # here: the cold-compile probe times its import
+
     exe = compile_graph(graph, config=rlx.RuntimeConfig(num_threads=threads), options=CodegenOptions(profile=True))
     runs = [exe.profile(**arrays) for _ in range(3)]
     kinds: dict[str, float] = {}
