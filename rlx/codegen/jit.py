@@ -45,6 +45,7 @@ class JitState:
     """Process-wide LLVM objects, made once (target machine creation is slow)."""
 
     target_machine: llvm.TargetMachine
+    quick_machine: llvm.TargetMachine  # LLVM's fast instruction selection: see link_runtime
     lljit: llvm.LLJIT
     cpu: str
     features: str
@@ -66,7 +67,8 @@ def jit_state() -> JitState:
             features = llvm.get_host_cpu_features().flatten()
             target = llvm.Target.from_triple(llvm.get_process_triple())
             machine = target.create_target_machine(cpu=cpu, features=features, opt=3, codemodel="jitdefault")
-            _state = JitState(machine, llvm.create_lljit_compiler(machine), cpu, features)
+            quick = target.create_target_machine(cpu=cpu, features=features, opt=0, codemodel="jitdefault")
+            _state = JitState(machine, quick, llvm.create_lljit_compiler(machine), cpu, features)
         return _state
 
 
@@ -222,16 +224,24 @@ _runtimes: list[object] = []  # runtime libraries: linked once, never freed
 
 
 def link_runtime(
-    llvm_ir: str, libc: tuple[str, ...], exports: tuple[str, ...], llvm_flags: tuple[str, ...] = ()
+    llvm_ir: str,
+    libc: tuple[str, ...],
+    exports: tuple[str, ...],
+    llvm_flags: tuple[str, ...] = (),
+    quick: bool = False,
 ) -> dict[str, int]:
     """Compile and link a module of the rlx runtime (its thread pool, the attention kernels'
     register tiles) for the life of the process: the addresses of its ``exports``. With a disk
     cache (:func:`disk_cache_dir`) its object file is kept there as a graph's is, so a process
     that finds it links without compiling. ``llvm_flags`` names LLVM's boolean options (off by
-    default) to switch on while this module, and nothing else, is compiled."""
+    default) to switch on while this module, and nothing else, is compiled. ``quick`` makes its
+    machine code with LLVM's fast instruction selection and register allocation (codegen level 0,
+    after rlx's own IR optimisation): for code whose speed is not in its instructions, a fifth
+    of the compile time."""
     cache_dir = disk_cache_dir()
     # no hashing without a disk cache; the flags change the code, so they are part of the key
-    key = cache_key(llvm_ir + "".join(f"\n; -{flag}" for flag in llvm_flags)) if cache_dir is not None else ""
+    options = [*(f"-{flag}" for flag in llvm_flags), *(["quick"] if quick else [])]
+    key = cache_key(llvm_ir + "".join(f"\n; {option}" for option in options)) if cache_dir is not None else ""
     imports = {name: libc_symbol(name) for name in libc}
     cached = _read_cache(cache_dir, key)
     tracker = None
@@ -242,7 +252,9 @@ def link_runtime(
                 tracker = _link(cached, imports, exports)
         if tracker is None:
             with _llvm_flags(llvm_flags):
-                object_code = jit_state().target_machine.emit_object(_optimized_module(llvm_ir))
+                state = jit_state()
+                machine = state.quick_machine if quick else state.target_machine
+                object_code = machine.emit_object(_optimized_module(llvm_ir))
             tracker = _link(object_code, imports, exports)
             _write_cache(cache_dir, key, object_code)
         _runtimes.append(tracker)

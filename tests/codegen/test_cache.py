@@ -259,3 +259,26 @@ def test_runtime_modules_use_the_disk_cache(tmp_path: Path, monkeypatch: pytest.
 
     for addresses in (first, second):
         assert ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64)(addresses[name])(14) == 42
+
+
+def test_quick_runtime_modules_compute_the_same_and_are_cached_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A runtime module made with the quick code generator (the thread pool's) computes what the
+    optimising one's does, and its object file has a disk-cache key of its own."""
+    import ctypes
+
+    monkeypatch.setenv("RLX_CACHE_DIR", str(tmp_path))
+    name = f"rlx_test_quick_{uuid.uuid4().hex[:12]}"
+    llvm_ir = (
+        f"define i64 @{name}(i64 %n) {{\nentry:\n  br label %loop\nloop:\n"
+        "  %i = phi i64 [ 0, %entry ], [ %next, %loop ]\n  %acc = phi i64 [ 0, %entry ], [ %sum, %loop ]\n"
+        "  %sq = mul i64 %i, %i\n  %sum = add i64 %acc, %sq\n  %next = add i64 %i, 1\n"
+        "  %done = icmp sge i64 %next, %n\n  br i1 %done, label %exit, label %loop\nexit:\n  ret i64 %sum\n}\n"
+    )
+    results = []
+    for quick in (True, False):
+        address = jit.link_runtime(llvm_ir, (), (name,), quick=quick)[name]
+        results.append(ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64)(address)(100))
+    assert results == [sum(i * i for i in range(100))] * 2
+    assert len(list(tmp_path.glob("*.o"))) == 2
