@@ -475,11 +475,21 @@ class AttentionLowering:
         first_member: ir.Value | None = None,
     ) -> None:
         """The query strips of one head; ``first_member`` (backward): this head is the first of its
-        kv group, whose first strip writes dK/dV instead of adding to them."""
+        kv group, whose first strip writes dK/dV instead of adding to them.
+
+        A causal-like backward takes its strips last first: the last strip of a causal mask sees
+        every key, so its products store (beta = 0) every row of dK and dV and nothing is zeroed,
+        where the first strip, taken first, zeroed the rows past its keys (all but ``block_q`` of
+        them, strided rows a cache miss each) for the later strips to read back. A sliding
+        window's strips see as many keys either way. The order is fixed, so results do not
+        depend on the thread count.
+        """
         spec = self.spec
         mask_base = self._mask_base(b, base.get("mask"), batch, head)
         n_strips = b.sdiv(b.add(self.sq, i64(spec.block_q - 1)), i64(spec.block_q), name="strips")
-        with for_range(b, 0, n_strips, "strip") as strip:
+        last_first = spec.grads is not None and spec.mask.is_causal_like
+        with for_range(b, 0, n_strips, "step") as step:
+            strip = b.sub(b.sub(n_strips, i64(1)), step, name="strip") if last_first else step
             i0 = b.mul(strip, i64(spec.block_q), name="i0")
             rows = smin(b, i64(spec.block_q), b.sub(self.sq, i0), name="rows")
             forward = spec.grads is None
@@ -497,7 +507,7 @@ class AttentionLowering:
                 self._scale_rows(b, heads, i0, rows, inverse)
             else:
                 assert first_member is not None
-                first = b.and_(first_member, b.icmp_signed("==", strip, i64(0)), name="first.write")
+                first = b.and_(first_member, b.icmp_signed("==", step, i64(0)), name="first.write")
                 self._backward_gemms(b, heads, packed, i0, rows, ks, nk, strip_s, strip_dp, mask_base, first)
 
     # ------------------------------------------------------------------ addressing
