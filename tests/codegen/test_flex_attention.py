@@ -452,3 +452,43 @@ def test_nan_in_the_inputs_propagates_as_in_the_reference() -> None:
         finite = ~np.isnan(want)
         np.testing.assert_allclose(got[name][finite], want[finite], rtol=2e-4, atol=2e-4, err_msg=name)
     assert np.isnan(got["out"]).any()  # the row that read the NaN
+
+
+MANY_TILES = [
+    Case("window-many-tiles", mask_mod=lambda e: mods.sliding_window(40), seq_q=300, seq_k=300, batch=1),
+    Case("two-sided-many-tiles", mask_mod=lambda e: mods.sliding_window(30, 50), seq_q=260, seq_k=260, batch=1),
+    Case("causal-gqa-many-tiles", mask_mod=lambda e: mods.causal, seq_q=270, seq_k=270, heads=4, kv_heads=2),
+    Case("causal-sq-lt-sk", mask_mod=lambda e: mods.causal, seq_q=90, seq_k=300, batch=1),
+    Case(
+        "key-lengths-many-tiles",
+        mask_mod=lambda e: mods.key_lengths(e["lengths"]),
+        tensors={"lengths": ((2,), "int64")},
+        seq_q=200,
+        seq_k=300,
+    ),
+    Case(
+        "document-many-tiles",
+        mask_mod=lambda e: mods.document(e["doc"]),
+        tensors={"doc": ((2, 280), "int64")},
+        seq_q=280,
+        seq_k=280,
+    ),
+    Case(
+        "window-bhsd-dv",
+        mask_mod=lambda e: mods.sliding_window(64),
+        seq_q=330,
+        seq_k=330,
+        layout=Layout.BHSD,
+        kv_heads=1,
+        value_dim=24,
+        batch=1,
+    ),
+]
+
+
+@pytest.mark.parametrize("case", MANY_TILES, ids=lambda c: c.name)
+def test_key_gradients_over_many_tiles(case: Case) -> None:
+    """dK and dV over many key tiles and strips: the first product to reach a tile stores it, a
+    run over tiles both reached and not zeroes the new ones, tiles no strip reaches are zeroed at
+    the end (outputs start as NaN here, so a row left unwritten fails)."""
+    check(case)
