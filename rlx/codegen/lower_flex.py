@@ -762,10 +762,12 @@ class FlexLowering:
 
     # dK and dV sum over a group's strips. The first product to reach a key tile stores it
     # (beta = 0) instead of adding to rows zeroed beforehand: zeroing a group's dK/dV up front
-    # (strided rows in BSHD, a cache miss each) took 4-9% of a causal or windowed forward and
-    # backward. The backward takes its strips last first, so a causal mask's first strip reaches
-    # every key tile and nothing is zeroed; a run that reaches tiles both written and not zeroes
-    # the new ones and adds; tiles no strip reached are zeroed at the end.
+    # (strided rows in BSHD, a cache miss each), rows the strips then read back, made a causal
+    # or windowed forward and backward 3-5% slower. The backward takes its strips last first, so
+    # a causal mask's first strip reaches every key tile and nothing is zeroed; a run that
+    # reaches tiles both written and not zeroes the new ones and adds; tiles no strip reached
+    # are zeroed at the end. (A dynamic alloca holds the flags: LLVM brackets it with a stack
+    # save and restore wherever it inlines the item function into a loop.)
 
     def _kv_grad_slots(self, b: ir.IRBuilder, batch: ir.Value, group: ir.Value) -> list[tuple[ir.Value, int, int]]:
         """``(head, row stride, width)`` of dK and dV (those the node computes) for this group."""
