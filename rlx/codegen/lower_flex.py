@@ -798,15 +798,13 @@ class FlexLowering:
         reached = alloca_entry(b, I64, "tiles.reached")
         b.store(i64(0), reached)
         with for_range(b, t0, t1, "touch") as t:
-            flag = b.zext(b.load(gep(b, self.written, [t], I8), typ=I8), I64)
+            flag = b.zext(b.not_(self._untouched(b, t)), I64)
             b.store(b.add(b.load(reached, typ=I64), flag), reached)
         count = b.load(reached, typ=I64, name="reached")
         fresh = b.icmp_signed("==", count, i64(0), name="fresh")
         mixed = b.and_(b.not_(fresh), b.icmp_signed("!=", count, b.sub(t1, t0)), name="mixed")
-        with b.if_then(mixed), for_range(b, t0, t1, "touch.zero") as t:
-            new = b.icmp_unsigned("==", b.load(gep(b, self.written, [t], I8), typ=I8), ir.Constant(I8, 0))
-            with b.if_then(new):
-                self._zero_tile(b, t, [slot])
+        with b.if_then(mixed), for_range(b, t0, t1, "touch.zero") as t, b.if_then(self._untouched(b, t)):
+            self._zero_tile(b, t, [slot])
         return b.select(fresh, f32(0.0), f32(1.0), name="beta.kv")
 
     def _mark_touched(self, b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, _: ir.Value) -> None:
@@ -819,10 +817,12 @@ class FlexLowering:
         slots = self._kv_grad_slots(b, batch, group)
         if not slots:
             return
-        with for_range(b, 0, self.tiles, "untouched") as t:
-            untouched = b.icmp_unsigned("==", b.load(gep(b, self.written, [t], I8), typ=I8), ir.Constant(I8, 0))
-            with b.if_then(untouched):
-                self._zero_tile(b, t, slots)
+        with for_range(b, 0, self.tiles, "untouched") as t, b.if_then(self._untouched(b, t)):
+            self._zero_tile(b, t, slots)
+
+    def _untouched(self, b: ir.IRBuilder, tile: ir.Value) -> ir.Value:
+        """Whether no product has reached key tile ``tile`` yet (i1)."""
+        return b.icmp_unsigned("==", b.load(gep(b, self.written, [tile], I8), typ=I8), ir.Constant(I8, 0))
 
     def _partial_base(self, b: ir.IRBuilder, batch: ir.Value, group: ir.Value) -> dict[int, ir.Value]:
         """Where this item accumulates each score-mod tensor's gradient: its own partial slice."""

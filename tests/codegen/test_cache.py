@@ -7,6 +7,7 @@ machine code made from it (rlx and llvmlite versions, LLVM version, CPU name and
 
 from __future__ import annotations
 
+import ctypes
 import statistics
 import time
 import uuid
@@ -255,8 +256,6 @@ def test_runtime_modules_use_the_disk_cache(tmp_path: Path, monkeypatch: pytest.
 
     monkeypatch.setattr(jit, "_optimized_module", no_compiling)
     second = jit.link_runtime(llvm_ir, (), (name,))
-    import ctypes
-
     for addresses in (first, second):
         assert ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64)(addresses[name])(14) == 42
 
@@ -266,8 +265,6 @@ def test_quick_runtime_modules_compute_the_same_and_are_cached_apart(
 ) -> None:
     """A runtime module made with the quick code generator (the thread pool's) computes what the
     optimising one's does, and its object file has a disk-cache key of its own."""
-    import ctypes
-
     monkeypatch.setenv("RLX_CACHE_DIR", str(tmp_path))
     name = f"rlx_test_quick_{uuid.uuid4().hex[:12]}"
     llvm_ir = (
