@@ -87,13 +87,17 @@ def rlx_fixed(case: Case, arrays: dict[str, np.ndarray]) -> Call:
     return Call(lambda: exe(**arrays))
 
 
-def rlx_flex(case: Case, arrays: dict[str, np.ndarray]) -> Call:
+def flex_graph(case: Case, arrays: dict[str, np.ndarray]) -> Graph:
     g = Graph("flex_fwd")
     q, k, v = (g.input(n, arrays[n].shape) for n in "qkv")
     mask_mod = rlx.mods.causal if case.causal else None
     out, lse = g.attention(q, k, v, mask_mod=mask_mod, layout=Layout.BHSD, return_lse=True)
     g.output(out=out, lse=lse)
-    exe = rlx.compile(g)
+    return g
+
+
+def rlx_flex(case: Case, arrays: dict[str, np.ndarray]) -> Call:
+    exe = rlx.compile(flex_graph(case, arrays))
     return Call(lambda: exe(**arrays))
 
 
@@ -137,6 +141,8 @@ def main() -> int:
         warm = {name: float(np.median(values)) for name, values in bursts.warm.items() if values}
         profiled = compile_graph(fixed_graph(case, arrays), options=CodegenOptions(profile=True))
         breakdown = h.attention_breakdown(profiled, arrays)
+        profiled_flex = compile_graph(flex_graph(case, arrays), options=CodegenOptions(profile=True))
+        breakdown_flex = h.attention_breakdown(profiled_flex, arrays)
         blas = None
         if torch is not None:
             products = h.attention_products(case.batch, case.heads, case.seq, case.dim, case.causal, backward=False)
@@ -144,7 +150,8 @@ def main() -> int:
         nbytes = 4 * arrays["q"].nbytes  # q, k, v read and out written once
         results.append({"case": case.label, "flops": case.flops, "bytes": nbytes, "median_s": medians,
                         "samples_s": samples, "warm_median_s": warm, "warm_samples_s": bursts.warm,
-                        "breakdown": breakdown, "blas_vs_torch": blas})  # fmt: skip
+                        "breakdown": breakdown, "breakdown_flex": breakdown_flex,
+                        "blas_vs_torch": blas})  # fmt: skip
         print(f"  {case.label}: " + ", ".join(f"{n} {m * 1e3:.2f} ms" for n, m in medians.items()), flush=True)
     again = h.measure_sgemm(h.RlxOpenBlas(), 2048, threads, 5, args.gap)
     rate = max(sgemm.gflops_multi, again.gflops_multi)
@@ -167,11 +174,14 @@ def main() -> int:
     print(h.markdown_table(header, rows))
     for r in results:
         r["roofline"] = h.roofline(r["flops"], r["bytes"], r["median_s"]["rlx"], rate, bandwidth)
+        r["roofline_flex"] = h.roofline(r["flops"], r["bytes"], r["median_s"]["rlx_flex_lse"], rate, bandwidth)
     print(
         f"\nWhere the time goes (rlx fixed): roofline against sgemm {rate:.0f} GFLOP/s and copy bandwidth "
         f"{bandwidth:.1f} GB/s (bytes: q, k, v, out once); the kernel's split of its CPU time (profiling build)"
     )
     print(h.breakdown_table([(r["case"], r["roofline"], r["breakdown"]) for r in results]))
+    print("\nThe same for the programmable kernel returning LSE (flex+lse; softmax+mask includes the mask_mod)")
+    print(h.breakdown_table([(r["case"], r["roofline_flex"], r["breakdown_flex"]) for r in results]))
     if torch is not None:
         print(
             "\nThe kernel's matrix products (its strips' shapes), each timed on ONE thread in native loops through what"

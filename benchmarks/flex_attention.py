@@ -39,6 +39,7 @@ import _harness as h  # noqa: E402
 
 import rlx  # noqa: E402
 from rlx import Graph, Layout  # noqa: E402
+from rlx.codegen import CodegenOptions, compile_graph  # noqa: E402
 
 DEFAULT_JSON = REPO / "benchmarks" / "results" / "flex_attention.json"
 HEADS, HEAD_DIM, DOCUMENTS, WINDOW, CAP = 8, 64, 8, 256, 30.0
@@ -268,7 +269,13 @@ def run_case(torch: Any, case: Case, repeat: int, gap: float) -> dict[str, Any]:
     samples = h.time_interleaved(calls, repeat, gap)
     medians = {name: float(np.median(values)) for name, values in samples.items()}
     flops = visible_flops(case, arrays)
+    breakdown = {}
+    for name, backward in (("rlx_fwd", False), ("rlx_train", True)):
+        graph = rlx_graph(case, backward)
+        profiled = compile_graph(graph, options=CodegenOptions(profile=True))
+        breakdown[name] = h.attention_breakdown(profiled, {n: arrays[n] for n in graph.inputs})
     return {
+        "breakdown": breakdown,
         "case": case.label,
         "mod": case.mod,
         "batch": case.batch,
@@ -375,6 +382,18 @@ def main() -> int:
         f"{sparsity['median_s']['window'] * 1e3:.0f} ms: {sparsity['speedup']:.1f}x (target {TARGET_SPARSITY}x: "
         f"{'met' if sparsity['speedup'] >= TARGET_SPARSITY else 'missed'})"
     )
+    print(
+        "\nWhere rlx's time goes: the programmable kernels' split of their CPU time (profiling build; "
+        "softmax+mask includes the mods, dS the score_mod's derivative)"
+    )
+    split_rows = []
+    for r in results:
+        for name, label in (("rlx_fwd", "fwd"), ("rlx_train", "fwd+bwd")):
+            split = r["breakdown"][name]
+            split_rows.append(
+                [r["case"], label, *(f"{split[k]:.0%}" for k in ("blas", "softmax", "softmax_backward", "other"))]
+            )
+    print(h.markdown_table(["case", "graph", "products", "softmax+mask", "dS", "other"], split_rows))
     for label, text in results[0]["torch_flex_backward"].items():
         print(f"torch's CPU flex_attention backward ({label}): {text}")
     report = {

@@ -388,7 +388,7 @@ class Executable:
         summed over threads: ``blas`` (sgemm calls), ``softmax`` (mask, max, exp and row sums),
         ``softmax_backward`` (dS) and ``kernel`` (the whole items; the rest is addressing, zeroing
         dK/dV and the forward's row scaling). Compile with ``CodegenOptions(profile=True)``."""
-        from rlx.codegen.lower_attention import BREAKDOWN
+        from rlx.codegen.kernel_clock import BREAKDOWN
 
         program = self._program
         if program.profile is None:

@@ -24,6 +24,7 @@ from rlx.codegen.blas import refuse_beyond_blas
 from rlx.codegen.fused import FusedEmitter, plan_chunking
 from rlx.codegen.irutil import I8, I64, PTR, VOID, alloca_entry, clock, declare, gep, i64
 from rlx.codegen.jit import ENTRY
+from rlx.codegen.kernel_clock import COUNTERS_BYTES
 from rlx.codegen.lower_attention import AttentionKernelSpec, AttentionLowering, choose_block_q
 from rlx.codegen.lower_gemm import emit_gemm_item, gemm_spec
 from rlx.codegen.lower_scatter import emit_scatter_item
@@ -188,6 +189,7 @@ def flex_spec(node: Node, options: CodegenOptions, symbols: tuple[str, ...] = ()
         recompute,
         mask,
         masked_value,
+        options.profile,
     )
 
 
@@ -382,7 +384,7 @@ class _Lowering:
         if op in ("attention", "attention_bwd"):
             spec = kernel_spec(node, self.config, self.options, self.symbols)
             if spec.profile:  # every attention node counts into the last 64 bytes of the thread's scratch
-                spec = replace(spec, counters_at=self.plan.scratch_stride - 64)
+                spec = replace(spec, counters_at=self.plan.scratch_stride - COUNTERS_BYTES)
             name = f"{node.op}.{node.id}"
             item_fn = self.item_function(
                 ("attention", spec), name, lambda: AttentionLowering(self.module, spec, name).emit()
@@ -429,6 +431,8 @@ class _Lowering:
         from rlx.codegen.lower_flex import FlexLowering
 
         spec = flex_spec(node, self.options, self.symbols)
+        if spec.profile:  # counts where the fixed kernels do: the last 64 bytes of the thread's scratch
+            spec = replace(spec, counters_at=self.plan.scratch_stride - COUNTERS_BYTES)
         if spec.per_call:
             self.attention_specs.append((f"node {node.id} ({node.op})", spec))
         if spec.tensor_grads:  # partial gradient slices are accumulated into: zero them first

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
@@ -46,7 +45,6 @@ from rlx.codegen.irutil import (
     VOID,
     alloca_entry,
     clamp,
-    clock,
     declare,
     f32,
     for_range,
@@ -58,6 +56,7 @@ from rlx.codegen.irutil import (
     smax,
     smin,
 )
+from rlx.codegen.kernel_clock import COUNTERS_BYTES, KernelClock
 from rlx.codegen.sizes import SizeLike, ceil_div, emit_size, load_symbols, size_of
 from rlx.codegen.tile_gemm import declare_tile_gemm, host_tile_shape
 from rlx.codegen.vector import WIDTH, Lanes, vector_fill, vector_loop, vector_reduce
@@ -85,8 +84,6 @@ PACK_MIN_ROWS = 16
 # packing pays for itself: every column panel of C reads all of A again.
 TILE_MAX_MACS = 1 << 27
 TILE_TN_MAX_A = 1 << 17  # elements of op(A) = P^T or dS^T: 512 KB
-# Where a profiling build's attention time goes: nanoseconds per thread, kept after its scratch.
-BREAKDOWN = ("blas", "softmax", "softmax_backward", "kernel")
 
 
 @dataclass(frozen=True)
@@ -132,9 +129,9 @@ class AttentionKernelSpec:
     def scratch_bytes(self, seq_k: int | None = None) -> int:
         """Per-thread scratch: the P strip, plus the dP/dS strip when dQ or dK are wanted; the
         forward keeps one reciprocal row sum per strip row instead. A profiling build keeps its
-        counters (:data:`BREAKDOWN`) in the last 64 bytes of the thread's scratch."""
+        counters (:mod:`rlx.codegen.kernel_clock`) in the last 64 bytes of the thread's scratch."""
         if self.profile and self.is_static:
-            return self._strips_bytes(seq_k) + 64
+            return self._strips_bytes(seq_k) + COUNTERS_BYTES
         return self._strips_bytes(seq_k)
 
     @property
@@ -349,9 +346,7 @@ class AttentionLowering:
         self.memset = intrinsic(module, "llvm.memset.p0.i64", VOID, [PTR, I8, I64, I1])
         self.sgemm = declare_sgemm(module)
         self.neg = f32(spec.neg)
-        self.profiling = spec.profile and spec.is_static
-        self.now = clock(module) if self.profiling else None
-        self.counters: ir.Value | None = None  # this thread's counters, in the function being emitted
+        self.clock = KernelClock(module, spec.profile and spec.is_static, spec.counters_at)
 
     # ------------------------------------------------------------------ public
 
@@ -395,7 +390,8 @@ class AttentionLowering:
             for i, slot in enumerate(self.operand_slots())
         }
         self._load_seq(b, base.pop("sizes", None))
-        started = self._start_counting(b, scratch)
+        self.clock.point_at(b, scratch)
+        started = self.clock.start(b)
         strip_s = scratch
         strip_dp = gep_f32(b, scratch, self._strip_floats(b), name="dp.strip") if spec.needs_dp else None
         packed = transposed_buffers(b, spec, scratch, self._strip_floats(b), self.sq, self.sk)
@@ -415,7 +411,7 @@ class AttentionLowering:
                 heads = self._head_pointers(b, base, batch, head, group)
                 first = b.icmp_signed("==", member, i64(0), name="first.member")
                 self._strips(b, heads, packed, base, batch, head, strip_s, strip_dp, first)
-        self._count(b, "kernel", started)
+        self.clock.count(b, "kernel", started)
         b.ret_void()
         return fn
 
@@ -426,30 +422,7 @@ class AttentionLowering:
         for slot, target in packed.items():
             width, ld = self._geometry(slot)[2], self._ld(slot)
             copy = functools.partial(emit_transposed_copy, b, heads[slot], ld, self.sk, width, target)
-            self._timed(b, "blas", copy)
-
-    # ------------------------------------------------------------------ profiling
-
-    def _start_counting(self, b: ir.IRBuilder, scratch: ir.Value) -> ir.Value | None:
-        """Point ``self.counters`` at this thread's counters (profiling builds); the time now."""
-        if not self.profiling:
-            return None
-        self.counters = gep(b, scratch, [i64(self.spec.counters_at)], I8, "counters")
-        assert self.now is not None
-        return self.now(b)
-
-    def _count(self, b: ir.IRBuilder, what: str, started: ir.Value | None) -> None:
-        """Add the nanoseconds since ``started`` to counter ``what``."""
-        if started is None or self.counters is None or self.now is None:
-            return
-        slot = gep(b, self.counters, [i64(BREAKDOWN.index(what))], I64)
-        b.store(b.add(b.load(slot, typ=I64), b.sub(self.now(b), started)), slot)
-
-    def _timed(self, b: ir.IRBuilder, what: str, emit: Callable[[], object]) -> None:
-        """Emit ``emit()`` and, in a profiling build, count its time as ``what``."""
-        started = self.now(b) if self.now is not None and self.counters is not None else None
-        emit()
-        self._count(b, what, started)
+            self.clock.timed(b, "blas", copy)
 
     def _head_pointers(
         self, b: ir.IRBuilder, base: dict[str, ir.Value], batch: ir.Value, head: ir.Value, group: ir.Value
@@ -620,12 +593,11 @@ class AttentionLowering:
         for arg, arg_name in zip(fn.args, names, strict=True):
             arg.name = arg_name
         b = ir.IRBuilder(fn.append_basic_block("entry"))
-        caller = self.sq, self.sk, self.counters
+        caller = self.sq, self.sk, self.clock.counters
         self.sq, self.sk = sq, sk  # the lengths as this function sees them: its arguments
-        if self.profiling:  # the strip is the thread's scratch
-            self.counters = gep(b, strip, [i64(self.spec.counters_at)], I8, "counters")
+        self.clock.point_at(b, strip)  # the strip is the thread's scratch
         ks, nk = self._scores_and_softmax(b, q_head, k_head, k_packed, mask_base, strip, i0, rows, inverse)
-        self.sq, self.sk, self.counters = caller
+        self.sq, self.sk, self.clock.counters = caller
         keys = b.insert_value(ir.Constant(keys_type, ir.Undefined), ks, 0)
         b.ret(b.insert_value(keys, nk, 1))
         return fn
@@ -661,9 +633,9 @@ class AttentionLowering:
         self._product_with_transposed(
             b, rows, nk, dims.head_dim, spec.scale, q_strip, ldq, k_head, ldk, k_packed, ks, strip, nk
         )
-        started = self.now(b) if self.now is not None else None
+        started = self.clock.start(b)
         needs_all_keys = self._mask_softmax_rows(b, strip, i0, rows, ks, nk, mask_base, inverse)
-        self._count(b, "softmax", started)
+        self.clock.count(b, "softmax", started)
         partial = b.icmp_signed("<", nk, self.sk, name="partial")
         b.cbranch(b.and_(partial, needs_all_keys, name="redo"), retry, after)
         b.position_at_end(retry)
@@ -894,7 +866,9 @@ class AttentionLowering:
         # dP = dY_strip V_vis^T, then dS in place
         v, v_packed = heads["v"], packed["v"]
         self._product_with_transposed(b, rows, nk, dv_width, 1.0, dy_strip, ldo, v, ldv, v_packed, ks, dp, nk)
-        self._timed(b, "softmax_backward", lambda: self._softmax_backward_rows(b, p, dp, i0, rows, ks, nk, mask_base))
+        self.clock.timed(
+            b, "softmax_backward", lambda: self._softmax_backward_rows(b, p, dp, i0, rows, ks, nk, mask_base)
+        )
         if grads & Wrt.QUERY:  # dQ_strip = scale · dS K_vis
             ld_dq = self._ld("dq")
             dq = gep_f32(b, heads["dq"], b.mul(i0, i64(ld_dq)), name="dq.strip")
@@ -942,7 +916,7 @@ class AttentionLowering:
         c: ir.Value,
         ldc: int | ir.Value,
     ) -> None:
-        self._timed(
+        self.clock.timed(
             b,
             "blas",
             lambda: emit_sgemm(b, self.sgemm, trans_a, trans_b, m, n, k, alpha, a, lda, b_mat, ldb, beta, c, ldc),

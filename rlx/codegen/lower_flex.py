@@ -47,6 +47,7 @@ from rlx.codegen.irutil import (
     intrinsic,
     smin,
 )
+from rlx.codegen.kernel_clock import COUNTERS_BYTES, KernelClock
 from rlx.codegen.lower_attention import (
     declare_sgemm,
     emit_sgemm,
@@ -92,6 +93,8 @@ class FlexKernelSpec:
     recompute: bool = False  # backward: row statistics from the scores, not from out and lse operands
     map_mask: Region | None = None  # what the tile map is built from (lower.map_mask)
     masked_value: float = -math.inf  # the score hidden tiles stand for; finite: checked per row
+    profile: bool = False  # time products, softmax and dS into per-thread counters (static shapes)
+    counters_at: int = 0  # byte offset of those counters in a thread's scratch (its last 64 bytes)
 
     @functools.cached_property
     def identity_on_full_tiles(self) -> bool:
@@ -146,8 +149,10 @@ class FlexKernelSpec:
 
     def scratch_bytes(self, seq_k: int | None = None) -> int:
         """The strips, then (forward) one reciprocal row sum per strip row, then the transposed
-        copies of K (and V) (``lower_attention.strips_and_copies_bytes``)."""
-        return strips_and_copies_bytes(self, seq_k)
+        copies of K (and V) (``lower_attention.strips_and_copies_bytes``); in a profiling build,
+        the counters of :mod:`rlx.codegen.kernel_clock` last."""
+        counters = COUNTERS_BYTES if self.profile and self.is_static else 0
+        return strips_and_copies_bytes(self, seq_k) + counters
 
     @property
     def strip_layout(self) -> tuple[int, int]:
@@ -166,6 +171,7 @@ class FlexLowering:
         self.spec = spec
         self.name = name
         self.sgemm = declare_sgemm(module)
+        self.clock = KernelClock(module, spec.profile and spec.is_static, spec.counters_at)
         self.memset = intrinsic(module, "llvm.memset.p0.i64", VOID, [PTR, I8, I64, I1])
         self.logf = intrinsic(module, "llvm.log.f32", F32, [F32])
         score = spec.score_mod
@@ -244,6 +250,8 @@ class FlexLowering:
             for i, slot in enumerate(self.operand_slots())
         }
         self._load_lengths(b)
+        self.clock.point_at(b, scratch)
+        started = self.clock.start(b)
         self.tensors = [
             Tensor(self.base[f"c{i}"], t, None if t.is_static else self._runtime_strides(b, t))
             for i, t in enumerate(self.spec.captured)
@@ -270,6 +278,7 @@ class FlexLowering:
                 head = b.add(b.mul(group, i64(dims.group)), member, name="h")
                 self._backward_head(b, batch, head, group, strip, second, third)
             self._zero_untouched(b, batch, group)
+        self.clock.count(b, "kernel", started)
         b.ret_void()
         return fn
 
@@ -281,7 +290,10 @@ class FlexLowering:
         for slot, target in self.packed.items():
             width = d.head_dim if slot == "k" else d.value_dim
             head = self._head(b, self.base[slot], batch, group, self.sk, d.kv_heads, width)
-            emit_transposed_copy(b, head, self._row_stride(d.kv_heads, width), self.sk, width, target)
+            copy = functools.partial(
+                emit_transposed_copy, b, head, self._row_stride(d.kv_heads, width), self.sk, width, target
+            )
+            self.clock.timed(b, "blas", copy)
 
     # ------------------------------------------------------------------ tiles
 
@@ -517,9 +529,8 @@ class FlexLowering:
         def gemm(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value) -> None:
             k_run, ld_run, trans = keys_operand(b, k_head, ldk, self.packed["k"], c0, self.sk)
             target = gep_f32(b, out, b.sub(c0, ks))
-            emit_sgemm(
+            self._sgemm(
                 b,
-                self.sgemm,
                 NO_TRANS,
                 trans,
                 rows,
@@ -570,6 +581,7 @@ class FlexLowering:
                         q_strip = gep_f32(b, q_head, b.mul(i0, i64(ldq)))
                         self._scores(b, map_row, first, last, ks, nk, q_strip, k_head, rows, strip_buf)
                         mod_first, mod_last = self._mod_tiles(b, map_row, first, last)
+                        started = self.clock.start(b)
                         with for_range(b, 0, rows, "r") as r:
                             gi = b.add(i0, r, name="gi")
                             row = gep_f32(b, strip_buf, b.mul(r, nk), name="row")
@@ -577,6 +589,7 @@ class FlexLowering:
                             self._needs_dense(b, m)
                             lse = self._exp_row(b, row, nk, m, gep_f32(b, inverse_sums, r))
                             b.store(lse, gep_f32(b, lse_row, gi))
+                        self.clock.count(b, "softmax", started)
                         with b.if_then(self._exact(b)):
                             self._weighted_values(b, map_row, first, last, ks, nk, rows, v_head, strip_buf, out_strip)
                             scale_rows(b, out_strip, rows, ldo, d.value_dim, inverse_sums)
@@ -605,9 +618,8 @@ class FlexLowering:
             beta = b.select(is_first, f32(0.0), f32(1.0))
             p_run = gep_f32(b, strip_buf, b.sub(c0, ks))
             v_run = gep_f32(b, v_head, b.mul(c0, i64(ldv)))
-            emit_sgemm(
+            self._sgemm(
                 b,
-                self.sgemm,
                 NO_TRANS,
                 NO_TRANS,
                 rows,
@@ -624,6 +636,11 @@ class FlexLowering:
             )
 
         self._for_runs(b, map_row, first, last, pv)
+
+    def _sgemm(self, b: ir.IRBuilder, *args: int | float | ir.Value) -> None:
+        """One product (``lower_attention.emit_sgemm``'s arguments after the builder), timed as
+        ``blas`` in a profiling build."""
+        self.clock.timed(b, "blas", lambda: emit_sgemm(b, self.sgemm, *args))  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ exactness of skipped tiles
 
@@ -894,6 +911,7 @@ class FlexLowering:
                         mod_first, mod_last = (
                             self._mod_tiles(b, map_row, first, last) if spec.recompute else (first, last)
                         )
+                        started = self.clock.start(b)
                         with for_range(b, 0, rows, "r") as r:
                             gi = b.add(i0, r, name="gi")
                             row = gep_f32(b, p_buf, b.mul(r, nk))
@@ -909,15 +927,15 @@ class FlexLowering:
                                 self._probability_row(
                                     b, row, raw_row, batch, head, gi, lse, map_row, first, last, ks, nk
                                 )
+                        self.clock.count(b, "softmax", started)
                         with b.if_then(self._exact(b)):
                             if grads & Wrt.VALUE:  # dV_run += P_run^T dY_strip
                                 dv_head = self._head(b, self.base["dv"], batch, group, self.sk, d.kv_heads, d.value_dim)
 
                                 def dv_gemm(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value) -> None:
                                     beta = self._first_touch(b, c0, c1, (dv_head, ldv, d.value_dim))
-                                    emit_sgemm(
+                                    self._sgemm(
                                         b,
-                                        self.sgemm,
                                         TRANS,
                                         NO_TRANS,
                                         b.sub(c1, c0),
@@ -938,9 +956,8 @@ class FlexLowering:
 
                                 def dp_gemm(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value) -> None:
                                     v_run, ld_run, trans = keys_operand(b, v_head, ldv, self.packed["v"], c0, self.sk)
-                                    emit_sgemm(
+                                    self._sgemm(
                                         b,
-                                        self.sgemm,
                                         NO_TRANS,
                                         trans,
                                         rows,
@@ -959,6 +976,7 @@ class FlexLowering:
                                 self._for_runs(b, map_row, first, last, dp_gemm)
                                 if not spec.recompute:
                                     out_strip = gep_f32(b, out_head, b.mul(i0, i64(ldo)))
+                                started = self.clock.start(b)
                                 with for_range(b, 0, rows, "r.ds") as r:
                                     gi = b.add(i0, r, name="gi")
                                     offset = b.mul(r, nk)
@@ -997,15 +1015,15 @@ class FlexLowering:
                                         nk,
                                         partials,
                                     )
+                                self.clock.count(b, "softmax_backward", started)
                                 if dq_strip is not None:
 
                                     def dq_gemm(
                                         b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value
                                     ) -> None:
                                         beta = b.select(is_first, f32(0.0), f32(1.0))
-                                        emit_sgemm(
+                                        self._sgemm(
                                             b,
-                                            self.sgemm,
                                             NO_TRANS,
                                             NO_TRANS,
                                             rows,
@@ -1031,9 +1049,8 @@ class FlexLowering:
                                         b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value
                                     ) -> None:
                                         beta = self._first_touch(b, c0, c1, (dk_head, ldk, d.head_dim))
-                                        emit_sgemm(
+                                        self._sgemm(
                                             b,
-                                            self.sgemm,
                                             TRANS,
                                             NO_TRANS,
                                             b.sub(c1, c0),

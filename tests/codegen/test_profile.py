@@ -10,10 +10,13 @@ from rlx.codegen.executable import compile_graph
 from rlx.codegen.lower import CodegenOptions
 
 
-def _graph(backward: bool) -> rlx.Graph:
+def _graph(backward: bool, mods: bool = False) -> rlx.Graph:
     g = rlx.Graph()
     q, k, v = (g.input(name, (2, 96, 4, 32)) for name in "qkv")
-    out = g.attention(q, k, v, mask=rlx.MaskKind.CAUSAL)
+    if mods:  # the programmable kernels: a score_mod and a mask_mod, tiles skipped and partial
+        out = g.attention(q, k, v, score_mod=rlx.mods.softcap(20.0), mask_mod=rlx.mods.sliding_window(40))
+    else:
+        out = g.attention(q, k, v, mask=rlx.MaskKind.CAUSAL)
     if backward:
         dq, dk, dv = rlx.grad(g, out, [q, k, v], g.input("dy", out.shape))
         g.output(dq=dq, dk=dk, dv=dv)
@@ -27,9 +30,10 @@ def _arrays(g: rlx.Graph) -> dict[str, np.ndarray]:
     return {name: rng.standard_normal(v.static_shape, dtype=np.float32) for name, v in g.inputs.items()}
 
 
+@pytest.mark.parametrize("mods", [False, True])
 @pytest.mark.parametrize("backward", [False, True])
-def test_the_breakdown_accounts_for_the_kernels_time(backward: bool) -> None:
-    g = _graph(backward)
+def test_the_breakdown_accounts_for_the_kernels_time(backward: bool, mods: bool) -> None:
+    g = _graph(backward, mods)
     arrays = _arrays(g)
     exe = compile_graph(g, options=CodegenOptions(profile=True))
     plain = rlx.compile(g)(**arrays)
@@ -44,7 +48,11 @@ def test_the_breakdown_accounts_for_the_kernels_time(backward: bool) -> None:
     for name in plain:  # timing changes nothing computed
         np.testing.assert_array_equal(profiled[name], plain[name])
     kernels = exe.profile(**arrays)
-    assert [info.name for info, _ in kernels] == ["attention_bwd" if backward else "attention"]
+    attention = [info.name for info, _ in kernels if "attention" in info.name]
+    if mods:
+        assert attention == (["flex_attention", "flex_attention_bwd"] if backward else ["flex_attention"])
+    else:
+        assert attention == ["attention_bwd" if backward else "attention"]
     assert all(seconds > 0 for _, seconds in kernels)
 
 
