@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from llvmlite import ir
 
-from rlx.codegen.expf import define_expf
+from rlx.codegen.expf import define_expf, define_softmax_expf
 from rlx.codegen.irutil import CONTRACT, F32, I1, I8, I32, I64, REDUCE, alloca_entry, declare, gep, i64, intrinsic, smin
 from rlx.codegen.schedule import Kernel, Schedule, inline_values, is_unit_reshape, reduces_last_axis, reduction_of
 from rlx.codegen.sizes import Size, SizeLike, ceil_div, emit_size, nominal, product
@@ -633,7 +633,8 @@ class LaneMath:
         for coefficient in (-17.0 / 315.0, 2.0 / 15.0, -1.0 / 3.0, 1.0):
             poly = b.fadd(b.fmul(poly, x2, flags=CONTRACT), self.const(coefficient), flags=CONTRACT)
         small = b.fmul(x, poly)
-        e = self.exp(b.fmul(ax, self.const(-2.0)))
+        # -2|x| <= 0 (or NaN): the exp without overflow handling, half the operations
+        e = b.call(define_softmax_expf(self.module, self.width), [b.fmul(ax, self.const(-2.0))])
         large = b.fdiv(b.fsub(self.const(1.0), e), b.fadd(self.const(1.0), e))
         copysign = intrinsic(self.module, f"llvm.copysign.{self._suffix()}", self._ty(F32), [self._ty(F32)] * 2)
         large = b.call(copysign, [large, x])
