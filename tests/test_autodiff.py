@@ -174,11 +174,58 @@ def test_unrelated_x_gets_zeros() -> None:
     assert np.any(got["dq"])
 
 
-def test_mask_tensors_get_no_gradient() -> None:
-    g, ins, out = build(mask=MaskKind.BIAS)
-    assert_refused(
-        g, RlxValueError, "'mask_input' of attention gets no gradient.*input 'mask'", out, [ins["mask"]], ins["dy"]
-    )
+@pytest.mark.parametrize("layout", [Layout.BSHD, Layout.BHSD])
+def test_an_additive_bias_gets_its_gradient(layout: Layout) -> None:
+    """A BIAS mask is added to the scores, so it is differentiable (as torch's float attn_mask):
+    its gradient and dQ, dK, dV against central differences of the float64 forward, and the
+    compiled graph against the reference, in one fused backward kernel."""
+    g, ins, out = build(4, 3, MaskKind.BIAS, layout)
+    grads = rlx.grad(g, out, [ins["q"], ins["k"], ins["v"], ins["mask"]], ins["dy"])
+    g.output(**dict(zip(("dq", "dk", "dv", "dmask"), grads, strict=True)))
+    arrays = random_arrays(g, seed=11)
+    got = rlx.reference.run(g, **arrays)
+
+    def loss(a: dict[str, np.ndarray]) -> float:
+        y = attention_forward(a["q"], a["k"], a["v"], mask=MaskKind.BIAS, layout=layout, mask_tensor=a["mask"])
+        return float(np.sum(y * a["dy"]))
+
+    for name in ("q", "k", "v", "mask"):
+        expected = central_difference(loss, arrays, name)
+        assert np.abs(expected).max() > 1e-3  # the check compares something
+        np.testing.assert_allclose(got["d" + name], expected, rtol=1e-4, atol=1e-5, err_msg=name)
+    exe = rlx.compile(g)
+    compiled = exe(**arrays)
+    for name in got:
+        np.testing.assert_allclose(compiled[name], got[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    assert [kernel.name for kernel in exe.kernels].count("flex_attention_bwd") == 1
+
+
+def test_a_bias_alone_needs_no_query_key_or_value_gradient() -> None:
+    g, ins, out = build(3, 5, MaskKind.BIAS)
+    (dmask,) = rlx.grad(g, out, [ins["mask"]], ins["dy"])
+    g.output(dmask=dmask)
+    arrays = random_arrays(g, seed=12)
+
+    def loss(a: dict[str, np.ndarray]) -> float:
+        return float(
+            np.sum(attention_forward(a["q"], a["k"], a["v"], mask=MaskKind.BIAS, mask_tensor=a["mask"]) * a["dy"])
+        )
+
+    expected = central_difference(loss, arrays, "mask")
+    np.testing.assert_allclose(rlx.compile(g)(**arrays)["dmask"], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_key_padding_gets_a_zero_gradient() -> None:
+    """CUSTOM padding only picks, by a comparison with the threshold, which scores are replaced:
+    piecewise constant, zero gradient, as through any comparison."""
+    g, ins, out = build(mask=MaskKind.CUSTOM)
+    dq, dmask = rlx.grad(g, out, [ins["q"], ins["mask"]], ins["dy"])
+    g.output(dq=dq, dmask=dmask)
+    arrays = random_arrays(g, seed=13)
+    for got in (rlx.reference.run(g, **arrays), rlx.compile(g)(**arrays)):
+        assert got["dmask"].shape == ins["mask"].shape
+        assert not np.any(got["dmask"])
+        assert np.any(got["dq"])
 
 
 def test_value_read_twice_gets_the_sum_of_its_gradients() -> None:

@@ -358,17 +358,60 @@ def _attention_bwd_reference(
 def _attention_grad(
     graph: Graph, node: Node, cotangents: Sequence[Value | None], needed: Sequence[bool]
 ) -> list[Value | None]:
-    """dQ, dK, dV as separate single-``wrt`` nodes sharing the forward's mask, layout and mask tensor."""
+    """dQ, dK, dV as separate single-``wrt`` nodes sharing the forward's mask, layout and mask tensor.
+
+    A mask tensor gets a gradient too. ``CUSTOM`` key padding only decides, through a comparison
+    with the threshold, which scores are replaced: piecewise constant, so its gradient is zero
+    (as through any comparison). A ``BIAS`` is added to the scores: its gradient is ``dS`` before
+    the scale, a ``[B, H, Sq, Sk]`` tensor the fixed kernels never form; see :func:`_bias_grads`.
+    """
     attrs = node.attrs
     (dy,) = cotangents
     assert dy is not None
     q, k, v = node.inputs[:3]
     mask_input = node.inputs[3:]
+    if mask_input and needed[3] and attrs.mask == MaskKind.BIAS:
+        return _bias_grads(graph, node, dy, needed)
     grads: list[Value | None] = [None] * len(node.inputs)
     for slot, flag in enumerate((Wrt.QUERY, Wrt.KEY, Wrt.VALUE)):
         if needed[slot]:
             bwd_attrs = AttentionBwdAttrs(wrt=flag, mask=attrs.mask, layout=attrs.layout)
             grads[slot] = graph.add_node(op_kind("attention_bwd"), (q, k, v, dy, *mask_input), bwd_attrs).outputs[0]
+    if mask_input and needed[3]:  # CUSTOM
+        grads[3] = graph.broadcast_to(graph.constant(np.zeros((), np.float32)), mask_input[0].shape)
+    return grads
+
+
+def _bias_grads(graph: Graph, node: Node, dy: Value, needed: Sequence[bool]) -> list[Value | None]:
+    """Every gradient of a ``BIAS`` attention whose bias needs one, from programmable backward
+    nodes: the mask is the score_mod ``score + bias[b, h, i, j]``, whose tensor gradient those
+    kernels accumulate, and they recompute the row statistics from the scores (``recompute``) as
+    the fixed kernels do. Single-gradient nodes, as ``flex_attention``'s rule emits: the fusion
+    pass merges them into one kernel (5 GEMMs per head for all four gradients), where the fixed
+    kernels for dQ, dK, dV plus a kernel for the bias would take 7."""
+    from rlx.ops.flex_attention import FlexAttentionBwdAttrs, flex_dims, tensor_grad_layout
+
+    attrs = node.attrs
+    q, k, v, bias = node.inputs
+    # BIAS replaces no score, so neither neg nor the threshold enters its mods.
+    score_mod, mask_mod = mask_regions(MaskKind.BIAS, bias.type, neg=-1e9, threshold=0.5)
+    operands = (q, k, v, dy, bias)
+
+    def backward(wrt: Wrt, tensor_grads: bool) -> tuple[Value, ...]:
+        bwd = FlexAttentionBwdAttrs(
+            wrt, tensor_grads, score_mod=score_mod, mask_mod=mask_mod, layout=attrs.layout, recompute=True
+        )
+        return graph.add_node(op_kind("flex_attention_bwd"), operands, bwd).outputs
+
+    grads: list[Value | None] = [None] * len(node.inputs)
+    for slot, flag in enumerate((Wrt.QUERY, Wrt.KEY, Wrt.VALUE)):
+        if needed[slot]:
+            grads[slot] = backward(flag, False)[0]
+    dims = flex_dims(f"node {node.id}", q.type, k.type, v.type, attrs.layout)
+    layout = tensor_grad_layout(score_mod, [bias.type], dims)
+    assert [tensor for tensor, _, _, _ in layout] == [0], "the bias score_mod reads its one tensor"
+    (partial,) = backward(Wrt(0), True)
+    grads[3] = graph.sum(partial, axis=0)
     return grads
 
 
@@ -456,7 +499,6 @@ ATTENTION = register_op(
         _attention_reference,
         _attention_grad,
         builder=attention,
-        no_grad=frozenset({"mask_input"}),
         summary="scaled-dot-product attention",
     )
 )
