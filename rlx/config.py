@@ -102,3 +102,25 @@ def machine_cores() -> int:
     """The cores this process may run on, read once: what work that must split the same way for
     every thread count (a matmul's blocks) is split for, so it never changes within a process."""
     return _available_cores()
+
+
+@functools.cache
+def l2_cache_bytes() -> int:
+    """The L2 caches of the cores this process runs on, together (read once from sysfs; 1 MiB a
+    core where the kernel does not say). Outputs larger than this are not in cache when a kernel
+    writes them, which is when streaming stores pay (``lower_attention.AttentionKernelSpec.stream``)."""
+    per_core = 1 << 20
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for index in sorted(os.listdir(root)):
+            with open(os.path.join(root, index, "level")) as level:
+                if level.read().strip() != "2":
+                    continue
+            with open(os.path.join(root, index, "size")) as size:
+                text = size.read().strip().upper()
+            scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+            per_core = int(text.rstrip("KM")) * scale
+            break
+    except (OSError, ValueError):
+        pass
+    return per_core * machine_cores()

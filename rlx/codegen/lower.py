@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
+from llvmlite import binding as llvm
 from llvmlite import ir
 
 from rlx.codegen.blas import refuse_beyond_blas
@@ -32,7 +33,7 @@ from rlx.codegen.memory_plan import MemoryPlan
 from rlx.codegen.parallel import Step, emit_team, forward_to, share_identical_items
 from rlx.codegen.schedule import Kernel, Schedule
 from rlx.codegen.sizes import Size, SizeLike, emit_size, load_symbols, product
-from rlx.config import RuntimeConfig
+from rlx.config import RuntimeConfig, l2_cache_bytes
 from rlx.ir.graph import Graph, Node, Value
 from rlx.ir.ops import AttentionAttrs, AttentionBwdAttrs, OpKind, attention_dims
 from rlx.ir.region import Region
@@ -58,6 +59,7 @@ class CodegenOptions:
     order_seed: int | None = None  # plan a random topological order (planner fuzzing)
     profile: bool = False  # time every kernel of a call (``Executable.profile``)
     masks_as_mods: bool = False  # fixed-mask attention through the programmable kernels (rlx.passes.masks_as_mods)
+    stream_outputs: bool | None = None  # attention backward outputs streamed out; None: when beyond the L2 caches
 
 
 SYMBOLIC_BLOCK_Q = 128  # query rows per strip when the sequence lengths are only known per call
@@ -107,10 +109,23 @@ def kernel_spec(
         block_q,
         symbols,
         options.profile,
+        stream=grads is not None and streams_outputs(node, options.stream_outputs),
     )
     if spec.is_static:
         check_blas_limits(f"node {node.id} ({node.op})", spec)
     return spec
+
+
+def streams_outputs(node: Node, wanted: bool | None = None) -> bool:
+    """Whether a backward node's kernel stages its outputs and streams them out: on x86 (the
+    stores and their fence), for static shapes, and (``wanted`` None) for outputs beyond the L2
+    caches, whose lines a kernel writing in place would first read back from memory
+    (``AttentionLowering._stream_out``). ``wanted`` True or False decides for tests and tuning."""
+    if wanted is False or not llvm.get_process_triple().startswith("x86_64"):
+        return False
+    if not all(value.type.is_static for value in node.outputs):
+        return False
+    return wanted or sum(4 * math.prod(value.static_shape) for value in node.outputs) > l2_cache_bytes()
 
 
 def check_blas_limits(what: str, spec: AttentionKernelSpec) -> None:
