@@ -47,9 +47,9 @@ def _references(held: list[_Held], index: int) -> tuple[int, int]:
 def _calibrate() -> tuple[int, int]:
     """References :func:`_references` sees for an array and its buffer held by a pool list alone
     (it depends on the interpreter's calling convention, so it is measured rather than assumed)."""
-    array = aligned_empty((1,), np.float32)
-    held = [_Held(array, array.base)]
-    del array
+    array, buffer = _aligned((1,), np.dtype(np.float32))
+    held = [_Held(array, buffer)]
+    del array, buffer
     return _references(held, 0)
 
 
@@ -72,12 +72,12 @@ class OutputPool:
                 held.append(recycled)  # most recently handed out last
                 return recycled.array
         try:
-            fresh = aligned_empty(shape, dtype)
+            fresh, buffer = _aligned(shape, np.dtype(dtype))
         except MemoryError:
             nbytes = int(np.prod(shape, dtype=np.float64)) * np.dtype(dtype).itemsize
             what = f"intermediate {name}" if name.startswith("%") else f"output {name!r}"  # "%temp3": symbolic
             raise allocation_failed(f"{what} of shape {shape}", nbytes) from None
-        held.append(_Held(fresh, fresh.base))
+        held.append(_Held(fresh, buffer))
         if len(held) > DEPTH:
             held.pop(0)
         return fresh
@@ -88,13 +88,17 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype | str) -> np.ndarray:
     uint8 buffer of its own (its ``base``). NumPy's large arrays start 16 bytes into a page, so
     every row of an attention output straddled lines, and the kernels' whole-line streaming
     stores (``lower_attention.stream_rows``) could not be used."""
-    dtype = np.dtype(dtype)
+    return _aligned(shape, np.dtype(dtype))[0]
+
+
+def _aligned(shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`aligned_empty` and its buffer."""
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     buffer = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
     start = -buffer.ctypes.data % ALIGNMENT
     array = buffer[start : start + nbytes].view(dtype).reshape(shape)
     assert array.base is buffer
-    return array
+    return array, buffer
 
 
 _UNHELD = _calibrate()
