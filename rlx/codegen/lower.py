@@ -59,7 +59,7 @@ class CodegenOptions:
     order_seed: int | None = None  # plan a random topological order (planner fuzzing)
     profile: bool = False  # time every kernel of a call (``Executable.profile``)
     masks_as_mods: bool = False  # fixed-mask attention through the programmable kernels (rlx.passes.masks_as_mods)
-    stream_outputs: bool | None = None  # attention backward outputs streamed out; None: when beyond the L2 caches
+    stream_outputs: bool | None = None  # attention outputs streamed out; None: when a node's data exceed the L2 caches
 
 
 SYMBOLIC_BLOCK_Q = 128  # query rows per strip when the sequence lengths are only known per call
@@ -109,7 +109,7 @@ def kernel_spec(
         block_q,
         symbols,
         options.profile,
-        stream=grads is not None and streams_outputs(node, options.stream_outputs),
+        stream=streams_outputs(node, options.stream_outputs),
     )
     if spec.is_static:
         check_blas_limits(f"node {node.id} ({node.op})", spec)
@@ -117,15 +117,17 @@ def kernel_spec(
 
 
 def streams_outputs(node: Node, wanted: bool | None = None) -> bool:
-    """Whether a backward node's kernel stages its outputs and streams them out: on x86 (the
-    stores and their fence), for static shapes, and (``wanted`` None) for outputs beyond the L2
-    caches, whose lines a kernel writing in place would first read back from memory
-    (``AttentionLowering._stream_out``). ``wanted`` True or False decides for tests and tuning."""
+    """Whether an attention node's kernel stages its outputs and streams them out: on x86 (the
+    stores and their fence), for static shapes, and (``wanted`` None) when the node's operands
+    and outputs together exceed the L2 caches. Then a call's outputs are no longer in cache
+    when the kernel writes them, and writing in place would first read every line back from
+    memory (``AttentionLowering._stream_out``). ``wanted`` True or False decides for tests."""
     if wanted is False or not llvm.get_process_triple().startswith("x86_64"):
         return False
-    if not all(value.type.is_static for value in node.outputs):
+    values = [*node.inputs, *node.outputs]
+    if not all(value.type.is_static for value in values):
         return False
-    return wanted or sum(4 * math.prod(value.static_shape) for value in node.outputs) > l2_cache_bytes()
+    return wanted or sum(value.type.nbytes for value in values) > l2_cache_bytes()
 
 
 def check_blas_limits(what: str, spec: AttentionKernelSpec) -> None:

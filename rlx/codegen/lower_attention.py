@@ -63,7 +63,7 @@ from rlx.codegen.irutil import (
 from rlx.codegen.kernel_clock import COUNTERS_BYTES, KernelClock
 from rlx.codegen.sizes import SizeLike, ceil_div, emit_size, load_symbols, size_of
 from rlx.codegen.tile_gemm import declare_tile_gemm, host_tile_shape
-from rlx.codegen.vector import WIDTH, Lanes, vector_fill, vector_loop, vector_reduce
+from rlx.codegen.vector import WIDTH, Lanes, splat, vector_fill, vector_loop, vector_reduce
 from rlx.ir.ops import AttentionDims
 from rlx.ir.types import Dim, Layout, MaskKind, Wrt
 
@@ -126,12 +126,14 @@ class AttentionKernelSpec:
         return offsets
 
     def staged_floats(self) -> dict[str, int]:
-        """Per output a streaming backward stages, its floats in the thread's scratch: a strip of
-        dQ, and dK and dV whole when they fit (:data:`STAGE_KV_MAX_FLOATS`)."""
-        if not self.stream or self.grads is None or not self.is_static:
+        """Per output a streaming kernel stages, its floats in the thread's scratch: a strip of
+        ``out`` (forward) or of dQ, and dK and dV whole when they fit (:data:`STAGE_KV_MAX_FLOATS`)."""
+        if not self.stream or not self.is_static:
             return {}
         dims = self.dims
         assert isinstance(dims.seq_k, int)
+        if self.grads is None:
+            return {"out": whole_lines(self.block_q * dims.value_dim)}
         staged = {}
         if self.grads & Wrt.QUERY:
             staged["dq"] = whole_lines(self.block_q * dims.head_dim)
@@ -441,7 +443,9 @@ class AttentionLowering:
             group = b.sdiv(head, i64(dims.group), name="g")
             heads = self._head_pointers(b, base, batch, head, group)
             self._pack(b, heads, packed)
+            self.staged = self._staging(b, scratch)
             self._strips(b, heads, packed, base, batch, head, strip_s, strip_dp)
+            self._stream_out(b, heads)
         else:  # item = (batch, kv head): its query heads in order, so dK/dV of a group sum without races
             batch = b.sdiv(item, i64(dims.kv_heads), name="b")
             group = b.srem(item, i64(dims.kv_heads), name="g")
@@ -471,7 +475,8 @@ class AttentionLowering:
         return self._geometry(slot)[2] if slot in self.staged else self._ld(slot)
 
     def _stream_out(self, b: ir.IRBuilder, kv_heads: dict[str, ir.Value]) -> None:
-        """Copy the item's staged dK and dV to their heads, then fence the streamed stores.
+        """Copy the item's staged dK and dV to their heads (``out`` and dQ went out strip by
+        strip), then fence the streamed stores.
 
         Why stage: a backward whose outputs exceed the L2 caches writes lines that are not in
         cache, and every ordinary store to such a line first reads it from memory (a read for
@@ -548,8 +553,7 @@ class AttentionLowering:
             )
             ks, nk = b.extract_value(keys, 0, name="ks"), b.extract_value(keys, 1, name="nk")
             if forward:
-                self._forward_gemm(b, heads, i0, rows, ks, nk, strip_s)
-                self._scale_rows(b, heads, i0, rows, inverse)
+                self._forward_gemm(b, heads, i0, rows, ks, nk, strip_s, inverse)
             else:
                 assert first_member is not None
                 first = b.and_(first_member, b.icmp_signed("==", step, i64(0)), name="first.write")
@@ -633,14 +637,6 @@ class AttentionLowering:
         return b.fcmp_ordered("<", value, lanes.const(self.spec.threshold), name="padded")
 
     # ------------------------------------------------------------------ softmax
-
-    def _scale_rows(
-        self, b: ir.IRBuilder, heads: dict[str, ir.Value], i0: ir.Value, rows: ir.Value, inverse: ir.Value
-    ) -> None:
-        """``out[i0 + r] *= inverse[r]``: the forward's deferred softmax normalisation."""
-        ldo = self._ld("out")
-        out = gep_f32(b, heads["out"], b.mul(i0, i64(ldo)), name="out.strip")
-        scale_rows(b, out, rows, ldo, self.spec.dims.value_dim, inverse)
 
     def _softmax_function(self) -> ir.Function:
         """``{ks, nk} = scores_softmax(q_head, k_head, mask_base, strip, i0, rows)``: GEMM 1, mask and
@@ -891,11 +887,20 @@ class AttentionLowering:
         ks: ir.Value,
         nk: ir.Value,
         p: ir.Value,
+        inverse: ir.Value,
     ) -> None:
+        """``out_strip = P V_vis``, then each row by its deferred ``1/sum`` (``inverse``), in place
+        or, streaming, on the way from the staged strip to ``out``."""
         ldv, ldo, dv = self._ld("v"), self._ld("out"), self.spec.dims.value_dim
         v_vis = gep_f32(b, heads["v"], b.mul(ks, i64(ldv)), name="v.vis")
         out = gep_f32(b, heads["out"], b.mul(i0, i64(ldo)), name="out.strip")
-        self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(dv), nk, 1.0, p, nk, v_vis, ldv, 0.0, out, ldo)
+        staged = self.staged.get("out")
+        if staged is None:
+            self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(dv), nk, 1.0, p, nk, v_vis, ldv, 0.0, out, ldo)
+            scale_rows(b, out, rows, ldo, dv, inverse)
+        else:  # fenced at the end of the item (_stream_out)
+            self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(dv), nk, 1.0, p, nk, v_vis, ldv, 0.0, staged, dv)
+            stream_rows(b, staged, dv, out, ldo, rows, dv, inverse)
 
     def _backward_gemms(
         self,
@@ -1032,19 +1037,28 @@ def scale_row(b: ir.IRBuilder, row: ir.Value, width: ir.Value, factor: ir.Value)
 
 
 def stream_rows(
-    b: ir.IRBuilder, src: ir.Value, src_ld: int, dst: ir.Value, dst_ld: int, rows: ir.Value, width: int
+    b: ir.IRBuilder,
+    src: ir.Value,
+    src_ld: int,
+    dst: ir.Value,
+    dst_ld: int,
+    rows: ir.Value,
+    width: int,
+    factors: ir.Value | None = None,
 ) -> None:
-    """``dst[r*dst_ld : r*dst_ld + width] = src[r*src_ld : ...]`` for ``r < rows``, in whole
-    vectors with non-temporal stores where a row starts on a 64-byte line (ordinary stores
-    elsewhere, and for a row's last ``width % 16`` floats). The caller fences (sfence) before
-    anything else may read ``dst``."""
+    """``dst[r*dst_ld : r*dst_ld + width] = src[r*src_ld : ...]`` (times ``factors[r]``, when
+    given) for ``r < rows``, in whole vectors with non-temporal stores where a row starts on a
+    64-byte line (ordinary stores elsewhere, and for a row's last ``width % 16`` floats). The
+    caller fences (sfence) before anything else may read ``dst``."""
     vector = ir.VectorType(F32, WIDTH)
     streamed = b.module.add_metadata([ir.Constant(I32, 1)])
     whole = width - width % WIDTH
 
-    def copy(b: ir.IRBuilder, source: ir.Value, target: ir.Value, start: int, stop: int, nontemporal: bool) -> None:
-        for column in range(start, stop, WIDTH):
+    def copy(b: ir.IRBuilder, source: ir.Value, target: ir.Value, factor: ir.Value | None, nontemporal: bool) -> None:
+        for column in range(0, whole, WIDTH):
             value = b.load(gep_f32(b, source, i64(column)), typ=vector, align=4)
+            if factor is not None:
+                value = b.fmul(value, splat(b, factor, WIDTH))
             store = b.store(value, gep_f32(b, target, i64(column)), align=64 if nontemporal else 4)
             if nontemporal:
                 store.set_metadata("nontemporal", streamed)
@@ -1053,13 +1067,15 @@ def stream_rows(
         source = gep_f32(b, src, b.mul(row, i64(src_ld)), name="stream.src")
         target = gep_f32(b, dst, b.mul(row, i64(dst_ld)), name="stream.dst")
         on_line = b.icmp_unsigned("==", b.and_(b.ptrtoint(target, I64), i64(SCRATCH_ALIGN - 1)), i64(0))
+        factor = None if factors is None else b.load(gep_f32(b, factors, row), typ=F32, name="stream.factor")
         with b.if_else(on_line) as (aligned, unaligned):
             with aligned:
-                copy(b, source, target, 0, whole, True)
+                copy(b, source, target, factor, True)
             with unaligned:
-                copy(b, source, target, 0, whole, False)
+                copy(b, source, target, factor, False)
         for column in range(whole, width):
-            b.store(b.load(gep_f32(b, source, i64(column)), typ=F32), gep_f32(b, target, i64(column)))
+            value = b.load(gep_f32(b, source, i64(column)), typ=F32)
+            b.store(value if factor is None else b.fmul(value, factor), gep_f32(b, target, i64(column)))
 
 
 def zero_rows(

@@ -1,4 +1,4 @@
-"""Attention backwards that stage their outputs in scratch and stream them out (non-temporal stores).
+"""Attention kernels that stage their outputs in scratch and stream them out (non-temporal stores).
 
 By default only outputs beyond the L2 caches stream, which no small test reaches, so these tests
 force it (``CodegenOptions(stream_outputs=True)``) and check that nothing computed changes: the
@@ -81,6 +81,33 @@ def test_streamed_outputs_are_the_in_place_ones(case: tuple, threads: int) -> No
     again = streamed(**arrays)  # into recycled (poisoned) arrays: every row is written again
     for name in ref:
         np.testing.assert_array_equal(again[name], got[name], err_msg=name)
+
+
+FORWARD_CASES = [
+    (MaskKind.NONE, Layout.BSHD, 2, 40, 40, 3, 3, 64, 64, None),
+    (MaskKind.CAUSAL, Layout.BHSD, 2, 70, 50, 4, 2, 24, 40, 16),  # GQA, Dv != D, several strips
+    (MaskKind.CUSTOM, Layout.BSHD, 1, 33, 33, 2, 2, 20, 20, 8),
+]
+
+
+@pytest.mark.skipif(not X86, reason="streaming stores are emitted for x86 hosts only")
+@pytest.mark.parametrize("case", FORWARD_CASES, ids=lambda c: f"{c[0]}-{c[1]}-sq{c[3]}-sk{c[4]}-d{c[7]}/{c[8]}")
+def test_a_streamed_forward_is_the_in_place_one(case: tuple) -> None:
+    """The forward scales its staged rows by 1/sum on the way out: the same multiply as in place."""
+    mask, layout, b, sq, sk, h, hkv, d, dv, block_q = case
+    g = Graph("streamed_forward")
+    q = g.input("q", layout.join(b, sq, h, d))
+    k = g.input("k", layout.join(b, sk, hkv, d))
+    v = g.input("v", layout.join(b, sk, hkv, dv))
+    pad = g.input("pad", (b, sk)) if mask == MaskKind.CUSTOM else None
+    g.output(out=g.attention(q, k, v, mask=mask, layout=layout, mask_input=pad))
+    arrays = arrays_for(g, seed=sq)
+    streamed = compile_graph(g, options=CodegenOptions(block_q=block_q, stream_outputs=True))
+    in_place = compile_graph(g, options=CodegenOptions(block_q=block_q, stream_outputs=False))
+    assert "!nontemporal" in streamed.llvm_ir and "!nontemporal" not in in_place.llvm_ir
+    got = streamed(**arrays)["out"]
+    np.testing.assert_array_equal(got, in_place(**arrays)["out"])
+    np.testing.assert_allclose(got, rlx.reference.run(g, **arrays)["out"], rtol=2e-5, atol=2e-5)
 
 
 def test_the_long_case_stages_dq_only() -> None:
