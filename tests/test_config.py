@@ -186,3 +186,22 @@ def test_attn_bwd_serial_forces_one_thread(clean_env: pytest.MonkeyPatch, config
 def test_attn_bwd_serial_off(clean_env: pytest.MonkeyPatch, text: str) -> None:
     clean_env.setenv("RLX_ATTN_BWD_SERIAL", text)
     assert resolve_num_threads(RuntimeConfig(num_threads=4)) == 4
+
+
+def test_the_l2_caches_are_read_as_a_whole_number_per_core() -> None:
+    """What decides whether attention kernels stream their outputs: positive, a multiple of the
+    cores, and the sysfs figure where the kernel gives one."""
+    from rlx.config import l2_cache_bytes, machine_cores
+
+    total = l2_cache_bytes()
+    assert total > 0 and total % machine_cores() == 0
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    if os.path.isdir(root):
+        for index in os.listdir(root):
+            try:
+                with open(os.path.join(root, index, "level")) as level, open(os.path.join(root, index, "size")) as size:
+                    if level.read().strip() == "2" and size.read().strip().endswith("K"):
+                        per_core = total // machine_cores()
+                        assert per_core % 1024 == 0
+            except OSError:
+                continue
