@@ -92,6 +92,11 @@ TILE_TN_MAX_A = 1 << 17  # elements of op(A) = P^T or dS^T: 512 KB
 # scratch while Sk x (D + Dv) is at most this many floats (256 KB); longer heads write them in
 # place, where the time per key row is too large for the write misses to matter.
 STAGE_KV_MAX_FLOATS = 1 << 16
+# A backward over BSHD heads copies each strip's rows of Q and dY dense (an odd number of lines
+# apart) from this many keys on: as the A operand of Q K^T and dY V^T, rows H·D floats apart
+# fell into a few sets of L1 (2 KB apart: two sets per column). B4 H8 S512, B2 H8 S1024 causal
+# and B2 H6 S768 D128: 3-4% faster; at S = 128 the copy costs what it saves.
+DENSE_ROWS_MIN_KEYS = 256
 
 
 @dataclass(frozen=True)
@@ -114,13 +119,29 @@ class AttentionKernelSpec:
     def is_static(self) -> bool:
         return isinstance(self.dims.seq_q, int) and isinstance(self.dims.seq_k, int)
 
+    def dense_rows(self) -> dict[str, int]:
+        """The strip operands a backward copies dense per strip (:data:`DENSE_ROWS_MIN_KEYS`),
+        with the leading dimension of the copy: whole lines, an odd number of them."""
+        dims = self.dims
+        strided = self.layout == Layout.BSHD and max(dims.heads, dims.kv_heads) > 1
+        if not (self.needs_dp and self.is_static and strided) or not isinstance(dims.seq_k, int):
+            return {}
+        if dims.seq_k < DENSE_ROWS_MIN_KEYS:
+            return {}
+        return {"q": packed_ld(dims.head_dim), "dy": packed_ld(dims.value_dim)}
+
+    def buffer_floats(self) -> dict[str, int]:
+        """The buffers after the strips and the transposed copies in a thread's scratch, in
+        order: staged outputs (by slot) and dense strip rows (``"q.rows"``, ``"dy.rows"``)."""
+        dense = {f"{slot}.rows": whole_lines(self.block_q * ld) for slot, ld in self.dense_rows().items()}
+        return self.staged_floats() | dense
+
     def staging_offsets(self) -> dict[str, int]:
-        """Where each staged output starts in a thread's scratch (floats), after the strips and
-        the transposed copies."""
-        staged = self.staged_floats()
-        offset = self._strips_bytes(None) // 4 if staged else 0
+        """Where each of :meth:`buffer_floats` starts in a thread's scratch (floats)."""
+        buffers = self.buffer_floats()
+        offset = self._strips_bytes(None) // 4 if buffers else 0
         offsets = {}
-        for slot, floats in staged.items():
+        for slot, floats in buffers.items():
             offsets[slot] = offset
             offset += floats
         return offsets
@@ -170,7 +191,7 @@ class AttentionKernelSpec:
         """Per-thread scratch: the P strip, plus the dP/dS strip when dQ or dK are wanted; the
         forward keeps one reciprocal row sum per strip row instead. A profiling build keeps its
         counters (:mod:`rlx.codegen.kernel_clock`) in the last 64 bytes of the thread's scratch."""
-        staged = 4 * sum(self.staged_floats().values())
+        staged = 4 * sum(self.buffer_floats().values())
         if self.profile and self.is_static:
             return self._strips_bytes(seq_k) + staged + COUNTERS_BYTES
         return self._strips_bytes(seq_k) + staged
@@ -385,10 +406,12 @@ class AttentionLowering:
         self.spec = spec
         self.name = name
         self.memset = intrinsic(module, "llvm.memset.p0.i64", VOID, [PTR, I8, I64, I1])
+        self.memcpy = intrinsic(module, "llvm.memcpy.p0.p0.i64", VOID, [PTR, PTR, I64, I1])
         self.sgemm = declare_sgemm(module)
         self.neg = f32(spec.neg)
         self.clock = KernelClock(module, spec.profile and spec.is_static, spec.counters_at)
         self.staged: dict[str, ir.Value] = {}  # output -> its staging buffer (a streaming backward)
+        self.dense: dict[str, ir.Value] = {}  # q, dy -> the buffer a backward copies a strip's rows to
 
     # ------------------------------------------------------------------ public
 
@@ -451,7 +474,9 @@ class AttentionLowering:
             group = b.srem(item, i64(dims.kv_heads), name="g")
             kv_heads = self._head_pointers(b, base, batch, group, group)
             self._pack(b, kv_heads, packed)  # K, V of kv head g
-            self.staged = self._staging(b, scratch)
+            buffers = self._staging(b, scratch)
+            self.staged = {slot: ptr for slot, ptr in buffers.items() if not slot.endswith(".rows")}
+            self.dense = {slot.removesuffix(".rows"): ptr for slot, ptr in buffers.items() if slot.endswith(".rows")}
             with for_range(b, 0, dims.group, "member") as member:
                 head = b.add(b.mul(group, i64(dims.group)), member, name="h")
                 heads = self._head_pointers(b, base, batch, head, group)
@@ -466,7 +491,7 @@ class AttentionLowering:
     # ------------------------------------------------------------------ streaming outputs
 
     def _staging(self, b: ir.IRBuilder, scratch: ir.Value) -> dict[str, ir.Value]:
-        """The staging buffers of a streaming backward in this thread's scratch (none otherwise)."""
+        """The buffers of :meth:`AttentionKernelSpec.buffer_floats` in this thread's scratch."""
         offsets = self.spec.staging_offsets().items()
         return {slot: gep_f32(b, scratch, i64(offset), name=f"{slot}.staged") for slot, offset in offsets}
 
@@ -546,9 +571,13 @@ class AttentionLowering:
             # The forward leaves rows as exp(s - m) and scales out rows by 1/sum after P·V (Dv
             # floats a row instead of nk); the backward needs P itself.
             inverse = gep_f32(b, strip_s, self._strip_floats(b), name="inv.sums") if forward else ir.Constant(PTR, None)
+            strips: dict[str, tuple[ir.Value, int]] = {
+                slot: self._strip_rows(b, heads, slot, i0, rows) for slot in ("q", "dy") if slot in heads
+            }
+            q_strip, ldq = strips["q"]
             keys = b.call(
                 self._softmax_function(),
-                [heads["q"], heads["k"], packed["k"], mask_base, strip_s, i0, rows, inverse, self.sq, self.sk],
+                [q_strip, i64(ldq), heads["k"], packed["k"], mask_base, strip_s, i0, rows, inverse, self.sq, self.sk],
                 name="keys",
             )
             ks, nk = b.extract_value(keys, 0, name="ks"), b.extract_value(keys, 1, name="nk")
@@ -557,7 +586,25 @@ class AttentionLowering:
             else:
                 assert first_member is not None
                 first = b.and_(first_member, b.icmp_signed("==", step, i64(0)), name="first.write")
-                self._backward_gemms(b, heads, packed, i0, rows, ks, nk, strip_s, strip_dp, mask_base, first)
+                self._backward_gemms(b, heads, strips, packed, i0, rows, ks, nk, strip_s, strip_dp, mask_base, first)
+
+    def _strip_rows(
+        self, b: ir.IRBuilder, heads: dict[str, ir.Value], slot: str, i0: ir.Value, rows: ir.Value
+    ) -> tuple[ir.Value, int]:
+        """A strip's rows of q or dy and their leading dimension: in place, or copied dense
+        (:meth:`AttentionKernelSpec.dense_rows`)."""
+        ld = self._ld(slot)
+        in_place = gep_f32(b, heads[slot], b.mul(i0, i64(ld)), name=f"{slot}.strip")
+        dense = self.dense.get(slot)
+        if dense is None:
+            return in_place, ld
+        dense_ld, width = self.spec.dense_rows()[slot], self._geometry(slot)[2]
+        with for_range(b, 0, rows, f"{slot}.dense") as row:
+            source = gep_f32(b, in_place, b.mul(row, i64(ld)))
+            b.call(
+                self.memcpy, [gep_f32(b, dense, b.mul(row, i64(dense_ld))), source, i64(4 * width), ir.Constant(I1, 0)]
+            )
+        return dense, dense_ld
 
     # ------------------------------------------------------------------ addressing
 
@@ -639,7 +686,7 @@ class AttentionLowering:
     # ------------------------------------------------------------------ softmax
 
     def _softmax_function(self) -> ir.Function:
-        """``{ks, nk} = scores_softmax(q_head, k_head, mask_base, strip, i0, rows)``: GEMM 1, mask and
+        """``{ks, nk} = scores_softmax(q_strip, ldq, k_head, ..., strip, i0, rows)``: GEMM 1, mask and
         softmax of one strip, returning the keys ``[ks, ks + nk)`` it used.
 
         Defined once per module for all nodes of the same shapes, layout and mask, so a forward
@@ -653,18 +700,18 @@ class AttentionLowering:
         if existing is not None:
             return existing  # type: ignore[return-value]
         keys_type = ir.LiteralStructType([I64, I64])
-        signature = ir.FunctionType(keys_type, [PTR, PTR, PTR, PTR, PTR, I64, I64, PTR, I64, I64])
+        signature = ir.FunctionType(keys_type, [PTR, I64, PTR, PTR, PTR, PTR, I64, I64, PTR, I64, I64])
         fn = ir.Function(self.module, signature, name=name)
         fn.linkage = "internal"
-        q_head, k_head, k_packed, mask_base, strip, i0, rows, inverse, sq, sk = fn.args
-        names = ("q.head", "k.head", "k.packed", "mask.base", "strip", "i0", "rows", "inverse", "sq", "sk")
+        q_strip, ldq, k_head, k_packed, mask_base, strip, i0, rows, inverse, sq, sk = fn.args
+        names = ("q.strip", "ldq", "k.head", "k.packed", "mask.base", "strip", "i0", "rows", "inverse", "sq", "sk")
         for arg, arg_name in zip(fn.args, names, strict=True):
             arg.name = arg_name
         b = ir.IRBuilder(fn.append_basic_block("entry"))
         caller = self.sq, self.sk, self.clock.counters
         self.sq, self.sk = sq, sk  # the lengths as this function sees them: its arguments
         self.clock.point_at(b, strip)  # the strip is the thread's scratch
-        ks, nk = self._scores_and_softmax(b, q_head, k_head, k_packed, mask_base, strip, i0, rows, inverse)
+        ks, nk = self._scores_and_softmax(b, q_strip, ldq, k_head, k_packed, mask_base, strip, i0, rows, inverse)
         self.sq, self.sk, self.clock.counters = caller
         keys = b.insert_value(ir.Constant(keys_type, ir.Undefined), ks, 0)
         b.ret(b.insert_value(keys, nk, 1))
@@ -673,7 +720,8 @@ class AttentionLowering:
     def _scores_and_softmax(
         self,
         b: ir.IRBuilder,
-        q_head: ir.Value,
+        q_strip: ir.Value,
+        ldq: ir.Value,
         k_head: ir.Value,
         k_packed: ir.Value,
         mask_base: ir.Value,
@@ -683,7 +731,7 @@ class AttentionLowering:
         inverse: ir.Value | None = None,
     ) -> tuple[ir.Value, ir.Value]:
         spec, dims = self.spec, self.spec.dims
-        ldq, ldk = self._ld("q"), self._ld("k")
+        ldk = self._ld("k")
         ks0, nk0 = self._strip_keys(b, i0, rows)
         before = b.block
         scores = b.append_basic_block("scores")
@@ -697,7 +745,6 @@ class AttentionLowering:
         nk.add_incoming(nk0, before)
         ks.add_incoming(i64(0), retry)
         nk.add_incoming(self.sk, retry)
-        q_strip = gep_f32(b, q_head, b.mul(i0, i64(ldq)), name="q.strip")
         self._product_with_transposed(
             b, rows, nk, dims.head_dim, spec.scale, q_strip, ldq, k_head, ldk, k_packed, ks, strip, nk
         )
@@ -906,6 +953,7 @@ class AttentionLowering:
         self,
         b: ir.IRBuilder,
         heads: dict[str, ir.Value],
+        strips: dict[str, tuple[ir.Value, int]],
         packed: dict[str, ir.Value],
         i0: ir.Value,
         rows: ir.Value,
@@ -920,11 +968,10 @@ class AttentionLowering:
         the ``first`` write of a group stores (beta = 0) and zeroes the rows outside its keys, so
         no pass zeroes the whole head beforehand (strided rows cost a cache miss each to zero)."""
         spec, d, dv_width = self.spec, self.spec.dims.head_dim, self.spec.dims.value_dim
-        ldq, ldk, ldv, ldo = self._ld("q"), self._ld("k"), self._ld("v"), self._ld("dy")
+        ldk, ldv = self._ld("k"), self._ld("v")
+        (q_strip, ldq), (dy_strip, ldo) = strips["q"], strips["dy"]  # in place or dense (_strip_rows)
         grads = spec.grads
         assert grads is not None
-        q_strip = gep_f32(b, heads["q"], b.mul(i0, i64(ldq)), name="q.strip")
-        dy_strip = gep_f32(b, heads["dy"], b.mul(i0, i64(ldo)), name="dy.strip")
         k_vis = gep_f32(b, heads["k"], b.mul(ks, i64(ldk)), name="k.vis")
         accumulate = b.select(first, f32(0.0), f32(1.0), name="beta.kv")
         with b.if_then(first):

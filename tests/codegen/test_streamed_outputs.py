@@ -9,12 +9,15 @@ bit-identical to in-place ones, and both match the float64 reference. Poisoned o
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 import pytest
 from llvmlite import binding as llvm
 
 import rlx
 from rlx import Graph, Layout, MaskKind, Wrt
+from rlx.codegen import executable
 from rlx.codegen.executable import compile_graph
 from rlx.codegen.lower import CodegenOptions
 from rlx.codegen.lower_attention import STAGE_KV_MAX_FLOATS
@@ -129,3 +132,26 @@ def test_outputs_start_on_cache_lines() -> None:
     exe = compile_graph(g, options=CodegenOptions(stream_outputs=True))
     for name, array in exe(**arrays_for(g, seed=1)).items():
         assert array.ctypes.data % 64 == 0, name
+
+
+@pytest.mark.parametrize("wrt", [Wrt.ALL, Wrt.KEY, Wrt.QUERY | Wrt.VALUE])
+@pytest.mark.parametrize("mask", [MaskKind.NONE, MaskKind.CAUSAL])
+def test_dense_strip_rows_change_nothing_computed(monkeypatch: pytest.MonkeyPatch, wrt: Wrt, mask: MaskKind) -> None:
+    """A BSHD backward over enough keys copies each strip's rows of Q and dY dense before its
+    products read them as A; with the copies turned off the results are the same bits."""
+    import rlx.codegen.lower_attention as lowering
+
+    g = build(mask, Layout.BSHD, 1, 300, 300, 2, 1, 24, 40, wrt)
+    arrays = arrays_for(g, seed=3)
+    options = CodegenOptions(block_q=64)
+    spec_dense = compile_graph(g, options=options)
+    got = spec_dense(**arrays)
+    monkeypatch.setattr(lowering, "DENSE_ROWS_MIN_KEYS", 1 << 30)
+    monkeypatch.setattr(executable, "_cache", OrderedDict())  # compiled again, not found in the cache
+    in_place = compile_graph(g, options=options)
+    assert spec_dense.llvm_ir != in_place.llvm_ir  # the copies were there, and are gone
+    want = in_place(**arrays)
+    ref = rlx.reference.run(g, **arrays)
+    for name in ref:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+        np.testing.assert_allclose(got[name], ref[name], rtol=2e-5, atol=2e-5, err_msg=name)
