@@ -92,10 +92,11 @@ TILE_TN_MAX_A = 1 << 17  # elements of op(A) = P^T or dS^T: 512 KB
 # scratch while Sk x (D + Dv) is at most this many floats (256 KB); longer heads write them in
 # place, where the time per key row is too large for the write misses to matter.
 STAGE_KV_MAX_FLOATS = 1 << 16
-# A backward over BSHD heads copies each strip's rows of Q and dY dense (an odd number of lines
-# apart) from this many keys on: as the A operand of Q K^T and dY V^T, rows H·D floats apart
-# fell into a few sets of L1 (2 KB apart: two sets per column). B4 H8 S512, B2 H8 S1024 causal
-# and B2 H6 S768 D128: 3-4% faster; at S = 128 the copy costs what it saves.
+# A kernel over BSHD heads copies each strip's rows of Q (and, backward, dY) dense, an odd
+# number of lines apart, from this many keys on: as the A operand of Q K^T and dY V^T, rows H·D
+# floats apart fell into a few sets of L1 (2 KB apart: two sets per column). Backward B4 H8
+# S512, B2 H8 S1024 causal and B2 H6 S768 D128: 3-4% faster, the forward 0-6%; at S = 128 the
+# copy costs what it saves.
 DENSE_ROWS_MIN_KEYS = 256
 
 
@@ -120,15 +121,16 @@ class AttentionKernelSpec:
         return isinstance(self.dims.seq_q, int) and isinstance(self.dims.seq_k, int)
 
     def dense_rows(self) -> dict[str, int]:
-        """The strip operands a backward copies dense per strip (:data:`DENSE_ROWS_MIN_KEYS`),
-        with the leading dimension of the copy: whole lines, an odd number of them."""
+        """The strip operands a kernel copies dense per strip (:data:`DENSE_ROWS_MIN_KEYS`): Q,
+        and dY in a backward that forms dP; with the leading dimension of the copy: whole
+        lines, an odd number of them."""
         dims = self.dims
         strided = self.layout == Layout.BSHD and max(dims.heads, dims.kv_heads) > 1
-        if not (self.needs_dp and self.is_static and strided) or not isinstance(dims.seq_k, int):
+        if not (self.is_static and strided) or not isinstance(dims.seq_k, int) or dims.seq_k < DENSE_ROWS_MIN_KEYS:
             return {}
-        if dims.seq_k < DENSE_ROWS_MIN_KEYS:
-            return {}
-        return {"q": packed_ld(dims.head_dim), "dy": packed_ld(dims.value_dim)}
+        if self.grads is None:
+            return {"q": packed_ld(dims.head_dim)}
+        return {"q": packed_ld(dims.head_dim), "dy": packed_ld(dims.value_dim)} if self.needs_dp else {}
 
     def buffer_floats(self) -> dict[str, int]:
         """The buffers after the strips and the transposed copies in a thread's scratch, in
@@ -466,7 +468,7 @@ class AttentionLowering:
             group = b.sdiv(head, i64(dims.group), name="g")
             heads = self._head_pointers(b, base, batch, head, group)
             self._pack(b, heads, packed)
-            self.staged = self._staging(b, scratch)
+            self._buffers(b, scratch)
             self._strips(b, heads, packed, base, batch, head, strip_s, strip_dp)
             self._stream_out(b, heads)
         else:  # item = (batch, kv head): its query heads in order, so dK/dV of a group sum without races
@@ -474,9 +476,7 @@ class AttentionLowering:
             group = b.srem(item, i64(dims.kv_heads), name="g")
             kv_heads = self._head_pointers(b, base, batch, group, group)
             self._pack(b, kv_heads, packed)  # K, V of kv head g
-            buffers = self._staging(b, scratch)
-            self.staged = {slot: ptr for slot, ptr in buffers.items() if not slot.endswith(".rows")}
-            self.dense = {slot.removesuffix(".rows"): ptr for slot, ptr in buffers.items() if slot.endswith(".rows")}
+            self._buffers(b, scratch)
             with for_range(b, 0, dims.group, "member") as member:
                 head = b.add(b.mul(group, i64(dims.group)), member, name="h")
                 heads = self._head_pointers(b, base, batch, head, group)
@@ -490,10 +490,12 @@ class AttentionLowering:
 
     # ------------------------------------------------------------------ streaming outputs
 
-    def _staging(self, b: ir.IRBuilder, scratch: ir.Value) -> dict[str, ir.Value]:
-        """The buffers of :meth:`AttentionKernelSpec.buffer_floats` in this thread's scratch."""
-        offsets = self.spec.staging_offsets().items()
-        return {slot: gep_f32(b, scratch, i64(offset), name=f"{slot}.staged") for slot, offset in offsets}
+    def _buffers(self, b: ir.IRBuilder, scratch: ir.Value) -> None:
+        """Point :attr:`staged` and :attr:`dense` at the buffers of
+        :meth:`AttentionKernelSpec.buffer_floats` in this thread's scratch."""
+        buffers = {slot: gep_f32(b, scratch, i64(offset)) for slot, offset in self.spec.staging_offsets().items()}
+        self.staged = {slot: ptr for slot, ptr in buffers.items() if not slot.endswith(".rows")}
+        self.dense = {slot.removesuffix(".rows"): ptr for slot, ptr in buffers.items() if slot.endswith(".rows")}
 
     def _out_ld(self, slot: str) -> int:
         """Elements between rows of an output where the kernel writes it: staged rows are dense."""

@@ -155,3 +155,23 @@ def test_dense_strip_rows_change_nothing_computed(monkeypatch: pytest.MonkeyPatc
     for name in ref:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
         np.testing.assert_allclose(got[name], ref[name], rtol=2e-5, atol=2e-5, err_msg=name)
+
+
+def test_a_forward_with_dense_query_rows_is_the_in_place_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    import rlx.codegen.lower_attention as lowering
+
+    g = Graph("dense_forward")
+    q = g.input("q", (1, 300, 4, 24))
+    k = g.input("k", (1, 280, 2, 24))
+    v = g.input("v", (1, 280, 2, 40))
+    g.output(out=g.attention(q, k, v, mask=MaskKind.CAUSAL))
+    arrays = arrays_for(g, seed=5)
+    options = CodegenOptions(block_q=64)
+    dense = compile_graph(g, options=options)
+    got = dense(**arrays)["out"]
+    monkeypatch.setattr(lowering, "DENSE_ROWS_MIN_KEYS", 1 << 30)
+    monkeypatch.setattr(executable, "_cache", OrderedDict())
+    in_place = compile_graph(g, options=options)
+    assert "q.dense" in dense.llvm_ir and "q.dense" not in in_place.llvm_ir
+    np.testing.assert_array_equal(got, in_place(**arrays)["out"])
+    np.testing.assert_allclose(got, rlx.reference.run(g, **arrays)["out"], rtol=2e-5, atol=2e-5)
