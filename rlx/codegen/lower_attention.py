@@ -24,9 +24,11 @@ BHSD, and that stride is the BLAS leading dimension. The one copy: from ``PACK_M
 rows on, each item first copies its head's K (and, for dP, V) transposed into the thread's
 scratch, so that ``Q K^T`` and ``dY V^T`` run as NN products, which OpenBLAS runs faster.
 
-A backward whose outputs exceed the L2 caches writes dQ (a strip at a time) and, for heads short
-enough, dK and dV into the thread's scratch and streams them out with non-temporal stores
-(:meth:`AttentionLowering._stream_out`): written in place, every line would first be read.
+A kernel whose operands and outputs exceed the L2 caches writes ``out`` or dQ (a strip at a
+time) and, for heads short enough, dK and dV into the thread's scratch and streams them out with
+non-temporal stores (:meth:`AttentionLowering._stream_out`): written in place, every line would
+first be read. Over BSHD heads, each strip's rows of Q (and dY) are read from a dense copy
+(:meth:`AttentionKernelSpec.dense_rows`).
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ class AttentionKernelSpec:
     symbols: tuple[str, ...] = ()  # the call's symbolic dimensions, in the order of the sizes table
     profile: bool = False  # time BLAS, softmax and dS into per-thread counters (static shapes)
     counters_at: int = 0  # byte offset of those counters in a thread's scratch (its last 64 bytes)
-    stream: bool = False  # backward: stage outputs in scratch, stream them out (AttentionLowering._stream_out)
+    stream: bool = False  # stage outputs in scratch, stream them out (AttentionLowering._stream_out)
 
     @property
     def is_static(self) -> bool:
@@ -138,7 +140,7 @@ class AttentionKernelSpec:
         dense = {f"{slot}.rows": whole_lines(self.block_q * ld) for slot, ld in self.dense_rows().items()}
         return self.staged_floats() | dense
 
-    def staging_offsets(self) -> dict[str, int]:
+    def buffer_offsets(self) -> dict[str, int]:
         """Where each of :meth:`buffer_floats` starts in a thread's scratch (floats)."""
         buffers = self.buffer_floats()
         offset = self._strips_bytes(None) // 4 if buffers else 0
@@ -193,10 +195,10 @@ class AttentionKernelSpec:
         """Per-thread scratch: the P strip, plus the dP/dS strip when dQ or dK are wanted; the
         forward keeps one reciprocal row sum per strip row instead. A profiling build keeps its
         counters (:mod:`rlx.codegen.kernel_clock`) in the last 64 bytes of the thread's scratch."""
-        staged = 4 * sum(self.buffer_floats().values())
+        buffers = 4 * sum(self.buffer_floats().values())
         if self.profile and self.is_static:
-            return self._strips_bytes(seq_k) + staged + COUNTERS_BYTES
-        return self._strips_bytes(seq_k) + staged
+            return self._strips_bytes(seq_k) + buffers + COUNTERS_BYTES
+        return self._strips_bytes(seq_k) + buffers
 
     @property
     def strip_layout(self) -> tuple[int, int]:
@@ -412,8 +414,8 @@ class AttentionLowering:
         self.sgemm = declare_sgemm(module)
         self.neg = f32(spec.neg)
         self.clock = KernelClock(module, spec.profile and spec.is_static, spec.counters_at)
-        self.staged: dict[str, ir.Value] = {}  # output -> its staging buffer (a streaming backward)
-        self.dense: dict[str, ir.Value] = {}  # q, dy -> the buffer a backward copies a strip's rows to
+        self.staged: dict[str, ir.Value] = {}  # output -> its staging buffer (a streaming kernel)
+        self.dense: dict[str, ir.Value] = {}  # q, dy -> the buffer a strip's rows are copied to
 
     # ------------------------------------------------------------------ public
 
@@ -493,7 +495,7 @@ class AttentionLowering:
     def _buffers(self, b: ir.IRBuilder, scratch: ir.Value) -> None:
         """Point :attr:`staged` and :attr:`dense` at the buffers of
         :meth:`AttentionKernelSpec.buffer_floats` in this thread's scratch."""
-        buffers = {slot: gep_f32(b, scratch, i64(offset)) for slot, offset in self.spec.staging_offsets().items()}
+        buffers = {slot: gep_f32(b, scratch, i64(offset)) for slot, offset in self.spec.buffer_offsets().items()}
         self.staged = {slot: ptr for slot, ptr in buffers.items() if not slot.endswith(".rows")}
         self.dense = {slot.removesuffix(".rows"): ptr for slot, ptr in buffers.items() if slot.endswith(".rows")}
 
@@ -505,9 +507,9 @@ class AttentionLowering:
         """Copy the item's staged dK and dV to their heads (``out`` and dQ went out strip by
         strip), then fence the streamed stores.
 
-        Why stage: a backward whose outputs exceed the L2 caches writes lines that are not in
-        cache, and every ordinary store to such a line first reads it from memory (a read for
-        ownership), strided in BSHD heads. The products write into dense buffers in the thread's
+        Why stage: a kernel whose operands and outputs exceed the L2 caches writes lines that
+        are not in cache, and every ordinary store to such a line first reads it from memory (a
+        read for ownership), strided in BSHD heads. The products write into dense buffers in the thread's
         scratch instead, and each row goes out in whole 64-byte lines with non-temporal stores,
         which need no read. B32 H12 S128 D64 BSHD backward on one thread: 121 -> 93 us a head
         (cache-resident B1: 75 either way); copying the staged rows with ordinary stores: 114.

@@ -47,7 +47,7 @@ def _references(held: list[_Held], index: int) -> tuple[int, int]:
 def _calibrate() -> tuple[int, int]:
     """References :func:`_references` sees for an array and its buffer held by a pool list alone
     (it depends on the interpreter's calling convention, so it is measured rather than assumed)."""
-    array, buffer = _aligned((1,), np.dtype(np.float32))
+    array, buffer = aligned_empty((1,), np.dtype(np.float32))
     held = [_Held(array, buffer)]
     del array, buffer
     return _references(held, 0)
@@ -72,7 +72,7 @@ class OutputPool:
                 held.append(recycled)  # most recently handed out last
                 return recycled.array
         try:
-            fresh, buffer = _aligned(shape, np.dtype(dtype))
+            fresh, buffer = aligned_empty(shape, np.dtype(dtype))
         except MemoryError:
             nbytes = int(np.prod(shape, dtype=np.float64)) * np.dtype(dtype).itemsize
             what = f"intermediate {name}" if name.startswith("%") else f"output {name!r}"  # "%temp3": symbolic
@@ -83,16 +83,11 @@ class OutputPool:
         return fresh
 
 
-def aligned_empty(shape: tuple[int, ...], dtype: np.dtype | str) -> np.ndarray:
-    """``np.empty(shape, dtype)`` whose first element starts a 64-byte cache line: a view of a
-    uint8 buffer of its own (its ``base``). NumPy's large arrays start 16 bytes into a page, so
-    every row of an attention output straddled lines, and the kernels' whole-line streaming
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """``np.empty(shape, dtype)`` whose first element starts a 64-byte cache line, and the uint8
+    buffer of its own it views (its ``base``). NumPy's large arrays start 16 bytes into a page,
+    so every row of an attention output straddled lines, and the kernels' whole-line streaming
     stores (``lower_attention.stream_rows``) could not be used."""
-    return _aligned(shape, np.dtype(dtype))[0]
-
-
-def _aligned(shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`aligned_empty` and its buffer."""
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     buffer = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
     start = -buffer.ctypes.data % ALIGNMENT

@@ -19,7 +19,7 @@ from rlx.config import RuntimeConfig, resolve_config
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.opdef import EvalContext, OpDef, not_differentiable, register_op
 from rlx.ir.types import Dim, Layout, MaskKind, TensorType, Wrt
-from rlx.ops._common import F32, op_kind
+from rlx.ops._common import F32, op_kind, zeros
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Node, Value
@@ -378,7 +378,7 @@ def _attention_grad(
             bwd_attrs = AttentionBwdAttrs(wrt=flag, mask=attrs.mask, layout=attrs.layout)
             grads[slot] = graph.add_node(op_kind("attention_bwd"), (q, k, v, dy, *mask_input), bwd_attrs).outputs[0]
     if mask_input and needed[3]:  # CUSTOM
-        grads[3] = graph.broadcast_to(graph.constant(np.zeros((), np.float32)), mask_input[0].shape)
+        grads[3] = zeros(graph, mask_input[0].shape)
     return grads
 
 

@@ -28,7 +28,7 @@ from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.opdef import EvalContext, OpDef, not_differentiable, register_op
 from rlx.ir.region import GradientRegion, Interval, Region
 from rlx.ir.types import Dim, Layout, TensorType, Wrt, dim_factors, make_dim
-from rlx.ops._common import F32, op_kind
+from rlx.ops._common import F32, op_kind, zeros
 from rlx.ops.attention import from_heads, static_sizes, to_heads
 
 if TYPE_CHECKING:
@@ -468,7 +468,7 @@ def _flex_grad(
     q, k, v = node.inputs[:3]
     captured = node.inputs[3:]
     if d_out is None:
-        d_out = graph.broadcast_to(graph.constant(np.zeros((), np.float32)), out.shape)  # shapes may be symbolic
+        d_out = zeros(graph, out.shape)  # shapes may be symbolic
     dlse = () if d_lse is None else (d_lse,)
     operands = (q, k, v, out, d_out, lse, *dlse, *captured)
 
