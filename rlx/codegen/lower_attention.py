@@ -90,6 +90,11 @@ PACK_MIN_ROWS = 16
 # packing pays for itself: every column panel of C reads all of A again.
 TILE_MAX_MACS = 1 << 27
 TILE_TN_MAX_A = 1 << 17  # elements of op(A) = P^T or dS^T: 512 KB
+# Narrow products with A as stored (``out = P V``, ``dQ = dS K``: C is a strip's rows by the head
+# dim, k the strip's keys) run on the tiles at any size: one core, native loop, 256 rows x 64
+# columns over 8192-16384 keys 161-182 GFLOP/s against OpenBLAS's 144 (MKL 177-196), 256 x 128
+# over 8192-16384 165-181 against 161; wider C gained nothing (256 x 256: 150-168 against 165-167).
+TILE_NARROW_COLUMNS = 128
 # A streaming backward (AttentionKernelSpec.stream) stages dK and dV whole in the thread's
 # scratch while Sk x (D + Dv) is at most this many floats (256 KB); longer heads write them in
 # place, where the time per key row is too large for the write misses to matter.
@@ -1164,11 +1169,12 @@ def zero_rows(
         b.call(memset, [ptr, ir.Constant(I8, 0), i64(width * 4), ir.Constant(I1, 0)])
 
 
-def tile_limits(a_size: SizeT, macs: SizeT, trans_a: bool) -> list[tuple[SizeT, int, int]]:
+def tile_limits(a_size: SizeT, macs: SizeT, n: SizeT, trans_a: bool) -> list[tuple[SizeT, int, int]]:
     """``(value, smallest, largest)``: the sizes between which a product with B as stored runs on
-    the register tiles (see :data:`TILE_MAX_MACS`), for ints or values of the call: its
-    multiply-adds ``macs`` and the elements ``a_size`` of its A (m·k)."""
-    limits = [(macs, SMALL_PATH_MACS + 1, TILE_MAX_MACS)]
+    the register tiles (see :data:`TILE_MAX_MACS`, :data:`TILE_NARROW_COLUMNS`), for ints or
+    values of the call: its multiply-adds ``macs`` and the elements ``a_size`` of its A (m·k)."""
+    narrow = not trans_a and isinstance(n, int) and n <= TILE_NARROW_COLUMNS
+    limits = [(macs, SMALL_PATH_MACS + 1, (1 << 62) if narrow else TILE_MAX_MACS)]
     if trans_a:
         limits.append((a_size, 0, TILE_TN_MAX_A))
     return limits
@@ -1179,7 +1185,7 @@ def tiles_take(m: int, n: int, k: int, trans_a: bool, trans_b: bool) -> bool:
     machine, rather than on OpenBLAS (for benchmarks that time what the kernels call)."""
     if host_tile_shape() is None or trans_b or m == 1:
         return False
-    limits = tile_limits(m * k, m * n * k, trans_a)
+    limits = tile_limits(m * k, m * n * k, n, trans_a)
     return all(smallest <= value <= largest for value, smallest, largest in limits)
 
 
@@ -1208,7 +1214,7 @@ def emit_sgemm(
 
     Strip products with B as stored run on the register tiles of :mod:`rlx.codegen.tile_gemm`
     where the CPU has FMA vectors and the shape is one they run faster (:data:`TILE_MAX_MACS`,
-    :data:`TILE_TN_MAX_A`); the rest, and those reading B transposed, on OpenBLAS.
+    :data:`TILE_TN_MAX_A`, :data:`TILE_NARROW_COLUMNS`); the rest, and those reading B transposed, on OpenBLAS.
 
     A product of one row (a decode step's single query, a strip's last row) is a matrix-vector
     product, which OpenBLAS's ``sgemv`` runs 2-2.5x faster than ``sgemm`` (no packing of B;
@@ -1248,7 +1254,7 @@ def emit_sgemm(
             return x * y if isinstance(x, int) and isinstance(y, int) else b.mul(as_i64(x), as_i64(y), name=name)
 
         a_size = times(m, k, "a.size")
-        for value, smallest, largest in tile_limits(a_size, times(a_size, n, "macs"), trans_a != NO_TRANS):
+        for value, smallest, largest in tile_limits(a_size, times(a_size, n, "macs"), n, trans_a != NO_TRANS):
             if isinstance(value, int):
                 if not smallest <= value <= largest:
                     blas(b)

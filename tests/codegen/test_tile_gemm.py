@@ -280,3 +280,30 @@ def test_transposed_products_take_the_tiles_while_a_is_small() -> None:
     assert not tiles_take(128, 64, 64, trans_a=True, trans_b=False)  # on the small-matrix path
     assert tiles_take(1024, 64, 256, trans_a=False, trans_b=False)  # A as stored: no such limit
     assert not tiles_take(256, 512, 64, trans_a=False, trans_b=True)
+
+
+def test_narrow_products_take_the_tiles_at_any_size() -> None:
+    """``out = P V`` and ``dQ = dS K`` (C a strip's rows by the head dim, k its keys) stay on the
+    tiles past ``TILE_MAX_MACS``; wide or transposed products of that size go to OpenBLAS."""
+    from rlx.codegen.lower_attention import TILE_MAX_MACS, TILE_NARROW_COLUMNS, tiles_take
+
+    if host_tile_shape() is None:
+        pytest.skip("no tiles on this CPU")
+    assert TILE_MAX_MACS < 256 * 64 * 16384
+    assert tiles_take(256, 64, 16384, trans_a=False, trans_b=False)
+    assert tiles_take(256, TILE_NARROW_COLUMNS, 16384, trans_a=False, trans_b=False)
+    assert not tiles_take(256, TILE_NARROW_COLUMNS + 1, 16384, trans_a=False, trans_b=False)
+    assert not tiles_take(256, 16384, 64, trans_a=False, trans_b=False)  # S = Q K^T over 16384 keys
+    assert not tiles_take(16384, 64, 256, trans_a=True, trans_b=False)  # dK += dS^T Q
+    assert not tiles_take(256, 64, 16384, trans_a=False, trans_b=True)
+
+
+@pytest.mark.parametrize("trans_a", [False, True])
+def test_long_products_match_float64(trans_a: bool) -> None:
+    """A narrow product over more terms than a strip of 16384 keys has, in many blocks of k with
+    a short last one: accumulation across blocks stays exact to float32 rounding."""
+    shape = host_tile_shape()
+    if shape is None:
+        pytest.skip("no tiles on this CPU")
+    _check(shape, 30, 64, 40 * K_BLOCK + 17, trans_a, 1.0, 0.0)
+    _check(shape, 17, 72, 33 * K_BLOCK + 5, trans_a, 0.5, 1.0, pad=(1, 3, 2), seed=3)
