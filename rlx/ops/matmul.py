@@ -1,4 +1,4 @@
-"""``matmul``: ``numpy.matmul`` for operands of rank >= 2, leading (batch) dims broadcast."""
+"""``matmul``: ``numpy.matmul``, leading (batch) dims broadcast; vectors are views of matrices around the node."""
 
 from __future__ import annotations
 
@@ -73,9 +73,29 @@ def _grad(graph: Graph, node: Node, cts: Sequence[Value | None], needed: Sequenc
 
 
 def matmul(graph: Graph, a: object, b: object) -> Value:
-    """Batched matrix product as ``numpy.matmul`` (rank >= 2; leading dims broadcast)."""
-    operands = [as_value(graph, a, "matmul: a"), as_value(graph, b, "matmul: b")]
-    return graph.add_node(op_kind("matmul"), operands, NoAttrs()).outputs[0]
+    """Batched matrix product as ``numpy.matmul``: leading dims broadcast, and a vector operand
+    (rank 1) is a matrix of one row (``a``) or one column (``b``) whose axis the result drops,
+    so ``v @ w`` of two vectors is a scalar. The node itself takes matrices: vectors become
+    views around it (reshapes cost nothing), and their gradients come through those views."""
+    x, y = as_value(graph, a, "matmul: a"), as_value(graph, b, "matmul: b")
+    if x.ndim == 0 or y.ndim == 0:
+        raise RlxValueError(f"matmul: operands need rank >= 1 (a scalar multiplies with *), got {x.type} and {y.type}")
+    if x.ndim != 1 and y.ndim != 1:
+        return graph.add_node(op_kind("matmul"), [x, y], NoAttrs()).outputs[0]
+    inner_a, inner_b = x.shape[-1], y.shape[0] if y.ndim == 1 else y.shape[-2]
+    if inner_a != inner_b:
+        raise RlxValueError(
+            f"matmul: inner dimensions differ: a {x.type} has {inner_a} columns, b {y.type} has {inner_b} rows"
+        )
+    rows = graph.reshape(x, (1, x.shape[0])) if x.ndim == 1 else x
+    columns = graph.reshape(y, (y.shape[0], 1)) if y.ndim == 1 else y
+    out = graph.add_node(op_kind("matmul"), [rows, columns], NoAttrs()).outputs[0]
+    shape = list(out.shape)
+    if y.ndim == 1:
+        del shape[-1]
+    if x.ndim == 1:
+        del shape[-1 if y.ndim == 1 else -2]
+    return graph.reshape(out, tuple(shape))
 
 
 register_op(OpDef("matmul", ("a", "b"), NoAttrs, _infer, _reference, _grad, builder=matmul))
