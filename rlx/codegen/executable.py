@@ -23,6 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from rlx.bind import InputBinder, check_index_inputs, index_bounds
+from rlx.codegen.gc_pause import collection_paused
 from rlx.codegen.jit import CompiledLibrary, cache_key, compile_ir
 from rlx.codegen.lower import (
     CallBufferFill,
@@ -181,7 +182,8 @@ def compile_graph(
         if program is not None:
             _cache.move_to_end(key)
     if program is None:
-        program = _build(graph, pass_names, config, threads, options)
+        with collection_paused():  # see rlx.codegen.gc_pause
+            program = _build(graph, pass_names, config, threads, options)
         with _cache_lock:
             _statistics["compiles"] += 1
         with _cache_lock:
