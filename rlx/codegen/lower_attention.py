@@ -81,20 +81,17 @@ PACK_MIN_ROWS = 16
 # Which strip products the register tiles take (:func:`emit_sgemm`), from one-core native-loop
 # rates against OpenBLAS. Not those on OpenBLAS's small-matrix path (:data:`SMALL_PATH_MACS`):
 # there both run the same FMA chain (bit-identical results) and OpenBLAS was 2-7% faster in
-# the kernels. Above it, with A as stored the tiles ran 1.0-1.5x OpenBLAS from 32-row strips to
-# 256-row strips over 768 keys (25M multiply-adds) and over 16384 keys; beyond that, BLAS. With
-# A transposed (``dV += P^T dY``, ``dK += dS^T Q``: a tile reads 14 adjacent floats of a row of
-# P per step of k, the strip's rows ``Sk`` floats apart) they ran 1.07-1.20x while A (Sk keys x
-# strip rows) took at most 512 KB (512 x 64 x 256, 1024 x 64 x 128, 2048 x 64 x 64), and
-# 0.96-1.01x beyond (1024 x 64 x 256, 2048 x 64 x 128, 768 x 128 x 256), where OpenBLAS's
-# packing pays for itself: every column panel of C reads all of A again.
-TILE_MAX_MACS = 1 << 27
+# the kernels. Above it, with A as stored, every size: from 32-row strips to 256-row strips
+# over 16384 keys the tiles ran 1.0-1.5x OpenBLAS, once a wide product's panels of B whose rows
+# lie a page or more apart are copied (``tile_gemm``; 256 x 16384 x 64: 155 GFLOP/s against
+# OpenBLAS's 128 and MKL's 156; narrow ones, ``out = P V`` and ``dQ = dS K`` over 8192-16384
+# keys: 161-182 against 144). With A transposed (``dV += P^T dY``, ``dK += dS^T Q``: a tile
+# reads 14 adjacent floats of a row of P per step of k, the strip's rows ``Sk`` floats apart)
+# they ran 1.07-1.20x while A (Sk keys x strip rows) took at most 512 KB (512 x 64 x 256, 1024
+# x 64 x 128, 2048 x 64 x 64), and 0.96-1.01x beyond (1024 x 64 x 256, 2048 x 64 x 128, 768 x
+# 128 x 256), where OpenBLAS's packing pays for itself: every column panel of C reads all of A
+# again.
 TILE_TN_MAX_A = 1 << 17  # elements of op(A) = P^T or dS^T: 512 KB
-# Narrow products with A as stored (``out = P V``, ``dQ = dS K``: C is a strip's rows by the head
-# dim, k the strip's keys) run on the tiles at any size: one core, native loop, 256 rows x 64
-# columns over 8192-16384 keys 161-182 GFLOP/s against OpenBLAS's 144 (MKL 177-196), 256 x 128
-# over 8192-16384 165-181 against 161; wider C gained nothing (256 x 256: 150-168 against 165-167).
-TILE_NARROW_COLUMNS = 128
 # A streaming backward (AttentionKernelSpec.stream) stages dK and dV whole in the thread's
 # scratch while Sk x (D + Dv) is at most this many floats (256 KB); longer heads write them in
 # place, where the time per key row is too large for the write misses to matter.
@@ -1169,12 +1166,11 @@ def zero_rows(
         b.call(memset, [ptr, ir.Constant(I8, 0), i64(width * 4), ir.Constant(I1, 0)])
 
 
-def tile_limits(a_size: SizeT, macs: SizeT, n: SizeT, trans_a: bool) -> list[tuple[SizeT, int, int]]:
-    """``(value, smallest, largest)``: the sizes between which a product with B as stored runs on
-    the register tiles (see :data:`TILE_MAX_MACS`, :data:`TILE_NARROW_COLUMNS`), for ints or
-    values of the call: its multiply-adds ``macs`` and the elements ``a_size`` of its A (m·k)."""
-    narrow = not trans_a and isinstance(n, int) and n <= TILE_NARROW_COLUMNS
-    limits = [(macs, SMALL_PATH_MACS + 1, (1 << 62) if narrow else TILE_MAX_MACS)]
+def tile_limits(a_size: SizeT, macs: SizeT, trans_a: bool) -> list[tuple[SizeT, int, int | None]]:
+    """``(value, smallest, largest)`` (None: no upper limit): the sizes between which a product with B as stored runs on
+    the register tiles (see :data:`TILE_TN_MAX_A`), for ints or values of the call: its
+    multiply-adds ``macs`` and the elements ``a_size`` of its A (m·k)."""
+    limits: list[tuple[SizeT, int, int | None]] = [(macs, SMALL_PATH_MACS + 1, None)]
     if trans_a:
         limits.append((a_size, 0, TILE_TN_MAX_A))
     return limits
@@ -1185,8 +1181,8 @@ def tiles_take(m: int, n: int, k: int, trans_a: bool, trans_b: bool) -> bool:
     machine, rather than on OpenBLAS (for benchmarks that time what the kernels call)."""
     if host_tile_shape() is None or trans_b or m == 1:
         return False
-    limits = tile_limits(m * k, m * n * k, n, trans_a)
-    return all(smallest <= value <= largest for value, smallest, largest in limits)
+    limits = tile_limits(m * k, m * n * k, trans_a)
+    return all(smallest <= value and (largest is None or value <= largest) for value, smallest, largest in limits)
 
 
 def declare_sgemm(module: ir.Module) -> ir.Function:
@@ -1213,8 +1209,8 @@ def emit_sgemm(
     """The one place an attention kernel emits a matrix product: row-major ``C = alpha op(A) op(B) + beta C``.
 
     Strip products with B as stored run on the register tiles of :mod:`rlx.codegen.tile_gemm`
-    where the CPU has FMA vectors and the shape is one they run faster (:data:`TILE_MAX_MACS`,
-    :data:`TILE_TN_MAX_A`, :data:`TILE_NARROW_COLUMNS`); the rest, and those reading B transposed, on OpenBLAS.
+    where the CPU has FMA vectors and the shape is one they run faster (above OpenBLAS's
+    small-matrix path; :data:`TILE_TN_MAX_A`); the rest, and those reading B transposed, on OpenBLAS.
 
     A product of one row (a decode step's single query, a strip's last row) is a matrix-vector
     product, which OpenBLAS's ``sgemv`` runs 2-2.5x faster than ``sgemm`` (no packing of B;
@@ -1254,15 +1250,16 @@ def emit_sgemm(
             return x * y if isinstance(x, int) and isinstance(y, int) else b.mul(as_i64(x), as_i64(y), name=name)
 
         a_size = times(m, k, "a.size")
-        for value, smallest, largest in tile_limits(a_size, times(a_size, n, "macs"), n, trans_a != NO_TRANS):
+        for value, smallest, largest in tile_limits(a_size, times(a_size, n, "macs"), trans_a != NO_TRANS):
             if isinstance(value, int):
-                if not smallest <= value <= largest:
+                if not (smallest <= value and (largest is None or value <= largest)):
                     blas(b)
                     return
                 continue
             if smallest > 0:
                 conditions.append(b.icmp_signed(">=", value, i64(smallest), name="tile.large"))
-            conditions.append(b.icmp_signed("<=", value, i64(largest), name="tile.small"))
+            if largest is not None:
+                conditions.append(b.icmp_signed("<=", value, i64(largest), name="tile.small"))
         if not conditions:
             tiles(b)
             return

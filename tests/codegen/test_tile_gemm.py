@@ -282,20 +282,36 @@ def test_transposed_products_take_the_tiles_while_a_is_small() -> None:
     assert not tiles_take(256, 512, 64, trans_a=False, trans_b=True)
 
 
-def test_narrow_products_take_the_tiles_at_any_size() -> None:
-    """``out = P V`` and ``dQ = dS K`` (C a strip's rows by the head dim, k its keys) stay on the
-    tiles past ``TILE_MAX_MACS``; wide or transposed products of that size go to OpenBLAS."""
-    from rlx.codegen.lower_attention import TILE_MAX_MACS, TILE_NARROW_COLUMNS, tiles_take
+def test_products_with_a_as_stored_take_the_tiles_at_any_size() -> None:
+    """Above OpenBLAS's small-matrix path, ``Q K^T`` over 16384 keys and ``dQ = dS K`` over as
+    many terms run on the tiles; transposed products are limited by the size of A, and B read
+    transposed never takes them."""
+    from rlx.codegen.lower_attention import SMALL_PATH_MACS, tiles_take
 
     if host_tile_shape() is None:
         pytest.skip("no tiles on this CPU")
-    assert TILE_MAX_MACS < 256 * 64 * 16384
     assert tiles_take(256, 64, 16384, trans_a=False, trans_b=False)
-    assert tiles_take(256, TILE_NARROW_COLUMNS, 16384, trans_a=False, trans_b=False)
-    assert not tiles_take(256, TILE_NARROW_COLUMNS + 1, 16384, trans_a=False, trans_b=False)
-    assert not tiles_take(256, 16384, 64, trans_a=False, trans_b=False)  # S = Q K^T over 16384 keys
-    assert not tiles_take(16384, 64, 256, trans_a=True, trans_b=False)  # dK += dS^T Q
+    assert tiles_take(256, 16384, 64, trans_a=False, trans_b=False)
+    assert tiles_take(256, 16384, 256, trans_a=False, trans_b=False)
+    assert not tiles_take(16384, 64, 256, trans_a=True, trans_b=False)  # dK += dS^T Q: A is 16 MB
     assert not tiles_take(256, 64, 16384, trans_a=False, trans_b=True)
+    assert not tiles_take(SMALL_PATH_MACS // (64 * 64), 64, 64, trans_a=False, trans_b=False)
+
+
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize(("m", "n", "k"), [(64, 100, 40), (70, 2 * 32 + 5, K_BLOCK + 9), (63, 96, 20)])
+def test_panels_of_far_rows_match_float64(trans_a: bool, m: int, n: int, k: int) -> None:
+    """B's rows a page or more apart: from 64 rows of C the wide product copies its panels
+    (``FAR_ROWS_LD``), with a last panel narrower than a tile; 63 rows read them in place."""
+    from rlx.codegen.tile_gemm import FAR_COPY_MIN_ROWS, FAR_ROWS_LD
+
+    shape = host_tile_shape()
+    if shape is None:
+        pytest.skip("no tiles on this CPU")
+    assert FAR_COPY_MIN_ROWS == 64
+    pad = (2, FAR_ROWS_LD - n + 7, 3)  # B's leading dimension just past FAR_ROWS_LD
+    _check(shape, m, n, k, trans_a, 1.0, 0.0, pad=pad)
+    _check(shape, m, n, k, trans_a, 0.5, 1.0, pad=pad, seed=2)
 
 
 @pytest.mark.parametrize("trans_a", [False, True])
