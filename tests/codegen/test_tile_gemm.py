@@ -167,6 +167,8 @@ def test_tile_for_features() -> None:
         ("bhsd", 520, 2, 1, 64, 48, True),  # GQA, Dv != D, a column tail in the tiles
         ("bshd", 600, 3, 3, 40, 72, False),
         ("bshd", 384, 4, 2, 96, 96, True),
+        ("bshd", 1100, 2, 2, 64, 64, True),  # K's transposed copy a page a row: panels copied
+        ("bhsd", 1030, 1, 1, 32, 40, False),
     ],
 )
 def test_attention_on_the_tiles_matches_the_reference(
