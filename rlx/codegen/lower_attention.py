@@ -1167,9 +1167,9 @@ def zero_rows(
 
 
 def tile_limits(a_size: SizeT, macs: SizeT, trans_a: bool) -> list[tuple[SizeT, int, int | None]]:
-    """``(value, smallest, largest)`` (None: no upper limit): the sizes between which a product with B as stored runs on
-    the register tiles (see :data:`TILE_TN_MAX_A`), for ints or values of the call: its
-    multiply-adds ``macs`` and the elements ``a_size`` of its A (m·k)."""
+    """``(value, smallest, largest)``, largest None for no upper limit: the sizes between which a
+    product with B as stored runs on the register tiles (see :data:`TILE_TN_MAX_A`), for ints
+    or values of the call: its multiply-adds ``macs`` and the elements ``a_size`` of its A (m·k)."""
     limits: list[tuple[SizeT, int, int | None]] = [(macs, SMALL_PATH_MACS + 1, None)]
     if trans_a:
         limits.append((a_size, 0, TILE_TN_MAX_A))
