@@ -15,7 +15,7 @@ import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 from llvmlite import binding as llvm
@@ -49,6 +49,8 @@ from rlx.ops.flex_attention import (
 if TYPE_CHECKING:
     from rlx.codegen.block_map import TileGrid
     from rlx.codegen.lower_flex import FlexKernelSpec
+
+_Spec = TypeVar("_Spec", "AttentionKernelSpec", "FlexKernelSpec")  # the specs of both attention lowerings
 
 
 @dataclass(frozen=True)
@@ -399,9 +401,7 @@ class _Lowering:
         node = kernel.node
         op = node.op.value
         if op in ("attention", "attention_bwd"):
-            spec = kernel_spec(node, self.config, self.options, self.symbols)
-            if spec.profile:  # every attention node counts into the last 64 bytes of the thread's scratch
-                spec = replace(spec, counters_at=self.plan.scratch_stride - COUNTERS_BYTES)
+            spec = self.counted(kernel_spec(node, self.config, self.options, self.symbols))
             name = f"{node.op}.{node.id}"
             item_fn = self.item_function(
                 ("attention", spec), name, lambda: AttentionLowering(self.module, spec, name).emit()
@@ -444,12 +444,15 @@ class _Lowering:
         else:
             raise AssertionError(f"no lowering for {op}")
 
+    def counted(self, spec: _Spec) -> _Spec:
+        """An attention spec of a profiling build pointed at the counters every attention node
+        shares: the last bytes of the thread's scratch (:mod:`rlx.codegen.kernel_clock`)."""
+        return replace(spec, counters_at=self.plan.scratch_stride - COUNTERS_BYTES) if spec.profile else spec
+
     def lower_flex(self, node: Node) -> None:
         from rlx.codegen.lower_flex import FlexLowering
 
-        spec = flex_spec(node, self.options, self.symbols)
-        if spec.profile:  # counts where the fixed kernels do: the last 64 bytes of the thread's scratch
-            spec = replace(spec, counters_at=self.plan.scratch_stride - COUNTERS_BYTES)
+        spec = self.counted(flex_spec(node, self.options, self.symbols))
         if spec.per_call:
             self.attention_specs.append((f"node {node.id} ({node.op})", spec))
         if spec.tensor_grads:  # partial gradient slices are accumulated into: zero them first

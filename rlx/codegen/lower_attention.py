@@ -1176,13 +1176,18 @@ def tile_limits(a_size: SizeT, macs: SizeT, trans_a: bool) -> list[tuple[SizeT, 
     return limits
 
 
+def _within(value: int, smallest: int, largest: int | None) -> bool:
+    """Whether a size known at compile time is within one of :func:`tile_limits`."""
+    return smallest <= value and (largest is None or value <= largest)
+
+
 def tiles_take(m: int, n: int, k: int, trans_a: bool, trans_b: bool) -> bool:
     """Whether the attention kernels run ``op(A) op(B)`` (m x n x k) on the register tiles on this
     machine, rather than on OpenBLAS (for benchmarks that time what the kernels call)."""
     if host_tile_shape() is None or trans_b or m == 1:
         return False
     limits = tile_limits(m * k, m * n * k, trans_a)
-    return all(smallest <= value and (largest is None or value <= largest) for value, smallest, largest in limits)
+    return all(_within(value, smallest, largest) for value, smallest, largest in limits)
 
 
 def declare_sgemm(module: ir.Module) -> ir.Function:
@@ -1252,7 +1257,7 @@ def emit_sgemm(
         a_size = times(m, k, "a.size")
         for value, smallest, largest in tile_limits(a_size, times(a_size, n, "macs"), trans_a != NO_TRANS):
             if isinstance(value, int):
-                if not (smallest <= value and (largest is None or value <= largest)):
+                if not _within(value, smallest, largest):
                     blas(b)
                     return
                 continue
