@@ -7,7 +7,7 @@ memory is C-contiguous and aligned.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -16,7 +16,7 @@ from rlx.errors import RlxKeyError, RlxTypeError, RlxValueError, allocation_fail
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Value
-    from rlx.ir.types import TensorType
+    from rlx.ir.types import Dim, TensorType
 
 
 def bind_inputs(
@@ -92,21 +92,37 @@ class InputBinder:
             flags = array.flags
             if not (flags.c_contiguous and flags.aligned):
                 return None
-            got = array.shape
-            if static:
-                if got != shape:
-                    return None
-            elif len(got) != len(shape):
+            if not _read_sizes(shape, static, array.shape, sizes):
                 return None
-            else:
-                for dim, size in zip(shape, got, strict=True):
-                    if dim.__class__ is int:
-                        if dim != size:
-                            return None
-                    elif size < 1 or sizes.setdefault(dim, size) != size:  # type: ignore[arg-type]
-                        return None
             bound[name] = array
         return bound, sizes
+
+    def sizes_of(self, shapes: Sequence[tuple[int, ...]]) -> dict[str, int] | None:
+        """The symbol sizes of a call whose inputs (every one, in declaration order) have these
+        shapes, or None where a shape does not match its declaration or the symbols disagree."""
+        if len(shapes) != len(self.expected):
+            return None
+        sizes: dict[str, int] = {}
+        for (_, _, shape, static), got in zip(self.expected, shapes, strict=True):
+            if not _read_sizes(shape, static, got, sizes):
+                return None
+        return sizes
+
+
+def _read_sizes(shape: tuple[Dim, ...], static: bool, got: tuple[int, ...], sizes: dict[str, int]) -> bool:
+    """Whether ``got`` matches the declared ``shape``, adding its symbols' sizes to ``sizes``
+    (False where a symbol's size differs from the one ``sizes`` has)."""
+    if static:
+        return got == shape
+    if len(got) != len(shape):
+        return False
+    for dim, size in zip(shape, got, strict=True):
+        if dim.__class__ is int:
+            if dim != size:
+                return False
+        elif size < 1 or sizes.setdefault(dim, size) != size:  # type: ignore[arg-type]
+            return False
+    return True
 
 
 def symbol_sizes(

@@ -351,6 +351,34 @@ def test_contiguous_float32_output_is_not_copied() -> None:
     assert out.numpy().base is not None  # a view of the array rlx wrote, not a copy of it
 
 
+def test_contiguous_float32_tensors_go_to_native_code_by_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The direct path (tensors' memory as it is, out a new tensor the kernel writes) gives what
+    the NumPy path gives, and is the one contiguous float32 calls take."""
+    from rlx.codegen.executable import Executable
+
+    taken: list[bool] = []
+    direct = Executable.run_direct
+
+    def spy(self: Executable, *args: object, **kwargs: object) -> bool:
+        taken.append(direct(self, *args, **kwargs))  # type: ignore[arg-type]
+        return taken[-1]
+
+    monkeypatch.setattr(Executable, "run_direct", spy)
+    for sk in (1, 7, 29):
+        q, k, v = (t.detach() for t in qkv(sq=1 if sk == 1 else 29, sk=sk, seed=sk))
+        strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+        for causal in (False, sk == 29):
+            got = rt.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            assert taken.pop() is True
+            via_numpy = rt.scaled_dot_product_attention(*strided, is_causal=causal)
+            # Strided: the NumPy path, which copies them (one key or query is contiguous still).
+            assert taken == ([True] if all(t.is_contiguous() for t in strided) else [])
+            taken.clear()
+            assert torch.equal(got, via_numpy)
+            assert_close(got, F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+    assert any(not t.is_contiguous() for t in strided)
+
+
 @pytest.mark.parametrize(
     ("make", "error", "fragment"),
     [

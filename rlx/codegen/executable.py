@@ -41,7 +41,7 @@ from rlx.config import RuntimeConfig, resolve_config, resolve_num_threads
 from rlx.errors import RlxTypeError, RlxValueError, allocation_failed
 from rlx.ir.graph import Graph, Value
 from rlx.ir.printer import value_names
-from rlx.ir.types import TensorType, resolve_dims
+from rlx.ir.types import Dim, TensorType, dim_size
 
 _ENTRY_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
 _CACHE_SIZE = 64
@@ -92,27 +92,50 @@ class Program:
         plan = self.plan
         return tuple((name, slot, name in plan.owned_outputs) for name, slot in plan.output_slots.items())
 
+    @functools.cached_property
+    def direct_outputs(self) -> tuple[str | None, ...] | None:
+        """For :meth:`Executable.run_direct`: per buffer after the inputs, the graph output it is
+        (None: an intermediate, from the pool); None where a call needs more than addresses
+        (index checks, per-call block maps or buffers, an output that is a copy of another)."""
+        if self.index_bounds or self.call_data or self.call_buffers:
+            return None
+        if not all(owned for _, _, owned in self.results):
+            return None
+        first = len(self.graph.inputs)
+        names = {slot: name for name, slot, _ in self.results}
+        if len(names) != len(self.results) or min(names, default=first) < first:
+            return None  # two outputs of one buffer, or an output that is an input
+        return tuple(names.get(slot) for slot in range(first, len(self.plan.buffer_names)))
+
+    @functools.cached_property
+    def buffer_kinds(self) -> tuple[tuple[str, tuple[Dim, ...] | None, bool, np.dtype | None], ...]:
+        """``(name, declared shape, is static, dtype)`` of each buffer after the inputs; shape
+        and dtype None for one made per call (``call_buffers``)."""
+        kinds = []
+        for name in self.plan.buffer_names[len(self.graph.inputs) :]:
+            if name in self.call_buffers:
+                kinds.append((name, None, True, None))
+            else:
+                ty = self.output_types[name]
+                kinds.append((name, ty.shape, ty.is_static, np.dtype(ty.dtype)))  # type: ignore[arg-type]
+        return tuple(kinds)
+
     def layout_for(self, sizes: Mapping[str, int]) -> CallLayout:
         """What a call with these symbol sizes needs, after the checks that depend on them (which
         raise before any pointer reaches native code); kept for the next call of the same sizes."""
-        plan, table, arena_bytes = self.plan, b"", self.arena_bytes
+        table, arena_bytes = b"", self.arena_bytes
         if self.dynamic is not None:  # symbolic dimensions: scratch sized for this call's sizes
             for check in self.call_checks:
                 check(sizes)
-            sizes_table = self.dynamic.table(sizes)
-            table = sizes_table.tobytes()
-            arena_bytes = self.dynamic.offset + int(sizes_table[-1]) * self.threads
+            table, stride = self.dynamic.table(sizes)
+            arena_bytes = self.dynamic.offset + stride * self.threads
             # The call writes the table with memmove: it must land inside the arena's call data.
             assert self.call_data_offset + len(table) <= self.dynamic.offset <= arena_bytes
-        buffers: list[tuple[str, tuple[int, ...] | None, np.dtype | None]] = []
-        for name in plan.buffer_names[len(self.graph.inputs) :]:
-            if name in self.call_buffers:
-                buffers.append((name, None, None))
-            else:
-                ty = self.output_types[name]
-                shape = ty.shape if ty.is_static else resolve_dims(ty.shape, sizes)
-                buffers.append((name, shape, np.dtype(ty.dtype)))  # type: ignore[arg-type]
-        layout = CallLayout(table, arena_bytes, tuple(buffers), self.results)
+        buffers = tuple(
+            (name, shape if static or shape is None else _resolve(shape, sizes), dtype)
+            for name, shape, static, dtype in self.buffer_kinds
+        )
+        layout = CallLayout(table, arena_bytes, buffers, self.results)  # type: ignore[arg-type]  # static: ints
         if len(self.layouts) >= LAYOUTS_KEPT:  # a decode loop brings new sizes every step
             self.layouts.clear()
         self.layouts[tuple(sizes.items())] = layout
@@ -120,6 +143,15 @@ class Program:
 
 
 LAYOUTS_KEPT = 64
+
+
+def _resolve(shape: tuple[Dim, ...], sizes: Mapping[str, int]) -> tuple[int, ...]:
+    """``resolve_dims`` with plain symbols looked up in place: a decode step resolves its shapes
+    with every function it calls out of the caches, where each call costs microseconds."""
+    return tuple(
+        dim if dim.__class__ is int else (sizes.get(dim) or dim_size(dim, sizes))  # type: ignore[arg-type,misc]
+        for dim in shape
+    )
 
 
 @dataclass(frozen=True)
@@ -442,16 +474,64 @@ class Executable:
                 buffers.append(program.call_buffers[name](bound, sizes))
             else:
                 buffers.append(outputs.take(name, shape, dtype))
-        assert len(buffers) == len(program.plan.buffer_names)  # the thread cap's slot comes next
-        pointers = (ctypes.c_void_p * (len(buffers) + 1))(*map(data_address, buffers), threads or 0)
+        self._enter(layout, list(map(data_address, buffers)), threads, bound)
+        return {name: buffers[slot] if owned else buffers[slot].copy() for name, slot, owned in layout.results}
+
+    def run_direct(
+        self,
+        inputs: Sequence[tuple[int, tuple[int, ...]]],
+        outputs: Mapping[str, tuple[int, tuple[int, ...]]],
+        threads: int | None = None,
+    ) -> bool:
+        """Run on memory the caller provides: ``(address, shape)`` of every input in declaration
+        order and of every output by name. False, with nothing run, where the call does not
+        match the graph (a shape, the symbols' sizes) or needs more than addresses
+        (:attr:`Program.direct_outputs`): :meth:`run` then takes it, and raises what it raises.
+
+        For ``rlx.torch``, which hands over tensors' memory without making NumPy arrays of it
+        (on a decode step, the arrays in and out cost a fifth of the call). The caller vouches
+        for what a shape cannot say: each address holds C-contiguous, aligned elements of the
+        declared dtype, valid for the whole shape, and outputs overlap nothing.
+        """
+        program = self._program
+        direct = program.direct_outputs
+        assert program.binder is not None
+        sizes = None if direct is None else program.binder.sizes_of([shape for _, shape in inputs])
+        if direct is None or sizes is None:
+            return False
+        layout = program.layouts.get(tuple(sizes.items()))
+        if layout is None:
+            layout = program.layout_for(sizes)  # the size checks run here, before native code
+        addresses = [address for address, _ in inputs]
+        pool = None
+        for (name, shape, dtype), output in zip(layout.buffers, direct, strict=True):
+            if output is None:  # an intermediate
+                pool = self._outputs() if pool is None else pool
+                addresses.append(data_address(pool.take(name, shape, dtype)))  # type: ignore[arg-type]
+                continue
+            given = outputs.get(output)
+            if given is None or given[1] != shape:
+                return False
+            addresses.append(given[0])
+        self._enter(layout, addresses, threads, None)
+        return True
+
+    def _enter(
+        self, layout: CallLayout, addresses: list[int], threads: int | None, bound: Mapping[str, np.ndarray] | None
+    ) -> None:
+        """Call the machine code on these buffer addresses (entry order), with this call's sizes
+        table and block maps (made from ``bound``) written into the arena first."""
+        program = self._program
+        assert len(addresses) == len(program.plan.buffer_names)  # the thread cap's slot comes next
+        pointers = (ctypes.c_void_p * (len(addresses) + 1))(*addresses, threads or 0)
         arena, arena_address = self._arena(layout.arena_bytes)
         if layout.table:
             ctypes.memmove(arena_address + program.call_data_offset, layout.table, len(layout.table))
         for data in program.call_data:  # per-call block maps, from the validated inputs
+            assert bound is not None
             start = program.call_data_offset + data.offset
             arena[start : start + data.nbytes] = data.fill(bound).reshape(-1).view(np.uint8)
         program.entry(ctypes.addressof(pointers), arena_address)
-        return {name: buffers[slot] if owned else buffers[slot].copy() for name, slot, owned in layout.results}
 
     def _outputs(self) -> OutputPool:
         """This Python thread's output arrays (concurrent calls never share one)."""

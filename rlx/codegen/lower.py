@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, TypeVar
@@ -34,6 +35,7 @@ from rlx.codegen.parallel import Step, emit_team, forward_to, share_identical_it
 from rlx.codegen.schedule import Kernel, Schedule
 from rlx.codegen.sizes import Size, SizeLike, emit_size, load_symbols, product
 from rlx.config import RuntimeConfig, l2_cache_bytes
+from rlx.errors import RlxValueError
 from rlx.ir.graph import Graph, Node, Value
 from rlx.ir.ops import AttentionAttrs, AttentionBwdAttrs, OpKind, attention_dims
 from rlx.ir.region import Region
@@ -282,6 +284,10 @@ CallBufferFill = Callable[[Mapping[str, np.ndarray], Mapping[str, int]], np.ndar
 """``fill(bound inputs, symbol sizes)``: a buffer made for one call (a block map at its lengths)."""
 
 
+STRIDE_BUCKET = 64  # symbol sizes that share a scratch stride (see DynamicScratch.stride)
+STRIDES_KEPT = 256
+
+
 @dataclass(frozen=True)
 class DynamicScratch:
     """Per-thread scratch of a graph with symbolic dimensions: sized per call, after the arena's
@@ -292,8 +298,29 @@ class DynamicScratch:
     static_stride: int  # what the kernels of static shape need
     offset: int  # arena offset of the scratch (after everything of static size)
 
+    _strides: dict[tuple[int, ...], int] = field(default_factory=dict, compare=False, repr=False)
+
     def stride(self, sizes: Mapping[str, int]) -> int:
-        """Bytes of scratch per thread for this call's sizes (BLAS limits checked on the way)."""
+        """Bytes of scratch per thread for this call's sizes: enough for every size up to the
+        next :data:`STRIDE_BUCKET`, kept by bucket, so that a decode loop (a new key length each
+        step) works it out once per bucket instead of every step, when the spec objects it walks
+        have left the caches (that walk was a sixth of a decode step). Scratch only grows with
+        the sizes and the BLAS limits only fail above some size, so a bucket's stride serves
+        every size in it and a bucket past a limit checks the call's own sizes."""
+        bucket = tuple(-(-sizes.get(name, 1) // STRIDE_BUCKET) * STRIDE_BUCKET for name in self.symbols)
+        stride = self._strides.get(bucket)
+        if stride is None:
+            try:
+                stride = self._stride(dict(zip(self.symbols, bucket, strict=True)))
+            except RlxValueError:
+                return self._stride(sizes)
+            if len(self._strides) >= STRIDES_KEPT:
+                self._strides.clear()
+            self._strides[bucket] = stride
+        return stride
+
+    def _stride(self, sizes: Mapping[str, int]) -> int:
+        """Bytes of scratch per thread for exactly these sizes (BLAS limits checked on the way)."""
         most = self.static_stride
         for what, spec in self.specs:  # per call, so no new spec: the sizes go in directly
             seq_q, seq_k = resolve_dims((spec.dims.seq_q, spec.dims.seq_k), sizes)
@@ -302,10 +329,12 @@ class DynamicScratch:
             most = max(most, spec.scratch_bytes(seq_k))
         return -(-most // 64) * 64
 
-    def table(self, sizes: Mapping[str, int]) -> np.ndarray:
-        """The sizes table native code reads: each symbol's size, then the scratch stride."""
+    def table(self, sizes: Mapping[str, int]) -> tuple[bytes, int]:
+        """The sizes table native code reads (each symbol's size, then the scratch stride, as
+        int64) and that stride."""
         # A symbol only an omitted input names (one no output needs) reaches no kernel: any size.
-        return np.array([sizes.get(name, 1) for name in self.symbols] + [self.stride(sizes)], dtype=np.int64)
+        stride = self.stride(sizes)
+        return struct.pack(f"={len(self.symbols) + 1}q", *(sizes.get(name, 1) for name in self.symbols), stride), stride
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,14 @@ def _array(tensor: torch.Tensor) -> np.ndarray:
     return (x if x.is_contiguous() else x.contiguous()).numpy()
 
 
+def _direct(*tensors: torch.Tensor) -> bool:
+    """Whether native code may read these tensors' memory as it is: float32 CPU tensors,
+    C-contiguous and aligned to their elements (what ``_array`` would view without a copy)."""
+    return all(
+        t.dtype == torch.float32 and t.is_contiguous() and not t.data_ptr() % 4 and not t.is_neg() for t in tensors
+    )
+
+
 def _tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     out = torch.from_numpy(array)
     return out if dtype == torch.float32 else out.to(dtype)

@@ -1,0 +1,112 @@
+"""``Executable.run_direct`` (memory handed over by address, as rlx.torch does) and the scratch
+stride a graph with symbolic dimensions keeps per bucket of sizes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import rlx
+from rlx.codegen.blas import INT32_MAX
+from rlx.codegen.executable import data_address
+from rlx.codegen.lower import STRIDE_BUCKET
+from rlx.errors import RlxValueError
+
+HEADS, DIM = 4, 16
+
+
+def decode_graph(scaled: bool = False) -> rlx.Graph:
+    """One query row per head against ``Sk`` keys (BHSD), as rlx.torch's SDPA builds it."""
+    g = rlx.Graph("decode")
+    q = g.input("q", ("B", HEADS, "Sq", DIM))
+    k = g.input("k", ("B", HEADS, "Sk", DIM))
+    v = g.input("v", ("B", HEADS, "Sk", DIM))
+    g.output(out=g.attention(q * 0.5 if scaled else q, k, v, layout=rlx.Layout.BHSD))
+    return g
+
+
+def arrays(batch: int, seq_q: int, seq_k: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    shapes = {"q": (batch, HEADS, seq_q, DIM), "k": (batch, HEADS, seq_k, DIM), "v": (batch, HEADS, seq_k, DIM)}
+    return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+
+
+def addressed(a: dict[str, np.ndarray]) -> list[tuple[int, tuple[int, ...]]]:
+    return [(data_address(a[name]), a[name].shape) for name in "qkv"]
+
+
+@pytest.mark.parametrize("scaled", [False, True])  # scaled: an intermediate, from the pool
+def test_direct_runs_match_run_and_the_reference_at_every_length(scaled: bool) -> None:
+    g = decode_graph(scaled)
+    exe = rlx.compile(g)
+    for seq_k in (1, 2, 63, 64, 65, 127, 200):
+        a = arrays(2, 1, seq_k, seed=seq_k)
+        out = np.full((2, HEADS, 1, DIM), np.nan, dtype=np.float32)
+        assert exe.run_direct(addressed(a), {"out": (data_address(out), out.shape)})
+        np.testing.assert_array_equal(out, exe(**a)["out"])
+        want = rlx.reference.run(g, **a)["out"]
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+
+
+def test_direct_declines_what_does_not_match_and_runs_nothing() -> None:
+    exe = rlx.compile(decode_graph())
+    a = arrays(1, 1, 8)
+    out = np.full((1, HEADS, 1, DIM), 7.0, dtype=np.float32)
+    target = {"out": (data_address(out), out.shape)}
+    inputs = addressed(a)
+    wrong_heads = [inputs[0], (inputs[1][0], (1, HEADS + 1, 8, DIM)), inputs[2]]
+    disagreeing = [inputs[0], inputs[1], (inputs[2][0], (1, HEADS, 9, DIM))]  # Sk 8 and 9
+    assert not exe.run_direct(wrong_heads, target)
+    assert not exe.run_direct(disagreeing, target)
+    assert not exe.run_direct(inputs[:2], target)  # an input missing
+    assert not exe.run_direct(inputs, {"out": (data_address(out), (1, HEADS, 2, DIM))})  # wrong output shape
+    assert not exe.run_direct(inputs, {})  # no output given
+    assert (out == 7.0).all()
+
+
+def test_direct_declines_graphs_whose_calls_need_more_than_addresses() -> None:
+    g = rlx.Graph("ids")
+    table = g.input("table", (10, 4))
+    ids = g.input("ids", ("N",), dtype="int64")
+    g.output(rows=g.embedding(table, ids))  # the ids are checked against the table before a call
+    exe = rlx.compile(g)
+    table_a, ids_a = np.ones((10, 4), np.float32), np.array([0, 9], np.int64)
+    rows = np.zeros((2, 4), np.float32)
+    inputs = [(data_address(table_a), table_a.shape), (data_address(ids_a), ids_a.shape)]
+    assert not exe.run_direct(inputs, {"rows": (data_address(rows), rows.shape)})
+
+    g = rlx.Graph("alias")
+    x = g.input("x", ("N", 4))
+    g.output(y=x, z=x * 2.0)  # an output that is an input
+    exe = rlx.compile(g)
+    assert exe._program.direct_outputs is None
+
+
+def test_a_size_beyond_the_limits_is_still_refused_before_native_code() -> None:
+    exe = rlx.compile(decode_graph())
+    huge = (1, HEADS, 1, DIM), (1, HEADS, INT32_MAX, DIM)
+    inputs = [(0, huge[0]), (0, huge[1]), (0, huge[1])]  # null addresses: nothing may read them
+    out = (0, (1, HEADS, 1, DIM))
+    with pytest.raises(RlxValueError, match="32-bit BLAS limit"):
+        exe.run_direct(inputs, {"out": out})
+
+
+def test_a_bucket_stride_covers_every_size_in_it_and_matches_exact_limits() -> None:
+    exe = rlx.compile(decode_graph())
+    dynamic = exe._program.dynamic
+    assert dynamic is not None
+    for seq_k in [1, 2, 17, STRIDE_BUCKET - 1, STRIDE_BUCKET, STRIDE_BUCKET + 1, 1000, 4097, 70000]:
+        sizes = {"B": 3, "Sq": 5, "Sk": seq_k}
+        table, stride = dynamic.table(sizes)
+        assert stride >= dynamic._stride(sizes)
+        assert stride % 64 == 0
+        assert np.frombuffer(table, dtype=np.int64).tolist() == [sizes[s] for s in dynamic.symbols] + [stride]
+    # At the limit (a strip's rows times Sk within 32 bits) the call's own sizes decide, though
+    # its bucket is past it; one key more is refused.
+    block_q = dynamic.specs[0][1].block_q  # type: ignore[union-attr]
+    seq_k = INT32_MAX // block_q
+    assert -(-seq_k // STRIDE_BUCKET) * STRIDE_BUCKET * block_q > INT32_MAX
+    sizes = {"B": 1, "Sq": 1, "Sk": seq_k}
+    assert dynamic.stride(sizes) == dynamic._stride(sizes) > block_q * seq_k
+    with pytest.raises(RlxValueError, match="32-bit BLAS limit"):
+        dynamic.stride({"B": 1, "Sq": 1, "Sk": seq_k + 1})
