@@ -404,6 +404,23 @@ def test_contiguous_float32_tensors_go_to_native_code_by_address(monkeypatch: py
             "value must be a torch.Tensor",
         ),
         (
+            lambda q, k, v: rt.scaled_dot_product_attention(q.to_sparse(), k, v),
+            rlx.RlxTypeError,
+            "query is a sparse_coo tensor; rlx takes dense",
+        ),
+        (
+            lambda q, k, v: rt.flex_attention(q, k.to_mkldnn(), v),
+            rlx.RlxTypeError,
+            "key is a mkldnn tensor",
+        ),
+        (
+            lambda q, k, v: rt.scaled_dot_product_attention(
+                q, k, v, attn_mask=torch.ones(29, 29, dtype=torch.bool).to_sparse()
+            ),
+            rlx.RlxTypeError,
+            "attn_mask is a sparse_coo tensor",
+        ),
+        (
             lambda q, k, v: rt.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(3, 3, dtype=torch.bool)),
             rlx.RlxValueError,
             "does not broadcast",
@@ -487,6 +504,8 @@ def test_compile_graph_as_a_torch_function() -> None:
         f(xt, wt, idt)
     with pytest.raises(rlx.RlxKeyError, match="missing"):
         f(x=xt)
+    with pytest.raises(rlx.RlxTypeError, match="ids is a sparse_coo tensor"):
+        f(x=xt, w=wt, ids=idt.to_sparse())
 
 
 def test_import_rlx_never_imports_torch() -> None:

@@ -15,6 +15,9 @@ def _check_tensor(tensor: object, name: str, kinds: str = "float") -> torch.Tens
         raise RlxTypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if not tensor.is_cpu:  # (tensor.device.type costs 0.4 us a call; this, 0.07)
         raise RlxTypeError(f"{name} is on device {tensor.device}; rlx runs on the CPU (move it with .cpu())")
+    if tensor.layout is not torch.strided or tensor.is_nested:  # sparse, mkldnn, nested: no plain memory
+        layout = "nested" if tensor.is_nested else str(tensor.layout).removeprefix("torch.").strip("_")
+        raise RlxTypeError(f"{name} is a {layout} tensor; rlx takes dense (strided) tensors: pass {name}.to_dense()")
     if kinds == "float" and tensor.dtype not in _COMPUTED:
         raise RlxTypeError(f"{name} has dtype {tensor.dtype}; rlx.torch takes float32, float16 or bfloat16")
     return tensor
