@@ -379,6 +379,21 @@ def test_contiguous_float32_tensors_go_to_native_code_by_address(monkeypatch: py
     assert any(not t.is_contiguous() for t in strided)
 
 
+def test_inference_calls_match_the_general_path_and_record_nothing() -> None:
+    """Calls without a gradient to record take the short path (rt.sdpa._inference_call); calls
+    autograd records take the general one, with the same results."""
+    q, k, v = qkv(sq=7, sk=300, hkv=2, seed=3)
+    want = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, scale=0.3)
+    recorded = rt.scaled_dot_product_attention(q, k, v, enable_gqa=True, scale=0.3)
+    assert recorded.grad_fn is not None
+    with torch.no_grad():
+        inferred = rt.scaled_dot_product_attention(q, k, v, enable_gqa=True, scale=0.3)
+    assert inferred.grad_fn is None and not inferred.requires_grad
+    detached = rt.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), enable_gqa=True, scale=0.3)
+    assert torch.equal(inferred, detached) and torch.equal(inferred, recorded.detach())
+    assert_close(inferred, want)
+
+
 @pytest.mark.parametrize(
     ("make", "error", "fragment"),
     [

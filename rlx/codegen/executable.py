@@ -13,6 +13,7 @@ import ctypes
 import functools
 import os
 import pickle
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -91,6 +92,12 @@ class Program:
         """``(name, slot, owned)`` per output: the same for every call's sizes."""
         plan = self.plan
         return tuple((name, slot, name in plan.owned_outputs) for name, slot in plan.output_slots.items())
+
+    @functools.cached_property
+    def pointers_format(self) -> str:
+        """``struct`` format of the pointer table the entry takes: an address per buffer, then
+        the call's thread cap."""
+        return f"={len(self.plan.buffer_names) + 1}q"
 
     @functools.cached_property
     def direct_outputs(self) -> tuple[str | None, ...] | None:
@@ -521,17 +528,26 @@ class Executable:
     ) -> None:
         """Call the machine code on these buffer addresses (entry order), with this call's sizes
         table and block maps (made from ``bound``) written into the arena first."""
-        program = self._program
-        assert len(addresses) == len(program.plan.buffer_names)  # the thread cap's slot comes next
-        pointers = (ctypes.c_void_p * (len(addresses) + 1))(*addresses, threads or 0)
-        arena, arena_address = self._arena(layout.arena_bytes)
+        program, local = self._program, self._arenas
+        # The pointer table (each buffer's address, then the thread cap) is this thread's, reused:
+        # filled by one struct.pack_into (which also checks the count), not a new ctypes array.
+        pointers = getattr(local, "pointers", None)
+        if pointers is None:
+            pointers = local.pointers = (ctypes.c_int64 * (len(program.plan.buffer_names) + 1))()
+            local.pointers_address = ctypes.addressof(pointers)
+        struct.pack_into(program.pointers_format, pointers, 0, *addresses, threads or 0)
+        held = getattr(local, "buffer", None)
+        if held is not None and held.nbytes >= layout.arena_bytes + 64 and not program.call_data:
+            arena_address = local.address  # the arena is large enough: nothing to write into it by view
+        else:
+            arena, arena_address = self._arena(layout.arena_bytes)
+            for data in program.call_data:  # per-call block maps, from the validated inputs
+                assert bound is not None
+                start = program.call_data_offset + data.offset
+                arena[start : start + data.nbytes] = data.fill(bound).reshape(-1).view(np.uint8)
         if layout.table:
             ctypes.memmove(arena_address + program.call_data_offset, layout.table, len(layout.table))
-        for data in program.call_data:  # per-call block maps, from the validated inputs
-            assert bound is not None
-            start = program.call_data_offset + data.offset
-            arena[start : start + data.nbytes] = data.fill(bound).reshape(-1).view(np.uint8)
-        program.entry(ctypes.addressof(pointers), arena_address)
+        program.entry(local.pointers_address, arena_address)
 
     def _outputs(self) -> OutputPool:
         """This Python thread's output arrays (concurrent calls never share one)."""

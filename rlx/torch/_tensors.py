@@ -36,11 +36,14 @@ def _array(tensor: torch.Tensor) -> np.ndarray:
 
 
 def _direct(*tensors: torch.Tensor) -> bool:
-    """Whether native code may read these tensors' memory as it is: float32 CPU tensors,
+    """Whether native code may read these tensors' memory as it is: dense float32 CPU tensors,
     C-contiguous and aligned to their elements (what ``_array`` would view without a copy)."""
-    return all(
-        t.dtype == torch.float32 and t.is_contiguous() and not t.data_ptr() % 4 and not t.is_neg() for t in tensors
-    )
+    for t in tensors:  # a loop, not all() of a generator: one frame less on every decode step
+        if t.layout is not torch.strided or t.is_nested or t.dtype != torch.float32 or not t.is_cpu:
+            return False
+        if not t.is_contiguous() or t.data_ptr() % 4 or t.is_neg():
+            return False
+    return True
 
 
 def _tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

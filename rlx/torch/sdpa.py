@@ -53,7 +53,37 @@ def scaled_dot_product_attention(
                 query, key, value, attn_mask, is_causal, None if scale is None else float(scale)
             )
             return out  # type: ignore[no-any-return]
+        return _sdpa_graph_break(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if attn_mask is None:
+        out = _inference_call(query, key, value, dropout_p, is_causal, scale, enable_gqa)
+        if out is not None:
+            return out
     return _sdpa_eager(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _inference_call(
+    q: object, k: object, v: object, dropout_p: object, is_causal: bool, scale: object, enable_gqa: bool
+) -> torch.Tensor | None:
+    """The call of an inference loop (no mask, nothing for autograd to record, contiguous float32
+    tensors) in as few steps as the checks allow, else None: the general path takes it.
+
+    A decode step of a model (a projection, the KV cache's ``torch.cat``, attention) leaves
+    little of the Python objects a call touches in the caches, and there every function a call
+    passes through cost microseconds: the general path's checks and plan lookups took longer
+    than the kernel. Here the checks are :func:`_fixed_op_takes` (what the fixed-mask kernels
+    compute exactly as the general path would, which raises nothing for them) and
+    :func:`_direct`; the rest is the general path's own plan and kernel call.
+    """
+    if not _fixed_op_takes(q, k, v, None, dropout_p, is_causal, scale, enable_gqa):
+        return None
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return None
+    if not _direct(q, k, v):
+        return None
+    plan = _fixed_plan(q, k, v, is_causal, scale)  # type: ignore[arg-type]
+    assert plan is not None  # _fixed_op_takes refuses causal calls with Sq != Sk
+    return _fixed_out(plan, q, k, v, _attention_flops(q, k, v))
 
 
 def _fixed_op_takes(
@@ -114,7 +144,6 @@ def _masked_op_takes(
     return True
 
 
-@_eager_under_torch_compile
 def _sdpa_eager(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -148,6 +177,9 @@ def _sdpa_eager(
     if same_batch and q.numel() and k.numel() and v.numel() and (mask is None or mask.ndim <= 4):
         return _sdpa(q, k, v, mask, is_causal, scale, enable_gqa)
     return _sdpa_batched(q, k, v, mask, is_causal, scale, enable_gqa)
+
+
+_sdpa_graph_break = _eager_under_torch_compile(_sdpa_eager)  # what torch.compile meets: one graph break
 
 
 def _sdpa_batched(
@@ -392,7 +424,7 @@ def _fixed_out(plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     decode step (one query, 1-1000 keys) a sixth of its time once the growing KV cache had
     pushed the Python objects those arrays touch out of the caches.
     """
-    exe, threads = plan.executable("forward"), _threads_for(flops)
+    exe, threads = plan.executables.get("forward") or plan.executable("forward"), _threads_for(flops)
     if _direct(q, k, v):
         out = torch.empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
         inputs = ((q.data_ptr(), tuple(q.shape)), (k.data_ptr(), tuple(k.shape)), (v.data_ptr(), tuple(v.shape)))

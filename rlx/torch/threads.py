@@ -37,13 +37,16 @@ def share_torch_threads(enabled: bool = True) -> bool:
     return use_openmp(library)
 
 
-SMALL_ATTENTION_FLOPS = 1 << 20
+SMALL_ATTENTION_FLOPS = 1 << 18
 """Below this many FLOPs an attention call runs on the calling thread (on torch's threads).
 
 Measured with a torch matmul before each call, as in a model, on two cores: from ~1 MFLOP up
 two threads win on torch's OpenMP team (B4 H4 S32 D16: 85 us against 95; the char LM's B16
-H4 S64 D16: 322 against 539; a decode step against 1000 keys: 127 against 131, 250 keys: 89
-against 79).
+H4 S64 D16: 322 against 539). Below that it was even until the call's Python got shorter: in
+a model's decode step (a QKV projection, the KV cache's ``torch.cat``, attention, the output
+projection; B1 H8 D64, Intel Xeon), two threads from 2^18 FLOPs (128 keys) on ran attention
+100-200 keys 109 us against 117, 200-300 116 against 135, 400-500 147 against 173 (medians of
+three runs; 2^16 was no better, and under 100 keys the call is its Python).
 """
 
 SMALL_ATTENTION_FLOPS_OWN_WORKERS = 1 << 26
