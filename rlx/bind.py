@@ -99,7 +99,9 @@ class InputBinder:
 
     def sizes_of(self, shapes: Sequence[tuple[int, ...]]) -> dict[str, int] | None:
         """The symbol sizes of a call whose inputs (every one, in declaration order) have these
-        shapes, or None where a shape does not match its declaration or the symbols disagree."""
+        shapes, or None where a shape does not match its declaration or the symbols disagree:
+        the generic reading that a program's generated layout function
+        (:mod:`rlx.codegen.call_layout`) does in one frame, and is tested against."""
         if len(shapes) != len(self.expected):
             return None
         sizes: dict[str, int] = {}

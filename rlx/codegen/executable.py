@@ -24,6 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from rlx.bind import InputBinder, check_index_inputs, index_bounds
+from rlx.codegen.call_layout import LayoutFunction, layout_function
 from rlx.codegen.gc_pause import collection_paused
 from rlx.codegen.jit import CompiledLibrary, cache_key, compile_ir
 from rlx.codegen.lower import (
@@ -92,6 +93,21 @@ class Program:
         """``(name, slot, owned)`` per output: the same for every call's sizes."""
         plan = self.plan
         return tuple((name, slot, name in plan.owned_outputs) for name, slot in plan.output_slots.items())
+
+    @functools.cached_property
+    def direct_layout(self) -> LayoutFunction:
+        """The layout of a call whose inputs (all of them) have these shapes, or None where a
+        shape does not match: :func:`rlx.codegen.call_layout.layout_function` of this program."""
+        assert self.binder is not None
+        return layout_function(
+            [shape for _, _, shape, _ in self.binder.expected],
+            self.dynamic,
+            [(name, shape, dtype) for name, shape, _, dtype in self.buffer_kinds],
+            self.layout_for,
+            lambda table, arena_bytes, buffers: CallLayout(table, arena_bytes, buffers, self.results),
+            self.threads,
+            bool(self.call_checks),
+        )
 
     @functools.cached_property
     def pointers_format(self) -> str:
@@ -502,13 +518,10 @@ class Executable:
         """
         program = self._program
         direct = program.direct_outputs
-        assert program.binder is not None
-        sizes = None if direct is None else program.binder.sizes_of([shape for _, shape in inputs])
-        if direct is None or sizes is None:
+        # The size checks run here, before native code.
+        layout = None if direct is None else program.direct_layout([shape for _, shape in inputs])
+        if layout is None or direct is None:
             return False
-        layout = program.layouts.get(tuple(sizes.items()))
-        if layout is None:
-            layout = program.layout_for(sizes)  # the size checks run here, before native code
         addresses = [address for address, _ in inputs]
         pool = None
         for (name, shape, dtype), output in zip(layout.buffers, direct, strict=True):

@@ -427,8 +427,8 @@ def _fixed_out(plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     exe, threads = plan.executables.get("forward") or plan.executable("forward"), _threads_for(flops)
     if _direct(q, k, v):
         out = torch.empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
-        inputs = ((q.data_ptr(), tuple(q.shape)), (k.data_ptr(), tuple(k.shape)), (v.data_ptr(), tuple(v.shape)))
-        if exe.run_direct(inputs, {"out": (out.data_ptr(), tuple(out.shape))}, threads):
+        inputs = ((q.data_ptr(), q.shape), (k.data_ptr(), k.shape), (v.data_ptr(), v.shape))  # torch.Size: tuples
+        if exe.run_direct(inputs, {"out": (out.data_ptr(), out.shape)}, threads):
             return out
     arrays = {"q": _array(q), "k": _array(k), "v": _array(v)}
     result = exe.run(arrays, threads)

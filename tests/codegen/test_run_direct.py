@@ -110,3 +110,73 @@ def test_a_bucket_stride_covers_every_size_in_it_and_matches_exact_limits() -> N
     assert dynamic.stride(sizes) == dynamic._stride(sizes) > block_q * seq_k
     with pytest.raises(RlxValueError, match="32-bit BLAS limit"):
         dynamic.stride({"B": 1, "Sq": 1, "Sk": seq_k + 1})
+
+
+def _programs() -> dict[str, rlx.Executable]:
+    """Graphs whose call layouts differ in kind: symbolic attention (GQA, Dv != D), a static
+    graph, a reshape whose output has a product of symbols, and one symbol in several inputs."""
+    gqa = rlx.Graph("gqa")
+    q = gqa.input("q", ("B", 4, "Sq", 16))
+    k = gqa.input("k", ("B", 2, "Sk", 16))
+    v = gqa.input("v", ("B", 2, "Sk", 8))
+    gqa.output(out=gqa.attention(q, k, v, layout=rlx.Layout.BHSD))
+    static = rlx.Graph("static")
+    x = static.input("x", (3, 5))
+    static.output(y=static.exp(x), s=static.sum(x, axis=0))
+    merged = rlx.Graph("merged")
+    x = merged.input("x", ("B", "S", 6))
+    merged.output(flat=merged.reshape(x * 2.0, (-1, 6)), t=merged.transpose(x, (2, 0, 1)) + 1.0)
+    shared = rlx.Graph("shared")
+    a = shared.input("a", ("N", 4))
+    b = shared.input("b", (4, "N"))
+    shared.output(c=a @ b, d=shared.sum(b, axis=0) + shared.sum(a, axis=1))
+    return {g.name: rlx.compile(g) for g in (decode_graph(), decode_graph(scaled=True), gqa, static, merged, shared)}
+
+
+@pytest.mark.parametrize("name", ["decode", "gqa", "static", "merged", "shared"])
+def test_the_generated_call_layout_is_the_generic_one(name: str) -> None:
+    """For shapes that match and many that do not: what the generated function says equals
+    binding the shapes and the generic ``layout_for``."""
+    program = _programs()[name]._program
+    assert program.binder is not None
+    declared = [shape for _, _, shape, _ in program.binder.expected]
+    rng = np.random.default_rng(7)
+    for trial in range(300):
+        sizes = {symbol: int(rng.integers(1, 200)) for symbol in ("B", "Sq", "Sk", "S", "N")}
+        shapes = [tuple(dim if isinstance(dim, int) else sizes[dim] for dim in shape) for shape in declared]
+        if trial % 3 == 1:  # one dimension off by one, or a zero
+            which = int(rng.integers(len(shapes)))
+            if shapes[which]:
+                axis = int(rng.integers(len(shapes[which])))
+                dims = list(shapes[which])
+                dims[axis] = 0 if trial % 2 else dims[axis] + 1
+                shapes[which] = tuple(dims)
+        elif trial % 3 == 2 and trial % 5 == 0:  # a rank off, or an input missing
+            shapes = shapes[:-1] if trial % 2 else [*shapes[:-1], (*shapes[-1], 1)]
+        generic_sizes = program.binder.sizes_of(shapes)
+        want = None if generic_sizes is None else program.layout_for(generic_sizes)
+        got = program.direct_layout(shapes)
+        assert got == want, (shapes, got, want)
+
+
+def test_sizes_in_a_known_bucket_need_no_generic_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    program = rlx.compile(decode_graph())._program
+    calls: list[dict[str, int]] = []
+    generic = type(program).layout_for
+
+    def counted(self: object, sizes: dict[str, int]) -> object:
+        calls.append(dict(sizes))
+        return generic(self, sizes)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(type(program), "layout_for", counted)
+    program.__dict__.pop("direct_layout", None)  # generated again, around the counted method
+    assert program.dynamic is not None
+    program.dynamic._strides.clear()  # the program is shared with other tests' calls
+    try:
+        for seq_k in range(1, 2 * STRIDE_BUCKET + 1):  # a decode loop over two buckets of lengths
+            layout = program.direct_layout([(1, HEADS, 1, DIM), (1, HEADS, seq_k, DIM), (1, HEADS, seq_k, DIM)])
+            table = np.frombuffer(layout.table, dtype=np.int64)
+            assert table[:-1].tolist() == [1, seq_k, 1]  # B, Sk, Sq: the symbols in sorted order
+        assert [c["Sk"] for c in calls] == [1, STRIDE_BUCKET + 1]
+    finally:
+        program.__dict__.pop("direct_layout", None)  # the next use generates it around the real method
