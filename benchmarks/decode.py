@@ -9,6 +9,11 @@ compile count of the loop and the mean time per step of rlx and torch (interleav
 runs both, same inputs, in alternating order), for the whole loop and for its first and last
 hundred steps.
 
+A second table times the step of a model's attention layer around the call (the QKV
+projection, the cache's ``torch.cat``, attention, the output projection; E = H * D): there
+the projections' weights pass through the caches before every attention call, as in a model,
+and an attention call is as fast as its Python is when it starts cold.
+
     python benchmarks/decode.py [--steps 1000]
 
 Writes ``benchmarks/results/decode.json``. Needs torch.
@@ -65,32 +70,68 @@ def main() -> int:
     compiles = compile_count() - before
     first_step = timings["rlx"][0]  # includes the one compilation
     steady = slice(1, None)
-
-    def row(label: str, part: slice) -> list[str]:
-        ours, theirs = np.mean(timings["rlx"][part]), np.mean(timings["torch"][part])
-        return [label, f"{ours * 1e3:.3f}", f"{theirs * 1e3:.3f}", f"{theirs / ours:.2f}x"]
-
     hundred = min(100, args.steps - 1)
-    rows = [
-        row(f"steps 2..{args.steps} (Sk = 2..{args.steps})", steady),
-        row(f"first {hundred} after the compile", slice(1, 1 + hundred)),
-        row(f"last {hundred}", slice(args.steps - hundred, None)),
-    ]
+
+    def rows(times: dict[str, list[float]]) -> list[list[str]]:
+        def row(label: str, part: slice) -> list[str]:
+            ours, theirs = np.mean(times["rlx"][part]), np.mean(times["torch"][part])
+            return [label, f"{ours * 1e3:.3f}", f"{theirs * 1e3:.3f}", f"{theirs / ours:.2f}x"]
+
+        return [
+            row(f"steps 2..{args.steps} (Sk = 2..{args.steps})", steady),
+            row(f"first {hundred} after the compile", slice(1, 1 + hundred)),
+            row(f"last {hundred}", slice(args.steps - hundred, None)),
+        ]
+
     shape = f"B{batch} H{heads} D{dim}, one query, Sk = 1..{args.steps}"
     print(f"CPU: {h.cpu_model()}; {shape}; max |rlx - torch| {worst:.1e}")
     print(f"compilations in the loop: {compiles}; first step (compiling) {first_step * 1e3:.1f} ms")
-    print(h.markdown_table(["steps", "rlx ms/step", "torch ms/step", "torch / rlx"], rows))
+    print(h.markdown_table(["steps", "rlx ms/step", "torch ms/step", "torch / rlx"], rows(timings)))
+    layer = model_steps(args.steps, batch, heads, dim)
+    print("\nThe step of a model's attention layer (projections, cache, attention), same lengths:")
+    print(h.markdown_table(["steps", "rlx ms/step", "torch ms/step", "torch / rlx"], rows(layer)))
     report = {
         "steps": args.steps,
         "compiles": compiles,
         "first_step_s": first_step,
         "mean_step_s": {name: float(np.mean(values[steady])) for name, values in timings.items()},
+        "model_mean_step_s": {name: float(np.mean(values[steady])) for name, values in layer.items()},
         "max_abs_diff": worst,
         "cpu": h.cpu_model(),
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1))
     return 0
+
+
+def model_steps(steps: int, batch: int, heads: int, dim: int) -> dict[str, list[float]]:
+    """Seconds per step of a model's attention layer with rlx's attention and with torch's, in
+    alternating order each step (each with its own KV cache; the same weights and inputs)."""
+    import torch
+    import torch.nn.functional as F
+
+    import rlx.torch as rt
+
+    embed = heads * dim
+    gen = torch.Generator().manual_seed(1)
+    w_qkv = torch.randn(embed, 3 * embed, generator=gen) / embed**0.5
+    w_out = torch.randn(embed, embed, generator=gen) / embed**0.5
+    xs = torch.randn(steps, batch, 1, embed, generator=gen)
+    attend = {"rlx": rt.scaled_dot_product_attention, "torch": F.scaled_dot_product_attention}
+    caches = {name: (torch.empty(batch, heads, 0, dim), torch.empty(batch, heads, 0, dim)) for name in attend}
+    timings: dict[str, list[float]] = {name: [] for name in attend}
+    with torch.no_grad():
+        for step in range(steps):
+            for name in ("rlx", "torch") if step % 2 == 0 else ("torch", "rlx"):
+                start = time.perf_counter()
+                qkv = (xs[step] @ w_qkv).view(batch, 1, 3, heads, dim).permute(2, 0, 3, 1, 4)
+                k, v = caches[name]
+                k, v = torch.cat([k, qkv[1]], dim=2), torch.cat([v, qkv[2]], dim=2)
+                out = attend[name](qkv[0].contiguous(), k, v)
+                out.transpose(1, 2).reshape(batch, 1, embed) @ w_out
+                timings[name].append(time.perf_counter() - start)
+                caches[name] = (k, v)
+    return timings
 
 
 if __name__ == "__main__":
