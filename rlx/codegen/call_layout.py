@@ -85,7 +85,7 @@ def layout_function(
 
         described = [f"({name!r}, {shape_of(shape)}, dtype{i})" for i, (name, shape, _) in enumerate(buffers)]  # type: ignore[arg-type]
         namespace |= {f"dtype{i}": dtype for i, (_, _, dtype) in enumerate(buffers)}
-        namespace |= {"strides": dynamic._strides, "pack": struct.Struct(f"={len(ordered) + 1}q").pack}
+        namespace |= {"strides": dynamic.bucket_strides, "pack": struct.Struct(f"={len(ordered) + 1}q").pack}
         namespace["make_layout"] = make_layout
         lines += [
             f"    stride = strides.get(({bucket},))",

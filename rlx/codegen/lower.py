@@ -298,7 +298,8 @@ class DynamicScratch:
     static_stride: int  # what the kernels of static shape need
     offset: int  # arena offset of the scratch (after everything of static size)
 
-    _strides: dict[tuple[int, ...], int] = field(default_factory=dict, compare=False, repr=False)
+    # per bucket of sizes (see stride), filled by calls; read by the generated layout functions
+    bucket_strides: dict[tuple[int, ...], int] = field(default_factory=dict, compare=False, repr=False)
 
     def stride(self, sizes: Mapping[str, int]) -> int:
         """Bytes of scratch per thread for this call's sizes: enough for every size up to the
@@ -308,15 +309,15 @@ class DynamicScratch:
         the sizes and the BLAS limits only fail above some size, so a bucket's stride serves
         every size in it and a bucket past a limit checks the call's own sizes."""
         bucket = tuple(-(-sizes.get(name, 1) // STRIDE_BUCKET) * STRIDE_BUCKET for name in self.symbols)
-        stride = self._strides.get(bucket)
+        stride = self.bucket_strides.get(bucket)
         if stride is None:
             try:
                 stride = self._stride(dict(zip(self.symbols, bucket, strict=True)))
             except RlxValueError:
                 return self._stride(sizes)
-            if len(self._strides) >= STRIDES_KEPT:
-                self._strides.clear()
-            self._strides[bucket] = stride
+            if len(self.bucket_strides) >= STRIDES_KEPT:
+                self.bucket_strides.clear()
+            self.bucket_strides[bucket] = stride
         return stride
 
     def _stride(self, sizes: Mapping[str, int]) -> int:

@@ -83,7 +83,7 @@ def _inference_call(
         return None
     plan = _fixed_plan(q, k, v, is_causal, scale)  # type: ignore[arg-type]
     assert plan is not None  # _fixed_op_takes refuses causal calls with Sq != Sk
-    return _fixed_out(plan, q, k, v, _attention_flops(q, k, v))
+    return _fixed_out(plan, q, k, v, _attention_flops(q, k, v), direct=True)
 
 
 def _fixed_op_takes(
@@ -416,7 +416,9 @@ def _fixed_forward(plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.
     return _fixed_out(plan, q, k, v, _attention_flops(q, k, v))
 
 
-def _fixed_out(plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flops: float) -> torch.Tensor:
+def _fixed_out(
+    plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flops: float, direct: bool | None = None
+) -> torch.Tensor:
     """The fixed-mask forward kernel's ``out``, in the query's dtype.
 
     Contiguous float32 tensors go to native code as they are, and ``out`` is a new torch tensor
@@ -425,7 +427,7 @@ def _fixed_out(plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     pushed the Python objects those arrays touch out of the caches.
     """
     exe, threads = plan.executables.get("forward") or plan.executable("forward"), _threads_for(flops)
-    if _direct(q, k, v):
+    if _direct(q, k, v) if direct is None else direct:  # (direct: the caller has checked)
         out = torch.empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
         inputs = ((q.data_ptr(), q.shape), (k.data_ptr(), k.shape), (v.data_ptr(), v.shape))  # torch.Size: tuples
         if exe.run_direct(inputs, {"out": (out.data_ptr(), out.shape)}, threads):
