@@ -375,17 +375,21 @@ def choose_block_q(
     Causal-like, up to Sk = 512 and Sk·D = 32768 (a causal strip's products see half the keys on
     average): B4 H8 S512 D64, 32 rows against 64: forward 5.2 against 6.1 ms, backward 11.8
     against 13.6 (S256: 4.2 against 5.0, 10.0 against 11.5; S256 D128 3.2 against 3.6; but S512
-    D128 ran fastest with 64). Unmasked, 128 < Sk <= 256 with 32·Sk·D within the path: B8 H12
-    S256 D64 backward 15.5 ms with 32 rows, 17.6 with 256, 19.3 with 64 (just over the path);
+    D128 ran fastest with 64); the strided (BSHD) backward too, since its products moved to the
+    register tiles (B4 H8 D64, 32 rows against the 64 or 128 it had: S256 3.66 against 3.84 ms,
+    S384 7.24 against 7.73, S512 14.25 against 15.13; medians of 25 interleaved calls; S512 D128
+    38.9 against 33.3, so the Sk·D bound holds). Unmasked, 128 < Sk <= 256 with 32·Sk·D within
+    the path: B8 H12 S256 D64 backward 15.5 ms with 32 rows, 17.6 with 256, 19.3 with 64 (just
+    over the path);
     D128 stays at 256 rows, which ran fastest there. Not where the rows are strided: there the
-    BSHD backward ran fastest with 256 unmasked rows, and its causal strips gained nothing.
+    BSHD backward ran fastest with 256 unmasked rows.
     Scratch stays O(block_q · Sk) per thread, capped by ``SCRATCH_BUDGET``. Strips are balanced
     (``ceil(Sq / n)`` rows each) so that no strip is a sliver.
     """
     buffers = 2 if needs_dp else 1
     strided_backward = needs_dp and strided_rows
     if causal_like:
-        short = seq_k <= 512 and seq_k * head_dim <= 32768 and not strided_backward
+        short = seq_k <= 512 and seq_k * head_dim <= 32768
         cap = SMALL_PATH_ROWS if short else _causal_strip_cap(seq_k, strided_backward)
     elif seq_k <= 128:
         # strided: 128 rows where that moves the products off the small-matrix path onto the tiles
