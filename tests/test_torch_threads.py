@@ -92,6 +92,36 @@ def test_calls_from_several_python_threads_at_once() -> None:
         np.testing.assert_array_equal(got, want)
 
 
+def test_inference_sdpa_from_several_python_threads_at_once() -> None:
+    """rlx.torch's direct path (per-thread pointer tables and arenas, the generated call layout,
+    the scratch strides per bucket of lengths) from three Python threads, each decoding its own
+    growing cache across length buckets, against torch's SDPA."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    errors: list[BaseException] = []
+    worst: list[float] = []
+
+    def work(seed: int) -> None:
+        try:
+            gen = torch.Generator().manual_seed(seed)
+            k = v = torch.empty(1, 4, 0, 32)
+            for _ in range(150):
+                new = torch.randn(2, 1, 4, 1, 32, generator=gen)
+                k, v = torch.cat([k, new[0]], dim=2), torch.cat([v, new[1]], dim=2)
+                q = torch.randn(1, 4, 1, 32, generator=gen)
+                got = rt.scaled_dot_product_attention(q, k, v)
+                worst.append(float((got - sdpa(q, k, v)).abs().max()))
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    workers = [threading.Thread(target=work, args=(seed,)) for seed in range(3)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=300)
+    assert not errors and len(worst) == 450
+    assert max(worst) < 1e-5
+
+
 def _run(code: str, **env: str) -> str:
     environment = {**os.environ, **env}
     result = subprocess.run(
