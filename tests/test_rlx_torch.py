@@ -351,9 +351,10 @@ def test_contiguous_float32_output_is_not_copied() -> None:
     assert out.numpy().base is not None  # a view of the array rlx wrote, not a copy of it
 
 
-def test_contiguous_float32_tensors_go_to_native_code_by_address(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_float32_tensors_go_to_native_code_by_address(monkeypatch: pytest.MonkeyPatch) -> None:
     """The direct path (tensors' memory as it is, out a new tensor the kernel writes) gives what
-    the NumPy path gives, and is the one contiguous float32 calls take."""
+    the NumPy path gives, and is the one float32 calls take, strided ones after torch copies
+    them contiguous; half precisions take the NumPy path."""
     from rlx.codegen.executable import Executable
 
     taken: list[bool] = []
@@ -370,13 +371,24 @@ def test_contiguous_float32_tensors_go_to_native_code_by_address(monkeypatch: py
         for causal in (False, sk == 29):
             got = rt.scaled_dot_product_attention(q, k, v, is_causal=causal)
             assert taken.pop() is True
-            via_numpy = rt.scaled_dot_product_attention(*strided, is_causal=causal)
-            # Strided: the NumPy path, which copies them (one key or query is contiguous still).
-            assert taken == ([True] if all(t.is_contiguous() for t in strided) else [])
-            taken.clear()
+            copied = rt.scaled_dot_product_attention(*strided, is_causal=causal)
+            assert taken.pop() is True and torch.equal(got, copied)
+            half = rt.scaled_dot_product_attention(*(t.to(torch.bfloat16) for t in (q, k, v)), is_causal=causal)
+            assert not taken and half.dtype == torch.bfloat16  # the NumPy path, in float32
+            via_numpy = rlx_run_numpy(q, k, v, causal)
             assert torch.equal(got, via_numpy)
             assert_close(got, F.scaled_dot_product_attention(q, k, v, is_causal=causal))
     assert any(not t.is_contiguous() for t in strided)
+
+
+def rlx_run_numpy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """The fixed-mask forward through ``Executable.run`` (NumPy arrays in and out)."""
+    from rlx.torch.sdpa import _fixed_plan
+
+    plan = _fixed_plan(q, k, v, causal, None)
+    assert plan is not None
+    out = plan.executable("forward").run({"q": q.numpy(), "k": k.numpy(), "v": v.numpy()})["out"]
+    return torch.from_numpy(out)
 
 
 def test_inference_calls_match_the_general_path_and_record_nothing() -> None:

@@ -427,7 +427,12 @@ def _fixed_out(
     pushed the Python objects those arrays touch out of the caches.
     """
     exe, threads = plan.executables.get("forward") or plan.executable("forward"), _threads_for(flops)
-    if _direct(q, k, v) if direct is None else direct:  # (direct: the caller has checked)
+    if direct is None and q.dtype == k.dtype == v.dtype == torch.float32:
+        # Strided views (q, k, v split from one projection) are copied contiguous by torch, as
+        # the NumPy path below would copy them.
+        q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
+        direct = _direct(q, k, v)
+    if direct:  # (given: the caller has checked)
         out = torch.empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
         inputs = ((q.data_ptr(), q.shape), (k.data_ptr(), k.shape), (v.data_ptr(), v.shape))  # torch.Size: tuples
         if exe.run_direct(inputs, {"out": (out.data_ptr(), out.shape)}, threads):
@@ -460,9 +465,21 @@ def _fixed_grads(
     plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_out: torch.Tensor, flops: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv from the fixed-mask backward kernel, each in its input's dtype (``flops``: the
-    forward's, which pick the thread count)."""
+    forward's, which pick the thread count). Contiguous float32 tensors go to native code by
+    address and the gradients are new torch tensors it writes (as :func:`_fixed_out` does)."""
+    exe, threads = plan.executables.get("backward") or plan.executable("backward"), _threads_for(2.5 * flops)
+    if q.dtype == k.dtype == v.dtype == d_out.dtype == torch.float32:
+        # A strided view (q, k, v split from one projection; the gradient of a transpose) is
+        # copied contiguous by torch, as the NumPy path below would copy it.
+        dense = [t if t.is_contiguous() else t.contiguous() for t in (q, k, v, d_out)]
+        if _direct(*dense):
+            written = [torch.empty(t.shape) for t in (q, k, v)]
+            inputs = [(t.data_ptr(), t.shape) for t in dense]
+            outputs = {f"d{n}": (g.data_ptr(), g.shape) for n, g in zip("qkv", written, strict=True)}
+            if exe.run_direct(inputs, outputs, threads):
+                return written[0], written[1], written[2]
     arrays = {"q": _array(q), "k": _array(k), "v": _array(v), "dy": _array(d_out)}
-    grads = plan.executable("backward").run(arrays, _threads_for(2.5 * flops))
+    grads = exe.run(arrays, threads)
     dq, dk, dv = (_tensor(grads[f"d{n}"], t.dtype) for n, t in zip("qkv", (q, k, v), strict=True))
     return dq, dk, dv
 
