@@ -43,7 +43,7 @@ from rlx.config import RuntimeConfig, resolve_config, resolve_num_threads
 from rlx.errors import RlxTypeError, RlxValueError, allocation_failed
 from rlx.ir.graph import Graph, Value
 from rlx.ir.printer import value_names
-from rlx.ir.types import Dim, TensorType, dim_size
+from rlx.ir.types import Dim, TensorType, resolve_dims
 
 _ENTRY_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
 _CACHE_SIZE = 64
@@ -155,7 +155,7 @@ class Program:
             # The call writes the table with memmove: it must land inside the arena's call data.
             assert self.call_data_offset + len(table) <= self.dynamic.offset <= arena_bytes
         buffers = tuple(
-            (name, shape if static or shape is None else _resolve(shape, sizes), dtype)
+            (name, shape if static or shape is None else resolve_dims(shape, sizes), dtype)
             for name, shape, static, dtype in self.buffer_kinds
         )
         layout = CallLayout(table, arena_bytes, buffers, self.results)  # type: ignore[arg-type]  # static: ints
@@ -166,15 +166,6 @@ class Program:
 
 
 LAYOUTS_KEPT = 64
-
-
-def _resolve(shape: tuple[Dim, ...], sizes: Mapping[str, int]) -> tuple[int, ...]:
-    """``resolve_dims`` with plain symbols looked up in place: a decode step resolves its shapes
-    with every function it calls out of the caches, where each call costs microseconds."""
-    return tuple(
-        dim if dim.__class__ is int else (sizes.get(dim) or dim_size(dim, sizes))  # type: ignore[arg-type,misc]
-        for dim in shape
-    )
 
 
 @dataclass(frozen=True)
@@ -549,15 +540,14 @@ class Executable:
             pointers = local.pointers = (ctypes.c_int64 * (len(program.plan.buffer_names) + 1))()
             local.pointers_address = ctypes.addressof(pointers)
         struct.pack_into(program.pointers_format, pointers, 0, *addresses, threads or 0)
-        held = getattr(local, "buffer", None)
-        if held is not None and held.nbytes >= layout.arena_bytes + 64 and not program.call_data:
-            arena_address = local.address  # the arena is large enough: nothing to write into it by view
-        else:
+        if program.call_data:
             arena, arena_address = self._arena(layout.arena_bytes)
             for data in program.call_data:  # per-call block maps, from the validated inputs
                 assert bound is not None
                 start = program.call_data_offset + data.offset
                 arena[start : start + data.nbytes] = data.fill(bound).reshape(-1).view(np.uint8)
+        else:
+            arena_address = self._arena_address(layout.arena_bytes)
         if layout.table:
             ctypes.memmove(arena_address + program.call_data_offset, layout.table, len(layout.table))
         program.entry(local.pointers_address, arena_address)
@@ -571,7 +561,14 @@ class Executable:
 
     def _arena(self, nbytes: int) -> tuple[np.ndarray, int]:
         """A per-Python-thread arena, reused across calls (concurrent calls never share one): its
-        first ``nbytes`` bytes, 64-byte aligned, and their address."""
+        first ``nbytes`` bytes, 64-byte aligned, and their address (:meth:`_arena_address`)."""
+        address = self._arena_address(nbytes)
+        offset = self._arenas.offset
+        return self._arenas.buffer[offset : offset + max(nbytes, 1)], address
+
+    def _arena_address(self, nbytes: int) -> int:
+        """The address of this Python thread's arena, 64-byte aligned, grown first to hold
+        ``nbytes`` where it is smaller (a call that writes nothing into it needs no view)."""
         held = getattr(self._arenas, "buffer", None)
         if held is None or held.nbytes < nbytes + 64:
             # Grown by half again at least: a decode loop's scratch grows a little every step.
@@ -587,8 +584,7 @@ class Executable:
             self._arenas.buffer = held
             self._arenas.offset = (-address) % 64
             self._arenas.address = address + self._arenas.offset
-        offset = self._arenas.offset
-        return held[offset : offset + max(nbytes, 1)], self._arenas.address
+        return self._arenas.address  # type: ignore[no-any-return]
 
     def __reduce__(self) -> tuple[object, tuple[object, ...]]:
         """Pickles as the graph, its passes and config, and the machine code: loading links that

@@ -46,6 +46,15 @@ def _direct(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def _dense(*tensors: torch.Tensor) -> list[torch.Tensor] | None:
+    """Float32 tensors as native code may read them by address (:func:`_direct`), strided ones
+    copied contiguous by torch (as :func:`_array` would copy them); None for any other dtype."""
+    if any(t.dtype != torch.float32 for t in tensors):
+        return None
+    dense = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    return dense if _direct(*dense) else None
+
+
 def _tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     out = torch.from_numpy(array)
     return out if dtype == torch.float32 else out.to(dtype)

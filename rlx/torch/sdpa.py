@@ -17,7 +17,7 @@ from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.graph import Graph
 from rlx.ir.types import Layout
 from rlx.torch._autograd import _eager_under_torch_compile, _once_differentiable
-from rlx.torch._tensors import _COMPUTED, _array, _check_tensor, _direct, _tensor
+from rlx.torch._tensors import _COMPUTED, _array, _check_tensor, _dense, _direct, _tensor
 from rlx.torch.flex import _check_scale, _FlexFunction, _Plan, _plan, _plans_lock
 from rlx.torch.threads import _attention_flops, _threads_for
 
@@ -417,24 +417,21 @@ def _fixed_forward(plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.
 
 
 def _fixed_out(
-    plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flops: float, direct: bool | None = None
+    plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flops: float, direct: bool = False
 ) -> torch.Tensor:
     """The fixed-mask forward kernel's ``out``, in the query's dtype.
 
-    Contiguous float32 tensors go to native code as they are, and ``out`` is a new torch tensor
-    it writes into (:meth:`Executable.run_direct`): no NumPy array in or out, which cost a
-    decode step (one query, 1-1000 keys) a sixth of its time once the growing KV cache had
+    Float32 tensors go to native code by address (strided ones copied contiguous first;
+    ``direct``: the caller has checked them with :func:`_direct`), and ``out`` is a new torch
+    tensor it writes into (:meth:`Executable.run_direct`): no NumPy array in or out, which cost
+    a decode step (one query, 1-1000 keys) a sixth of its time once the growing KV cache had
     pushed the Python objects those arrays touch out of the caches.
     """
     exe, threads = plan.executables.get("forward") or plan.executable("forward"), _threads_for(flops)
-    if direct is None and q.dtype == k.dtype == v.dtype == torch.float32:
-        # Strided views (q, k, v split from one projection) are copied contiguous by torch, as
-        # the NumPy path below would copy them.
-        q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
-        direct = _direct(q, k, v)
-    if direct:  # (given: the caller has checked)
+    dense = [q, k, v] if direct else _dense(q, k, v)
+    if dense is not None:
         out = torch.empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
-        inputs = ((q.data_ptr(), q.shape), (k.data_ptr(), k.shape), (v.data_ptr(), v.shape))  # torch.Size: tuples
+        inputs = [(t.data_ptr(), t.shape) for t in dense]  # torch.Size: tuples
         if exe.run_direct(inputs, {"out": (out.data_ptr(), out.shape)}, threads):
             return out
     arrays = {"q": _array(q), "k": _array(k), "v": _array(v)}
@@ -468,16 +465,13 @@ def _fixed_grads(
     forward's, which pick the thread count). Contiguous float32 tensors go to native code by
     address and the gradients are new torch tensors it writes (as :func:`_fixed_out` does)."""
     exe, threads = plan.executables.get("backward") or plan.executable("backward"), _threads_for(2.5 * flops)
-    if q.dtype == k.dtype == v.dtype == d_out.dtype == torch.float32:
-        # A strided view (q, k, v split from one projection; the gradient of a transpose) is
-        # copied contiguous by torch, as the NumPy path below would copy it.
-        dense = [t if t.is_contiguous() else t.contiguous() for t in (q, k, v, d_out)]
-        if _direct(*dense):
-            written = [torch.empty(t.shape) for t in (q, k, v)]
-            inputs = [(t.data_ptr(), t.shape) for t in dense]
-            outputs = {f"d{n}": (g.data_ptr(), g.shape) for n, g in zip("qkv", written, strict=True)}
-            if exe.run_direct(inputs, outputs, threads):
-                return written[0], written[1], written[2]
+    dense = _dense(q, k, v, d_out)  # strided views (a split projection, a transpose's gradient) copied
+    if dense is not None:
+        written = [torch.empty(t.shape) for t in (q, k, v)]
+        inputs = [(t.data_ptr(), t.shape) for t in dense]
+        outputs = {f"d{n}": (g.data_ptr(), g.shape) for n, g in zip("qkv", written, strict=True)}
+        if exe.run_direct(inputs, outputs, threads):
+            return written[0], written[1], written[2]
     arrays = {"q": _array(q), "k": _array(k), "v": _array(v), "dy": _array(d_out)}
     grads = exe.run(arrays, threads)
     dq, dk, dv = (_tensor(grads[f"d{n}"], t.dtype) for n, t in zip("qkv", (q, k, v), strict=True))
