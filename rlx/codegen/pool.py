@@ -7,9 +7,11 @@ call takes the pool (``rlx_pool_acquire``), posts its team function (``rlx_pool_
 member 0 itself and waits until every worker is done, as an OpenMP runtime does.
 
 Waiting is a short spin (a loop of calls finds the workers still awake), then sleep on a
-condition variable (an idle process burns nothing). The pool serves one call at a time: a call
-made while another Python thread's call holds it gets 0 from ``rlx_pool_acquire`` and starts
-its own threads, the old way. A child made by ``os.fork`` has none of the parent's workers, so
+condition variable (an idle process burns nothing). Each call keeps the workers off the CPU the
+caller runs on (``@steer_workers``): a KVM guest's scheduler wakes a long-idle worker onto the
+caller's CPU, and the two then share it for milliseconds. The pool serves one call at a time:
+a call made while another Python thread's call holds it gets 0 from ``rlx_pool_acquire`` and
+starts its own threads, the old way. A child made by ``os.fork`` has none of the parent's workers, so
 the pool is reset in it (``rlx_pool_after_fork``, registered with ``os.register_at_fork``).
 
 In OpenMP mode (:func:`use_openmp`, switched on by ``rlx.torch``) a call's team is instead an
@@ -45,6 +47,9 @@ IMPORTED_LIBC = (
     "pthread_cond_broadcast",
     "clock_gettime",
     "sched_yield",
+    "sched_getcpu",
+    "sched_getaffinity",
+    "pthread_setaffinity_np",
 )
 MAX_WORKERS = 255
 SPIN_NS = 200_000  # how long a waiting thread spins before it sleeps
@@ -64,6 +69,8 @@ _RUNTIME_IR = f"""
 @pool.team = internal global ptr null        ; the posted call: team(shared, tid) for tid < members
 @pool.shared = internal global ptr null
 @pool.members = internal global i32 0
+@pool.threads = internal global [{MAX_WORKERS} x i64] zeroinitializer  ; the workers' pthread_t, for steering
+@pool.steered = internal global i32 -1       ; the CPU the workers were last steered off (see @steer_workers)
 @pool.mutex = internal global [64 x i8] zeroinitializer, align 16
 @pool.work = internal global [64 x i8] zeroinitializer, align 16   ; signalled when a call is posted
 @pool.done = internal global [64 x i8] zeroinitializer, align 16   ; signalled by the last worker
@@ -87,6 +94,9 @@ declare i32 @pthread_cond_wait(ptr, ptr)
 declare i32 @pthread_cond_broadcast(ptr)
 declare i32 @clock_gettime(i32, ptr)
 declare i32 @sched_yield()
+declare i32 @sched_getcpu()
+declare i32 @sched_getaffinity(i32, i64, ptr)
+declare i32 @pthread_setaffinity_np(i64, i64, ptr)
 declare void @llvm.memset.p0.i64(ptr, i8, i64, i1)
 {_PAUSE_DECLARATION}
 
@@ -254,7 +264,10 @@ start:
 keep:
   %thread = load i64, ptr %handle
   call i32 @pthread_detach(i64 %thread)
+  %slot = getelementptr [{MAX_WORKERS} x i64], ptr @pool.threads, i64 0, i32 %have
+  store i64 %thread, ptr %slot
   store i32 %tid, ptr @pool.workers
+  store i32 -1, ptr @pool.steered               ; the new worker is not steered yet
   br label %check
 ready:
   %workers = load i32, ptr @pool.workers
@@ -331,6 +344,7 @@ openmp:
   call void %parallel(ptr @omp_body, ptr %call, i32 %omp.members, i32 0)
   ret void
 pool:
+  call void @steer_workers()
   call void %start(ptr %shared, i32 %members)
   store ptr %team, ptr @pool.team
   store ptr %shared, ptr @pool.shared
@@ -362,6 +376,68 @@ enable:
   store i32 %limit, ptr @omp.limit
   store ptr %parallel, ptr @omp.parallel
   store atomic i32 1, ptr @omp.enabled release, align 4
+  ret void
+}}
+
+; Keep the workers off the caller's CPU: each may run on any CPU the caller may, but the one
+; the caller is on. Why: a worker asleep for long is woken by the caller, and the scheduler of a
+; KVM guest places it on the waker's CPU when the other vCPU is halted (it counts a halted vCPU
+; as preempted, so not idle): the two then share one CPU for milliseconds while the other idles.
+; Seen with perf sched on the benchmark host: after 50 ms of idleness an attention forward at
+; B8 H12 S128 took 4.4-5.6 ms on "2 threads" against 2.0 back to back ("migrated: cpu 0 => 1").
+; The masks change only when the caller is found on another CPU than last time (two system
+; calls, a few microseconds); a caller allowed one CPU alone leaves them as they are.
+define internal void @steer_workers() {{
+entry:
+  %cpu = call i32 @sched_getcpu()
+  %last = load i32, ptr @pool.steered
+  %same = icmp eq i32 %cpu, %last
+  %negative = icmp slt i32 %cpu, 0
+  %beyond = icmp sge i32 %cpu, 1024
+  %odd = or i1 %negative, %beyond
+  %skip = or i1 %same, %odd
+  br i1 %skip, label %done, label %read
+read:
+  store i32 %cpu, ptr @pool.steered
+  %mask = alloca [16 x i64], align 8
+  %status = call i32 @sched_getaffinity(i32 0, i64 128, ptr %mask)
+  %failed = icmp ne i32 %status, 0
+  br i1 %failed, label %done, label %clear
+clear:
+  %word.index = lshr i32 %cpu, 6
+  %bit.index = and i32 %cpu, 63
+  %bit.64 = zext i32 %bit.index to i64
+  %bit = shl i64 1, %bit.64
+  %word.at = getelementptr [16 x i64], ptr %mask, i64 0, i32 %word.index
+  %word = load i64, ptr %word.at
+  %not.bit = xor i64 %bit, -1
+  %cleared = and i64 %word, %not.bit
+  store i64 %cleared, ptr %word.at
+  br label %any
+any:
+  %w = phi i32 [0, %clear], [%w.next, %any]
+  %seen = phi i64 [0, %clear], [%seen.next, %any]
+  %at = getelementptr [16 x i64], ptr %mask, i64 0, i32 %w
+  %value = load i64, ptr %at
+  %seen.next = or i64 %seen, %value
+  %w.next = add i32 %w, 1
+  %more = icmp ult i32 %w.next, 16
+  br i1 %more, label %any, label %decide
+decide:
+  %others = icmp ne i64 %seen.next, 0
+  %workers = load i32, ptr @pool.workers
+  %some = icmp sgt i32 %workers, 0
+  %steer = and i1 %others, %some
+  br i1 %steer, label %loop, label %done
+loop:
+  %i = phi i32 [0, %decide], [%i.next, %loop]
+  %slot = getelementptr [{MAX_WORKERS} x i64], ptr @pool.threads, i64 0, i32 %i
+  %thread = load i64, ptr %slot
+  call i32 @pthread_setaffinity_np(i64 %thread, i64 128, ptr %mask)
+  %i.next = add i32 %i, 1
+  %again = icmp slt i32 %i.next, %workers
+  br i1 %again, label %loop, label %done
+done:
   ret void
 }}
 
@@ -428,6 +504,7 @@ define void @{_RESET}() {{
   call void @llvm.memset.p0.i64(ptr @pool.done, i8 0, i64 64, i1 0)
   call void @llvm.memset.p0.i64(ptr @pool.arrived, i8 0, i64 64, i1 0)
   store i32 0, ptr @pool.workers
+  store i32 -1, ptr @pool.steered
   store i32 0, ptr @pool.remaining
   store atomic i32 0, ptr @pool.lock release, align 4
   ret void

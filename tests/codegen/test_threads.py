@@ -364,3 +364,64 @@ def test_members_that_outwait_the_barriers_spin_sleep_and_wake(threads: int) -> 
         got = exe(**arrays)
         for name in want:
             np.testing.assert_array_equal(got[name], want[name])
+
+
+def _current_cpu() -> int:
+    """The CPU this thread runs on (field 39 of /proc/thread-self/stat)."""
+    with open("/proc/thread-self/stat") as stat:
+        text = stat.read()
+    return int(text[text.rindex(")") + 2 :].split()[36])
+
+
+@pytest.mark.skipif(
+    not os.path.isdir("/proc/thread-self") or len(os.sched_getaffinity(0)) < 2, reason="needs Linux and 2 CPUs"
+)
+def test_the_pools_workers_are_kept_off_the_callers_cpu() -> None:
+    """A call steers the pool's workers to every CPU the caller may use but the one it runs on
+    (a KVM guest's scheduler otherwise wakes a long-idle worker onto the caller's CPU). The caller
+    is checked on the same CPU before and after the call, so a migration in between cannot make
+    the test pass or fail by chance; other threads (OpenBLAS's) keep their own masks."""
+    wide = Graph("steered")
+    x = wide.input("x", (64, 1024))
+    wide.output(y=wide.exp(x) * 2.0)
+    exe = rlx.compile(wide, config=RuntimeConfig(num_threads=2))
+    values = np.ones((64, 1024), np.float32)
+    allowed = os.sched_getaffinity(0)
+    me = threading.get_native_id()
+    for _ in range(50):
+        before = _current_cpu()
+        exe(x=values)
+        if _current_cpu() != before:
+            continue
+        masks = [os.sched_getaffinity(int(tid)) for tid in os.listdir("/proc/self/task") if int(tid) != me]
+        assert allowed - {before} in masks
+        return
+    pytest.skip("the calling thread moved between CPUs in every try")
+
+
+_ONE_CPU_SCRIPT = """
+import os, numpy as np, rlx
+from rlx import Graph, RuntimeConfig
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+g = Graph("one_cpu")
+x = g.input("x", (64, 1024))
+g.output(y=g.exp(x) * 2.0)
+values = np.random.default_rng(3).uniform(-1, 1, (64, 1024)).astype(np.float32)
+want = rlx.compile(g, config=RuntimeConfig(num_threads=1))(x=values)["y"]
+exe = rlx.compile(g, config=RuntimeConfig(num_threads=3))
+print(all(np.array_equal(exe(x=values)["y"], want) for _ in range(20)))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
+def test_a_caller_confined_to_one_cpu_still_runs_its_team() -> None:
+    """With one CPU allowed there is no other CPU to steer the workers to: they share it, as
+    before, and the results are the one-thread results."""
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key not in ("RLX_NUM_THREADS", "RLX_ATTN_BWD_SERIAL")}
+    command = [sys.executable, "-c", _ONE_CPU_SCRIPT]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True"]
