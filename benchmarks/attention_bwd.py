@@ -596,6 +596,9 @@ def summarize(results: list[dict[str, Any]], sgemm_gflops: float, sgemm_multi_gf
     fraction_lowest = min((g / sgemm_multi_gflops for r in headline if (g := gflops(r, "rlx_fused"))), default=None)
     long = next((r for r in results if r["index"] == LONG_CASE), None)
     long_memory = memory_ratio(long) if long else None
+    # What torch/fused would read if rlx ran every FLOP at the measured sgemm rate: a ceiling
+    # for any kernel that computes these products on this BLAS (no rlx code can beat it).
+    ceilings = [t / (r["flops"] / (sgemm_multi_gflops * 1e9)) for r in headline if (t := median_s(r, "torch"))]
 
     def verdict(value: float | None, ok: bool, partial_set: bool = partial) -> str:
         if value is None:
@@ -637,6 +640,8 @@ def summarize(results: list[dict[str, Any]], sgemm_gflops: float, sgemm_multi_gf
             "status": "met" if ok else "MISSED"}
     return {"headline_cases": [r["index"] for r in headline], "sgemm_gflops_reference": sgemm_gflops,
             "sgemm_gflops_measured_multi": sgemm_multi_gflops,
+            "torch_over_sgemm_bound_geomean": geomean(ceilings) if ceilings else None,
+            "torch_over_sgemm_bound_lowest": min(ceilings, default=None),
             "fused_fraction_of_measured_multi_sgemm_median": multi_fraction,
             "fused_fraction_of_single_times_threads_median": sgemm_fraction, "targets": targets}
 
@@ -739,6 +744,9 @@ def summary_lines(summary: dict[str, Any], sgemm: list[SgemmRate], demo: dict[st
         f"[target >= {TARGET_TORCH_OVER_FUSED}x: {t['torch_over_fused_geomean']['status']}]",
         f"torch/fused lowest over cases {cases}: {fmt(t['torch_over_fused_every_case']['value'], '.2f', 'x')}  "
         f"[target > {TARGET_TORCH_OVER_FUSED_EACH}x: {t['torch_over_fused_every_case']['status']}]",
+        f"ceiling: torch / (FLOPs at the measured {s0.threads}-thread sgemm rate), what torch/fused would read at 100% "
+        f"of it, over cases {cases}: geomean {fmt(summary['torch_over_sgemm_bound_geomean'], '.2f', 'x')}, "
+        f"lowest {fmt(summary['torch_over_sgemm_bound_lowest'], '.2f', 'x')}",
         f"fused/sgemm lowest over cases {cases}: "
         f"{fmt(_percent(t['fused_sgemm_fraction_every_case']['value']), '.1f', '%')}  "
         f"[target >= {TARGET_SGEMM_FRACTION_EACH:.0%}: {t['fused_sgemm_fraction_every_case']['status']}]",

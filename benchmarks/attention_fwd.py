@@ -216,6 +216,16 @@ def main() -> int:
     for key, value in summary.items():
         target = TARGET_TORCH if "torch" in key else TARGET_SGEMM
         print(f"{key}: {value:.2f} (target {target}: {'met' if value >= target else 'missed'})")
+    if torch is not None:
+        # What torch/rlx would read if rlx ran every FLOP at the measured sgemm rate: a ceiling
+        # for any kernel that computes these products on this BLAS.
+        ceilings = [r["median_s"]["torch"] / (r["flops"] / (rate * 1e9)) for r in results]
+        best, lowest = h.geomean(ceilings), min(ceilings)
+        print(
+            "ceiling: torch / (FLOPs at the measured sgemm rate), what torch/rlx would read at 100% of it: "
+            f"geomean {best:.2f}x, lowest {lowest:.2f}x"
+        )
+        summary.update(torch_over_sgemm_bound_geomean=best, torch_over_sgemm_bound_lowest=lowest)
     report = {
         "benchmark": "attention_fwd",
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
