@@ -381,6 +381,8 @@ def test_the_pools_workers_are_kept_off_the_callers_cpu() -> None:
     (a KVM guest's scheduler otherwise wakes a long-idle worker onto the caller's CPU). The caller
     is checked on the same CPU before and after the call, so a migration in between cannot make
     the test pass or fail by chance; other threads (OpenBLAS's) keep their own masks."""
+    from rlx.codegen import pool
+
     wide = Graph("steered")
     x = wide.input("x", (64, 1024))
     wide.output(y=wide.exp(x) * 2.0)
@@ -388,15 +390,24 @@ def test_the_pools_workers_are_kept_off_the_callers_cpu() -> None:
     values = np.ones((64, 1024), np.float32)
     allowed = os.sched_getaffinity(0)
     me = threading.get_native_id()
-    for _ in range(50):
-        before = _current_cpu()
-        exe(x=values)
-        if _current_cpu() != before:
-            continue
-        masks = [os.sched_getaffinity(int(tid)) for tid in os.listdir("/proc/self/task") if int(tid) != me]
-        assert allowed - {before} in masks
-        return
-    pytest.skip("the calling thread moved between CPUs in every try")
+    shared = pool.openmp_in_use()  # rlx.torch, imported by an earlier test, lends torch's threads
+    if shared:
+        pool.use_openmp(None)
+    try:
+        for _ in range(50):
+            before = _current_cpu()
+            exe(x=values)
+            if _current_cpu() != before:
+                continue
+            masks = [os.sched_getaffinity(int(tid)) for tid in os.listdir("/proc/self/task") if int(tid) != me]
+            assert allowed - {before} in masks
+            return
+        pytest.skip("the calling thread moved between CPUs in every try")
+    finally:
+        if shared:
+            from rlx.torch.threads import share_torch_threads
+
+            share_torch_threads()
 
 
 _ONE_CPU_SCRIPT = """
