@@ -303,7 +303,9 @@ def _lower(
     schedule = build_schedule(working, order)
     accesses = [(kernel.node, kernel.computes, kernel.reads) for kernel in schedule.kernels]
     # Any member of the call's thread team may run an attention item, so each needs scratch.
-    plan = plan_memory(working, lambda node: scratch_bytes(node, config, options), threads, schedule.order, accesses)
+    plan = plan_memory(
+        working, lambda node: scratch_bytes(node, config, options, schedule), threads, schedule.order, accesses
+    )
     lowered = lower_graph(working, plan, schedule, config, options, threads)
     times["lowering"] = time.perf_counter() - start
     return _Lowered(

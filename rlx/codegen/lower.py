@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, TypeVar
 
@@ -27,17 +27,25 @@ from rlx.codegen.fused import FusedEmitter, plan_chunking
 from rlx.codegen.irutil import I8, I64, PTR, VOID, alloca_entry, clock, declare, gep, i64
 from rlx.codegen.jit import ENTRY
 from rlx.codegen.kernel_clock import COUNTERS_BYTES
-from rlx.codegen.lower_attention import AttentionKernelSpec, AttentionLowering, choose_block_q
+from rlx.codegen.lower_attention import (
+    INPUT_SLOTS,
+    AttentionKernelSpec,
+    AttentionLowering,
+    OperandStrides,
+    choose_block_q,
+    slot_heads_and_width,
+)
 from rlx.codegen.lower_gemm import emit_gemm_item, gemm_spec
 from rlx.codegen.lower_scatter import emit_scatter_item
 from rlx.codegen.memory_plan import MemoryPlan
 from rlx.codegen.parallel import Step, emit_team, forward_to, share_identical_items
 from rlx.codegen.schedule import Kernel, Schedule
 from rlx.codegen.sizes import Size, SizeLike, emit_size, load_symbols, product
+from rlx.codegen.views import View
 from rlx.config import RuntimeConfig, l2_cache_bytes
 from rlx.errors import RlxValueError
 from rlx.ir.graph import Graph, Node, Value
-from rlx.ir.ops import AttentionAttrs, AttentionBwdAttrs, OpKind, attention_dims
+from rlx.ir.ops import AttentionAttrs, AttentionBwdAttrs, AttentionDims, OpKind, attention_dims
 from rlx.ir.region import Region
 from rlx.ir.types import Layout, Wrt, resolve_dims
 from rlx.ops.flex_attention import (
@@ -75,9 +83,14 @@ def graph_symbols(graph: Graph) -> tuple[str, ...]:
 
 
 def kernel_spec(
-    node: Node, config: RuntimeConfig, options: CodegenOptions, symbols: tuple[str, ...] = ()
+    node: Node,
+    config: RuntimeConfig,
+    options: CodegenOptions,
+    symbols: tuple[str, ...] = (),
+    views: Sequence[View | None] = (),
 ) -> AttentionKernelSpec:
-    """The attention kernel shape of an ATTENTION / ATTENTION_BWD node (``symbols``: the graph's)."""
+    """The attention kernel shape of an ATTENTION / ATTENTION_BWD node (``symbols``: the graph's;
+    ``views``: how the schedule reads its operands, where some are strided views)."""
     attrs = node.attrs
     assert isinstance(attrs, (AttentionAttrs, AttentionBwdAttrs))
     types = [v.type for v in node.inputs]
@@ -95,10 +108,12 @@ def kernel_spec(
     )
     grads = attrs.wrt if isinstance(attrs, AttentionBwdAttrs) else None
     needs_dp = grads is not None and bool(grads & (Wrt.QUERY | Wrt.KEY))
+    strides = operand_strides(attrs.layout, dims, views)
     if isinstance(dims.seq_q, int) and isinstance(dims.seq_k, int):
-        strided = attrs.layout == Layout.BSHD and max(dims.heads, dims.kv_heads) > 1
+        rows_apart = AttentionKernelSpec(dims, attrs.layout, attrs.mask, 0.0, 0.0, grads, 1, strides=strides)
         causal_like = attrs.mask.is_causal_like
         width = max(dims.head_dim, dims.value_dim)
+        strided = rows_apart.strided_rows
         block_q = options.block_q or choose_block_q(dims.seq_q, dims.seq_k, needs_dp, causal_like, strided, width)
         block_q = max(1, min(block_q, dims.seq_q))
     else:  # one kernel for every length: a strip height that suits short and long sequences
@@ -114,10 +129,27 @@ def kernel_spec(
         symbols,
         options.profile,
         stream=streams_outputs(node, options.stream_outputs),
+        strides=strides,
     )
     if spec.is_static:
         check_blas_limits(f"node {node.id} ({node.op})", spec)
     return spec
+
+
+def operand_strides(layout: Layout, dims: AttentionDims, views: Sequence[View | None]) -> tuple[OperandStrides, ...]:
+    """The strides of the operands the schedule reads through strided views (q, k, v, dy in
+    order; a dense view reads as the layout says). A dimension of size 1 is never stepped over,
+    so its stride is whatever keeps BLAS content: a lone row's leading dimension is its width."""
+    found = []
+    for slot, view in zip(INPUT_SLOTS, views, strict=False):
+        if view is None or view.is_dense:
+            continue
+        batch, first, second, _ = (stride for stride in view.strides if isinstance(stride, int))
+        head, row = (second, first) if layout is Layout.BSHD else (first, second)
+        heads, width = slot_heads_and_width(dims, slot)
+        seq = view.shape[1 if layout is Layout.BSHD else 2]
+        found.append(OperandStrides(slot, batch, head if heads > 1 else 0, row if seq != 1 else width))
+    return tuple(found)
 
 
 def streams_outputs(node: Node, wanted: bool | None = None) -> bool:
@@ -138,7 +170,8 @@ def check_blas_limits(what: str, spec: AttentionKernelSpec) -> None:
     """BLAS takes 32-bit sizes: refuse shapes (at compile time, or per call for symbolic ones) beyond them."""
     dims = spec.dims
     assert isinstance(dims.seq_q, int) and isinstance(dims.seq_k, int)
-    refuse_beyond_blas(what, dims.seq_q, dims.seq_k, dims.heads * dims.head_dim, spec.block_q * dims.seq_k)
+    rows_apart = (given.row for given in spec.strides)
+    refuse_beyond_blas(what, dims.seq_q, dims.seq_k, dims.heads * dims.head_dim, spec.block_q * dims.seq_k, *rows_apart)
 
 
 FLEX_OPS = ("flex_attention", "flex_attention_bwd")
@@ -260,10 +293,12 @@ def _tile_states(
     return tile_states(spec.map_mask, spec.grid if grid is None else grid, tensors)
 
 
-def scratch_bytes(node: Node, config: RuntimeConfig, options: CodegenOptions) -> int:
-    """Bytes of per-thread scratch the node's kernel needs (0 where that is only known per call)."""
+def scratch_bytes(node: Node, config: RuntimeConfig, options: CodegenOptions, schedule: Schedule | None = None) -> int:
+    """Bytes of per-thread scratch the node's kernel needs (0 where that is only known per call);
+    ``schedule``: how it reads its operands, as :func:`kernel_spec` takes them."""
     if node.op in (OpKind.ATTENTION, OpKind.ATTENTION_BWD):
-        spec = kernel_spec(node, config, options)
+        views = [schedule.view(v) for v in node.inputs] if schedule is not None else []
+        spec = kernel_spec(node, config, options, views=views)
         return spec.scratch_bytes() if spec.is_static else 0
     if node.op.value in FLEX_OPS:
         flex = flex_spec(node, options)
@@ -431,7 +466,8 @@ class _Lowering:
         node = kernel.node
         op = node.op.value
         if op in ("attention", "attention_bwd"):
-            spec = self.counted(kernel_spec(node, self.config, self.options, self.symbols))
+            views = [self.schedule.view(v) for v in node.inputs]
+            spec = self.counted(kernel_spec(node, self.config, self.options, self.symbols, views))
             name = f"{node.op}.{node.id}"
             item_fn = self.item_function(
                 ("attention", spec), name, lambda: AttentionLowering(self.module, spec, name).emit()

@@ -20,7 +20,9 @@ when a row says otherwise (a custom ``neg`` near the scores, or a row with no vi
 strip is recomputed over all keys, which is always exact.
 
 Both layouts are read in place: a head's rows are ``H·D`` floats apart in BSHD and ``D`` apart in
-BHSD, and that stride is the BLAS leading dimension. The one copy: from ``PACK_MIN_ROWS`` query
+BHSD, and that stride is the BLAS leading dimension. An operand read through a strided view (a
+split of a fused QKV projection: rows ``3·H·D`` floats apart) is read in place too, through its
+own strides (:class:`OperandStrides`). The one copy: from ``PACK_MIN_ROWS`` query
 rows on, each item first copies its head's K (and, for dP, V) transposed into the thread's
 scratch, so that ``Q K^T`` and ``dY V^T`` run as NN products, which OpenBLAS runs faster.
 
@@ -104,6 +106,28 @@ STAGE_KV_MAX_FLOATS = 1 << 16
 DENSE_ROWS_MIN_KEYS = 256
 
 
+INPUT_SLOTS = ("q", "k", "v", "dy")  # the tensor operands of attention (q, k, v) and its backward
+
+
+@dataclass(frozen=True)
+class OperandStrides:
+    """Where an operand read through a strided view keeps its heads: element strides between
+    batches, heads and rows (a row's elements are adjacent). The rows' stride is the BLAS
+    leading dimension, so it is at least the row's width."""
+
+    slot: str
+    batch: int
+    head: int
+    row: int
+
+
+def slot_heads_and_width(dims: AttentionDims, slot: str) -> tuple[int, int]:
+    """``(heads, row width)`` of an operand or output: q-side, k-side or v-side."""
+    heads = dims.kv_heads if slot in ("k", "v", "dk", "dv") else dims.heads
+    width = dims.value_dim if slot in ("v", "dv", "dy", "out") else dims.head_dim
+    return heads, width
+
+
 @dataclass(frozen=True)
 class AttentionKernelSpec:
     """Everything that shapes the generated code of one attention node."""
@@ -119,6 +143,7 @@ class AttentionKernelSpec:
     profile: bool = False  # time BLAS, softmax and dS into per-thread counters (static shapes)
     counters_at: int = 0  # byte offset of those counters in a thread's scratch (its last 64 bytes)
     stream: bool = False  # stage outputs in scratch, stream them out (AttentionLowering._stream_out)
+    strides: tuple[OperandStrides, ...] = ()  # operands read through strided views (static shapes)
 
     @property
     def is_static(self) -> bool:
@@ -129,8 +154,11 @@ class AttentionKernelSpec:
         and dY in a backward that forms dP; with the leading dimension of the copy: whole
         lines, an odd number of them."""
         dims = self.dims
-        strided = self.layout == Layout.BSHD and max(dims.heads, dims.kv_heads) > 1
-        if not (self.is_static and strided) or not isinstance(dims.seq_k, int) or dims.seq_k < DENSE_ROWS_MIN_KEYS:
+        if (
+            not (self.is_static and self.strided_rows)
+            or not isinstance(dims.seq_k, int)
+            or dims.seq_k < DENSE_ROWS_MIN_KEYS
+        ):
             return {}
         if self.grads is None:
             return {"q": packed_ld(dims.head_dim)}
@@ -175,6 +203,22 @@ class AttentionKernelSpec:
     @property
     def scale(self) -> float:
         return 1.0 / math.sqrt(self.dims.head_dim)
+
+    def view_strides(self, slot: str) -> OperandStrides | None:
+        """The strides of an operand read through a strided view, or None: the layout's."""
+        return next((given for given in self.strides if given.slot == slot), None)
+
+    def row_stride(self, slot: str) -> int:
+        """Elements between consecutive rows of one head of ``slot``: the BLAS leading dimension."""
+        given = self.view_strides(slot)
+        return given.row if given is not None else row_stride(self.layout, *slot_heads_and_width(self.dims, slot))
+
+    @property
+    def strided_rows(self) -> bool:
+        """Whether some operand's rows lie farther apart than their width (BSHD with several
+        heads, or a strided view), which the strip heights and the dense strip copies weigh."""
+        present = INPUT_SLOTS if self.grads is not None else INPUT_SLOTS[:3]
+        return any(self.row_stride(slot) != slot_heads_and_width(self.dims, slot)[1] for slot in present)
 
     @property
     def needs_dp(self) -> bool:
@@ -634,11 +678,13 @@ class AttentionLowering:
 
     def _ld(self, slot: str) -> int:
         """Elements between consecutive rows of one head: the BLAS leading dimension."""
-        _, heads, width = self._geometry(slot)
-        return row_stride(self.spec.layout, heads, width)
+        return self.spec.row_stride(slot)
 
     def _head_offset(self, b: ir.IRBuilder, batch: ir.Value, head: ir.Value, slot: str) -> ir.Value:
         """Element offset of row 0 of head (batch, head) of operand ``slot``."""
+        given = self.spec.view_strides(slot)
+        if given is not None:
+            return b.add(b.mul(batch, i64(given.batch)), b.mul(head, i64(given.head)))
         seq, heads, width = self._geometry(slot)
         return head_offset(b, self.spec.layout, batch, head, seq, heads, width)
 
@@ -705,7 +751,8 @@ class AttentionLowering:
         dims = self.spec.dims
         mask_name = str(self.spec.mask).replace("(", "").replace(")", "")
         shape = f"q{dims.seq_q}.k{dims.seq_k}.h{dims.heads}.kv{dims.kv_heads}.d{dims.head_dim}"
-        name = f"scores_softmax.{mask_name}.{self.spec.layout}.{shape}"
+        strides = "".join(f".{given.slot}{given.batch}x{given.head}x{given.row}" for given in self.spec.strides)
+        name = f"scores_softmax.{mask_name}.{self.spec.layout}.{shape}{strides}"
         existing = self.module.globals.get(name)
         if existing is not None:
             return existing  # type: ignore[return-value]

@@ -178,11 +178,11 @@ def _decide_buffers(schedule: Schedule, order: list[Node], materialise, needs_bu
             for value in node.outputs:
                 if value not in schedule.materialised:
                     materialise(value)
-            for operand in node.inputs:
+            for index, operand in enumerate(node.inputs):
                 needs_buffer(operand)
                 view = schedule.view(operand)
                 assert view is not None
-                if not operand_fits(op, view):
+                if not operand_fits(node, index, view):
                     materialise(operand)  # copied once into a dense buffer
         elif op == "concat":
             if node.outputs[0] not in schedule.materialised:
@@ -302,11 +302,32 @@ def _base(schedule: Schedule, value: Value) -> Value:
     return view.base
 
 
-def operand_fits(op: str, view: View) -> bool:
-    """Whether the lowering of ``op`` reads this operand view in place."""
+def operand_fits(node: Node, index: int, view: View) -> bool:
+    """Whether the lowering of ``node`` reads its operand ``index`` through this view in place."""
+    op = node.op.value
     if op == "matmul":
         return blas_reads_in_place(view)
-    return view.is_dense  # attention and scatter-add index dense rows
+    if op in ("attention", "attention_bwd") and index < (4 if op == "attention_bwd" else 3):
+        return view.is_dense or attention_reads_in_place(view, node.attrs.layout.value)
+    return view.is_dense  # masks, flex attention and scatter-add index dense rows
+
+
+MAX_ROW_STRIDE = 2**31 - 1  # BLAS takes 32-bit leading dimensions
+
+
+def attention_reads_in_place(view: View, layout: str) -> bool:
+    """Whether the fixed attention kernels read a q, k, v or dy view in place: static sizes and
+    strides, adjacent elements in a row, rows at least a row apart (BLAS's leading dimension),
+    batches and heads anywhere (:class:`~rlx.codegen.lower_attention.OperandStrides`)."""
+    numbers = [x for x in (*view.shape, *view.strides, view.offset) if isinstance(x, int) and x >= 0]
+    if len(view.shape) != 4 or len(numbers) != 9:
+        return False
+    shape, strides = numbers[:4], numbers[4:8]
+    seq_axis = 1 if layout == "bshd" else 2
+    width, row = shape[3], strides[seq_axis]
+    unit = width == 1 or strides[3] == 1
+    rows_apart = shape[seq_axis] == 1 or width <= row <= MAX_ROW_STRIDE
+    return unit and rows_apart
 
 
 def inline_reads(schedule: Schedule, root: Value, own: bool = False) -> tuple[Value, ...]:
