@@ -268,7 +268,7 @@ def _sdpa(
         raise RlxValueError(
             f"scaled_dot_product_attention: query has {q.shape[1]} heads and key {k.shape[1]}; pass enable_gqa=True"
         )
-    fixed = _fixed_plan(q, k, v, is_causal, scale) if attn_mask is None else None
+    fixed = _fixed_plan(q, k, v, is_causal, scale, _strided_layout(q, k, v)) if attn_mask is None else None
     if fixed is not None:
         return _fixed_forward(fixed, q, k, v)
     plan = _masked_plan(q, k, v, attn_mask, is_causal, scale)
@@ -346,11 +346,19 @@ class _FixedPlan:
     ``"S"`` when causal), so a decode loop whose KV cache grows by a token a step, or training on
     batches of varying length, reuses one compilation. Calls below :data:`SMALL_ATTENTION_FLOPS`
     run on one thread of the same build (:func:`_threads_for`).
+
+    ``layout`` is how the graphs take q, k and v (see :func:`_strided_layout`): ``"bhsd"``
+    contiguous tensors (strided ones copied), ``"bshd"`` each the transpose of a contiguous
+    ``[B, S, H, D]`` tensor (separate projections viewed as heads), ``"qkv"`` three slices of
+    one fused projection ``[B, S, 3·H·D]`` (compiled per shape: the kernels read those strided
+    views in place only with static strides). The last two return ``out`` and the gradients as
+    torch's kernel does for such inputs: transposes of ``[B, S, H, D]`` tensors.
     """
 
     forward_graph: Graph
     backward_graph: Graph
     executables: dict[str, Executable]
+    layout: str = "bhsd"
 
     def executable(self, which: str) -> Executable:
         exe = self.executables.get(which)
@@ -365,22 +373,24 @@ _fixed_plans: dict[tuple[Any, ...], _FixedPlan] = {}
 
 
 def _fixed_plan(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None, layout: str = "bhsd"
 ) -> _FixedPlan | None:
     """The plan for SDPA on the fixed-mask kernels, or None where they cannot express the call.
 
     They align a causal mask bottom-right; torch's ``is_causal`` is top-left, the same only when
     ``Sq == Sk``. Causal calls with ``Sq != Sk`` take the programmable-attention path (compiled
-    per shape), as do calls with an ``attn_mask``.
+    per shape), as do calls with an ``attn_mask``. ``layout``: see :class:`_FixedPlan`.
     """
-    _, heads, seq_q, dim = q.shape
+    batch, heads, seq_q, dim = q.shape
     kv_heads, seq_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     if is_causal and seq_q != seq_k:
         return None
     # The kernels scale scores by 1/sqrt(D); another scale multiplies q first (in the graph, so
     # its gradient follows).
     factor = 1.0 if scale is None else float(scale) * math.sqrt(dim)
-    key = (heads, kv_heads, dim, value_dim, is_causal, factor)
+    key: tuple[Any, ...] = (heads, kv_heads, dim, value_dim, is_causal, factor, layout)
+    if layout == "qkv":
+        key += (batch, seq_q)
     plan = _fixed_plans.get(key)
     if plan is None:
         # The batch and the lengths are symbolic: a smaller last batch, or a decode batch that
@@ -388,21 +398,64 @@ def _fixed_plan(
         sq, sk = ("S", "S") if is_causal else ("Sq", "Sk")
         mask = rlx.MaskKind.CAUSAL if is_causal else rlx.MaskKind.NONE
         forward = Graph("sdpa")
-        qi = forward.input("q", ("B", heads, sq, dim))
-        ki = forward.input("k", ("B", kv_heads, sk, dim))
-        vi = forward.input("v", ("B", kv_heads, sk, value_dim))
+        if layout == "qkv":
+            fused = forward.input("qkv", (batch, seq_q, 3 * heads * dim))
+            qi, ki, vi = (forward.reshape(part, (batch, seq_q, heads, dim)) for part in forward.split(fused, 3, -1))
+        elif layout == "bshd":
+            qi = forward.input("q", ("B", sq, heads, dim))
+            ki = forward.input("k", ("B", sk, kv_heads, dim))
+            vi = forward.input("v", ("B", sk, kv_heads, value_dim))
+        else:
+            qi = forward.input("q", ("B", heads, sq, dim))
+            ki = forward.input("k", ("B", kv_heads, sk, dim))
+            vi = forward.input("v", ("B", kv_heads, sk, value_dim))
         scaled = qi if factor == 1.0 else qi * factor
-        forward.output(out=forward.attention(scaled, ki, vi, mask=mask, layout=Layout.BHSD))
+        kernel_layout = Layout.BHSD if layout == "bhsd" else Layout.BSHD
+        forward.output(out=forward.attention(scaled, ki, vi, mask=mask, layout=kernel_layout))
         backward = forward.copy()
-        qb, kb, vb = (backward.inputs[name] for name in "qkv")
         out = backward.outputs["out"]
+        if layout == "qkv":  # the gradients of the three views, not of the fused tensor
+            reads = next(node.inputs[:3] for node in backward.nodes if node.op is rlx.OpKind.ATTENTION)
+            qb, kb, vb = (reads[0].node.inputs[0] if factor != 1.0 else reads[0]), reads[1], reads[2]
+        else:
+            qb, kb, vb = (backward.inputs[name] for name in "qkv")
         backward.remove_output("out")
         dq, dk, dv = rlx.grad(backward, out, [qb, kb, vb], backward.input("dy", out.shape))
         backward.output(dq=dq, dk=dk, dv=dv)
-        plan = _FixedPlan(forward, backward, {})
+        plan = _FixedPlan(forward, backward, {}, layout)
         with _plans_lock:
             plan = _fixed_plans.setdefault(key, plan)
     return plan
+
+
+def _strided_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """How the kernels can read these float32 tensors without copying them (:class:`_FixedPlan`):
+    ``"bshd"``, ``"qkv"``, else ``"bhsd"`` (contiguous ones, or copies)."""
+    if not (q.dtype == k.dtype == v.dtype == torch.float32) or q.is_contiguous():
+        return "bhsd"
+    if all(t.transpose(1, 2).is_contiguous() and t.data_ptr() % 4 == 0 and not t.is_neg() for t in (q, k, v)):
+        return "bshd"
+    return "qkv" if _fused_qkv(q, k, v) is not None else "bhsd"
+
+
+def _fused_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """The ``[B, S, 3·H·D]`` tensor whose three slices q, k and v are (a fused projection split
+    and viewed as heads), or None."""
+    batch, heads, seq, dim = q.shape
+    width = heads * dim
+    if not (q.shape == k.shape == v.shape and q.stride() == k.stride() == v.stride()):
+        return None
+    if q.stride() != (seq * 3 * width, dim, 3 * width, 1) or q.is_neg() or k.is_neg() or v.is_neg():
+        return None
+    start = q.data_ptr()
+    if k.data_ptr() != start + 4 * width or v.data_ptr() != start + 8 * width or start % 4:
+        return None
+    if not (q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()):
+        return None
+    try:
+        return torch.as_strided(q.detach(), (batch, seq, 3 * width), (seq * 3 * width, 3 * width, 1))
+    except RuntimeError:  # the slices do not lie in one storage as a whole
+        return None
 
 
 def _fixed_forward(plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -428,6 +481,8 @@ def _fixed_out(
     pushed the Python objects those arrays touch out of the caches.
     """
     exe, threads = plan.executables.get("forward") or plan.executable("forward"), _threads_for(flops)
+    if plan.layout != "bhsd":
+        return _strided_out(plan, exe, q, k, v, threads)
     dense = [q, k, v] if direct else _dense(q, k, v)
     if dense is not None:
         out = torch.empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
@@ -437,6 +492,27 @@ def _fixed_out(
     arrays = {"q": _array(q), "k": _array(k), "v": _array(v)}
     result = exe.run(arrays, threads)
     return _tensor(result["out"], q.dtype)
+
+
+def _strided_inputs(plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+    """q, k and v as a ``"bshd"`` or ``"qkv"`` plan's graph takes them: views, no copy."""
+    if plan.layout == "qkv":
+        fused = _fused_qkv(q, k, v)
+        assert fused is not None, "the plan's layout was chosen for these tensors"
+        return [fused]
+    return [t.detach().transpose(1, 2) for t in (q, k, v)]
+
+
+def _strided_out(
+    plan: _FixedPlan, exe: Executable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, threads: int | None
+) -> torch.Tensor:
+    """``out`` of a ``"bshd"`` or ``"qkv"`` plan: written as ``[B, S, H, Dv]``, returned as its
+    ``[B, H, S, Dv]`` transpose (as torch's kernel returns it for such inputs)."""
+    out = torch.empty((q.shape[0], q.shape[2], q.shape[1], v.shape[3]))
+    inputs = [(t.data_ptr(), t.shape) for t in _strided_inputs(plan, q, k, v)]
+    if not exe.run_direct(inputs, {"out": (out.data_ptr(), out.shape)}, threads):
+        raise AssertionError(f"the {plan.layout} plan declined tensors it was chosen for")
+    return out.transpose(1, 2)
 
 
 class _FixedFunction(torch.autograd.Function):
@@ -465,6 +541,19 @@ def _fixed_grads(
     forward's, which pick the thread count). Contiguous float32 tensors go to native code by
     address and the gradients are new torch tensors it writes (as :func:`_fixed_out` does)."""
     exe, threads = plan.executables.get("backward") or plan.executable("backward"), _threads_for(2.5 * flops)
+    if plan.layout != "bhsd":
+        dy = d_out.transpose(1, 2)  # the gradient of a transposed out: [B, S, H, Dv] again
+        dy = (
+            dy
+            if dy.dtype == torch.float32 and dy.is_contiguous() and not dy.is_neg()
+            else dy.float().resolve_neg().contiguous()
+        )
+        rows = [torch.empty((t.shape[0], t.shape[2], t.shape[1], t.shape[3])) for t in (q, k, v)]
+        inputs = [(t.data_ptr(), t.shape) for t in (*_strided_inputs(plan, q, k, v), dy)]
+        outputs = {f"d{n}": (g.data_ptr(), g.shape) for n, g in zip("qkv", rows, strict=True)}
+        if not exe.run_direct(inputs, outputs, threads):
+            raise AssertionError(f"the {plan.layout} plan declined tensors it was chosen for")
+        return rows[0].transpose(1, 2), rows[1].transpose(1, 2), rows[2].transpose(1, 2)
     dense = _dense(q, k, v, d_out)  # strided views (a split projection, a transpose's gradient) copied
     if dense is not None:
         written = [torch.empty(t.shape) for t in (q, k, v)]
