@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import rlx
 from rlx import Graph, Layout, MaskKind, RuntimeConfig, Wrt
@@ -140,3 +142,51 @@ def test_the_transformer_block_reads_its_qkv_split_in_place() -> None:
     got = exe(**arrays)
     for name, value in want.items():
         np.testing.assert_allclose(got[name], value, rtol=5e-4, atol=5e-5, err_msg=name)
+
+
+def _operand(g: Graph, name: str, kind: str, dims: tuple[int, int, int, int], layout: Layout, part: int) -> Value:
+    """A [B, S, H, W] (BSHD) or [B, H, S, W] (BHSD) operand built as ``kind`` says: a dense
+    input, one of three parts of a wider projection, the transpose of the other layout's
+    input, or a broadcast over the batch."""
+    batch, seq, heads, width = dims
+    bshd = (batch, seq, heads, width)
+    if kind == "dense":
+        return g.input(name, bshd if layout is Layout.BSHD else (batch, heads, seq, width))
+    if kind == "split":
+        view = g.reshape(g.split(g.input(name, (batch, seq, 3 * heads * width)), 3, axis=-1)[part], bshd)
+        return view if layout is Layout.BSHD else g.transpose(view, (0, 2, 1, 3))
+    if kind == "transpose":  # the other layout's tensor, read through a transpose
+        other = g.input(name, (batch, heads, seq, width) if layout is Layout.BSHD else bshd)
+        return g.transpose(other, (0, 2, 1, 3))
+    one = g.input(name, (1, seq, heads, width) if layout is Layout.BSHD else (1, heads, seq, width))
+    return g.broadcast_to(one, bshd if layout is Layout.BSHD else (batch, heads, seq, width))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    batch=st.integers(1, 3),
+    seq=st.integers(1, 70),
+    kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2]),
+    dim=st.sampled_from([4, 8, 16]),
+    value_dim=st.sampled_from([4, 8, 12]),
+    layout=st.sampled_from([Layout.BSHD, Layout.BHSD]),
+    mask=st.sampled_from([MaskKind.NONE, MaskKind.CAUSAL, MaskKind.sliding_window(3)]),
+    kinds=st.lists(st.sampled_from(["dense", "split", "transpose", "broadcast"]), min_size=4, max_size=4),
+    part=st.integers(0, 2),
+)
+def test_random_operand_views(
+    batch: int, seq: int, kv_heads: int, group: int, dim: int, value_dim: int, layout: Layout,
+    mask: MaskKind, kinds: list[str], part: int,
+) -> None:  # fmt: skip
+    """Operands from random view constructions, forward and backward, against the reference."""
+    heads = kv_heads * group
+    g = Graph("random_views")
+    q = _operand(g, "q", kinds[0], (batch, seq, heads, dim), layout, part)
+    k = _operand(g, "k", kinds[1], (batch, seq, kv_heads, dim), layout, (part + 1) % 3)
+    v = _operand(g, "v", kinds[2], (batch, seq, kv_heads, value_dim), layout, (part + 2) % 3)
+    dy = _operand(g, "dy", kinds[3], (batch, seq, heads, value_dim), layout, part)
+    out = g.attention(q, k, v, mask=mask, layout=layout)
+    dq, dk, dv = g.attention_bwd(q, k, v, dy, wrt=Wrt.ALL, mask=mask, layout=layout)
+    g.output(out=out, dq=dq, dk=dk, dv=dv)
+    _check(g, np.random.default_rng(seq), threads=(1, 2))
