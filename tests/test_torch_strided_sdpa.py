@@ -122,3 +122,23 @@ def test_gqa_and_other_value_widths_still_work_from_bshd_views() -> None:
     expected = torch.autograd.grad(want.square().sum(), leaves)
     for mine, theirs in zip(got, expected, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_the_fused_pattern_compiles_once_for_every_length() -> None:
+    """The fused projection's plan has a symbolic batch and length, as the other SDPA plans do:
+    after the first size, no call compiles anything."""
+    from rlx.codegen.executable import compile_count
+
+    compiled = None
+    for batch, seq in ((2, 5), (3, 40), (1, 130)):
+        x = torch.randn(batch, seq, 3 * H * D, requires_grad=True)
+        q, k, v = (p.view(batch, seq, H, D).transpose(1, 2) for p in x.split(H * D, dim=2))
+        assert sdpa._strided_layout(q, k, v) == "qkv"
+        out = rt.scaled_dot_product_attention(q, k, v, is_causal=True)
+        (grad,) = torch.autograd.grad(out.square().sum(), x)
+        compiled = compile_count() if compiled is None else compiled
+        assert compile_count() == compiled, (batch, seq)
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        (want_grad,) = torch.autograd.grad(want.square().sum(), x)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=2e-6)
+        torch.testing.assert_close(grad, want_grad, rtol=1e-4, atol=1e-5)

@@ -39,7 +39,7 @@ from rlx.codegen.lower_gemm import emit_gemm_item, gemm_spec
 from rlx.codegen.lower_scatter import emit_scatter_item
 from rlx.codegen.memory_plan import MemoryPlan
 from rlx.codegen.parallel import Step, emit_team, forward_to, share_identical_items
-from rlx.codegen.schedule import Kernel, Schedule
+from rlx.codegen.schedule import Kernel, Schedule, attention_batch_stride
 from rlx.codegen.sizes import Size, SizeLike, emit_size, load_symbols, product
 from rlx.codegen.views import View
 from rlx.config import RuntimeConfig, l2_cache_bytes
@@ -141,14 +141,16 @@ def operand_strides(layout: Layout, dims: AttentionDims, views: Sequence[View | 
     order; a dense view reads as the layout says). A dimension of size 1 is never stepped over,
     so its stride is whatever keeps BLAS content: a lone row's leading dimension is its width."""
     found = []
+    seq_axis, head_axis = (1, 2) if layout is Layout.BSHD else (2, 1)
     for slot, view in zip(INPUT_SLOTS, views, strict=False):
         if view is None or view.is_dense:
             continue
-        batch, first, second, _ = (stride for stride in view.strides if isinstance(stride, int))
-        head, row = (second, first) if layout is Layout.BSHD else (first, second)
+        batch = attention_batch_stride(view, layout.value)
+        row, head = view.strides[seq_axis], view.strides[head_axis]
+        assert batch is not None and isinstance(row, int) and isinstance(head, int), "a view the schedule copies"
         heads, width = slot_heads_and_width(dims, slot)
-        seq = view.shape[1 if layout is Layout.BSHD else 2]
-        found.append(OperandStrides(slot, batch, head if heads > 1 else 0, row if seq != 1 else width))
+        lone = view.shape[seq_axis] == 1
+        found.append(OperandStrides(slot, batch[0], head if heads > 1 else 0, width if lone else row, batch[1]))
     return tuple(found)
 
 

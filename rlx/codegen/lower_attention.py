@@ -119,6 +119,7 @@ class OperandStrides:
     batch: int
     head: int
     row: int
+    batch_per_position: int = 0  # more elements between batches per position of a symbolic length
 
 
 def slot_heads_and_width(dims: AttentionDims, slot: str) -> tuple[int, int]:
@@ -683,9 +684,13 @@ class AttentionLowering:
     def _head_offset(self, b: ir.IRBuilder, batch: ir.Value, head: ir.Value, slot: str) -> ir.Value:
         """Element offset of row 0 of head (batch, head) of operand ``slot``."""
         given = self.spec.view_strides(slot)
-        if given is not None:
-            return b.add(b.mul(batch, i64(given.batch)), b.mul(head, i64(given.head)))
         seq, heads, width = self._geometry(slot)
+        if given is not None:
+            between = i64(given.batch)
+            if given.batch_per_position:
+                length = i64(seq) if isinstance(seq, int) else seq
+                between = b.add(between, b.mul(length, i64(given.batch_per_position)))
+            return b.add(b.mul(batch, between), b.mul(head, i64(given.head)))
         return head_offset(b, self.spec.layout, batch, head, seq, heads, width)
 
     def _mask_base(self, b: ir.IRBuilder, mask: ir.Value | None, batch: ir.Value, head: ir.Value) -> ir.Value:
@@ -751,7 +756,10 @@ class AttentionLowering:
         dims = self.spec.dims
         mask_name = str(self.spec.mask).replace("(", "").replace(")", "")
         shape = f"q{dims.seq_q}.k{dims.seq_k}.h{dims.heads}.kv{dims.kv_heads}.d{dims.head_dim}"
-        strides = "".join(f".{given.slot}{given.batch}x{given.head}x{given.row}" for given in self.spec.strides)
+        strides = "".join(
+            f".{given.slot}.b{given.batch}p{given.batch_per_position}h{given.head}r{given.row}"
+            for given in self.spec.strides
+        )
         name = f"scores_softmax.{mask_name}.{self.spec.layout}.{shape}{strides}"
         existing = self.module.globals.get(name)
         if existing is not None:

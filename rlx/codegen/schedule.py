@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rlx.codegen.lower_gemm import blas_reads_in_place
+from rlx.codegen.sizes import size_of
 from rlx.codegen.views import View
 from rlx.errors import RlxValueError
 from rlx.ir.graph import Graph, Node, Value
@@ -316,18 +317,39 @@ MAX_ROW_STRIDE = 2**31 - 1  # BLAS takes 32-bit leading dimensions
 
 
 def attention_reads_in_place(view: View, layout: str) -> bool:
-    """Whether the fixed attention kernels read a q, k, v or dy view in place: static sizes and
-    strides, adjacent elements in a row, rows at least a row apart (BLAS's leading dimension),
-    batches and heads anywhere (:class:`~rlx.codegen.lower_attention.OperandStrides`)."""
-    numbers = [x for x in (*view.shape, *view.strides, view.offset) if isinstance(x, int) and x >= 0]
-    if len(view.shape) != 4 or len(numbers) != 9:
+    """Whether the fixed attention kernels read a q, k, v or dy view in place: static heads,
+    widths and offset, adjacent elements in a row, rows at least a row apart (BLAS's leading
+    dimension), heads anywhere, batches anywhere or, with a symbolic length, a whole number of
+    rows per position apart (:class:`~rlx.codegen.lower_attention.OperandStrides`)."""
+    if len(view.shape) != 4 or not isinstance(view.offset, int) or view.offset < 0:
         return False
-    shape, strides = numbers[:4], numbers[4:8]
-    seq_axis = 1 if layout == "bshd" else 2
-    width, row = shape[3], strides[seq_axis]
-    unit = width == 1 or strides[3] == 1
-    rows_apart = shape[seq_axis] == 1 or width <= row <= MAX_ROW_STRIDE
-    return unit and rows_apart
+    seq_axis, head_axis = (1, 2) if layout == "bshd" else (2, 1)
+    seq, width = view.shape[seq_axis], view.shape[3]
+    static = (view.shape[head_axis], width, view.strides[seq_axis], view.strides[head_axis], view.strides[3])
+    numbers = [x for x in static if isinstance(x, int) and x >= 0]
+    if len(numbers) != len(static) or attention_batch_stride(view, layout) is None:
+        return False
+    _, width, row, _, unit = numbers
+    rows_apart = seq == 1 or width <= row <= MAX_ROW_STRIDE
+    return (width == 1 or unit == 1) and rows_apart
+
+
+def attention_batch_stride(view: View, layout: str) -> tuple[int, int] | None:
+    """``(elements, elements per position)`` between an attention operand view's batches: the
+    stride is ``elements + per_position * S`` for the view's length ``S`` (per_position is 0
+    for a static stride; a symbolic one must be the rows of a position, ``row`` or ``H·row``,
+    times ``S``); None for any other stride."""
+    stride = view.strides[0]
+    if isinstance(stride, int):
+        return (stride, 0) if stride >= 0 else None
+    seq_axis, head_axis = (1, 2) if layout == "bshd" else (2, 1)
+    row, heads = view.strides[seq_axis], view.shape[head_axis]
+    if not (isinstance(row, int) and isinstance(heads, int)):
+        return None
+    for per_position in (row, heads * row):
+        if stride == size_of(view.shape[seq_axis]) * per_position:
+            return 0, per_position
+    return None
 
 
 def inline_reads(schedule: Schedule, root: Value, own: bool = False) -> tuple[Value, ...]:

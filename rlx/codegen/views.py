@@ -72,14 +72,25 @@ class View:
 
 def _nocopy_reshape(
     old_shape: tuple[Dim, ...], old_strides: tuple[SizeLike, ...], new_shape: tuple[Dim, ...]
-) -> tuple[int, ...] | None:
+) -> tuple[SizeLike, ...] | None:
     """NumPy's ``_attempt_nocopy_reshape``: strides for ``new_shape`` over the same memory, or None
-    (also for symbolic sizes: the caller then copies the view to a dense buffer first)."""
-    if not all(isinstance(x, int) for x in (*old_shape, *old_strides, *new_shape)):
+    (the caller then copies the view to a dense buffer first). With symbolic sizes, only a
+    reshape that keeps the leading dimensions as they are and reshapes a static tail (a split
+    projection's ``[B, S, H·D]`` part viewed as ``[B, S, H, D]``)."""
+    if all(isinstance(x, int) for x in (*old_shape, *old_strides, *new_shape)):
+        return _nocopy_reshape_static(
+            cast(tuple[int, ...], old_shape), cast(tuple[int, ...], old_strides), cast(tuple[int, ...], new_shape)
+        )
+    kept = 0
+    while kept < min(len(old_shape), len(new_shape)) and old_shape[kept] == new_shape[kept]:
+        kept += 1
+    old_tail, tail_strides, new_tail = old_shape[kept:], old_strides[kept:], new_shape[kept:]
+    if not all(isinstance(x, int) for x in (*old_tail, *tail_strides, *new_tail)):
         return None
-    return _nocopy_reshape_static(
-        cast(tuple[int, ...], old_shape), cast(tuple[int, ...], old_strides), cast(tuple[int, ...], new_shape)
+    strides = _nocopy_reshape_static(
+        cast(tuple[int, ...], old_tail), cast(tuple[int, ...], tail_strides), cast(tuple[int, ...], new_tail)
     )
+    return None if strides is None else (*old_strides[:kept], *strides)
 
 
 def _nocopy_reshape_static(

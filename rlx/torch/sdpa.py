@@ -350,9 +350,9 @@ class _FixedPlan:
     ``layout`` is how the graphs take q, k and v (see :func:`_strided_layout`): ``"bhsd"``
     contiguous tensors (strided ones copied), ``"bshd"`` each the transpose of a contiguous
     ``[B, S, H, D]`` tensor (separate projections viewed as heads), ``"qkv"`` three slices of
-    one fused projection ``[B, S, 3·H·D]`` (compiled per shape: the kernels read those strided
-    views in place only with static strides). The last two return ``out`` and the gradients as
-    torch's kernel does for such inputs: transposes of ``[B, S, H, D]`` tensors.
+    one fused projection ``[B, S, 3·H·D]``, whose strided views the kernels read in place. The
+    last two return ``out`` and the gradients as torch's kernel does for such inputs: transposes
+    of ``[B, S, H, D]`` tensors.
     """
 
     forward_graph: Graph
@@ -381,16 +381,14 @@ def _fixed_plan(
     ``Sq == Sk``. Causal calls with ``Sq != Sk`` take the programmable-attention path (compiled
     per shape), as do calls with an ``attn_mask``. ``layout``: see :class:`_FixedPlan`.
     """
-    batch, heads, seq_q, dim = q.shape
+    _, heads, seq_q, dim = q.shape
     kv_heads, seq_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     if is_causal and seq_q != seq_k:
         return None
     # The kernels scale scores by 1/sqrt(D); another scale multiplies q first (in the graph, so
     # its gradient follows).
     factor = 1.0 if scale is None else float(scale) * math.sqrt(dim)
-    key: tuple[Any, ...] = (heads, kv_heads, dim, value_dim, is_causal, factor, layout)
-    if layout == "qkv":
-        key += (batch, seq_q)
+    key = (heads, kv_heads, dim, value_dim, is_causal, factor, layout)
     plan = _fixed_plans.get(key)
     if plan is None:
         # The batch and the lengths are symbolic: a smaller last batch, or a decode batch that
@@ -398,9 +396,9 @@ def _fixed_plan(
         sq, sk = ("S", "S") if is_causal else ("Sq", "Sk")
         mask = rlx.MaskKind.CAUSAL if is_causal else rlx.MaskKind.NONE
         forward = Graph("sdpa")
-        if layout == "qkv":
-            fused = forward.input("qkv", (batch, seq_q, 3 * heads * dim))
-            qi, ki, vi = (forward.reshape(part, (batch, seq_q, heads, dim)) for part in forward.split(fused, 3, -1))
+        if layout == "qkv":  # q, k and v slices of one tensor: one length
+            fused = forward.input("qkv", ("B", "S", 3 * heads * dim))
+            qi, ki, vi = (forward.reshape(part, ("B", "S", heads, dim)) for part in forward.split(fused, 3, -1))
         elif layout == "bshd":
             qi = forward.input("q", ("B", sq, heads, dim))
             ki = forward.input("k", ("B", sk, kv_heads, dim))

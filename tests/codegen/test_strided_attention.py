@@ -111,19 +111,44 @@ def test_views_of_every_shape(layout: Layout, seq: int, heads: int, kv_heads: in
         _check(_graph(2, seq, heads, kv_heads, dim, value_dim, layout, mask), rng, threads=(1, 2))
 
 
-def test_symbolic_views_are_copied_and_still_right() -> None:
-    """A view whose strides hold a symbolic length is copied dense first, as before."""
+@pytest.mark.parametrize("layout", [Layout.BSHD, Layout.BHSD])
+def test_symbolic_lengths_read_in_place(layout: Layout) -> None:
+    """With a symbolic batch and length the split projection's views are read in place too
+    (their batch stride is a whole number of rows per position), for every size a call brings;
+    a view broadcast along the sequence is no leading dimension for BLAS and is copied."""
     g = Graph("symbolic")
-    x = g.input("x", (2, "S", 3 * 32))
-    q, k, v = (g.reshape(part, (2, "S", 4, 8)) for part in g.split(x, 3, axis=-1))
-    g.output(out=g.attention(q, k, v, mask=MaskKind.CAUSAL))
+    x = g.input("x", ("B", "S", 3 * 32))
+    q, k, v = (g.reshape(part, ("B", "S", 4, 8)) for part in g.split(x, 3, axis=-1))
+    if layout is Layout.BHSD:
+        q, k, v = (g.transpose(t, (0, 2, 1, 3)) for t in (q, k, v))
+    out = g.attention(q, k, v, mask=MaskKind.CAUSAL, layout=layout)
+    dy = g.input("dy", out.shape)
+    dq, dk, dv = rlx.grad(g, out, [q, k, v], dy)
+    g.output(out=out, dq=dq, dk=dk, dv=dv)
     exe = rlx.compile(g)
-    assert [kernel.name for kernel in exe.kernels].count("attention") == 1
-    assert len(exe.kernels) > 1  # the copies
+    assert [kernel.name for kernel in exe.kernels] == ["attention", "attention_bwd"]
     rng = np.random.default_rng(0)
-    for seq in (1, 9, 130):
-        arrays = {"x": rng.standard_normal((2, seq, 96)).astype(np.float32)}
-        np.testing.assert_allclose(exe(**arrays)["out"], rlx.reference.run(g, **arrays)["out"], rtol=2e-4, atol=2e-5)
+    for batch, seq in ((2, 1), (1, 9), (3, 130), (2, 300)):
+        sizes = {"B": batch, "S": seq}
+        arrays = {
+            "x": rng.standard_normal((batch, seq, 96)).astype(np.float32),
+            "dy": rng.standard_normal(tuple(sizes.get(d, d) for d in dy.shape)).astype(np.float32),
+        }
+        want = rlx.reference.run(g, **arrays)
+        got = exe(**arrays)
+        for name, value in want.items():
+            np.testing.assert_allclose(got[name], value, rtol=2e-4, atol=2e-5, err_msg=f"{name}, {sizes}")
+
+    flat = Graph("broadcast")
+    row = flat.input("row", ("B", 1, 4, 8))
+    keys = flat.broadcast_to(row, ("B", "S", 4, 8))
+    query = flat.input("q", ("B", "S", 4, 8))
+    flat.output(out=flat.attention(query, keys, keys))
+    copied = rlx.compile(flat)
+    assert len(copied.kernels) == 2  # the broadcast keys copied first
+    arrays = {"row": rng.standard_normal((2, 1, 4, 8)).astype(np.float32)}
+    arrays["q"] = rng.standard_normal((2, 5, 4, 8)).astype(np.float32)
+    np.testing.assert_allclose(copied(**arrays)["out"], rlx.reference.run(flat, **arrays)["out"], rtol=2e-4, atol=2e-5)
 
 
 def test_the_transformer_block_reads_its_qkv_split_in_place() -> None:
