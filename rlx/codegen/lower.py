@@ -33,6 +33,7 @@ from rlx.codegen.lower_attention import (
     AttentionLowering,
     OperandStrides,
     choose_block_q,
+    rows_strided,
     slot_heads_and_width,
 )
 from rlx.codegen.lower_gemm import emit_gemm_item, gemm_spec
@@ -110,10 +111,9 @@ def kernel_spec(
     needs_dp = grads is not None and bool(grads & (Wrt.QUERY | Wrt.KEY))
     strides = operand_strides(attrs.layout, dims, views)
     if isinstance(dims.seq_q, int) and isinstance(dims.seq_k, int):
-        rows_apart = AttentionKernelSpec(dims, attrs.layout, attrs.mask, 0.0, 0.0, grads, 1, strides=strides)
         causal_like = attrs.mask.is_causal_like
         width = max(dims.head_dim, dims.value_dim)
-        strided = rows_apart.strided_rows
+        strided = rows_strided(attrs.layout, dims, strides, grads is not None)
         block_q = options.block_q or choose_block_q(dims.seq_q, dims.seq_k, needs_dp, causal_like, strided, width)
         block_q = max(1, min(block_q, dims.seq_q))
     else:  # one kernel for every length: a strip height that suits short and long sequences

@@ -129,6 +129,17 @@ def slot_heads_and_width(dims: AttentionDims, slot: str) -> tuple[int, int]:
     return heads, width
 
 
+def rows_strided(layout: Layout, dims: AttentionDims, strides: tuple[OperandStrides, ...], backward: bool) -> bool:
+    """Whether some operand's rows lie farther apart than their width (BSHD with several heads,
+    or a strided view), which the strip heights and the dense strip copies weigh."""
+    given = {view.slot: view.row for view in strides}
+    for slot in INPUT_SLOTS if backward else INPUT_SLOTS[:3]:
+        heads, width = slot_heads_and_width(dims, slot)
+        if given.get(slot, row_stride(layout, heads, width)) != width:
+            return True
+    return False
+
+
 @dataclass(frozen=True)
 class AttentionKernelSpec:
     """Everything that shapes the generated code of one attention node."""
@@ -216,10 +227,8 @@ class AttentionKernelSpec:
 
     @property
     def strided_rows(self) -> bool:
-        """Whether some operand's rows lie farther apart than their width (BSHD with several
-        heads, or a strided view), which the strip heights and the dense strip copies weigh."""
-        present = INPUT_SLOTS if self.grads is not None else INPUT_SLOTS[:3]
-        return any(self.row_stride(slot) != slot_heads_and_width(self.dims, slot)[1] for slot in present)
+        """Whether some operand's rows lie farther apart than their width (:func:`rows_strided`)."""
+        return rows_strided(self.layout, self.dims, self.strides, self.grads is not None)
 
     @property
     def needs_dp(self) -> bool:
