@@ -142,3 +142,19 @@ def test_the_fused_pattern_compiles_once_for_every_length() -> None:
         (want_grad,) = torch.autograd.grad(want.square().sum(), x)
         torch.testing.assert_close(out, want, rtol=1e-5, atol=2e-6)
         torch.testing.assert_close(grad, want_grad, rtol=1e-4, atol=1e-5)
+
+
+def test_a_program_that_declines_addresses_still_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where an executable would not take memory by address, the strided plans hand it NumPy
+    views of the same tensors (no copy either) and give the same results."""
+    from rlx.codegen.executable import Executable
+
+    for make in (_fused_split, _separate):
+        want, want_stride, want_grads = _run(rt.scaled_dot_product_attention, make, True, None)
+        with monkeypatch.context() as patched:
+            patched.setattr(Executable, "run_direct", lambda *args, **kwargs: False)
+            got, got_stride, got_grads = _run(rt.scaled_dot_product_attention, make, True, None)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert got_stride == want_stride
+        for mine, theirs in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=0)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 import rlx
@@ -506,11 +507,18 @@ def _strided_out(
 ) -> torch.Tensor:
     """``out`` of a ``"bshd"`` or ``"qkv"`` plan: written as ``[B, S, H, Dv]``, returned as its
     ``[B, H, S, Dv]`` transpose (as torch's kernel returns it for such inputs)."""
+    inputs = _strided_inputs(plan, q, k, v)
     out = torch.empty((q.shape[0], q.shape[2], q.shape[1], v.shape[3]))
-    inputs = [(t.data_ptr(), t.shape) for t in _strided_inputs(plan, q, k, v)]
-    if not exe.run_direct(inputs, {"out": (out.data_ptr(), out.shape)}, threads):
-        raise AssertionError(f"the {plan.layout} plan declined tensors it was chosen for")
+    if not exe.run_direct([(t.data_ptr(), t.shape) for t in inputs], {"out": (out.data_ptr(), out.shape)}, threads):
+        out = torch.from_numpy(exe.run(_named_arrays(plan, inputs), threads)["out"])
     return out.transpose(1, 2)
+
+
+def _named_arrays(plan: _FixedPlan, inputs: list[torch.Tensor]) -> dict[str, np.ndarray]:
+    """A strided plan's inputs by their graph names, as NumPy views (the path a program that
+    takes more than addresses runs on)."""
+    names = ["qkv"] if plan.layout == "qkv" else ["q", "k", "v"]
+    return {name: _array(t) for name, t in zip([*names, "dy"], inputs, strict=False)}
 
 
 class _FixedFunction(torch.autograd.Function):
@@ -546,11 +554,12 @@ def _fixed_grads(
             if dy.dtype == torch.float32 and dy.is_contiguous() and not dy.is_neg()
             else dy.float().resolve_neg().contiguous()
         )
+        tensors = [*_strided_inputs(plan, q, k, v), dy]
         rows = [torch.empty((t.shape[0], t.shape[2], t.shape[1], t.shape[3])) for t in (q, k, v)]
-        inputs = [(t.data_ptr(), t.shape) for t in (*_strided_inputs(plan, q, k, v), dy)]
         outputs = {f"d{n}": (g.data_ptr(), g.shape) for n, g in zip("qkv", rows, strict=True)}
-        if not exe.run_direct(inputs, outputs, threads):
-            raise AssertionError(f"the {plan.layout} plan declined tensors it was chosen for")
+        if not exe.run_direct([(t.data_ptr(), t.shape) for t in tensors], outputs, threads):
+            grads = exe.run(_named_arrays(plan, tensors), threads)
+            rows = [torch.from_numpy(grads[f"d{n}"]) for n in "qkv"]
         return rows[0].transpose(1, 2), rows[1].transpose(1, 2), rows[2].transpose(1, 2)
     dense = _dense(q, k, v, d_out)  # strided views (a split projection, a transpose's gradient) copied
     if dense is not None:
