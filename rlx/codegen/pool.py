@@ -47,10 +47,24 @@ IMPORTED_LIBC = (
     "pthread_cond_broadcast",
     "clock_gettime",
     "sched_yield",
-    "sched_getcpu",
-    "sched_getaffinity",
-    "pthread_setaffinity_np",
 )
+# What @steer_workers calls (glibc, musl); where the C library lacks one, the runtime defines all
+# three as stubs that fail, and the workers are not steered.
+STEERING_LIBC = ("sched_getcpu", "sched_getaffinity", "pthread_setaffinity_np")
+_STEERING = all(hasattr(ctypes.CDLL(None), name) for name in STEERING_LIBC)
+_STEERING_IMPORTED = """declare i32 @sched_getcpu()
+declare i32 @sched_getaffinity(i32, i64, ptr)
+declare i32 @pthread_setaffinity_np(i64, i64, ptr)"""
+_STEERING_STUBS = """define internal i32 @sched_getcpu() {
+  ret i32 -1
+}
+define internal i32 @sched_getaffinity(i32 %pid, i64 %size, ptr %mask) {
+  ret i32 -1
+}
+define internal i32 @pthread_setaffinity_np(i64 %thread, i64 %size, ptr %mask) {
+  ret i32 -1
+}"""
+_STEERING_MARK = "; the steering functions"
 MAX_WORKERS = 255
 SPIN_NS = 200_000  # how long a waiting thread spins before it sleeps
 BARRIER_WORDS = 4  # i32 arrived, generation, members, sleepers
@@ -94,9 +108,7 @@ declare i32 @pthread_cond_wait(ptr, ptr)
 declare i32 @pthread_cond_broadcast(ptr)
 declare i32 @clock_gettime(i32, ptr)
 declare i32 @sched_yield()
-declare i32 @sched_getcpu()
-declare i32 @sched_getaffinity(i32, i64, ptr)
-declare i32 @pthread_setaffinity_np(i64, i64, ptr)
+{_STEERING_MARK}
 declare void @llvm.memset.p0.i64(ptr, i8, i64, i1)
 {_PAUSE_DECLARATION}
 
@@ -521,7 +533,9 @@ def pool_symbols() -> dict[str, int]:
     # loses nothing (a 37-kernel training step and a decode call ran as fast), and it is the
     # first module a process compiles: 15 ms of machine code became 3, ~14 ms of the first compile
     exports = (ACQUIRE, RUN, _RESET, USE_OPENMP, BARRIER)
-    addresses = link_runtime(_RUNTIME_IR, IMPORTED_LIBC, exports, quick=True)
+    steering = _STEERING_IMPORTED if _STEERING else _STEERING_STUBS
+    imported = IMPORTED_LIBC + (STEERING_LIBC if _STEERING else ())
+    addresses = link_runtime(_RUNTIME_IR.replace(_STEERING_MARK, steering), imported, exports, quick=True)
     reset = ctypes.CFUNCTYPE(None)(addresses[_RESET])
     os.register_at_fork(after_in_child=reset)
     _set_openmp(addresses[USE_OPENMP])

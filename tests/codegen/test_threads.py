@@ -436,3 +436,32 @@ def test_a_caller_confined_to_one_cpu_still_runs_its_team() -> None:
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["True"]
+
+
+_NO_STEERING_SCRIPT = """
+import numpy as np, rlx
+import rlx.codegen.pool as pool
+from rlx import Graph, RuntimeConfig
+pool._STEERING = False  # as on a C library without sched_getcpu / pthread_setaffinity_np
+g = Graph("unsteered")
+x = g.input("x", (64, 1024))
+g.output(y=g.exp(x) * 2.0)
+values = np.random.default_rng(3).uniform(-1, 1, (64, 1024)).astype(np.float32)
+want = rlx.compile(g, config=RuntimeConfig(num_threads=1))(x=values)["y"]
+exe = rlx.compile(g, config=RuntimeConfig(num_threads=2))
+print(all(np.array_equal(exe(x=values)["y"], want) for _ in range(20)), "pthread_setaffinity_np" in str(
+    pool.IMPORTED_LIBC))
+"""
+
+
+def test_a_c_library_without_the_steering_functions_still_runs_teams() -> None:
+    """Where the C library lacks the functions the steering calls, the runtime links stubs in
+    their place (the workers are not steered) and teams run as before."""
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key not in ("RLX_NUM_THREADS", "RLX_ATTN_BWD_SERIAL")}
+    command = [sys.executable, "-c", _NO_STEERING_SCRIPT]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "False"]
