@@ -141,15 +141,14 @@ def operand_strides(layout: Layout, dims: AttentionDims, views: Sequence[View | 
     order; a dense view reads as the layout says). A dimension of size 1 is never stepped over,
     so its stride is whatever keeps BLAS content: a lone row's leading dimension is its width."""
     found = []
-    seq_axis, head_axis = (1, 2) if layout is Layout.BSHD else (2, 1)
     for slot, view in zip(INPUT_SLOTS, views, strict=False):
         if view is None or view.is_dense:
             continue
-        batch = attention_batch_stride(view, layout.value)
-        row, head = view.strides[seq_axis], view.strides[head_axis]
+        batch = attention_batch_stride(view, layout)
+        _, row, head, _ = layout.split(view.strides)
         assert batch is not None and isinstance(row, int) and isinstance(head, int), "a view the schedule copies"
         heads, width = slot_heads_and_width(dims, slot)
-        lone = view.shape[seq_axis] == 1
+        lone = layout.split(view.shape)[1] == 1
         found.append(OperandStrides(slot, batch[0], head if heads > 1 else 0, width if lone else row, batch[1]))
     return tuple(found)
 

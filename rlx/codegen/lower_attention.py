@@ -107,6 +107,7 @@ DENSE_ROWS_MIN_KEYS = 256
 
 
 INPUT_SLOTS = ("q", "k", "v", "dy")  # the tensor operands of attention (q, k, v) and its backward
+KEY_SIDE = ("k", "v", "dk", "dv")  # operands and outputs with a row per key, in kv heads
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ class OperandStrides:
 
 def slot_heads_and_width(dims: AttentionDims, slot: str) -> tuple[int, int]:
     """``(heads, row width)`` of an operand or output: q-side, k-side or v-side."""
-    heads = dims.kv_heads if slot in ("k", "v", "dk", "dv") else dims.heads
+    heads = dims.kv_heads if slot in KEY_SIDE else dims.heads
     width = dims.value_dim if slot in ("v", "dv", "dy", "out") else dims.head_dim
     return heads, width
 
@@ -155,7 +156,7 @@ class AttentionKernelSpec:
     profile: bool = False  # time BLAS, softmax and dS into per-thread counters (static shapes)
     counters_at: int = 0  # byte offset of those counters in a thread's scratch (its last 64 bytes)
     stream: bool = False  # stage outputs in scratch, stream them out (AttentionLowering._stream_out)
-    strides: tuple[OperandStrides, ...] = ()  # operands read through strided views (static shapes)
+    strides: tuple[OperandStrides, ...] = ()  # operands read through strided views
 
     @property
     def is_static(self) -> bool:
@@ -674,17 +675,8 @@ class AttentionLowering:
 
     def _geometry(self, slot: str) -> tuple[ir.Value, int, int]:
         """``(rows per head, heads, row width)`` of an operand: q-side, k-side or v-side."""
-        dims = self.spec.dims
-        return {
-            "q": (self.sq, dims.heads, dims.head_dim),
-            "dq": (self.sq, dims.heads, dims.head_dim),
-            "dy": (self.sq, dims.heads, dims.value_dim),
-            "out": (self.sq, dims.heads, dims.value_dim),
-            "k": (self.sk, dims.kv_heads, dims.head_dim),
-            "dk": (self.sk, dims.kv_heads, dims.head_dim),
-            "v": (self.sk, dims.kv_heads, dims.value_dim),
-            "dv": (self.sk, dims.kv_heads, dims.value_dim),
-        }[slot]
+        heads, width = slot_heads_and_width(self.spec.dims, slot)
+        return (self.sk if slot in KEY_SIDE else self.sq), heads, width
 
     def _ld(self, slot: str) -> int:
         """Elements between consecutive rows of one head: the BLAS leading dimension."""

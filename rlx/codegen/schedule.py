@@ -27,6 +27,7 @@ from rlx.codegen.views import View
 from rlx.errors import RlxValueError
 from rlx.ir.graph import Graph, Node, Value
 from rlx.ir.ops import OpKind
+from rlx.ir.types import Layout
 
 # Ops lowered by a kernel of their own; their results and operands are buffers.
 CALL_OUT_OPS = frozenset(
@@ -309,23 +310,23 @@ def operand_fits(node: Node, index: int, view: View) -> bool:
     if op == "matmul":
         return blas_reads_in_place(view)
     if op in ("attention", "attention_bwd") and index < (4 if op == "attention_bwd" else 3):
-        return view.is_dense or attention_reads_in_place(view, node.attrs.layout.value)
+        return view.is_dense or attention_reads_in_place(view, node.attrs.layout)
     return view.is_dense  # masks, flex attention and scatter-add index dense rows
 
 
 MAX_ROW_STRIDE = 2**31 - 1  # BLAS takes 32-bit leading dimensions
 
 
-def attention_reads_in_place(view: View, layout: str) -> bool:
+def attention_reads_in_place(view: View, layout: Layout) -> bool:
     """Whether the fixed attention kernels read a q, k, v or dy view in place: static heads,
     widths and offset, adjacent elements in a row, rows at least a row apart (BLAS's leading
     dimension), heads anywhere, batches anywhere or, with a symbolic length, a whole number of
     rows per position apart (:class:`~rlx.codegen.lower_attention.OperandStrides`)."""
     if len(view.shape) != 4 or not isinstance(view.offset, int) or view.offset < 0:
         return False
-    seq_axis, head_axis = (1, 2) if layout == "bshd" else (2, 1)
-    seq, width = view.shape[seq_axis], view.shape[3]
-    static = (view.shape[head_axis], width, view.strides[seq_axis], view.strides[head_axis], view.strides[3])
+    _, seq, heads, width = layout.split(view.shape)
+    _, row, head, unit = layout.split(view.strides)
+    static = (heads, width, row, head, unit)
     numbers = [x for x in static if isinstance(x, int) and x >= 0]
     if len(numbers) != len(static) or attention_batch_stride(view, layout) is None:
         return False
@@ -334,20 +335,19 @@ def attention_reads_in_place(view: View, layout: str) -> bool:
     return (width == 1 or unit == 1) and rows_apart
 
 
-def attention_batch_stride(view: View, layout: str) -> tuple[int, int] | None:
+def attention_batch_stride(view: View, layout: Layout) -> tuple[int, int] | None:
     """``(elements, elements per position)`` between an attention operand view's batches: the
     stride is ``elements + per_position * S`` for the view's length ``S`` (per_position is 0
     for a static stride; a symbolic one must be the rows of a position, ``row`` or ``H·row``,
     times ``S``); None for any other stride."""
-    stride = view.strides[0]
+    stride, row, _, _ = layout.split(view.strides)
     if isinstance(stride, int):
         return (stride, 0) if stride >= 0 else None
-    seq_axis, head_axis = (1, 2) if layout == "bshd" else (2, 1)
-    row, heads = view.strides[seq_axis], view.shape[head_axis]
+    _, seq, heads, _ = layout.split(view.shape)
     if not (isinstance(row, int) and isinstance(heads, int)):
         return None
     for per_position in (row, heads * row):
-        if stride == size_of(view.shape[seq_axis]) * per_position:
+        if stride == size_of(seq) * per_position:
             return 0, per_position
     return None
 

@@ -7,7 +7,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import numpy as np
 
@@ -204,14 +204,17 @@ def check_shape(shape: object, what: str) -> tuple[Dim, ...]:
     return dims
 
 
+_Axis = TypeVar("_Axis")  # what a rank-4 tuple holds per axis: sizes, or strides
+
+
 class Layout(enum.Enum):
     """Where the head axis sits: BSHD ``[B, S, H, D]`` (default) or BHSD ``[B, H, S, D]``."""
 
     BSHD = "bshd"
     BHSD = "bhsd"
 
-    def split(self, shape: tuple[Dim, ...]) -> tuple[Dim, Dim, Dim, Dim]:
-        """Return ``(B, S, H, D)`` from a rank-4 shape in this layout."""
+    def split(self, shape: tuple[_Axis, ...]) -> tuple[_Axis, _Axis, _Axis, _Axis]:
+        """Return ``(B, S, H, D)`` from a rank-4 shape in this layout (or a view's strides)."""
         if len(shape) != 4:
             raise RlxValueError(f"layout {self} needs a rank-4 shape, got {tuple(shape)}")
         if self is Layout.BSHD:

@@ -432,7 +432,7 @@ def _strided_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
     ``"bshd"``, ``"qkv"``, else ``"bhsd"`` (contiguous ones, or copies)."""
     if not (q.dtype == k.dtype == v.dtype == torch.float32) or q.is_contiguous():
         return "bhsd"
-    if all(t.transpose(1, 2).is_contiguous() and t.data_ptr() % 4 == 0 and not t.is_neg() for t in (q, k, v)):
+    if _direct(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)):
         return "bshd"
     return "qkv" if _fused_qkv(q, k, v) is not None else "bhsd"
 
@@ -548,12 +548,8 @@ def _fixed_grads(
     address and the gradients are new torch tensors it writes (as :func:`_fixed_out` does)."""
     exe, threads = plan.executables.get("backward") or plan.executable("backward"), _threads_for(2.5 * flops)
     if plan.layout != "bhsd":
-        dy = d_out.transpose(1, 2)  # the gradient of a transposed out: [B, S, H, Dv] again
-        dy = (
-            dy
-            if dy.dtype == torch.float32 and dy.is_contiguous() and not dy.is_neg()
-            else dy.float().resolve_neg().contiguous()
-        )
+        # The gradient of a transposed out: [B, S, H, Dv] again (each step a no-op where it is).
+        dy = d_out.transpose(1, 2).float().resolve_neg().contiguous()
         tensors = [*_strided_inputs(plan, q, k, v), dy]
         rows = [torch.empty((t.shape[0], t.shape[2], t.shape[1], t.shape[3])) for t in (q, k, v)]
         outputs = {f"d{n}": (g.data_ptr(), g.shape) for n, g in zip("qkv", rows, strict=True)}
