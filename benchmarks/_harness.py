@@ -749,7 +749,8 @@ def attention_products(
     V^T``, ``dV += P^T dY``, ``dQ = dS K`` and ``dK += dS^T Q`` backward. A causal strip sees the
     keys up to its last row. From ``PACK_MIN_ROWS`` queries on, the kernel reads K and V from
     transposed copies, so ``S`` and ``dP`` are NN products; below, NT."""
-    from rlx.codegen.lower_attention import choose_block_q, may_pack
+    from rlx.codegen.lower_attention import may_pack
+    from rlx.codegen.strip_heights import choose_block_q
 
     block_q = choose_block_q(seq, seq, needs_dp=backward, causal_like=causal, strided_rows=strided_rows, head_dim=dim)
     keys_transposed = not may_pack(seq)

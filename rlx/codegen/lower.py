@@ -31,8 +31,8 @@ from rlx.codegen.lower_attention import (
     INPUT_SLOTS,
     AttentionKernelSpec,
     AttentionLowering,
+    HeadDims,
     OperandStrides,
-    choose_block_q,
     rows_strided,
     slot_heads_and_width,
 )
@@ -42,11 +42,12 @@ from rlx.codegen.memory_plan import MemoryPlan
 from rlx.codegen.parallel import Step, emit_team, forward_to, share_identical_items
 from rlx.codegen.schedule import Kernel, Schedule, attention_batch_stride
 from rlx.codegen.sizes import Size, SizeLike, emit_size, load_symbols, product
+from rlx.codegen.strip_heights import choose_block_q, strip_heights
 from rlx.codegen.views import View
 from rlx.config import RuntimeConfig, l2_cache_bytes
 from rlx.errors import RlxValueError
 from rlx.ir.graph import Graph, Node, Value
-from rlx.ir.ops import AttentionAttrs, AttentionBwdAttrs, AttentionDims, OpKind, attention_dims
+from rlx.ir.ops import AttentionAttrs, AttentionBwdAttrs, OpKind, attention_dims
 from rlx.ir.region import Region
 from rlx.ir.types import Layout, Wrt, resolve_dims
 from rlx.ops.flex_attention import (
@@ -54,6 +55,7 @@ from rlx.ops.flex_attention import (
     bwd_operands,
     dims_are_static,
     flex_dims,
+    flex_slots,
     tensor_grad_layout,
 )
 
@@ -73,9 +75,6 @@ class CodegenOptions:
     profile: bool = False  # time every kernel of a call (``Executable.profile``)
     masks_as_mods: bool = False  # fixed-mask attention through the programmable kernels (rlx.passes.masks_as_mods)
     stream_outputs: bool | None = None  # attention outputs streamed out; None: when a node's data exceed the L2 caches
-
-
-SYMBOLIC_BLOCK_Q = 128  # query rows per strip when the sequence lengths are only known per call
 
 
 def graph_symbols(graph: Graph) -> tuple[str, ...]:
@@ -110,14 +109,15 @@ def kernel_spec(
     grads = attrs.wrt if isinstance(attrs, AttentionBwdAttrs) else None
     needs_dp = grads is not None and bool(grads & (Wrt.QUERY | Wrt.KEY))
     strides = operand_strides(attrs.layout, dims, views)
+    width = max(dims.head_dim, dims.value_dim)
+    strided = rows_strided(attrs.layout, dims, strides, grads is not None)
+    heights = strip_heights(needs_dp, attrs.mask.is_causal_like, strided, width)
     if isinstance(dims.seq_q, int) and isinstance(dims.seq_k, int):
-        causal_like = attrs.mask.is_causal_like
-        width = max(dims.head_dim, dims.value_dim)
-        strided = rows_strided(attrs.layout, dims, strides, grads is not None)
-        block_q = options.block_q or choose_block_q(dims.seq_q, dims.seq_k, needs_dp, causal_like, strided, width)
-        block_q = max(1, min(block_q, dims.seq_q))
-    else:  # one kernel for every length: a strip height that suits short and long sequences
-        block_q = options.block_q or SYMBOLIC_BLOCK_Q
+        block_q = max(1, min(options.block_q or heights.rows(dims.seq_q, dims.seq_k), dims.seq_q))
+    elif options.block_q:  # one strip height for every call (tests choose one)
+        block_q = options.block_q
+    else:  # each call picks its own by the same rules, in native code: block_q is the tallest
+        block_q = heights.most_rows()
     spec = AttentionKernelSpec(
         dims,
         attrs.layout,
@@ -130,13 +130,14 @@ def kernel_spec(
         options.profile,
         stream=streams_outputs(node, options.stream_outputs),
         strides=strides,
+        heights=None if options.block_q else heights,
     )
     if spec.is_static:
         check_blas_limits(f"node {node.id} ({node.op})", spec)
     return spec
 
 
-def operand_strides(layout: Layout, dims: AttentionDims, views: Sequence[View | None]) -> tuple[OperandStrides, ...]:
+def operand_strides(layout: Layout, dims: HeadDims, views: Sequence[View | None]) -> tuple[OperandStrides, ...]:
     """The strides of the operands the schedule reads through strided views (q, k, v, dy in
     order; a dense view reads as the layout says). A dimension of size 1 is never stepped over,
     so its stride is whatever keeps BLAS content: a lone row's leading dimension is its width."""
@@ -188,8 +189,11 @@ def flex_captured(node: Node) -> tuple[Value, ...]:
 SYMBOLIC_FLEX_BLOCK_Q = 64  # strip height of a flex kernel whose lengths are known per call
 
 
-def flex_spec(node: Node, options: CodegenOptions, symbols: tuple[str, ...] = ()) -> FlexKernelSpec:
-    """The kernel shape of a flex_attention / flex_attention_bwd node (its block map kind included)."""
+def flex_spec(
+    node: Node, options: CodegenOptions, symbols: tuple[str, ...] = (), views: Sequence[View | None] = ()
+) -> FlexKernelSpec:
+    """The kernel shape of a flex_attention / flex_attention_bwd node (its block map kind
+    included; ``views``: how the schedule reads its operands, where some are strided views)."""
     # The flex modules load on first use: graphs without programmable attention never pay for them.
     from rlx.codegen.block_map import TileGrid, choose_blocks
     from rlx.codegen.lower_flex import FlexKernelSpec
@@ -245,7 +249,14 @@ def flex_spec(node: Node, options: CodegenOptions, symbols: tuple[str, ...] = ()
         mask,
         masked_value,
         options.profile,
+        strides=operand_strides(attrs.layout, dims, flex_input_views(node, views)) if views else (),
     )
+
+
+def flex_input_views(node: Node, views: Sequence[View | None]) -> list[View | None]:
+    """The views of a flex node's q, k, v and (backward) dy, in :data:`INPUT_SLOTS` order."""
+    slots = flex_slots(node.attrs)
+    return [views[slots.index(slot)] if slot in slots else None for slot in INPUT_SLOTS]
 
 
 def map_mask(score_mod: Region | None, mask_mod: Region | None) -> tuple[Region | None, float]:
@@ -361,8 +372,13 @@ class DynamicScratch:
         most = self.static_stride
         for what, spec in self.specs:  # per call, so no new spec: the sizes go in directly
             seq_q, seq_k = resolve_dims((spec.dims.seq_q, spec.dims.seq_k), sizes)
-            block_q = spec.block_q if isinstance(spec, AttentionKernelSpec) else spec.grid.block_q
-            refuse_beyond_blas(what, seq_q, seq_k, block_q * seq_k)
+            if not isinstance(spec, AttentionKernelSpec):
+                strip = spec.grid.block_q * seq_k
+            elif spec.heights is not None:  # the strip floats the scratch holds for these lengths
+                strip = spec.heights.most_floats(seq_k)
+            else:
+                strip = spec.block_q * seq_k
+            refuse_beyond_blas(what, seq_q, seq_k, strip)
             most = max(most, spec.scratch_bytes(seq_k))
         return -(-most // 64) * 64
 
@@ -519,7 +535,8 @@ class _Lowering:
     def lower_flex(self, node: Node) -> None:
         from rlx.codegen.lower_flex import FlexLowering
 
-        spec = self.counted(flex_spec(node, self.options, self.symbols))
+        views = [self.schedule.view(v) for v in node.inputs]
+        spec = self.counted(flex_spec(node, self.options, self.symbols, views))
         if spec.per_call:
             self.attention_specs.append((f"node {node.id} ({node.op})", spec))
         if spec.tensor_grads:  # partial gradient slices are accumulated into: zero them first

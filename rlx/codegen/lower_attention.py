@@ -66,6 +66,7 @@ from rlx.codegen.irutil import (
 )
 from rlx.codegen.kernel_clock import COUNTERS_BYTES, KernelClock
 from rlx.codegen.sizes import SizeLike, ceil_div, emit_size, load_symbols, size_of
+from rlx.codegen.strip_heights import SMALL_PATH_MACS, StripHeights
 from rlx.codegen.tile_gemm import declare_tile_gemm, host_tile_shape
 from rlx.codegen.vector import WIDTH, Lanes, splat, vector_fill, vector_loop, vector_reduce
 from rlx.ir.ops import AttentionDims
@@ -123,11 +124,40 @@ class OperandStrides:
     batch_per_position: int = 0  # more elements between batches per position of a symbolic length
 
 
-def slot_heads_and_width(dims: AttentionDims, slot: str) -> tuple[int, int]:
+def slot_heads_and_width(dims: HeadDims, slot: str) -> tuple[int, int]:
     """``(heads, row width)`` of an operand or output: q-side, k-side or v-side."""
     heads = dims.kv_heads if slot in KEY_SIDE else dims.heads
     width = dims.value_dim if slot in ("v", "dv", "dy", "out") else dims.head_dim
     return heads, width
+
+
+def view_row_stride(layout: Layout, dims: HeadDims, strides: tuple[OperandStrides, ...], slot: str) -> int:
+    """Elements between consecutive rows of one head of ``slot`` (the BLAS leading dimension):
+    a strided view's, else the layout's."""
+    given = next((view for view in strides if view.slot == slot), None)
+    return given.row if given is not None else row_stride(layout, *slot_heads_and_width(dims, slot))
+
+
+def emit_view_head_offset(
+    b: ir.IRBuilder,
+    layout: Layout,
+    dims: HeadDims,
+    strides: tuple[OperandStrides, ...],
+    slot: str,
+    batch: ir.Value,
+    head: ir.Value,
+    seq: int | ir.Value,
+) -> ir.Value:
+    """Element offset of row 0 of head (batch, head) of ``slot``, whose heads have ``seq`` rows:
+    through a strided view's strides, else as the layout places it (:func:`head_offset`)."""
+    given = next((view for view in strides if view.slot == slot), None)
+    if given is None:
+        return head_offset(b, layout, batch, head, seq, *slot_heads_and_width(dims, slot))
+    between = i64(given.batch)
+    if given.batch_per_position:
+        length = i64(seq) if isinstance(seq, int) else seq
+        between = b.add(between, b.mul(length, i64(given.batch_per_position)))
+    return b.add(b.mul(batch, between), b.mul(head, i64(given.head)))
 
 
 def rows_strided(layout: Layout, dims: AttentionDims, strides: tuple[OperandStrides, ...], backward: bool) -> bool:
@@ -157,6 +187,7 @@ class AttentionKernelSpec:
     counters_at: int = 0  # byte offset of those counters in a thread's scratch (its last 64 bytes)
     stream: bool = False  # stage outputs in scratch, stream them out (AttentionLowering._stream_out)
     strides: tuple[OperandStrides, ...] = ()  # operands read through strided views
+    heights: StripHeights | None = None  # symbolic lengths: each call's strip height (block_q the tallest)
 
     @property
     def is_static(self) -> bool:
@@ -217,14 +248,9 @@ class AttentionKernelSpec:
     def scale(self) -> float:
         return 1.0 / math.sqrt(self.dims.head_dim)
 
-    def view_strides(self, slot: str) -> OperandStrides | None:
-        """The strides of an operand read through a strided view, or None: the layout's."""
-        return next((given for given in self.strides if given.slot == slot), None)
-
     def row_stride(self, slot: str) -> int:
         """Elements between consecutive rows of one head of ``slot``: the BLAS leading dimension."""
-        given = self.view_strides(slot)
-        return given.row if given is not None else row_stride(self.layout, *slot_heads_and_width(self.dims, slot))
+        return view_row_stride(self.layout, self.dims, self.strides, slot)
 
     @property
     def strided_rows(self) -> bool:
@@ -243,9 +269,12 @@ class AttentionKernelSpec:
 
     def strip_floats(self, seq_k: int | None = None) -> int:
         """Floats in one scores strip, rounded up to keep every scratch buffer 64-byte aligned
-        (``seq_k``: one call's length, for a spec whose ``Sk`` is symbolic)."""
+        (``seq_k``: one call's length, for a spec whose ``Sk`` is symbolic: then the most any
+        call of up to that many keys takes, whose strip height the call decides)."""
         length = self.dims.seq_k if seq_k is None else seq_k
         assert isinstance(length, int), "give the call's Sk"
+        if self.heights is not None and not self.is_static:
+            return whole_lines(self.heights.most_floats(length))
         return whole_lines(self.block_q * length)
 
     def scratch_bytes(self, seq_k: int | None = None) -> int:
@@ -302,7 +331,11 @@ def may_pack(seq_q: int | str) -> bool:
     return not isinstance(seq_q, int) or seq_q >= PACK_MIN_ROWS
 
 
-class _HeadDims(Protocol):
+class HeadDims(Protocol):
+    @property
+    def heads(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
     @property
     def seq_q(self) -> Dim: ...
     @property
@@ -317,7 +350,7 @@ class StripScratch(Protocol):
     """What both attention kernels' specs say about the start of a thread's scratch."""
 
     @property
-    def dims(self) -> _HeadDims: ...
+    def dims(self) -> HeadDims: ...
     @property
     def needs_dp(self) -> bool: ...
     @property
@@ -391,76 +424,14 @@ def keys_operand(
     return operand, ld, b.select(is_packed, i32(NO_TRANS), i32(TRANS), name="keys.trans")
 
 
-def emit_strip_floats(b: ir.IRBuilder, block_q: int, seq_k: ir.Value) -> ir.Value:
+def emit_strip_floats(b: ir.IRBuilder, block_q: int | ir.Value, seq_k: ir.Value) -> ir.Value:
     """Floats in one scores strip of ``block_q`` rows and ``seq_k`` keys known per call, rounded
     up to whole cache lines as the specs' ``strip_floats`` round them."""
-    return emit_whole_lines(b, b.mul(seq_k, i64(block_q)), "strip.floats")
+    rows = i64(block_q) if isinstance(block_q, int) else block_q
+    return emit_whole_lines(b, b.mul(seq_k, rows), "strip.floats")
 
 
-SCRATCH_BUDGET = 64 << 20  # bytes of strip buffers per thread at most
 SizeT: TypeAlias = int | ir.Value  # a size known now, or one of the call
-SMALL_PATH_MACS = 1_000_000  # OpenBLAS (SkylakeX) runs products up to this many multiply-adds unpacked
-SMALL_PATH_ROWS = 32  # the short strip height of choose_block_q
-
-
-def choose_block_q(
-    seq_q: int, seq_k: int, needs_dp: bool, causal_like: bool, strided_rows: bool = False, head_dim: int = 64
-) -> int:
-    """Query rows per strip, from measurements on the benchmark shapes (see benchmarks/README.md).
-
-    Tall strips turn the rank-``block_q`` updates of dK/dV into efficient GEMMs: at Sk = 16384,
-    512 rows ran 1.5x faster than 64 (AMD EPYC host). On an Intel Xeon host 256 rows were 5-10%
-    faster than 512 in the backward at S = 4096-16384 and as fast in the forward, with half the
-    scratch, so long sequences use 256. A causal-like strip computes the hidden triangle above its
-    diagonal, a fraction ``block_q / 2 Sk`` of the whole, so causal-like masks take shorter
-    strips: 64 rows up to Sk = 1024 (Intel Xeon, B·H = 32-96, backward against 128 rows: 25%
-    faster at S = 128, 13% at 256, 5% at 512, even at 1024), 128 up to 2048. Where a head's rows
-    are strided (``strided_rows``: BSHD with several heads) every strip of the backward adds into
-    dK and dV rows a cache line or two apart, so there the backward keeps 64 rows only below
-    Sk = 512 (BSHD: 14% faster at 256, 2% at 384; 3% slower at 512, 5% at 1024). Without a mask,
-    Sk <= 128 takes 64 rows too: the strip products fit OpenBLAS's small-matrix path (SkylakeX
-    kernels, up to 10^6 multiply-adds, no packing) and the strips stay in L1 (backward 9% faster
-    at B8 H12 S128 than one 128-row strip; 256 and 384 keys ran fastest with the longest strips),
-    except in the strided backward, where one strip of up to 128 rows ran 3-9% faster since its
-    products run on the register tiles (B8 H12 S128 BSHD), and in the strided forward where 128
-    rows move the products onto the tiles (B8 H12 S128 D64: 15% faster; but 5% slower at S100,
-    whose 128-row products stay on the path, and at D128, whose 64-row products are on tiles).
-    Shorter still, 32 rows, where that keeps a strip's products on that path (at most 10^6
-    multiply-adds; ``head_dim`` is the wider of D and Dv) and a taller strip would leave it.
-    Causal-like, up to Sk = 512 and Sk·D = 32768 (a causal strip's products see half the keys on
-    average): B4 H8 S512 D64, 32 rows against 64: forward 5.2 against 6.1 ms, backward 11.8
-    against 13.6 (S256: 4.2 against 5.0, 10.0 against 11.5; S256 D128 3.2 against 3.6; but S512
-    D128 ran fastest with 64); the strided (BSHD) backward too, since its products moved to the
-    register tiles (B4 H8 D64, 32 rows against the 64 or 128 it had: S256 3.66 against 3.84 ms,
-    S384 7.24 against 7.73, S512 14.25 against 15.13; medians of 25 interleaved calls; S512 D128
-    38.9 against 33.3, so the Sk·D bound holds). Unmasked, 128 < Sk <= 256 with 32·Sk·D within
-    the path: B8 H12 S256 D64 backward 15.5 ms with 32 rows, 17.6 with 256, 19.3 with 64 (just
-    over the path);
-    D128 stays at 256 rows, which ran fastest there. Not where the rows are strided: there the
-    BSHD backward ran fastest with 256 unmasked rows.
-    Scratch stays O(block_q · Sk) per thread, capped by ``SCRATCH_BUDGET``. Strips are balanced
-    (``ceil(Sq / n)`` rows each) so that no strip is a sliver.
-    """
-    buffers = 2 if needs_dp else 1
-    strided_backward = needs_dp and strided_rows
-    if causal_like:
-        short = seq_k <= 512 and seq_k * head_dim <= 32768
-        cap = SMALL_PATH_ROWS if short else _causal_strip_cap(seq_k, strided_backward)
-    elif seq_k <= 128:
-        # strided: 128 rows where that moves the products off the small-matrix path onto the tiles
-        onto_tiles = 64 * seq_k * head_dim <= SMALL_PATH_MACS < 128 * seq_k * head_dim
-        cap = 128 if strided_backward or (strided_rows and onto_tiles) else 64
-    else:
-        short = seq_k <= 256 and SMALL_PATH_ROWS * seq_k * head_dim <= SMALL_PATH_MACS and not strided_rows
-        cap = SMALL_PATH_ROWS if short else 256
-    target = max(32, min(cap, SCRATCH_BUDGET // (4 * seq_k * buffers)))
-    strips = -(-seq_q // target)
-    return -(-seq_q // strips)
-
-
-def _causal_strip_cap(seq_k: int, strided_backward: bool) -> int:
-    short = seq_k < 512 if strided_backward else seq_k <= 1024
-    return 64 if short else 128 if seq_k <= 2048 else 256
 
 
 class AttentionLowering:
@@ -501,12 +472,18 @@ class AttentionLowering:
         symbols = load_symbols(b, sizes, self.spec.symbols) if sizes is not None else {}
         self.sq = emit_size(b, self.spec.dims.seq_q, symbols)
         self.sk = emit_size(b, self.spec.dims.seq_k, symbols)
+        heights = self.spec.heights
+        if heights is not None and not self.spec.is_static:  # this call's strip height
+            self.block_q: ir.Value = heights.emit_rows(b, self.sq, self.sk)
+        else:
+            self.block_q = i64(self.spec.block_q)
 
     def _strip_floats(self, b: ir.IRBuilder) -> ir.Value:
-        """:meth:`AttentionKernelSpec.strip_floats` for this call's ``Sk``."""
+        """Floats in one strip for this call: :meth:`AttentionKernelSpec.strip_floats`, or with
+        symbolic lengths those of this call's strip height (at most what the scratch holds)."""
         if self.spec.is_static:
             return i64(self.spec.strip_floats())
-        return emit_strip_floats(b, self.spec.block_q, self.sk)
+        return emit_strip_floats(b, self.block_q, self.sk)
 
     def emit(self) -> ir.Function:
         spec, dims = self.spec, self.spec.dims
@@ -626,12 +603,13 @@ class AttentionLowering:
         """
         spec = self.spec
         mask_base = self._mask_base(b, base.get("mask"), batch, head)
-        n_strips = b.sdiv(b.add(self.sq, i64(spec.block_q - 1)), i64(spec.block_q), name="strips")
+        block_q = self.block_q
+        n_strips = b.sdiv(b.add(self.sq, b.sub(block_q, i64(1))), block_q, name="strips")
         last_first = spec.grads is not None and spec.mask.is_causal_like
         with for_range(b, 0, n_strips, "step") as step:
             strip = b.sub(b.sub(n_strips, i64(1)), step, name="strip") if last_first else step
-            i0 = b.mul(strip, i64(spec.block_q), name="i0")
-            rows = smin(b, i64(spec.block_q), b.sub(self.sq, i0), name="rows")
+            i0 = b.mul(strip, block_q, name="i0")
+            rows = smin(b, block_q, b.sub(self.sq, i0), name="rows")
             forward = spec.grads is None
             # The forward leaves rows as exp(s - m) and scales out rows by 1/sum after P·V (Dv
             # floats a row instead of nk); the backward needs P itself.
@@ -684,15 +662,8 @@ class AttentionLowering:
 
     def _head_offset(self, b: ir.IRBuilder, batch: ir.Value, head: ir.Value, slot: str) -> ir.Value:
         """Element offset of row 0 of head (batch, head) of operand ``slot``."""
-        given = self.spec.view_strides(slot)
-        seq, heads, width = self._geometry(slot)
-        if given is not None:
-            between = i64(given.batch)
-            if given.batch_per_position:
-                length = i64(seq) if isinstance(seq, int) else seq
-                between = b.add(between, b.mul(length, i64(given.batch_per_position)))
-            return b.add(b.mul(batch, between), b.mul(head, i64(given.head)))
-        return head_offset(b, self.spec.layout, batch, head, seq, heads, width)
+        seq = self._geometry(slot)[0]
+        return emit_view_head_offset(b, self.spec.layout, self.spec.dims, self.spec.strides, slot, batch, head, seq)
 
     def _mask_base(self, b: ir.IRBuilder, mask: ir.Value | None, batch: ir.Value, head: ir.Value) -> ir.Value:
         """Key-padding row ``mask[b, :]`` (custom), bias plane ``bias[b, h, :, :]`` (bias), else null."""

@@ -49,17 +49,19 @@ from rlx.codegen.irutil import (
 )
 from rlx.codegen.kernel_clock import COUNTERS_BYTES, KernelClock
 from rlx.codegen.lower_attention import (
+    KEY_SIDE,
+    OperandStrides,
     declare_sgemm,
     emit_sgemm,
     emit_strip_floats,
     emit_transposed_copy,
-    head_offset,
+    emit_view_head_offset,
     keys_operand,
-    row_stride,
     scale_row,
     scale_rows,
     strips_and_copies_bytes,
     transposed_buffers,
+    view_row_stride,
     whole_lines,
     zero_rows,
 )
@@ -95,6 +97,7 @@ class FlexKernelSpec:
     masked_value: float = -math.inf  # the score hidden tiles stand for; finite: checked per row
     profile: bool = False  # time products, softmax and dS into per-thread counters (static shapes)
     counters_at: int = 0  # byte offset of those counters in a thread's scratch (its last 64 bytes)
+    strides: tuple[OperandStrides, ...] = ()  # q, k, v or dy read through strided views
 
     @functools.cached_property
     def identity_on_full_tiles(self) -> bool:
@@ -122,6 +125,10 @@ class FlexKernelSpec:
     @property
     def backward(self) -> bool:
         return self.grads is not None
+
+    def row_stride(self, slot: str) -> int:
+        """Elements between consecutive rows of one head of ``slot``: the BLAS leading dimension."""
+        return view_row_stride(self.layout, self.dims, self.strides, slot)
 
     @property
     def needs_dp(self) -> bool:
@@ -229,13 +236,15 @@ class FlexLowering:
 
     # ------------------------------------------------------------------ addressing
 
-    def _row_stride(self, heads: int, width: int) -> int:
-        return row_stride(self.spec.layout, heads, width)
+    def _row_stride(self, slot: str) -> int:
+        return self.spec.row_stride(slot)
 
-    def _head(
-        self, b: ir.IRBuilder, base: ir.Value, batch: ir.Value, head: ir.Value, seq: ir.Value, heads: int, width: int
-    ) -> ir.Value:
-        return gep_f32(b, base, head_offset(b, self.spec.layout, batch, head, seq, heads, width))
+    def _head(self, b: ir.IRBuilder, slot: str, batch: ir.Value, head: ir.Value) -> ir.Value:
+        """Row 0 of head ``head`` (a kv head for the key side) of batch ``batch`` of ``slot``."""
+        spec = self.spec
+        seq = self.sk if slot in KEY_SIDE else self.sq
+        offset = emit_view_head_offset(b, spec.layout, spec.dims, spec.strides, slot, batch, head, seq)
+        return gep_f32(b, self.base[slot], offset)
 
     # ------------------------------------------------------------------ function
 
@@ -289,10 +298,8 @@ class FlexLowering:
         d = self.spec.dims
         for slot, target in self.packed.items():
             width = d.head_dim if slot == "k" else d.value_dim
-            head = self._head(b, self.base[slot], batch, group, self.sk, d.kv_heads, width)
-            copy = functools.partial(
-                emit_transposed_copy, b, head, self._row_stride(d.kv_heads, width), self.sk, width, target
-            )
+            head = self._head(b, slot, batch, group)
+            copy = functools.partial(emit_transposed_copy, b, head, self._row_stride(slot), self.sk, width, target)
             self.clock.timed(b, "blas", copy)
 
     # ------------------------------------------------------------------ tiles
@@ -524,7 +531,7 @@ class FlexLowering:
     ) -> None:
         """``out[:, run] = scale · Q_strip K_run^T`` for every visible run (``ld = nk``)."""
         d = self.spec.dims
-        ldq, ldk = self._row_stride(d.heads, d.head_dim), self._row_stride(d.kv_heads, d.head_dim)
+        ldq, ldk = self._row_stride("q"), self._row_stride("k")
 
         def gemm(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value) -> None:
             k_run, ld_run, trans = keys_operand(b, k_head, ldk, self.packed["k"], c0, self.sk)
@@ -555,13 +562,13 @@ class FlexLowering:
         P·V GEMM, which touches ``Dv`` floats a row instead of the strip's ``nk``."""
         d, grid = self.spec.dims, self.spec.grid
         group = b.sdiv(head, i64(d.group), name="g")
-        q_head = self._head(b, self.base["q"], batch, head, self.sq, d.heads, d.head_dim)
-        k_head = self._head(b, self.base["k"], batch, group, self.sk, d.kv_heads, d.head_dim)
-        v_head = self._head(b, self.base["v"], batch, group, self.sk, d.kv_heads, d.value_dim)
-        out_head = self._head(b, self.base["out"], batch, head, self.sq, d.heads, d.value_dim)
+        q_head = self._head(b, "q", batch, head)
+        k_head = self._head(b, "k", batch, group)
+        v_head = self._head(b, "v", batch, group)
+        out_head = self._head(b, "out", batch, head)
         lse_row = gep_f32(b, self.base["lse"], b.mul(b.add(b.mul(batch, i64(d.heads)), head), self.sq))
-        ldq = self._row_stride(d.heads, d.head_dim)
-        ldo = self._row_stride(d.heads, d.value_dim)
+        ldq = self._row_stride("q")
+        ldo = self._row_stride("out")
         with for_range(b, 0, self.strips, "strip") as strip:
             i0, rows = self._strip_bounds(b, strip)
             map_row = self._map_row(b, batch, head, strip)
@@ -611,8 +618,7 @@ class FlexLowering:
     ) -> None:
         """``out_strip = Σ_run P[:, run] V_run`` (unnormalised P)."""
         d = self.spec.dims
-        ldv = self._row_stride(d.kv_heads, d.value_dim)
-        ldo = self._row_stride(d.heads, d.value_dim)
+        ldv, ldo = self._row_stride("v"), self._row_stride("out")
 
         def pv(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value) -> None:
             beta = b.select(is_first, f32(0.0), f32(1.0))
@@ -792,8 +798,7 @@ class FlexLowering:
         slots = []
         for slot, width in (("dk", d.head_dim), ("dv", d.value_dim)):
             if slot in self.base:
-                head = self._head(b, self.base[slot], batch, group, self.sk, d.kv_heads, width)
-                slots.append((head, self._row_stride(d.kv_heads, width), width))
+                slots.append((self._head(b, slot, batch, group), self._row_stride(slot), width))
         return slots
 
     def _zero_tile(self, b: ir.IRBuilder, tile: ir.Value, slots: list[tuple[ir.Value, int, int]]) -> None:
@@ -868,33 +873,27 @@ class FlexLowering:
         spec, d, grid = self.spec, self.spec.dims, self.spec.grid
         grads = spec.grads
         assert grads is not None
-        q_head = self._head(b, self.base["q"], batch, head, self.sq, d.heads, d.head_dim)
-        k_head = self._head(b, self.base["k"], batch, group, self.sk, d.kv_heads, d.head_dim)
-        v_head = self._head(b, self.base["v"], batch, group, self.sk, d.kv_heads, d.value_dim)
-        dy_head = self._head(b, self.base["dy"], batch, head, self.sq, d.heads, d.value_dim)
+        q_head = self._head(b, "q", batch, head)
+        k_head = self._head(b, "k", batch, group)
+        v_head = self._head(b, "v", batch, group)
+        dy_head = self._head(b, "dy", batch, head)
         plane = b.mul(b.add(b.mul(batch, i64(d.heads)), head), self.sq)
         if not spec.recompute:
-            out_head = self._head(b, self.base["out"], batch, head, self.sq, d.heads, d.value_dim)
+            out_head = self._head(b, "out", batch, head)
             lse_row = gep_f32(b, self.base["lse"], plane)
         dlse_row = gep_f32(b, self.base["dlse"], plane) if spec.lse_grad else None
-        ldq = self._row_stride(d.heads, d.head_dim)
-        ldk = self._row_stride(d.kv_heads, d.head_dim)
-        ldv = self._row_stride(d.kv_heads, d.value_dim)
-        ldo = self._row_stride(d.heads, d.value_dim)
+        # Each operand and output has its own leading dimension: q, k, v and dy may be views.
+        ldq, ldk, ldv, ld_dy, ld_out = (self._row_stride(slot) for slot in ("q", "k", "v", "dy", "out"))
+        ld_dq, ld_dk, ld_dv = (self._row_stride(slot) for slot in ("dq", "dk", "dv"))
         partials = self._partial_base(b, batch, group)
         with for_range(b, 0, self.strips, "step") as step:
             strip = b.sub(b.sub(self.strips, i64(1)), step, name="strip")  # last first: see _first_touch
             i0, rows = self._strip_bounds(b, strip)
             map_row = self._map_row(b, batch, head, strip)
             q_strip = gep_f32(b, q_head, b.mul(i0, i64(ldq)))
-            dy_strip = gep_f32(b, dy_head, b.mul(i0, i64(ldo)))
-            dq_strip = (
-                gep_f32(
-                    b, self._head(b, self.base["dq"], batch, head, self.sq, d.heads, d.head_dim), b.mul(i0, i64(ldq))
-                )
-                if grads & Wrt.QUERY
-                else None
-            )
+            dy_strip = gep_f32(b, dy_head, b.mul(i0, i64(ld_dy)))
+            dq_head = self._head(b, "dq", batch, head) if grads & Wrt.QUERY else None
+            dq_strip = gep_f32(b, dq_head, b.mul(i0, i64(ld_dq))) if dq_head is not None else None
 
             def attempt(b: ir.IRBuilder) -> None:
                 first, last = self._visible_tiles(b, map_row)
@@ -902,7 +901,7 @@ class FlexLowering:
                     with nothing:
                         self._needs_dense(b, None)
                         if dq_strip is not None:
-                            self._zero_rows(b, dq_strip, rows, ldq, d.head_dim)
+                            self._zero_rows(b, dq_strip, rows, ld_dq, d.head_dim)
                     with something:
                         ks = b.mul(first, i64(grid.block_k), name="ks")
                         ke = smin(b, b.mul(b.add(last, i64(1)), i64(grid.block_k)), self.sk)
@@ -930,10 +929,10 @@ class FlexLowering:
                         self.clock.count(b, "softmax", started)
                         with b.if_then(self._exact(b)):
                             if grads & Wrt.VALUE:  # dV_run += P_run^T dY_strip
-                                dv_head = self._head(b, self.base["dv"], batch, group, self.sk, d.kv_heads, d.value_dim)
+                                dv_head = self._head(b, "dv", batch, group)
 
                                 def dv_gemm(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value) -> None:
-                                    beta = self._first_touch(b, c0, c1, (dv_head, ldv, d.value_dim))
+                                    beta = self._first_touch(b, c0, c1, (dv_head, ld_dv, d.value_dim))
                                     self._sgemm(
                                         b,
                                         TRANS,
@@ -945,10 +944,10 @@ class FlexLowering:
                                         gep_f32(b, p_buf, b.sub(c0, ks)),
                                         nk,
                                         dy_strip,
-                                        ldo,
+                                        ld_dy,
                                         beta,
-                                        gep_f32(b, dv_head, b.mul(c0, i64(ldv))),
-                                        ldv,
+                                        gep_f32(b, dv_head, b.mul(c0, i64(ld_dv))),
+                                        ld_dv,
                                     )
 
                                 self._for_runs(b, map_row, first, last, dv_gemm)
@@ -965,7 +964,7 @@ class FlexLowering:
                                         d.value_dim,
                                         1.0,
                                         dy_strip,
-                                        ldo,
+                                        ld_dy,
                                         v_run,
                                         ld_run,
                                         0.0,
@@ -975,7 +974,7 @@ class FlexLowering:
 
                                 self._for_runs(b, map_row, first, last, dp_gemm)
                                 if not spec.recompute:
-                                    out_strip = gep_f32(b, out_head, b.mul(i0, i64(ldo)))
+                                    out_strip = gep_f32(b, out_head, b.mul(i0, i64(ld_out)))
                                 started = self.clock.start(b)
                                 with for_range(b, 0, rows, "r.ds") as r:
                                     gi = b.add(i0, r, name="gi")
@@ -992,8 +991,8 @@ class FlexLowering:
                                             "delta",
                                             "add",
                                             lambda b, j, lanes: b.fmul(
-                                                lanes.load(b, dy_strip, b.add(b.mul(r, i64(ldo)), j)),
-                                                lanes.load(b, out_strip, b.add(b.mul(r, i64(ldo)), j)),
+                                                lanes.load(b, dy_strip, b.add(b.mul(r, i64(ld_dy)), j)),
+                                                lanes.load(b, out_strip, b.add(b.mul(r, i64(ld_out)), j)),
                                             ),
                                         )
                                     if dlse_row is not None:
@@ -1036,19 +1035,17 @@ class FlexLowering:
                                             ldk,
                                             beta,
                                             dq_strip,
-                                            ldq,
+                                            ld_dq,
                                         )
 
                                     self._for_runs(b, map_row, first, last, dq_gemm)
                                 if grads & Wrt.KEY:
-                                    dk_head = self._head(
-                                        b, self.base["dk"], batch, group, self.sk, d.kv_heads, d.head_dim
-                                    )
+                                    dk_head = self._head(b, "dk", batch, group)
 
                                     def dk_gemm(
                                         b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value
                                     ) -> None:
-                                        beta = self._first_touch(b, c0, c1, (dk_head, ldk, d.head_dim))
+                                        beta = self._first_touch(b, c0, c1, (dk_head, ld_dk, d.head_dim))
                                         self._sgemm(
                                             b,
                                             TRANS,
@@ -1062,8 +1059,8 @@ class FlexLowering:
                                             q_strip,
                                             ldq,
                                             beta,
-                                            gep_f32(b, dk_head, b.mul(c0, i64(ldk))),
-                                            ldk,
+                                            gep_f32(b, dk_head, b.mul(c0, i64(ld_dk))),
+                                            ld_dk,
                                         )
 
                                     self._for_runs(b, map_row, first, last, dk_gemm)

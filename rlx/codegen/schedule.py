@@ -28,6 +28,7 @@ from rlx.errors import RlxValueError
 from rlx.ir.graph import Graph, Node, Value
 from rlx.ir.ops import OpKind
 from rlx.ir.types import Layout
+from rlx.ops.flex_attention import flex_slots
 
 # Ops lowered by a kernel of their own; their results and operands are buffers.
 CALL_OUT_OPS = frozenset(
@@ -311,7 +312,11 @@ def operand_fits(node: Node, index: int, view: View) -> bool:
         return blas_reads_in_place(view)
     if op in ("attention", "attention_bwd") and index < (4 if op == "attention_bwd" else 3):
         return view.is_dense or attention_reads_in_place(view, node.attrs.layout)
-    return view.is_dense  # masks, flex attention and scatter-add index dense rows
+    if op in ("flex_attention", "flex_attention_bwd"):
+        slots = flex_slots(node.attrs)  # q, k, v and dy go through their strides; out, lse dense
+        if index < len(slots) and slots[index] in ("q", "k", "v", "dy"):
+            return view.is_dense or attention_reads_in_place(view, node.attrs.layout)
+    return view.is_dense  # masks, captured tensors and scatter-add index dense rows
 
 
 MAX_ROW_STRIDE = 2**31 - 1  # BLAS takes 32-bit leading dimensions

@@ -220,6 +220,11 @@ def bwd_slots(attrs: FlexAttentionBwdAttrs) -> tuple[str, ...]:
     return ("q", "k", "v", "out", "dy", "lse") + (("dlse",) if attrs.lse_grad else ())
 
 
+def flex_slots(attrs: FlexAttentionAttrs | FlexAttentionBwdAttrs) -> tuple[str, ...]:
+    """The named operands of a flex node, before its captured tensors."""
+    return bwd_slots(attrs) if isinstance(attrs, FlexAttentionBwdAttrs) else ("q", "k", "v")
+
+
 def bwd_operands(attrs: FlexAttentionBwdAttrs) -> int:
     """How many operands come before the captured tensors (:func:`bwd_slots`)."""
     return len(bwd_slots(attrs))

@@ -19,6 +19,7 @@ from rlx.ir.graph import Graph
 from rlx.ir.types import Layout, Wrt
 from rlx.torch._autograd import _eager_under_torch_compile, _once_differentiable
 from rlx.torch._capture import _Capture, _capturing
+from rlx.torch._layouts import _layout_inputs, _layout_names, _layout_tensors, _strided_layout
 from rlx.torch._tensors import _array, _check_tensor, _tensor
 from rlx.torch.threads import _attention_flops, _threads_for
 
@@ -32,20 +33,26 @@ class _Plan:
     captured: list[torch.Tensor]
     backward_exe: dict[tuple[bool, bool], Executable]
     threads: int | None = None  # this call's thread cap (see _threads_for)
+    layout: str = "bhsd"  # how the graphs take q, k and v (rlx.torch._layouts)
 
     def backward(self, tensor_grads: bool, lse_grad: bool) -> Executable:
         key = (tensor_grads, lse_grad)
         if key not in self.backward_exe:
-            self.backward_exe[key] = rlx.compile(_backward_graph(self.graph, tensor_grads, lse_grad))
+            self.backward_exe[key] = rlx.compile(_backward_graph(self.graph, self.layout, tensor_grads, lse_grad))
         return self.backward_exe[key]
 
 
-def _backward_graph(forward: Graph, tensor_grads: bool, lse_grad: bool) -> Graph:
-    """q, k, v, out, dy, lse, [dlse], captured -> dq, dk, dv and the captured float tensors' gradients."""
+def _backward_graph(forward: Graph, layout: str, tensor_grads: bool, lse_grad: bool) -> Graph:
+    """q, k, v (as ``layout`` takes them), out, dy, lse, [dlse], captured -> dq, dk, dv and the
+    captured float tensors' gradients."""
     node = forward.outputs["out"].node
     attrs = node.attrs
     g = Graph("flex_bwd")
-    q, k, v = (g.input(name, forward.inputs[name].shape) for name in "qkv")
+    shapes = []  # torch's [B, H, S, D] order, from the operands in the kernel's layout
+    for value in node.inputs[:3]:
+        batch, seq, heads, width = attrs.layout.split(value.shape)
+        shapes.append((batch, heads, seq, width))
+    q, k, v = _layout_inputs(g, layout, *shapes)
     out = g.input("out", forward.outputs["out"].shape)
     dy = g.input("dy", out.shape)
     lse = g.input("lse", forward.outputs["lse"].shape)
@@ -62,8 +69,8 @@ def _backward_graph(forward: Graph, tensor_grads: bool, lse_grad: bool) -> Graph
         from rlx.ops.flex_attention import flex_dims, tensor_grad_layout
 
         dims = flex_dims("rlx.torch", q.type, k.type, v.type, attrs.layout)
-        layout = tensor_grad_layout(attrs.score_mod, [c.type for c in captured], dims)
-        for (tensor, _, _, _), partial in zip(layout, outputs[3:], strict=True):
+        partials = tensor_grad_layout(attrs.score_mod, [c.type for c in captured], dims)
+        for (tensor, _, _, _), partial in zip(partials, outputs[3:], strict=True):
             g.output(**{f"d{captured[tensor].node.attrs.name}": g.sum(partial, axis=0)})
     return g
 
@@ -76,17 +83,19 @@ def _plan(
     mask_mod: Callable[..., Any] | None,
     scale: float | None,
     declared: dict[int, tuple[int | str, ...]] | None = None,
+    layout: str = "bhsd",
 ) -> _Plan:
     """Trace the mods and find (or compile) the plan. The batch and the sequence lengths are
     symbolic, so one compilation serves every size, unless the mods need them static (they use
     the lengths themselves): then the graph has this call's sizes. Captured tensors keep their
-    own shapes (an SDPA mask's sequence axes excepted, see ``declared``)."""
+    own shapes (an SDPA mask's sequence axes excepted, see ``declared``). ``layout``: how the
+    graphs take q, k and v (:mod:`rlx.torch._layouts`)."""
     threads = _threads_for(_attention_flops(q, k, v))
     try:
-        graph, captured = _flex_graph(q, k, v, score_mod, mask_mod, scale, symbolic=True, declared=declared)
+        graph, captured = _flex_graph(q, k, v, score_mod, mask_mod, scale, True, declared, layout)
     except RlxError:
-        graph, captured = _flex_graph(q, k, v, score_mod, mask_mod, scale, symbolic=False)
-    return _plan_cache(graph, captured, threads)
+        graph, captured = _flex_graph(q, k, v, score_mod, mask_mod, scale, False, None, layout)
+    return _plan_cache(graph, captured, threads, layout)
 
 
 def _flex_graph(
@@ -98,17 +107,20 @@ def _flex_graph(
     scale: float | None,
     symbolic: bool,
     declared: dict[int, tuple[int | str, ...]] | None = None,
+    layout: str = "bhsd",
 ) -> tuple[Graph, list[torch.Tensor]]:
     g = Graph("flex")
     batch, seq_q, seq_k = ("B", "Sq", "Sk") if symbolic else (q.shape[0], q.shape[2], k.shape[2])
-    qi = g.input("q", (batch, q.shape[1], seq_q, q.shape[3]))
-    ki = g.input("k", (batch, k.shape[1], seq_k, k.shape[3]))
-    vi = g.input("v", (batch, v.shape[1], seq_k, v.shape[3]))
+    if symbolic and layout == "qkv":  # slices of one tensor: one length
+        seq_q = seq_k = "S"
+    shapes = [(batch, t.shape[1], seq, t.shape[3]) for t, seq in ((q, seq_q), (k, seq_k), (v, seq_k))]
+    qi, ki, vi = _layout_inputs(g, layout, *shapes)
     capture = _Capture(g, declared if symbolic else None)
     _capturing.current = capture
+    kernel_layout = Layout.BHSD if layout == "bhsd" else Layout.BSHD
     try:
         out, lse = g.attention(
-            qi, ki, vi, score_mod=score_mod, mask_mod=mask_mod, scale=scale, layout=Layout.BHSD, return_lse=True
+            qi, ki, vi, score_mod=score_mod, mask_mod=mask_mod, scale=scale, layout=kernel_layout, return_lse=True
         )
     finally:
         _capturing.current = None
@@ -121,8 +133,8 @@ _plans: dict[str, tuple[Executable, dict[tuple[bool, bool], Executable]]] = {}
 _plans_lock = threading.Lock()
 
 
-def _plan_cache(graph: Graph, captured: list[torch.Tensor], threads: int | None) -> _Plan:
-    """One forward and its backwards per distinct traced graph (shapes, dtypes and mods)."""
+def _plan_cache(graph: Graph, captured: list[torch.Tensor], threads: int | None, layout: str = "bhsd") -> _Plan:
+    """One forward and its backwards per distinct traced graph (shapes, dtypes, mods, layout)."""
     key = str(graph)
     with _plans_lock:
         found = _plans.get(key)
@@ -130,15 +142,21 @@ def _plan_cache(graph: Graph, captured: list[torch.Tensor], threads: int | None)
         found = (rlx.compile(graph), {})
         with _plans_lock:
             _plans[key] = found
-    return _Plan(graph, found[0], captured, found[1], threads)
+    return _Plan(graph, found[0], captured, found[1], threads, layout)
 
 
 def _attention_arrays(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, captured: Sequence[torch.Tensor], **more: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    captured: Sequence[torch.Tensor],
+    layout: str = "bhsd",
+    **more: torch.Tensor,
 ) -> dict[str, np.ndarray]:
-    """An attention plan's graph inputs by name: q, k, v, the captured tensors (``c0``, ``c1``, ...)
-    and ``more`` (the backward's ``out``, ``lse``, ``dy``)."""
-    arrays = {"q": _array(q), "k": _array(k), "v": _array(v)}
+    """An attention plan's graph inputs by name: q, k, v (as ``layout`` takes them), the captured
+    tensors (``c0``, ``c1``, ...) and ``more`` (the backward's ``out``, ``lse``, ``dy``)."""
+    tensors = _layout_tensors(layout, q, k, v)
+    arrays = {name: _array(t) for name, t in zip(_layout_names(layout), tensors, strict=True)}
     arrays |= {f"c{i}": _array(t) for i, t in enumerate(captured)}
     return arrays | {name: _array(t) for name, t in more.items()}
 
@@ -148,8 +166,10 @@ class _FlexFunction(torch.autograd.Function):
     def forward(
         ctx: Any, plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *captured: torch.Tensor
     ) -> Any:
-        result = plan.forward.run(_attention_arrays(q, k, v, captured), plan.threads)
+        result = plan.forward.run(_attention_arrays(q, k, v, captured, plan.layout), plan.threads)
         out = _tensor(result["out"], q.dtype)
+        if plan.layout != "bhsd":  # written [B, S, H, Dv]: its transpose, as torch returns it
+            out = out.transpose(1, 2)
         lse = torch.from_numpy(result["lse"])
         ctx.plan = plan
         # Saved as tensors, so torch refuses a backward after any of them was modified in place.
@@ -167,7 +187,11 @@ class _FlexFunction(torch.autograd.Function):
         float_captured = [i for i, t in enumerate(plan.captured) if t.is_floating_point()]
         tensor_grads = any(needs[3 + i] for i in float_captured)
         q, k, v, out, lse, *captured = ctx.saved_tensors
-        arrays = _attention_arrays(q, k, v, captured, lse=lse)
+        arrays = _attention_arrays(q, k, v, captured, plan.layout, lse=lse)
+        transposed = plan.layout != "bhsd"  # the graph's out, dy and gradients are [B, S, H, D]
+        if transposed:
+            out = out.transpose(1, 2)
+            d_out = d_out.transpose(1, 2) if d_out is not None else None
         arrays["out"] = _array(out) if out.dtype == torch.float32 else ctx.float_out
         arrays["dy"] = _array(d_out) if d_out is not None else np.zeros_like(arrays["out"])
         lse_grad = d_lse is not None
@@ -178,7 +202,8 @@ class _FlexFunction(torch.autograd.Function):
         dtypes = ctx.dtypes
         result: list[torch.Tensor | None] = [None]
         for i, name in enumerate(("dq", "dk", "dv")):
-            result.append(_tensor(grads[name], dtypes[i]) if needs[i] else None)
+            grad = _tensor(grads[name], dtypes[i]) if needs[i] else None
+            result.append(grad.transpose(1, 2) if grad is not None and transposed else grad)
         for i in range(len(plan.captured)):
             key = f"dc{i}"
             wanted = needs[3 + i] and key in grads
@@ -251,7 +276,7 @@ def flex_attention(
                 "flex_attention: return_aux asks for max_scores, which rlx does not compute; ask for lse only"
             )
         want_lse = bool(getattr(return_aux, "lse", False))
-    plan = _plan(q, k, v, score_mod, mask_mod, scale)
+    plan = _plan(q, k, v, score_mod, mask_mod, scale, layout=_strided_layout(q, k, v))
     out, lse = _FlexFunction.apply(plan, q, k, v, *plan.captured)
     if return_aux is not None:
         return out, _aux_output(lse if want_lse else None)

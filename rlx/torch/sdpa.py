@@ -18,6 +18,7 @@ from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.graph import Graph
 from rlx.ir.types import Layout
 from rlx.torch._autograd import _eager_under_torch_compile, _once_differentiable
+from rlx.torch._layouts import _layout_inputs, _layout_names, _layout_tensors, _strided_layout
 from rlx.torch._tensors import _COMPUTED, _array, _check_tensor, _dense, _direct, _tensor
 from rlx.torch.flex import _check_scale, _FlexFunction, _Plan, _plan, _plans_lock
 from rlx.torch.threads import _attention_flops, _threads_for
@@ -398,16 +399,9 @@ def _fixed_plan(
         mask = rlx.MaskKind.CAUSAL if is_causal else rlx.MaskKind.NONE
         forward = Graph("sdpa")
         if layout == "qkv":  # q, k and v slices of one tensor: one length
-            fused = forward.input("qkv", ("B", "S", 3 * heads * dim))
-            qi, ki, vi = (forward.reshape(part, ("B", "S", heads, dim)) for part in forward.split(fused, 3, -1))
-        elif layout == "bshd":
-            qi = forward.input("q", ("B", sq, heads, dim))
-            ki = forward.input("k", ("B", sk, kv_heads, dim))
-            vi = forward.input("v", ("B", sk, kv_heads, value_dim))
-        else:
-            qi = forward.input("q", ("B", heads, sq, dim))
-            ki = forward.input("k", ("B", kv_heads, sk, dim))
-            vi = forward.input("v", ("B", kv_heads, sk, value_dim))
+            sq = sk = "S"
+        shapes = ("B", heads, sq, dim), ("B", kv_heads, sk, dim), ("B", kv_heads, sk, value_dim)
+        qi, ki, vi = _layout_inputs(forward, layout, *shapes)
         scaled = qi if factor == 1.0 else qi * factor
         kernel_layout = Layout.BHSD if layout == "bhsd" else Layout.BSHD
         forward.output(out=forward.attention(scaled, ki, vi, mask=mask, layout=kernel_layout))
@@ -425,36 +419,6 @@ def _fixed_plan(
         with _plans_lock:
             plan = _fixed_plans.setdefault(key, plan)
     return plan
-
-
-def _strided_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
-    """How the kernels can read these float32 tensors without copying them (:class:`_FixedPlan`):
-    ``"bshd"``, ``"qkv"``, else ``"bhsd"`` (contiguous ones, or copies)."""
-    if not (q.dtype == k.dtype == v.dtype == torch.float32) or q.is_contiguous():
-        return "bhsd"
-    if _direct(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)):
-        return "bshd"
-    return "qkv" if _fused_qkv(q, k, v) is not None else "bhsd"
-
-
-def _fused_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
-    """The ``[B, S, 3·H·D]`` tensor whose three slices q, k and v are (a fused projection split
-    and viewed as heads), or None."""
-    batch, heads, seq, dim = q.shape
-    width = heads * dim
-    if not (q.shape == k.shape == v.shape and q.stride() == k.stride() == v.stride()):
-        return None
-    if q.stride() != (seq * 3 * width, dim, 3 * width, 1) or q.is_neg() or k.is_neg() or v.is_neg():
-        return None
-    start = q.data_ptr()
-    if k.data_ptr() != start + 4 * width or v.data_ptr() != start + 8 * width or start % 4:
-        return None
-    if not (q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()):
-        return None
-    try:
-        return torch.as_strided(q.detach(), (batch, seq, 3 * width), (seq * 3 * width, 3 * width, 1))
-    except RuntimeError:  # the slices do not lie in one storage as a whole
-        return None
 
 
 def _fixed_forward(plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -493,21 +457,12 @@ def _fixed_out(
     return _tensor(result["out"], q.dtype)
 
 
-def _strided_inputs(plan: _FixedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
-    """q, k and v as a ``"bshd"`` or ``"qkv"`` plan's graph takes them: views, no copy."""
-    if plan.layout == "qkv":
-        fused = _fused_qkv(q, k, v)
-        assert fused is not None, "the plan's layout was chosen for these tensors"
-        return [fused]
-    return [t.detach().transpose(1, 2) for t in (q, k, v)]
-
-
 def _strided_out(
     plan: _FixedPlan, exe: Executable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, threads: int | None
 ) -> torch.Tensor:
     """``out`` of a ``"bshd"`` or ``"qkv"`` plan: written as ``[B, S, H, Dv]``, returned as its
     ``[B, H, S, Dv]`` transpose (as torch's kernel returns it for such inputs)."""
-    inputs = _strided_inputs(plan, q, k, v)
+    inputs = _layout_tensors(plan.layout, q, k, v)
     out = torch.empty((q.shape[0], q.shape[2], q.shape[1], v.shape[3]))
     if not exe.run_direct([(t.data_ptr(), t.shape) for t in inputs], {"out": (out.data_ptr(), out.shape)}, threads):
         out = torch.from_numpy(exe.run(_named_arrays(plan, inputs), threads)["out"])
@@ -517,7 +472,7 @@ def _strided_out(
 def _named_arrays(plan: _FixedPlan, inputs: list[torch.Tensor]) -> dict[str, np.ndarray]:
     """A strided plan's inputs by their graph names, as NumPy views (the path a program that
     takes more than addresses runs on)."""
-    names = ["qkv"] if plan.layout == "qkv" else ["q", "k", "v"]
+    names = _layout_names(plan.layout)
     return {name: _array(t) for name, t in zip([*names, "dy"], inputs, strict=False)}
 
 
@@ -550,7 +505,7 @@ def _fixed_grads(
     if plan.layout != "bhsd":
         # The gradient of a transposed out: [B, S, H, Dv] again (each step a no-op where it is).
         dy = d_out.transpose(1, 2).float().resolve_neg().contiguous()
-        tensors = [*_strided_inputs(plan, q, k, v), dy]
+        tensors = [*_layout_tensors(plan.layout, q, k, v), dy]
         rows = [torch.empty((t.shape[0], t.shape[2], t.shape[1], t.shape[3])) for t in (q, k, v)]
         outputs = {f"d{n}": (g.data_ptr(), g.shape) for n, g in zip("qkv", rows, strict=True)}
         if not exe.run_direct([(t.data_ptr(), t.shape) for t in tensors], outputs, threads):

@@ -10,6 +10,7 @@ import rlx
 from rlx.codegen.blas import INT32_MAX
 from rlx.codegen.executable import data_address
 from rlx.codegen.lower import STRIDE_BUCKET
+from rlx.codegen.strip_heights import SMALL_PATH_ROWS
 from rlx.errors import RlxValueError
 
 HEADS, DIM = 4, 16
@@ -101,13 +102,14 @@ def test_a_bucket_stride_covers_every_size_in_it_and_matches_exact_limits() -> N
         assert stride >= dynamic._stride(sizes)
         assert stride % 64 == 0
         assert np.frombuffer(table, dtype=np.int64).tolist() == [sizes[s] for s in dynamic.symbols] + [stride]
-    # At the limit (a strip's rows times Sk within 32 bits) the call's own sizes decide, though
-    # its bucket is past it; one key more is refused.
-    block_q = dynamic.specs[0][1].block_q  # type: ignore[union-attr]
-    seq_k = INT32_MAX // block_q
-    assert -(-seq_k // STRIDE_BUCKET) * STRIDE_BUCKET * block_q > INT32_MAX
+    # At the limit (the floats of the strip a call's scratch holds within 32 bits: the shortest
+    # strips' rows times Sk) the call's own sizes decide, though its bucket is past it; one key
+    # more is refused.
+    seq_k = INT32_MAX // SMALL_PATH_ROWS
+    heights = dynamic.specs[0][1].heights  # type: ignore[union-attr]
+    assert heights.most_floats(seq_k) <= INT32_MAX < heights.most_floats(-(-seq_k // STRIDE_BUCKET) * STRIDE_BUCKET)
     sizes = {"B": 1, "Sq": 1, "Sk": seq_k}
-    assert dynamic.stride(sizes) == dynamic._stride(sizes) > block_q * seq_k
+    assert dynamic.stride(sizes) == dynamic._stride(sizes) >= 4 * SMALL_PATH_ROWS * seq_k
     with pytest.raises(RlxValueError, match="32-bit BLAS limit"):
         dynamic.stride({"B": 1, "Sq": 1, "Sk": seq_k + 1})
 

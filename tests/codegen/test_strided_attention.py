@@ -2,9 +2,10 @@
 
 A transformer's fused QKV projection splits into three views whose rows lie ``3·H·D`` floats
 apart; a transpose of a BHSD tensor read as BSHD puts a head's rows ``D`` apart and its heads
-``S·D`` apart. The fixed-mask kernels take each operand's own strides; masks, the programmable
-kernels and views with symbolic strides still get dense copies. Every case is checked against
-the float64 reference interpreter, forward and backward, on several thread counts.
+``S·D`` apart. The fixed-mask and the programmable (score_mod / mask_mod) kernels take each
+operand's own strides; masks, captured tensors and views whose strides BLAS cannot take still
+get dense copies. Every case is checked against the float64 reference interpreter, forward and
+backward, on several thread counts.
 """
 
 from __future__ import annotations
@@ -215,3 +216,104 @@ def test_random_operand_views(
     dq, dk, dv = g.attention_bwd(q, k, v, dy, wrt=Wrt.ALL, mask=mask, layout=layout)
     g.output(out=out, dq=dq, dk=dk, dv=dv)
     _check(g, np.random.default_rng(seq), threads=(1, 2))
+
+
+def _softcap(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+    return 5.0 * rlx.tanh(score / 5.0)
+
+
+FLEX_MODS = {
+    "causal": {"mask_mod": rlx.mods.causal},
+    "window+softcap": {"mask_mod": rlx.mods.sliding_window(4), "score_mod": _softcap},
+    "softcap": {"score_mod": _softcap},
+}
+
+
+def _flex_graph(
+    dims: tuple[int, int, int, int, int, int], layout: Layout, kinds: list[str], part: int, mods: str
+) -> Graph:
+    """Flex attention (``score_mod`` / ``mask_mod``) and ``rlx.grad``'s backward over operands
+    built as ``kinds`` say (:func:`_operand`)."""
+    batch, seq, heads, kv_heads, dim, value_dim = dims
+    g = Graph("flex_views")
+    q = _operand(g, "q", kinds[0], (batch, seq, heads, dim), layout, part)
+    k = _operand(g, "k", kinds[1], (batch, seq, kv_heads, dim), layout, (part + 1) % 3)
+    v = _operand(g, "v", kinds[2], (batch, seq, kv_heads, value_dim), layout, (part + 2) % 3)
+    dy = _operand(g, "dy", kinds[3], (batch, seq, heads, value_dim), layout, part)
+    out = g.attention(q, k, v, layout=layout, **FLEX_MODS[mods])  # type: ignore[arg-type]
+    dq, dk, dv = rlx.grad(g, out, [q, k, v], dy)
+    g.output(out=out, dq=dq, dk=dk, dv=dv)
+    return g
+
+
+@pytest.mark.parametrize("layout", [Layout.BSHD, Layout.BHSD])
+@pytest.mark.parametrize("mods", sorted(FLEX_MODS))
+def test_flex_kernels_read_views_in_place(layout: Layout, mods: str) -> None:
+    """The programmable kernels read split-projection views and a transposed dy with no copy
+    kernel before them, forward and backward."""
+    kinds = ["split", "split", "split", "transpose"]
+    graph = _flex_graph((2, 37, 4, 4, 8, 8), layout, kinds, 0, mods)
+    kernels = _check(graph, np.random.default_rng(5))
+    assert sorted(kernels) == ["flex_attention", "flex_attention_bwd"], kernels
+
+
+@pytest.mark.parametrize("layout", [Layout.BSHD, Layout.BHSD])
+@pytest.mark.parametrize(("seq", "heads", "kv_heads", "dim", "value_dim"), [
+    (1, 2, 2, 8, 8),  # one row
+    (70, 4, 2, 16, 8),  # GQA, Dv != D
+    (300, 4, 4, 32, 32),  # long enough for packed keys
+])  # fmt: skip
+def test_flex_views_of_every_shape(
+    layout: Layout, seq: int, heads: int, kv_heads: int, dim: int, value_dim: int
+) -> None:
+    rng = np.random.default_rng(seq + heads)
+    for mods in ("causal", "window+softcap"):
+        graph = _flex_graph((2, seq, heads, kv_heads, dim, value_dim), layout, ["split"] * 3 + ["transpose"], 1, mods)
+        _check(graph, rng, threads=(1, 2))
+
+
+def test_flex_symbolic_lengths_read_in_place() -> None:
+    """A symbolic batch and length: the split projection's views are read in place by the
+    programmable kernels too, for every size a call brings."""
+    g = Graph("flex_symbolic")
+    x = g.input("x", ("B", "S", 3 * 32))
+    q, k, v = (g.reshape(part, ("B", "S", 4, 8)) for part in g.split(x, 3, axis=-1))
+    out = g.attention(q, k, v, mask_mod=rlx.mods.causal, score_mod=_softcap, layout=Layout.BSHD)
+    dy = g.input("dy", out.shape)
+    dq, dk, dv = rlx.grad(g, out, [q, k, v], dy)
+    g.output(out=out, dq=dq, dk=dk, dv=dv)
+    exe = rlx.compile(g)
+    assert sorted(kernel.name for kernel in exe.kernels) == ["flex_attention", "flex_attention_bwd"]
+    rng = np.random.default_rng(0)
+    for batch, seq in ((2, 1), (1, 9), (3, 130)):
+        sizes = {"B": batch, "S": seq}
+        arrays = {
+            "x": rng.standard_normal((batch, seq, 96)).astype(np.float32),
+            "dy": rng.standard_normal(tuple(sizes.get(d, d) for d in dy.shape)).astype(np.float32),
+        }
+        want = rlx.reference.run(g, **arrays)
+        got = exe(**arrays)
+        for name, value in want.items():
+            np.testing.assert_allclose(got[name], value, rtol=2e-4, atol=2e-5, err_msg=f"{name}, {sizes}")
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    batch=st.integers(1, 3),
+    seq=st.integers(1, 70),
+    kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2]),
+    dim=st.sampled_from([4, 8, 16]),
+    value_dim=st.sampled_from([4, 8, 12]),
+    layout=st.sampled_from([Layout.BSHD, Layout.BHSD]),
+    mods=st.sampled_from(sorted(FLEX_MODS)),
+    kinds=st.lists(st.sampled_from(["dense", "split", "transpose", "broadcast"]), min_size=4, max_size=4),
+    part=st.integers(0, 2),
+)
+def test_flex_random_operand_views(
+    batch: int, seq: int, kv_heads: int, group: int, dim: int, value_dim: int, layout: Layout,
+    mods: str, kinds: list[str], part: int,
+) -> None:  # fmt: skip
+    """The programmable kernels over operands from random view constructions, against the reference."""
+    graph = _flex_graph((batch, seq, kv_heads * group, kv_heads, dim, value_dim), layout, kinds, part, mods)
+    _check(graph, np.random.default_rng(seq), threads=(1, 2))

@@ -178,7 +178,8 @@ def test_attention_on_the_tiles_matches_the_reference(
     (above OpenBLAS's small-matrix path), against the float64 reference."""
     import rlx
     from rlx import Graph, Layout, MaskKind
-    from rlx.codegen.lower_attention import choose_block_q, tiles_take
+    from rlx.codegen.lower_attention import tiles_take
+    from rlx.codegen.strip_heights import choose_block_q
     from rlx.reference import run as reference
 
     if host_tile_shape() is None:

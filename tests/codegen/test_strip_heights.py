@@ -1,0 +1,102 @@
+"""Strip heights: the rules a static kernel applies at compile time and a kernel of symbolic
+lengths applies per call in native code give the same heights, and a thread's scratch holds
+every call's strips."""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+
+import numpy as np
+import pytest
+from llvmlite import ir
+
+import rlx
+from rlx import Graph, Layout, MaskKind, Wrt
+from rlx.codegen.irutil import I64, PTR, VOID, for_range, gep
+from rlx.codegen.jit import ENTRY, compile_ir
+from rlx.codegen.lower import CodegenOptions, kernel_spec
+from rlx.codegen.strip_heights import StripHeights, choose_block_q, strip_heights
+from rlx.config import RuntimeConfig
+
+KINDS = list(itertools.product((False, True), (False, True), (False, True), (16, 64, 96, 128, 256)))
+LENGTHS = [1, 2, 31, 32, 33, 63, 64, 100, 128, 129, 200, 255, 256, 257, 341, 342, 488, 511, 512, 513, 1024,
+           1025, 2048, 2049, 4096, 16384, 100_000, 1_000_000]  # fmt: skip
+
+
+def _native_rows(heights: StripHeights) -> ctypes._CFuncPtr:
+    """``rows[i] = heights.emit_rows(sq[i], sk[i])`` compiled."""
+    module = ir.Module("heights")
+    entry = ir.Function(module, ir.FunctionType(VOID, [PTR, PTR, PTR, I64]), name=ENTRY)
+    b = ir.IRBuilder(entry.append_basic_block())
+    sq, sk, out, count = entry.args
+    with for_range(b, 0, count, "i") as i:
+        q = b.load(gep(b, sq, [i], I64), typ=I64)
+        k = b.load(gep(b, sk, [i], I64), typ=I64)
+        b.store(heights.emit_rows(b, q, k), gep(b, out, [i], I64))
+    b.ret_void()
+    library = compile_ir(str(module))
+    function = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(
+        library.entry_address
+    )
+    function.library = library  # type: ignore[attr-defined]  # keep the code alive with the function
+    return function
+
+
+@pytest.mark.parametrize(("needs_dp", "causal", "strided", "width"), KINDS)
+def test_native_heights_are_the_compile_time_ones(needs_dp: bool, causal: bool, strided: bool, width: int) -> None:
+    heights = strip_heights(needs_dp, causal, strided, width)
+    pairs = np.array([(q, k) for q in LENGTHS for k in LENGTHS], dtype=np.int64)
+    sq, sk = np.ascontiguousarray(pairs[:, 0]), np.ascontiguousarray(pairs[:, 1])
+    got = np.empty(len(pairs), np.int64)
+    _native_rows(heights)(sq.ctypes.data, sk.ctypes.data, got.ctypes.data, len(pairs))
+    want = [heights.rows(int(q), int(k)) for q, k in pairs]
+    np.testing.assert_array_equal(got, want)
+    for (q, k), rows in zip(pairs, want, strict=True):
+        assert 1 <= rows <= q and rows <= heights.most_rows()
+        assert rows * k <= heights.most_floats(int(k))  # a call's strips fit the scratch it gets
+    bounds = [heights.most_floats(k) for k in LENGTHS]
+    assert bounds == sorted(bounds), "scratch for a bucket of lengths is sized at its longest"
+
+
+def test_rules_as_measured() -> None:
+    """Spot checks of the measured rules (see strip_heights)."""
+    assert choose_block_q(256, 256, needs_dp=True, causal_like=True, head_dim=64) == 32
+    assert choose_block_q(1024, 1024, needs_dp=True, causal_like=True, head_dim=64) == 64
+    assert choose_block_q(2048, 2048, needs_dp=True, causal_like=True, head_dim=64) == 128
+    assert choose_block_q(128, 128, needs_dp=True, causal_like=False, head_dim=64) == 64
+    assert choose_block_q(128, 128, needs_dp=True, causal_like=False, strided_rows=True, head_dim=64) == 128
+    assert choose_block_q(256, 256, needs_dp=True, causal_like=False, head_dim=64) == 32
+    assert choose_block_q(768, 768, needs_dp=True, causal_like=False, head_dim=128) == 256
+    assert choose_block_q(300, 16384, needs_dp=True, causal_like=False, head_dim=64) == 150  # balanced: 2 strips
+    assert choose_block_q(1000, 1 << 20, needs_dp=True, causal_like=False) == 32  # the budget's floor
+
+
+def _causal_graph(batch: int | str, seq: int | str) -> Graph:
+    """Causal attention and its fused backward over BHSD heads of 2 x 16."""
+    g = Graph("causal")
+    q, k, v, dy = (g.input(name, (batch, 2, seq, 16)) for name in ("q", "k", "v", "dy"))
+    dq, dk, dv = g.attention_bwd(q, k, v, dy, wrt=Wrt.ALL, mask=MaskKind.CAUSAL, layout=Layout.BHSD)
+    g.output(out=g.attention(q, k, v, mask=MaskKind.CAUSAL, layout=Layout.BHSD), dq=dq, dk=dk, dv=dv)
+    return g
+
+
+def test_symbolic_kernels_take_each_calls_height() -> None:
+    """A kernel of symbolic lengths gets the rules, not one height: every length computes as
+    the reference does, and the static kernel of the same lengths gives the same bits (same
+    strips, same products)."""
+    sym = _causal_graph("B", "S")
+    node = next(node for node in sym.nodes if node.op is rlx.OpKind.ATTENTION_BWD)
+    spec = kernel_spec(node, RuntimeConfig(), CodegenOptions())
+    assert spec.heights is not None and spec.block_q == spec.heights.most_rows()
+    exe = rlx.compile(sym)
+    rng = np.random.default_rng(0)
+    for batch, seq in ((1, 1), (2, 33), (1, 130), (2, 600), (1, 1100)):
+        arrays = {name: rng.standard_normal((batch, 2, seq, 16)).astype(np.float32) for name in ("q", "k", "v", "dy")}
+        got = exe(**arrays)
+        want = rlx.reference.run(sym, **arrays)
+        for name, value in want.items():
+            np.testing.assert_allclose(got[name], value, rtol=2e-4, atol=2e-5, err_msg=f"{name} at S={seq}")
+        fixed = rlx.compile(_causal_graph(batch, seq))(**arrays)
+        for name, value in fixed.items():
+            np.testing.assert_array_equal(got[name], value, err_msg=f"{name} at S={seq}")
