@@ -379,7 +379,7 @@ class DynamicScratch:
             else:
                 strip = spec.block_q * seq_k
             refuse_beyond_blas(what, seq_q, seq_k, strip)
-            most = max(most, spec.scratch_bytes(seq_k))
+            most = max(most, spec.scratch_bytes(seq_k, seq_q))
         return -(-most // 64) * 64
 
     def table(self, sizes: Mapping[str, int]) -> tuple[bytes, int]:

@@ -267,24 +267,25 @@ class AttentionKernelSpec:
         A symbolic batch makes it a size of the call (the item code never needs the batch)."""
         return size_of(self.dims.batch) * (self.dims.heads if self.grads is None else self.dims.kv_heads)
 
-    def strip_floats(self, seq_k: int | None = None) -> int:
+    def strip_floats(self, seq_k: int | None = None, seq_q: int | None = None) -> int:
         """Floats in one scores strip, rounded up to keep every scratch buffer 64-byte aligned
-        (``seq_k``: one call's length, for a spec whose ``Sk`` is symbolic: then the most any
-        call of up to that many keys takes, whose strip height the call decides)."""
+        (``seq_k``, ``seq_q``: a call's lengths, for a spec whose lengths are symbolic: then the
+        most that any call of up to those lengths takes, whose strip height the call decides)."""
         length = self.dims.seq_k if seq_k is None else seq_k
         assert isinstance(length, int), "give the call's Sk"
         if self.heights is not None and not self.is_static:
-            return whole_lines(self.heights.most_floats(length))
+            most = self.heights.most_floats(length)  # a strip has at most Sq rows
+            return whole_lines(most if seq_q is None else min(most, max(seq_q, 1) * length))
         return whole_lines(self.block_q * length)
 
-    def scratch_bytes(self, seq_k: int | None = None) -> int:
+    def scratch_bytes(self, seq_k: int | None = None, seq_q: int | None = None) -> int:
         """Per-thread scratch: the P strip, plus the dP/dS strip when dQ or dK are wanted; the
         forward keeps one reciprocal row sum per strip row instead. A profiling build keeps its
         counters (:mod:`rlx.codegen.kernel_clock`) in the last 64 bytes of the thread's scratch."""
         buffers = 4 * sum(self.buffer_floats().values())
         if self.profile and self.is_static:
             return self._strips_bytes(seq_k) + buffers + COUNTERS_BYTES
-        return self._strips_bytes(seq_k) + buffers
+        return self._strips_bytes(seq_k, seq_q) + buffers
 
     @property
     def strip_layout(self) -> tuple[int, int]:
@@ -295,8 +296,8 @@ class AttentionKernelSpec:
             return 1, whole_lines(self.block_q)
         return (2 if self.needs_dp else 1), 0
 
-    def _strips_bytes(self, seq_k: int | None) -> int:
-        return strips_and_copies_bytes(self, seq_k)
+    def _strips_bytes(self, seq_k: int | None, seq_q: int | None = None) -> int:
+        return strips_and_copies_bytes(self, seq_k, seq_q)
 
 
 def whole_lines(floats: int) -> int:
@@ -355,7 +356,7 @@ class StripScratch(Protocol):
     def needs_dp(self) -> bool: ...
     @property
     def strip_layout(self) -> tuple[int, int]: ...
-    def strip_floats(self, seq_k: int | None = None) -> int: ...
+    def strip_floats(self, seq_k: int | None = None, seq_q: int | None = None) -> int: ...
 
 
 def _copied(spec: StripScratch) -> dict[str, int]:
@@ -365,14 +366,15 @@ def _copied(spec: StripScratch) -> dict[str, int]:
     return {"k": dims.head_dim, "v": dims.value_dim} if spec.needs_dp else {"k": dims.head_dim}
 
 
-def strips_and_copies_bytes(spec: StripScratch, seq_k: int | None = None) -> int:
+def strips_and_copies_bytes(spec: StripScratch, seq_k: int | None = None, seq_q: int | None = None) -> int:
     """Bytes of a thread's scratch: the strips and what follows them (``spec.strip_layout``),
-    then the transposed copies of K (and V) where calls may make them."""
+    then the transposed copies of K (and V) where calls may make them (``seq_k``, ``seq_q``: a
+    call's lengths, for symbolic ones)."""
     length = spec.dims.seq_k if seq_k is None else seq_k
     assert isinstance(length, int), "give the call's Sk"
     strips, tail = spec.strip_layout
     copies = sum(width * packed_ld(length) for width in _copied(spec).values()) if may_pack(spec.dims.seq_q) else 0
-    return (spec.strip_floats(length) * strips + tail + copies) * 4
+    return (spec.strip_floats(length, seq_q) * strips + tail + copies) * 4
 
 
 def transposed_buffers(

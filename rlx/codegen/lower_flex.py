@@ -148,16 +148,17 @@ class FlexKernelSpec:
         d = self.dims
         return size_of(d.batch) * (d.kv_heads if self.backward else d.heads)
 
-    def strip_floats(self, seq_k: int | None = None) -> int:
-        """Floats of one strip (``seq_k``: the call's, when it is symbolic)."""
+    def strip_floats(self, seq_k: int | None = None, seq_q: int | None = None) -> int:
+        """Floats of one strip (``seq_k``: the call's, when it is symbolic; the strips' height is
+        fixed, whatever ``seq_q``)."""
         length = self.dims.seq_k if seq_k is None else seq_k
         assert isinstance(length, int), "give the call's Sk"
         return whole_lines(self.grid.block_q * length)
 
-    def scratch_bytes(self, seq_k: int | None = None) -> int:
+    def scratch_bytes(self, seq_k: int | None = None, seq_q: int | None = None) -> int:
         """The strips, then (forward) one reciprocal row sum per strip row, then the transposed
         copies of K (and V) (``lower_attention.strips_and_copies_bytes``); in a profiling build,
-        the counters of :mod:`rlx.codegen.kernel_clock` last."""
+        the counters of :mod:`rlx.codegen.kernel_clock` last. ``seq_q`` changes nothing."""
         counters = COUNTERS_BYTES if self.profile and self.is_static else 0
         return strips_and_copies_bytes(self, seq_k) + counters
 

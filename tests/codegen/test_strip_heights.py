@@ -100,3 +100,27 @@ def test_symbolic_kernels_take_each_calls_height() -> None:
         fixed = rlx.compile(_causal_graph(batch, seq))(**arrays)
         for name, value in fixed.items():
             np.testing.assert_array_equal(got[name], value, err_msg=f"{name} at S={seq}")
+
+
+def test_a_calls_strips_fit_the_scratch_of_its_bucket() -> None:
+    """The scratch stride is worked out once per bucket of lengths, at the bucket's largest
+    sizes: every call in the bucket takes strips that fit it."""
+    from rlx.codegen.lower import STRIDE_BUCKET
+    from rlx.codegen.lower_attention import whole_lines
+
+    for needs_dp, causal in itertools.product((False, True), (False, True)):
+        graph = _causal_graph("B", "S") if causal else Graph("plain")
+        if not causal:
+            q, k, v, dy = (graph.input(name, ("B", 2, "S", 16)) for name in ("q", "k", "v", "dy"))
+            graph.output(dq=graph.attention_bwd(q, k, v, dy, wrt=Wrt.QUERY, layout=Layout.BHSD))
+        op = rlx.OpKind.ATTENTION_BWD if needs_dp else rlx.OpKind.ATTENTION
+        nodes = [node for node in graph.nodes if node.op is op]
+        if not nodes:
+            continue
+        spec = kernel_spec(nodes[0], RuntimeConfig(), CodegenOptions())
+        assert spec.heights is not None
+        for seq in [*range(1, 300), 511, 512, 513, 1000, 1024, 1025, 2047, 2049, 5000]:
+            bucket = -(-seq // STRIDE_BUCKET) * STRIDE_BUCKET
+            used = whole_lines(spec.heights.rows(seq, seq) * seq)
+            assert used <= spec.strip_floats(bucket, bucket), (needs_dp, causal, seq)
+            assert spec.strip_floats(seq, 1) == whole_lines(seq)  # one query row: one row of scores
