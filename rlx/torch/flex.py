@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import numbers
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ from rlx.ir.graph import Graph
 from rlx.ir.types import Layout, Wrt
 from rlx.torch._autograd import _eager_under_torch_compile, _once_differentiable
 from rlx.torch._capture import _Capture, _capturing
+from rlx.torch._fingerprint import mod_key
 from rlx.torch._layouts import _layout_inputs, _layout_names, _layout_tensors, _strided_layout
 from rlx.torch._tensors import _array, _check_tensor, _tensor
 from rlx.torch.threads import _attention_flops, _threads_for
@@ -130,7 +132,41 @@ def _flex_graph(
 
 _plans: dict[str, tuple[Executable, dict[tuple[bool, bool], Executable]]] = {}
 
+TRACES_KEPT = 32  # flex_attention calls' traces kept for reuse (each holds its captured tensors)
+_traces: OrderedDict[Hashable, _Plan] = OrderedDict()
+
 _plans_lock = threading.Lock()
+
+
+def _traced_plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    score_mod: Callable[..., Any] | None,
+    mask_mod: Callable[..., Any] | None,
+    scale: float | None,
+    layout: str,
+) -> _Plan:
+    """:func:`_plan`, reusing the trace of an earlier call of the same shapes whose mods read the
+    same things (:mod:`rlx.torch._fingerprint`): a training loop traces its mods once. Mods
+    without a key (one reads an object's attribute, say) are traced on every call."""
+    mods = (mod_key(score_mod), mod_key(mask_mod))
+    if mods[0] is None or mods[1] is None:
+        return _plan(q, k, v, score_mod, mask_mod, scale, layout=layout)
+    shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype)
+    key = (mods, shapes, scale, layout)
+    with _plans_lock:
+        found = _traces.get(key)
+        if found is not None:
+            _traces.move_to_end(key)
+    if found is not None:  # the thread cap as this call would get it (rlx.torch.threads)
+        return replace(found, threads=_threads_for(_attention_flops(q, k, v)))
+    plan = _plan(q, k, v, score_mod, mask_mod, scale, layout=layout)
+    with _plans_lock:
+        _traces[key] = plan
+        while len(_traces) > TRACES_KEPT:
+            _traces.popitem(last=False)
+    return plan
 
 
 def _plan_cache(graph: Graph, captured: list[torch.Tensor], threads: int | None, layout: str = "bhsd") -> _Plan:
@@ -276,7 +312,7 @@ def flex_attention(
                 "flex_attention: return_aux asks for max_scores, which rlx does not compute; ask for lse only"
             )
         want_lse = bool(getattr(return_aux, "lse", False))
-    plan = _plan(q, k, v, score_mod, mask_mod, scale, layout=_strided_layout(q, k, v))
+    plan = _traced_plan(q, k, v, score_mod, mask_mod, scale, _strided_layout(q, k, v))
     out, lse = _FlexFunction.apply(plan, q, k, v, *plan.captured)
     if return_aux is not None:
         return out, _aux_output(lse if want_lse else None)
