@@ -121,3 +121,30 @@ def test_without_grad_the_plain_forward_runs() -> None:
     assert not y.requires_grad
     np.testing.assert_allclose(y.numpy(), _torch_mlp(x.detach().double(), w.double()).numpy(), rtol=1e-5)
     assert "training" not in vars(f)  # nothing compiled for a backward that cannot come
+
+
+def test_views_and_free_elementwise_values_are_not_saved() -> None:
+    """The backward views what it reads again (a weight's transpose, a reshape) instead of the
+    forward copying the view out, and recomputes an elementwise value whose operands it has
+    anyway (saved, or inputs) instead of reading a saved copy."""
+    g = Graph("views")
+    x, w1, w2, gate = g.input("x", (6, 8)), g.input("w1", (8, 8)), g.input("w2", (8, 4)), g.input("gate", (6, 8))
+    h = g.tanh(x @ w1)  # saved: tanh's gradient reads it
+    z = h * gate  # h and gate at hand in the backward: recomputed, not saved
+    g.output(y=g.sum(g.reshape(z @ w2, (24,)) ** 2))
+    f = rt.compile(g)
+    torch.manual_seed(0)
+    leaves = [torch.randn(*shape, requires_grad=True) for shape in ((6, 8), (8, 8), (8, 4), (6, 8))]
+    f(x=leaves[0], w1=leaves[1], w2=leaves[2], gate=leaves[3])["y"].backward()
+    doubles = [t.detach().double().requires_grad_(True) for t in leaves]
+    ((torch.tanh(doubles[0] @ doubles[1]) * doubles[3]) @ doubles[2]).reshape(24).pow(2).sum().backward()
+    for mine, theirs in zip(leaves, doubles, strict=True):
+        torch.testing.assert_close(mine.grad, theirs.grad.float(), rtol=1e-4, atol=1e-5)
+    from rlx.torch.graphs import _saved_values
+
+    saved = _saved_values(f.backward_graph, f.cotangent_names.values())  # node ids as in g
+    assert not [value for value in saved if value.node.op.definition.view], saved
+    ids = {value.node.id for value in saved}
+    assert h.node.id in ids and z.node.id not in ids, saved
+    training = f.training
+    assert training is not None and len(training.saved) == len(saved)
