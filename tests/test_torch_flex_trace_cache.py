@@ -150,3 +150,47 @@ def test_keys_of_what_mods_read() -> None:
     before = key(within)
     state["width"] = 4
     assert before is not None and key(within) != before
+
+
+class _Settings:
+    width = 4
+
+
+LIMIT = 3  # read by a function defined inside a mod
+
+
+def test_attributes_of_the_programs_classes_and_modules_and_nested_functions_stay_current(
+    traces: list[int],
+) -> None:
+    """A class's or a module's attribute may change between calls: such mods have no key (traced
+    every call); a function defined inside a mod reads the mod's globals, which are keyed."""
+    import types
+
+    settings = types.ModuleType("settings")  # a module of the program's own
+    settings.width = 2  # type: ignore[attr-defined]
+
+    def by_module(b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return (q >= kv) & (kv > q - settings.width)  # type: ignore[attr-defined]
+
+    def by_class(b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return (q >= kv) & (kv > q - _Settings.width)
+
+    assert fingerprint.mod_key(by_module) is None and fingerprint.mod_key(by_class) is None
+    for width in (2, 6):
+        settings.width = width  # type: ignore[attr-defined]
+        _Settings.width = width
+        _check(mask_mod=by_module, formula=(None, _window(width)))
+        _check(mask_mod=by_class, formula=(None, _window(width)))
+
+    def nested(b: Any, h: Any, q: Any, kv: Any) -> Any:
+        def near(distance: Any) -> Any:
+            return distance < LIMIT
+
+        return (q >= kv) & near(q - kv)
+
+    global LIMIT
+    before = len(traces)
+    for limit in (3, 5, 3):
+        LIMIT = limit
+        _check(mask_mod=nested, formula=(None, _window(limit)))
+    assert len(traces) - before == 2

@@ -11,9 +11,10 @@ What "the same" means follows what a trace keeps: numbers, strings and 0-dim ten
 constants of the graph, so they match by value; a tensor indexed by the symbols becomes a
 graph input read at call time, so it matches by identity (and shape and dtype), and writing
 into it in place is seen by the next call, as it would be by a new trace; a NumPy array
-becomes a constant, so it matches by its bytes. Anything else a mod reads (an object's
-attribute, a bound method's instance, a container too large to compare) has no key: such a
-call traces again, as every call did before.
+becomes a constant, so it matches by its bytes; rlx's, torch's and the standard math modules
+and their functions match by name. Anything else a mod reads (an object's attribute, a bound
+method's instance, a module or class of the program's own, whose attributes may change, a
+container too large to compare) has no key: such a call traces again, as every call did before.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ _DEPTH = 6  # functions calling functions: deeper than this, no key
 _MAX_ITEMS = 64  # a container of more items has no key
 _MAX_ARRAY_BYTES = 1 << 20  # nor an array of more bytes (comparing it would cost what a trace does)
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
+_LIBRARIES = ("rlx", "torch", "math", "numpy", "operator", "functools", "builtins")
 _BUILTINS = (
     types.BuiltinFunctionType,
     types.MethodDescriptorType,
@@ -38,6 +40,22 @@ _BUILTINS = (
     types.MethodWrapperType,
     types.ClassMethodDescriptorType,
 )
+
+
+class _Same:
+    """An object in a key, compared by identity and kept alive by the key (so that no other
+    object takes its id while the key is kept)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.value is self.value
+
+    def __hash__(self) -> int:
+        return id(self.value)
 
 
 class _NoKey(Exception):
@@ -58,15 +76,19 @@ def _key(value: Any, depth: int, seen: set[int]) -> Hashable:
     if isinstance(value, torch.Tensor):
         if value.ndim == 0:  # read by .item() while tracing: a constant of the graph
             return ("scalar tensor", value.dtype, value.item())
-        return ("tensor", id(value), tuple(value.shape), value.dtype)
+        return ("tensor", _Same(value), tuple(value.shape), value.dtype)
     if isinstance(value, np.ndarray):
         if value.dtype == object or value.nbytes > _MAX_ARRAY_BYTES:
             raise _NoKey
         return ("array", value.shape, value.dtype.str, value.tobytes())
-    if isinstance(value, types.ModuleType):
+    if isinstance(value, types.ModuleType):  # a library's attributes are its own; a user module's may change
+        if not _library_name(value.__name__):
+            raise _NoKey
         return ("module", value.__name__)
-    if isinstance(value, type):
-        return ("type", id(value))
+    if isinstance(value, type):  # likewise a class's attributes
+        if not _library_name(value.__module__):
+            raise _NoKey
+        return ("type", value.__module__, value.__qualname__)
     if isinstance(value, _BUILTINS):  # C functions and methods: fixed objects, unless bound to an instance
         bound = getattr(value, "__self__", None)
         if bound is not None and not isinstance(bound, (types.ModuleType, type)):
@@ -107,7 +129,7 @@ def _function_key(fn: types.FunctionType, depth: int, seen: set[int]) -> Hashabl
         except ValueError:  # an empty cell (a variable not yet assigned)
             cells.append(("empty",))
     names = []
-    for name in code.co_names:  # global names (and attribute names, harmlessly) the code reads
+    for name in _names(code):  # global names (and attribute names, harmlessly) the code reads
         if name in fn.__globals__:
             names.append((name, _key(fn.__globals__[name], depth - 1, seen)))
     defaults = _key(fn.__defaults__ or (), depth - 1, seen)
@@ -115,14 +137,28 @@ def _function_key(fn: types.FunctionType, depth: int, seen: set[int]) -> Hashabl
     return ("function", code, tuple(cells), tuple(names), defaults, keyword_defaults)
 
 
+def _names(code: types.CodeType) -> list[str]:
+    """The names ``code`` reads, with those of the functions and comprehensions defined inside it
+    (their code objects are constants of ``code``; their globals are the same)."""
+    names = list(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            names += _names(constant)
+    return names
+
+
+def _library_name(module: str | None) -> bool:
+    """Whether ``module`` is part of a library whose functions and attributes stay as imported."""
+    return (module or "").split(".")[0] in _LIBRARIES
+
+
 def _is_library(fn: types.FunctionType) -> bool:
     """A function rlx or torch defines in a module, under its own name there (``rlx.mods.tanh``):
     the library's code and globals. Not what their factories return (``rlx.mods.softcap(30.0)``
     is keyed by its cells like any closure)."""
-    module = fn.__module__ or ""
-    if module.split(".")[0] not in ("rlx", "torch"):
+    if not _library_name(fn.__module__):
         return False
-    return getattr(sys.modules.get(module), fn.__name__, None) is fn
+    return getattr(sys.modules.get(fn.__module__), fn.__name__, None) is fn
 
 
 def _is_torch_callable(value: object) -> bool:
