@@ -9,6 +9,8 @@ import itertools
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from llvmlite import ir
 
 import rlx
@@ -124,3 +126,51 @@ def test_a_calls_strips_fit_the_scratch_of_its_bucket() -> None:
             used = whole_lines(spec.heights.rows(seq, seq) * seq)
             assert used <= spec.strip_floats(bucket, bucket), (needs_dp, causal, seq)
             assert spec.strip_floats(seq, 1) == whole_lines(seq)  # one query row: one row of scores
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    layout=st.sampled_from([Layout.BSHD, Layout.BHSD]),
+    mask=st.sampled_from([MaskKind.NONE, MaskKind.CAUSAL, MaskKind.sliding_window(5), MaskKind.CUSTOM]),
+    kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2]),
+    dims=st.sampled_from([(8, 8), (16, 8), (8, 24)]),
+    lengths=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 300)), min_size=2, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_symbolic_attention_matches_the_reference_at_every_length(
+    layout: Layout, mask: MaskKind, kv_heads: int, group: int, dims: tuple[int, int],
+    lengths: list[tuple[int, int]], seed: int,
+) -> None:  # fmt: skip
+    """One compile of symbolic lengths, forward and fused backward, at random lengths: each call's
+    strip height, scratch and strips against the float64 reference."""
+    heads, (dim, value_dim) = kv_heads * group, dims
+    causal_like = mask in (MaskKind.CAUSAL, MaskKind.sliding_window(5))
+
+    def shape(seq: str, count: int, width: int) -> tuple[int | str, ...]:
+        return ("B", seq, count, width) if layout is Layout.BSHD else ("B", count, seq, width)
+
+    g = Graph("symbolic_attention")
+    sq = "S" if causal_like else "Sq"
+    q, dy = g.input("q", shape(sq, heads, dim)), g.input("dy", shape(sq, heads, value_dim))
+    k = g.input("k", shape("Sk" if sq == "Sq" else "S", kv_heads, dim))
+    v = g.input("v", shape("Sk" if sq == "Sq" else "S", kv_heads, value_dim))
+    pad = g.input("pad", ("B", "Sk" if sq == "Sq" else "S")) if mask == MaskKind.CUSTOM else None
+    out = g.attention(q, k, v, mask=mask, mask_input=pad, layout=layout)
+    dq, dk, dv = g.attention_bwd(q, k, v, dy, wrt=Wrt.ALL, mask=mask, mask_input=pad, layout=layout)
+    g.output(out=out, dq=dq, dk=dk, dv=dv)
+    exe = rlx.compile(g)
+    rng = np.random.default_rng(seed)
+    for seq_q, seq_k in lengths:
+        seq_k = seq_q if causal_like else seq_k
+        sizes = {"B": 2, "S": seq_q, "Sq": seq_q, "Sk": seq_k}
+        arrays = {}
+        for name, value in g.inputs.items():
+            concrete = tuple(sizes.get(d, d) for d in value.shape)
+            data = rng.standard_normal(concrete).astype(np.float32)
+            arrays[name] = (data > -0.5).astype(np.float32) if name == "pad" else data
+        want = rlx.reference.run(g, **arrays)
+        got = exe(**arrays)
+        for name, value in want.items():
+            np.testing.assert_allclose(got[name], value, rtol=3e-4, atol=3e-5, err_msg=f"{name} at {sizes}")
+    assert exe.compile_count == 1
