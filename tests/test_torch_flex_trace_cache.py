@@ -194,3 +194,25 @@ def test_attributes_of_the_programs_classes_and_modules_and_nested_functions_sta
         LIMIT = limit
         _check(mask_mod=nested, formula=(None, _window(limit)))
     assert len(traces) - before == 2
+
+
+def test_kept_traces_keep_no_tensor_alive(traces: list[int]) -> None:
+    """A mod indexing a new tensor on every call (a bias computed per step): the kept traces hold
+    them weakly, so their memory goes when the caller drops them, and a later tensor that takes
+    a dead one's id matches nothing."""
+    import gc
+    import weakref
+
+    def biased(bias: Any) -> Callable[..., Any]:
+        return lambda score, b, h, q, kv: score + bias[b, h, q, kv]
+
+    refs = []
+    for _ in range(5):
+        bias = torch.randn(B, H, S, S)
+        refs.append(weakref.ref(bias))
+        with torch.no_grad():
+            _check(score_mod=biased(bias))
+        del bias
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+    assert len(traces) == 5

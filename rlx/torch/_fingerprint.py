@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import sys
 import types
+import weakref
 from collections.abc import Hashable
 from typing import Any
 
@@ -43,19 +44,24 @@ _BUILTINS = (
 
 
 class _Same:
-    """An object in a key, compared by identity and kept alive by the key (so that no other
-    object takes its id while the key is kept)."""
+    """A tensor in a key, compared by identity through a weak reference: a kept key does not
+    keep the tensor's memory alive, and once the tensor is gone the key matches nothing (not
+    another tensor that took its id)."""
 
-    __slots__ = ("value",)
+    __slots__ = ("hash", "ref")
 
-    def __init__(self, value: object) -> None:
-        self.value = value
+    def __init__(self, value: torch.Tensor) -> None:
+        self.ref = weakref.ref(value)
+        self.hash = id(value)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Same) and other.value is self.value
+        if not isinstance(other, _Same):
+            return False
+        mine = self.ref()
+        return mine is not None and mine is other.ref()
 
     def __hash__(self) -> int:
-        return id(self.value)
+        return self.hash
 
 
 class _NoKey(Exception):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numbers
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
@@ -132,8 +133,8 @@ def _flex_graph(
 
 _plans: dict[str, tuple[Executable, dict[tuple[bool, bool], Executable]]] = {}
 
-TRACES_KEPT = 32  # flex_attention calls' traces kept for reuse (each holds its captured tensors)
-_traces: OrderedDict[Hashable, _Plan] = OrderedDict()
+TRACES_KEPT = 32  # flex_attention calls' traces kept for reuse
+_traces: OrderedDict[Hashable, tuple[_Plan, list[weakref.ref[torch.Tensor]]]] = OrderedDict()
 
 _plans_lock = threading.Lock()
 
@@ -159,11 +160,17 @@ def _traced_plan(
         found = _traces.get(key)
         if found is not None:
             _traces.move_to_end(key)
-    if found is not None:  # the thread cap as this call would get it (rlx.torch.threads)
-        return replace(found, threads=_threads_for(_attention_flops(q, k, v)))
+    if found is not None:
+        plan, refs = found
+        captured = [tensor for tensor in (ref() for ref in refs) if tensor is not None]
+        if len(captured) == len(refs):  # all alive; the thread cap as this call gets it
+            return replace(plan, captured=captured, threads=_threads_for(_attention_flops(q, k, v)))
     plan = _plan(q, k, v, score_mod, mask_mod, scale, layout=layout)
+    # Kept without its captured tensors (weak references): a kept trace never keeps a tensor's
+    # memory alive, so a mod indexing a new large tensor every call costs no memory.
+    kept = (replace(plan, captured=[]), [weakref.ref(tensor) for tensor in plan.captured])
     with _plans_lock:
-        _traces[key] = plan
+        _traces[key] = kept
         while len(_traces) > TRACES_KEPT:
             _traces.popitem(last=False)
     return plan
