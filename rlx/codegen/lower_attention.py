@@ -35,8 +35,10 @@ first be read. Over BSHD heads, each strip's rows of Q (and dY) are read from a 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
@@ -188,6 +190,10 @@ class AttentionKernelSpec:
     stream: bool = False  # stage outputs in scratch, stream them out (AttentionLowering._stream_out)
     strides: tuple[OperandStrides, ...] = ()  # operands read through strided views
     heights: StripHeights | None = None  # symbolic lengths: each call's strip height (block_q the tallest)
+    # Symbolic lengths with ``stream``: each call streams when its operands and outputs (shapes
+    # and item sizes) exceed ``stream_above`` bytes (AttentionLowering._decide_streaming).
+    stream_when: tuple[tuple[tuple[Dim, ...], int], ...] = ()
+    stream_above: int = 0
 
     @property
     def is_static(self) -> bool:
@@ -215,9 +221,10 @@ class AttentionKernelSpec:
         return self.staged_floats() | dense
 
     def buffer_offsets(self) -> dict[str, int]:
-        """Where each of :meth:`buffer_floats` starts in a thread's scratch (floats)."""
+        """Where each of :meth:`buffer_floats` starts in a thread's scratch (floats; with symbolic
+        lengths, from the end of the strips and copies, which each call places)."""
         buffers = self.buffer_floats()
-        offset = self._strips_bytes(None) // 4 if buffers else 0
+        offset = self._strips_bytes(None) // 4 if buffers and self.is_static else 0
         offsets = {}
         for slot, floats in buffers.items():
             offsets[slot] = offset
@@ -227,10 +234,9 @@ class AttentionKernelSpec:
     def staged_floats(self) -> dict[str, int]:
         """Per output a streaming kernel stages, its floats in the thread's scratch: a strip of
         ``out`` (forward) or of dQ, and dK and dV whole when they fit (:data:`STAGE_KV_MAX_FLOATS`)."""
-        if not self.stream or not self.is_static:
+        if not self.stream:
             return {}
         dims = self.dims
-        assert isinstance(dims.seq_k, int)
         if self.grads is None:
             return {"out": whole_lines(self.block_q * dims.value_dim)}
         staged = {}
@@ -240,9 +246,18 @@ class AttentionKernelSpec:
             "dk": dims.head_dim if self.grads & Wrt.KEY else 0,
             "dv": dims.value_dim if self.grads & Wrt.VALUE else 0,
         }
-        if 0 < dims.seq_k * sum(widths.values()) <= STAGE_KV_MAX_FLOATS:
-            staged |= {slot: whole_lines(dims.seq_k * width) for slot, width in widths.items() if width}
+        total = sum(widths.values())
+        if not isinstance(dims.seq_k, int):  # room for the Sk of any call that stages (stages_kv)
+            staged |= {slot: whole_lines(STAGE_KV_MAX_FLOATS * w // total) for slot, w in widths.items() if w}
+        elif 0 < dims.seq_k * total <= STAGE_KV_MAX_FLOATS:
+            staged |= {slot: whole_lines(dims.seq_k * w) for slot, w in widths.items() if w}
         return staged
+
+    @property
+    def kv_widths(self) -> int:
+        """Floats a key row of dK and dV together take (those the node computes)."""
+        grads = self.grads or Wrt(0)
+        return (self.dims.head_dim if grads & Wrt.KEY else 0) + (self.dims.value_dim if grads & Wrt.VALUE else 0)
 
     @property
     def scale(self) -> float:
@@ -474,11 +489,30 @@ class AttentionLowering:
         symbols = load_symbols(b, sizes, self.spec.symbols) if sizes is not None else {}
         self.sq = emit_size(b, self.spec.dims.seq_q, symbols)
         self.sk = emit_size(b, self.spec.dims.seq_k, symbols)
+        self._decide_streaming(b, symbols)
         heights = self.spec.heights
         if heights is not None and not self.spec.is_static:  # this call's strip height
             self.block_q: ir.Value = heights.emit_rows(b, self.sq, self.sk)
         else:
             self.block_q = i64(self.spec.block_q)
+
+    def _decide_streaming(self, b: ir.IRBuilder, symbols: dict[str, ir.Value]) -> None:
+        """``self.per_call``: whether this kernel decides per call to stream its outputs (symbolic
+        lengths), and then ``self.streaming`` (this call's operands and outputs exceed the L2
+        caches) and ``self.stages_kv`` (it also stages dK and dV whole: they fit)."""
+        spec = self.spec
+        self.per_call = spec.stream and not spec.is_static
+        if not self.per_call:
+            return
+        total: ir.Value = i64(0)
+        for shape, itemsize in spec.stream_when:
+            count: ir.Value = i64(itemsize)
+            for dim in shape:
+                count = b.mul(count, emit_size(b, dim, symbols))
+            total = b.add(total, count)
+        self.streaming = b.icmp_signed(">", total, i64(spec.stream_above), name="streaming")
+        fits = b.icmp_signed("<=", b.mul(self.sk, i64(spec.kv_widths)), i64(STAGE_KV_MAX_FLOATS))
+        self.stages_kv = b.and_(self.streaming, fits, name="stages.kv")
 
     def _strip_floats(self, b: ir.IRBuilder) -> ir.Value:
         """Floats in one strip for this call: :meth:`AttentionKernelSpec.strip_floats`, or with
@@ -522,7 +556,10 @@ class AttentionLowering:
             with for_range(b, 0, dims.group, "member") as member:
                 head = b.add(b.mul(group, i64(dims.group)), member, name="h")
                 heads = self._head_pointers(b, base, batch, head, group)
-                heads |= {slot: self.staged[slot] for slot in ("dk", "dv") if slot in self.staged}
+                for slot in ("dk", "dv"):
+                    if slot in self.staged:
+                        staged = self.staged[slot]
+                        heads[slot] = b.select(self.stages_kv, staged, heads[slot]) if self.per_call else staged
                 first = b.icmp_signed("==", member, i64(0), name="first.member")
                 self._strips(b, heads, packed, base, batch, head, strip_s, strip_dp, first)
             self._stream_out(b, kv_heads)
@@ -535,13 +572,30 @@ class AttentionLowering:
     def _buffers(self, b: ir.IRBuilder, scratch: ir.Value) -> None:
         """Point :attr:`staged` and :attr:`dense` at the buffers of
         :meth:`AttentionKernelSpec.buffer_floats` in this thread's scratch."""
-        buffers = {slot: gep_f32(b, scratch, i64(offset)) for slot, offset in self.spec.buffer_offsets().items()}
+        base = scratch if self.spec.is_static else gep_f32(b, scratch, self._strips_and_copies_floats(b))
+        buffers = {slot: gep_f32(b, base, i64(offset)) for slot, offset in self.spec.buffer_offsets().items()}
         self.staged = {slot: ptr for slot, ptr in buffers.items() if not slot.endswith(".rows")}
         self.dense = {slot.removesuffix(".rows"): ptr for slot, ptr in buffers.items() if slot.endswith(".rows")}
 
-    def _out_ld(self, slot: str) -> int:
-        """Elements between rows of an output where the kernel writes it: staged rows are dense."""
-        return self._geometry(slot)[2] if slot in self.staged else self._ld(slot)
+    def _strips_and_copies_floats(self, b: ir.IRBuilder) -> ir.Value:
+        """Floats of a thread's scratch before the buffers, for this call's lengths
+        (``strips_and_copies_bytes``, which sized it, in native code)."""
+        strips, tail = self.spec.strip_layout
+        floats = b.add(b.mul(self._strip_floats(b), i64(strips)), i64(tail))
+        if may_pack(self.spec.dims.seq_q):
+            for width in _copied(self.spec).values():
+                floats = b.add(floats, b.mul(emit_packed_ld(b, self.sk), i64(width)))
+        return floats
+
+    def _out_ld(self, b: ir.IRBuilder, slot: str) -> int | ir.Value:
+        """Elements between rows of an output where the kernel writes it: staged rows are dense
+        (with symbolic lengths, dK and dV where this call stages them)."""
+        if slot not in self.staged:
+            return self._ld(slot)
+        width = self._geometry(slot)[2]
+        if self.per_call:
+            return b.select(self.stages_kv, i64(width), i64(self._ld(slot)), name=f"{slot}.ld")
+        return width
 
     def _stream_out(self, b: ir.IRBuilder, kv_heads: dict[str, ir.Value]) -> None:
         """Copy the item's staged dK and dV to their heads (``out`` and dQ went out strip by
@@ -557,9 +611,11 @@ class AttentionLowering:
         for slot in ("dk", "dv"):
             if slot in self.staged:
                 _, _, width = self._geometry(slot)
-                stream_rows(b, self.staged[slot], width, kv_heads[slot], self._ld(slot), self.sk, width)
+                with b.if_then(self.stages_kv) if self.per_call else contextlib.nullcontext():
+                    stream_rows(b, self.staged[slot], width, kv_heads[slot], self._ld(slot), self.sk, width)
         if self.staged:  # the streamed stores are weakly ordered: done before the next kernel reads
-            b.call(intrinsic(self.module, "llvm.x86.sse.sfence", VOID, []), [])
+            with b.if_then(self.streaming) if self.per_call else contextlib.nullcontext():
+                b.call(intrinsic(self.module, "llvm.x86.sse.sfence", VOID, []), [])
 
     # ------------------------------------------------------------------ packing
 
@@ -679,7 +735,7 @@ class AttentionLowering:
 
     def _zero_rows(self, b: ir.IRBuilder, head: ir.Value, rows: ir.Value, slot: str) -> None:
         """Zero ``rows`` rows of a head from ``head`` on (rows no strip's keys reach get no write)."""
-        zero_rows(b, self.memset, head, rows, self._out_ld(slot), self._geometry(slot)[2])
+        zero_rows(b, self.memset, head, rows, self._out_ld(b, slot), self._geometry(slot)[2])
 
     # ------------------------------------------------------------------ masks
 
@@ -981,12 +1037,16 @@ class AttentionLowering:
         v_vis = gep_f32(b, heads["v"], b.mul(ks, i64(ldv)), name="v.vis")
         out = gep_f32(b, heads["out"], b.mul(i0, i64(ldo)), name="out.strip")
         staged = self.staged.get("out")
-        if staged is None:
+
+        def in_place() -> None:
             self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(dv), nk, 1.0, p, nk, v_vis, ldv, 0.0, out, ldo)
             scale_rows(b, out, rows, ldo, dv, inverse)
-        else:  # fenced at the end of the item (_stream_out)
+
+        def streamed(staged: ir.Value) -> None:  # fenced at the end of the item (_stream_out)
             self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(dv), nk, 1.0, p, nk, v_vis, ldv, 0.0, staged, dv)
             stream_rows(b, staged, dv, out, ldo, rows, dv, inverse)
+
+        self._either(b, staged, in_place, streamed)
 
     def _backward_gemms(
         self,
@@ -1018,11 +1078,12 @@ class AttentionLowering:
             for slot in ("dk", "dv"):
                 if slot in heads:
                     self._zero_rows(b, heads[slot], ks, slot)
-                    after = gep_f32(b, heads[slot], b.mul(keys_end, i64(self._out_ld(slot))), name=f"{slot}.after")
+                    ld = self._out_ld(b, slot)
+                    after = gep_f32(b, heads[slot], b.mul(keys_end, i64(ld) if isinstance(ld, int) else ld))
                     self._zero_rows(b, after, b.sub(self.sk, keys_end), slot)
         if grads & Wrt.VALUE:  # dV_vis += P^T dY_strip
-            ld_dv = self._out_ld("dv")
-            dv = gep_f32(b, heads["dv"], b.mul(ks, i64(ld_dv)), name="dv.vis")
+            ld_dv = self._out_ld(b, "dv")
+            dv = gep_f32(b, heads["dv"], b.mul(ks, i64(ld_dv) if isinstance(ld_dv, int) else ld_dv), name="dv.vis")
             self._sgemm(b, TRANS, NO_TRANS, nk, i64(dv_width), rows, 1.0, p, nk, dy_strip, ldo, accumulate, dv, ld_dv)
         if dp is None:
             return
@@ -1035,15 +1096,39 @@ class AttentionLowering:
         if grads & Wrt.QUERY:  # dQ_strip = scale · dS K_vis
             ld_dq = self._ld("dq")
             dq = gep_f32(b, heads["dq"], b.mul(i0, i64(ld_dq)), name="dq.strip")
-            staged = self.staged.get("dq")
-            target, ld_target = (dq, ld_dq) if staged is None else (staged, d)
-            self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(d), nk, spec.scale, dp, nk, k_vis, ldk, 0.0, target, ld_target)
-            if staged is not None:  # fenced with dK/dV at the end of the item (_stream_out)
+
+            def in_place() -> None:
+                self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(d), nk, spec.scale, dp, nk, k_vis, ldk, 0.0, dq, ld_dq)
+
+            def streamed(staged: ir.Value) -> None:  # fenced with dK/dV at the end of the item (_stream_out)
+                self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(d), nk, spec.scale, dp, nk, k_vis, ldk, 0.0, staged, d)
                 stream_rows(b, staged, d, dq, ld_dq, rows, d)
+
+            self._either(b, self.staged.get("dq"), in_place, streamed)
         if grads & Wrt.KEY:  # dK_vis += scale · dS^T Q_strip
-            ld_dk = self._out_ld("dk")
-            dk = gep_f32(b, heads["dk"], b.mul(ks, i64(ld_dk)), name="dk.vis")
+            ld_dk = self._out_ld(b, "dk")
+            dk = gep_f32(b, heads["dk"], b.mul(ks, i64(ld_dk) if isinstance(ld_dk, int) else ld_dk), name="dk.vis")
             self._sgemm(b, TRANS, NO_TRANS, nk, i64(d), rows, spec.scale, dp, nk, q_strip, ldq, accumulate, dk, ld_dk)
+
+    def _either(
+        self,
+        b: ir.IRBuilder,
+        staged: ir.Value | None,
+        in_place: Callable[[], None],
+        streamed: Callable[[ir.Value], None],
+    ) -> None:
+        """Write a strip's output in place, or through its staging buffer (``staged``): as the
+        spec decided, or with symbolic lengths as this call decides (``self.streaming``)."""
+        if staged is None:
+            in_place()
+        elif not self.per_call:
+            streamed(staged)
+        else:
+            with b.if_else(self.streaming) as (stream, direct):
+                with stream:
+                    streamed(staged)
+                with direct:
+                    in_place()
 
     def _product_with_transposed(
         self,
@@ -1187,9 +1272,14 @@ def _stream_rows_function(module: ir.Module) -> ir.Function:
 
 
 def zero_rows(
-    b: ir.IRBuilder, memset: ir.Function, base: ir.Value, rows: int | ir.Value, stride: int, width: int
+    b: ir.IRBuilder, memset: ir.Function, base: ir.Value, rows: int | ir.Value, stride: int | ir.Value, width: int
 ) -> None:
     """``base[r*stride : r*stride + width] = 0`` for ``r < rows``: one memset when rows are contiguous."""
+    if isinstance(stride, ir.Value):  # known per call
+        with for_range(b, 0, rows, "zero") as row:
+            ptr = gep_f32(b, base, b.mul(row, stride))
+            b.call(memset, [ptr, ir.Constant(I8, 0), i64(width * 4), ir.Constant(I1, 0)])
+        return
     if stride == width:
         nbytes = i64(rows * width * 4) if isinstance(rows, int) else b.mul(rows, i64(width * 4))
         b.call(memset, [base, ir.Constant(I8, 0), nbytes, ir.Constant(I1, 0)])

@@ -175,3 +175,77 @@ def test_a_forward_with_dense_query_rows_is_the_in_place_one(monkeypatch: pytest
     assert "q.dense" in dense.llvm_ir and "q.dense" not in in_place.llvm_ir
     np.testing.assert_array_equal(got, in_place(**arrays)["out"])
     np.testing.assert_allclose(got, rlx.reference.run(g, **arrays)["out"], rtol=2e-5, atol=2e-5)
+
+
+def build_symbolic(mask: MaskKind, layout: Layout, h: int, hkv: int, d: int, dv: int, wrt: Wrt) -> Graph:
+    """:func:`build` with a symbolic batch and lengths: one kernel for every call's sizes."""
+    g = Graph("streamed_symbolic")
+    q = g.input("q", layout.join("B", "Sq", h, d))
+    k = g.input("k", layout.join("B", "Sk", hkv, d))
+    v = g.input("v", layout.join("B", "Sk", hkv, dv))
+    dy = g.input("dy", layout.join("B", "Sq", h, dv))
+    mask_input = None
+    if mask == MaskKind.CUSTOM:
+        mask_input = g.input("pad", ("B", "Sk"))
+    elif mask == MaskKind.BIAS:
+        mask_input = g.input("bias", ("B", h, "Sq", "Sk"))
+    grads = g.attention_bwd(q, k, v, dy, wrt=wrt, mask=mask, layout=layout, mask_input=mask_input)
+    grads = grads if isinstance(grads, tuple) else (grads,)
+    outputs = {f"d{flag}": grad for flag, grad in zip(wrt.members, grads, strict=True)}
+    g.output(out=g.attention(q, k, v, mask=mask, layout=layout, mask_input=mask_input), **outputs)
+    return g
+
+
+def symbolic_arrays(g: Graph, sizes: dict[str, int], seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    arrays = {}
+    for name, x in g.inputs.items():
+        arrays[name] = rng.standard_normal(tuple(sizes.get(dim, dim) for dim in x.shape)).astype(np.float32)
+    if "pad" in arrays:
+        arrays["pad"] = (rng.random(arrays["pad"].shape) > 0.3).astype(np.float32)
+        arrays["pad"][:, 0] = 1.0
+    return arrays
+
+
+@pytest.mark.skipif(not X86, reason="streaming stores are emitted for x86 hosts only")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-sq{c[3]}-sk{c[4]}-h{c[5]}/{c[6]}-d{c[7]}/{c[8]}")
+def test_symbolic_kernels_stream_per_call_as_static_ones_do(case: tuple) -> None:
+    """Kernels of symbolic lengths decide per call whether to stream (and whether dK and dV fit
+    their staging buffers): forced on, every call streams, bit-identical to in place and close to
+    the reference, at the case's sizes and at other ones (dK/dV staged at some, not at others)."""
+    mask, layout, b, sq, sk, h, hkv, d, dv, wrt, _ = case
+    g = build_symbolic(mask, layout, h, hkv, d, dv, wrt)
+    streamed = compile_graph(g, options=CodegenOptions(stream_outputs=True))
+    in_place = compile_graph(g, options=CodegenOptions(stream_outputs=False))
+    default = rlx.compile(g)
+    assert "!nontemporal" in streamed.llvm_ir and "!nontemporal" not in in_place.llvm_ir
+    for sizes in ({"B": b, "Sq": sq, "Sk": sk}, {"B": 1, "Sq": 5, "Sk": 1100}, {"B": 3, "Sq": 1, "Sk": 9}):
+        arrays = symbolic_arrays(g, sizes, seed=sq + sizes["Sk"])
+        got, want = streamed(**arrays), in_place(**arrays)
+        ref = rlx.reference.run(g, **arrays)
+        for name in ref:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"{name} {sizes}")
+            np.testing.assert_allclose(got[name], ref[name], rtol=3e-5, atol=3e-5, err_msg=f"{name} {sizes}")
+            np.testing.assert_array_equal(default(**arrays)[name], want[name], err_msg=f"{name} {sizes}")
+        again = streamed(**arrays)  # into recycled (poisoned) arrays: every row is written again
+        for name in ref:
+            np.testing.assert_array_equal(again[name], got[name], err_msg=f"{name} {sizes}")
+
+
+@pytest.mark.skipif(not X86, reason="streaming stores are emitted for x86 hosts only")
+def test_a_symbolic_call_beyond_the_l2_caches_streams_by_default() -> None:
+    """By default a symbolic kernel streams only the calls whose data exceed the L2 caches: the
+    same kernel serves a small call in place and a large one streamed, each as in place."""
+    from rlx.config import l2_cache_bytes
+
+    g = build_symbolic(MaskKind.CAUSAL, Layout.BSHD, 4, 4, 64, 64, Wrt.ALL)
+    default = rlx.compile(g)
+    in_place = compile_graph(g, options=CodegenOptions(stream_outputs=False))
+    assert "!nontemporal" in default.llvm_ir
+    large = {"B": 2, "Sq": 400, "Sk": 400}
+    assert 9 * large["B"] * large["Sq"] * 4 * 64 * 4 > l2_cache_bytes()  # q, k, v, dy, out, dq, dk, dv
+    for sizes in ({"B": 1, "Sq": 20, "Sk": 20}, large):
+        arrays = symbolic_arrays(g, sizes, seed=sizes["Sq"])
+        got, want = default(**arrays), in_place(**arrays)
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"{name} {sizes}")
