@@ -477,6 +477,16 @@ def test_inference_calls_match_the_general_path_and_record_nothing() -> None:
             rlx.RlxValueError,
             "do not broadcast",
         ),
+        (  # one batch: the key's single head would broadcast, the value's four do not match it
+            lambda q, k, v: rt.scaled_dot_product_attention(q, k[:, :1], v),
+            rlx.RlxValueError,
+            "key and value need the same heads and length",
+        ),
+        (
+            lambda q, k, v: rt.scaled_dot_product_attention(q, k, v[:, :, :5]),
+            rlx.RlxValueError,
+            "key and value need the same heads and length",
+        ),
         (
             lambda q, k, v: rt.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: torch.cos(s)),
             rlx.RlxTypeError,

@@ -270,6 +270,11 @@ def _sdpa(
         raise RlxValueError(
             f"scaled_dot_product_attention: query has {q.shape[1]} heads and key {k.shape[1]}; pass enable_gqa=True"
         )
+    if k.shape[1:3] != v.shape[1:3] or q.shape[3] != k.shape[3]:
+        raise RlxValueError(
+            "scaled_dot_product_attention: key and value need the same heads and length, and query and key the "
+            f"same head dim; got query {tuple(q.shape)}, key {tuple(k.shape)}, value {tuple(v.shape)}"
+        )
     fixed = _fixed_plan(q, k, v, is_causal, scale, _strided_layout(q, k, v)) if attn_mask is None else None
     if fixed is not None:
         return _fixed_forward(fixed, q, k, v)
