@@ -109,7 +109,7 @@ def l2_cache_bytes() -> int:
     """The L2 caches of the cores this process runs on, together (read once from sysfs; 1 MiB a
     core where the kernel does not say). A kernel whose operands and outputs exceed this finds
     its outputs out of cache when it writes them, which is when streaming stores pay
-    (``lower.streams_outputs``)."""
+    (``lower.streaming``)."""
     per_core = 1 << 20
     root = "/sys/devices/system/cpu/cpu0/cache"
     try:

@@ -33,6 +33,11 @@ def i64(value: int) -> ir.Constant:
     return ir.Constant(I64, value)
 
 
+def as_i64(value: int | ir.Value) -> ir.Value:
+    """An i64 size known now (a constant) or one of the call (already a value)."""
+    return i64(value) if isinstance(value, int) else value
+
+
 def f32(value: float) -> ir.Constant:
     return ir.Constant(F32, value)
 
@@ -51,8 +56,7 @@ def for_range(
     builder: ir.IRBuilder, start: ir.Value | int, stop: ir.Value | int, name: str, step: int = 1
 ) -> Iterator[ir.Value]:
     """``for name in range(start, stop, step)`` over i64; the body is emitted inside the ``with``."""
-    start = i64(start) if isinstance(start, int) else start
-    stop = i64(stop) if isinstance(stop, int) else stop
+    start, stop = as_i64(start), as_i64(stop)
     before = builder.block
     cond = builder.append_basic_block(f"{name}.cond")
     body = builder.append_basic_block(f"{name}.body")
@@ -83,7 +87,7 @@ def gep(builder: ir.IRBuilder, base: ir.Value, indices: list[ir.Value], element:
 
 def gep_f32(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value | int, name: str = "") -> ir.Value:
     """``&base[offset]`` for a float buffer (offset in elements)."""
-    return gep(builder, base, [i64(offset) if isinstance(offset, int) else offset], F32, name)
+    return gep(builder, base, [as_i64(offset)], F32, name)
 
 
 def smin(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, name: str = "") -> ir.Value:

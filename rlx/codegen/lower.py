@@ -128,10 +128,9 @@ def kernel_spec(
         block_q,
         symbols,
         options.profile,
-        stream=streams_outputs(node, options.stream_outputs),
         strides=strides,
         heights=None if options.block_q else heights,
-        **per_call_streaming(node, options.stream_outputs),
+        **streaming(node, options.stream_outputs),
     )
     if spec.is_static:
         check_blas_limits(f"node {node.id} ({node.op})", spec)
@@ -155,29 +154,22 @@ def operand_strides(layout: Layout, dims: HeadDims, views: Sequence[View | None]
     return tuple(found)
 
 
-def streams_outputs(node: Node, wanted: bool | None = None) -> bool:
-    """Whether an attention node's kernel stages its outputs and streams them out: on x86 (the
-    stores and their fence), and (``wanted`` None) when the node's operands and outputs
-    together exceed the L2 caches, which for symbolic shapes each call decides
-    (:func:`per_call_streaming`). Then a call's outputs are no longer in cache when the kernel
-    writes them, and writing in place would first read every line back from memory
-    (``AttentionLowering._stream_out``). ``wanted`` True or False decides for tests."""
+def streaming(node: Node, wanted: bool | None = None) -> dict[str, Any]:
+    """The :class:`AttentionKernelSpec` fields that say whether an attention node's kernel stages
+    its outputs and streams them out: on x86 (the stores and their fence), and (``wanted`` None)
+    when the node's operands and outputs together exceed the L2 caches. Then a call's outputs
+    are no longer in cache when the kernel writes them, and writing in place would first read
+    every line back from memory (``AttentionLowering._stream_out``). With symbolic shapes each
+    call decides: ``stream_when`` holds the operands' and outputs' shapes and item sizes, whose
+    bytes it weighs against ``stream_above`` (0 when ``wanted``: always). ``wanted`` True or
+    False decides for tests."""
     if wanted is False or not llvm.get_process_triple().startswith("x86_64"):
-        return False
+        return {"stream": False}
     values = [*node.inputs, *node.outputs]
-    if not all(value.type.is_static for value in values):
-        return True
-    return wanted or sum(value.type.nbytes for value in values) > l2_cache_bytes()
-
-
-def per_call_streaming(node: Node, wanted: bool | None = None) -> dict[str, Any]:
-    """For a kernel of symbolic shapes that may stream: the operands' and outputs' shapes and
-    item sizes, whose bytes a call weighs against ``stream_above`` (0 when ``wanted``: always)."""
-    values = [*node.inputs, *node.outputs]
-    if all(value.type.is_static for value in values) or not streams_outputs(node, wanted):
-        return {}
+    if all(value.type.is_static for value in values):
+        return {"stream": bool(wanted) or sum(value.type.nbytes for value in values) > l2_cache_bytes()}
     when = tuple((tuple(value.shape), value.type.dtype.itemsize) for value in values)
-    return {"stream_when": when, "stream_above": 0 if wanted else l2_cache_bytes()}
+    return {"stream": True, "stream_when": when, "stream_above": 0 if wanted else l2_cache_bytes()}
 
 
 def check_blas_limits(what: str, spec: AttentionKernelSpec) -> None:

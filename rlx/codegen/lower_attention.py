@@ -54,6 +54,7 @@ from rlx.codegen.irutil import (
     PTR,
     VOID,
     alloca_entry,
+    as_i64,
     clamp,
     declare,
     f32,
@@ -157,7 +158,7 @@ def emit_view_head_offset(
         return head_offset(b, layout, batch, head, seq, *slot_heads_and_width(dims, slot))
     between = i64(given.batch)
     if given.batch_per_position:
-        length = i64(seq) if isinstance(seq, int) else seq
+        length = as_i64(seq)
         between = b.add(between, b.mul(length, i64(given.batch_per_position)))
     return b.add(b.mul(batch, between), b.mul(head, i64(given.head)))
 
@@ -242,10 +243,7 @@ class AttentionKernelSpec:
         staged = {}
         if self.grads & Wrt.QUERY:
             staged["dq"] = whole_lines(self.block_q * dims.head_dim)
-        widths = {
-            "dk": dims.head_dim if self.grads & Wrt.KEY else 0,
-            "dv": dims.value_dim if self.grads & Wrt.VALUE else 0,
-        }
+        widths = self.kv_grad_widths()
         total = sum(widths.values())
         if not isinstance(dims.seq_k, int):  # room for the Sk of any call that stages (stages_kv)
             staged |= {slot: whole_lines(STAGE_KV_MAX_FLOATS * w // total) for slot, w in widths.items() if w}
@@ -253,11 +251,13 @@ class AttentionKernelSpec:
             staged |= {slot: whole_lines(dims.seq_k * w) for slot, w in widths.items() if w}
         return staged
 
-    @property
-    def kv_widths(self) -> int:
-        """Floats a key row of dK and dV together take (those the node computes)."""
+    def kv_grad_widths(self) -> dict[str, int]:
+        """Floats a key row of dK and of dV takes, 0 for one the node does not compute."""
         grads = self.grads or Wrt(0)
-        return (self.dims.head_dim if grads & Wrt.KEY else 0) + (self.dims.value_dim if grads & Wrt.VALUE else 0)
+        return {
+            "dk": self.dims.head_dim if grads & Wrt.KEY else 0,
+            "dv": self.dims.value_dim if grads & Wrt.VALUE else 0,
+        }
 
     @property
     def scale(self) -> float:
@@ -444,8 +444,7 @@ def keys_operand(
 def emit_strip_floats(b: ir.IRBuilder, block_q: int | ir.Value, seq_k: ir.Value) -> ir.Value:
     """Floats in one scores strip of ``block_q`` rows and ``seq_k`` keys known per call, rounded
     up to whole cache lines as the specs' ``strip_floats`` round them."""
-    rows = i64(block_q) if isinstance(block_q, int) else block_q
-    return emit_whole_lines(b, b.mul(seq_k, rows), "strip.floats")
+    return emit_whole_lines(b, b.mul(seq_k, as_i64(block_q)), "strip.floats")
 
 
 SizeT: TypeAlias = int | ir.Value  # a size known now, or one of the call
@@ -511,7 +510,8 @@ class AttentionLowering:
                 count = b.mul(count, emit_size(b, dim, symbols))
             total = b.add(total, count)
         self.streaming = b.icmp_signed(">", total, i64(spec.stream_above), name="streaming")
-        fits = b.icmp_signed("<=", b.mul(self.sk, i64(spec.kv_widths)), i64(STAGE_KV_MAX_FLOATS))
+        widths = sum(spec.kv_grad_widths().values())
+        fits = b.icmp_signed("<=", b.mul(self.sk, i64(widths)), i64(STAGE_KV_MAX_FLOATS))
         self.stages_kv = b.and_(self.streaming, fits, name="stages.kv")
 
     def _strip_floats(self, b: ir.IRBuilder) -> ir.Value:
@@ -1078,12 +1078,11 @@ class AttentionLowering:
             for slot in ("dk", "dv"):
                 if slot in heads:
                     self._zero_rows(b, heads[slot], ks, slot)
-                    ld = self._out_ld(b, slot)
-                    after = gep_f32(b, heads[slot], b.mul(keys_end, i64(ld) if isinstance(ld, int) else ld))
+                    after = gep_f32(b, heads[slot], b.mul(keys_end, as_i64(self._out_ld(b, slot))))
                     self._zero_rows(b, after, b.sub(self.sk, keys_end), slot)
         if grads & Wrt.VALUE:  # dV_vis += P^T dY_strip
             ld_dv = self._out_ld(b, "dv")
-            dv = gep_f32(b, heads["dv"], b.mul(ks, i64(ld_dv) if isinstance(ld_dv, int) else ld_dv), name="dv.vis")
+            dv = gep_f32(b, heads["dv"], b.mul(ks, as_i64(ld_dv)), name="dv.vis")
             self._sgemm(b, TRANS, NO_TRANS, nk, i64(dv_width), rows, 1.0, p, nk, dy_strip, ldo, accumulate, dv, ld_dv)
         if dp is None:
             return
@@ -1107,7 +1106,7 @@ class AttentionLowering:
             self._either(b, self.staged.get("dq"), in_place, streamed)
         if grads & Wrt.KEY:  # dK_vis += scale · dS^T Q_strip
             ld_dk = self._out_ld(b, "dk")
-            dk = gep_f32(b, heads["dk"], b.mul(ks, i64(ld_dk) if isinstance(ld_dk, int) else ld_dk), name="dk.vis")
+            dk = gep_f32(b, heads["dk"], b.mul(ks, as_i64(ld_dk)), name="dk.vis")
             self._sgemm(b, TRANS, NO_TRANS, nk, i64(d), rows, spec.scale, dp, nk, q_strip, ldq, accumulate, dk, ld_dk)
 
     def _either(
@@ -1185,7 +1184,7 @@ def head_offset(
     b: ir.IRBuilder, layout: Layout, batch: ir.Value, head: ir.Value, seq: int | ir.Value, heads: int, width: int
 ) -> ir.Value:
     """Element offset of row 0 of head (batch, head) in a tensor of ``heads`` heads of ``seq`` rows."""
-    seq = i64(seq) if isinstance(seq, int) else seq
+    seq = as_i64(seq)
     if layout is Layout.BSHD:  # ((b*S + s)*H + h)*W
         return b.add(b.mul(batch, b.mul(seq, i64(heads * width))), b.mul(head, i64(width)))
     return b.mul(b.add(b.mul(batch, i64(heads)), head), b.mul(seq, i64(width)))  # ((b*H + h)*S + s)*W
@@ -1274,18 +1273,14 @@ def _stream_rows_function(module: ir.Module) -> ir.Function:
 def zero_rows(
     b: ir.IRBuilder, memset: ir.Function, base: ir.Value, rows: int | ir.Value, stride: int | ir.Value, width: int
 ) -> None:
-    """``base[r*stride : r*stride + width] = 0`` for ``r < rows``: one memset when rows are contiguous."""
-    if isinstance(stride, ir.Value):  # known per call
-        with for_range(b, 0, rows, "zero") as row:
-            ptr = gep_f32(b, base, b.mul(row, stride))
-            b.call(memset, [ptr, ir.Constant(I8, 0), i64(width * 4), ir.Constant(I1, 0)])
-        return
-    if stride == width:
+    """``base[r*stride : r*stride + width] = 0`` for ``r < rows``: one memset when rows are
+    contiguous (a stride known at compile time); ``stride`` may be one of the call."""
+    if isinstance(stride, int) and stride == width:
         nbytes = i64(rows * width * 4) if isinstance(rows, int) else b.mul(rows, i64(width * 4))
         b.call(memset, [base, ir.Constant(I8, 0), nbytes, ir.Constant(I1, 0)])
         return
     with for_range(b, 0, rows, "zero") as row:
-        ptr = gep_f32(b, base, b.mul(row, i64(stride)))
+        ptr = gep_f32(b, base, b.mul(row, as_i64(stride)))
         b.call(memset, [ptr, ir.Constant(I8, 0), i64(width * 4), ir.Constant(I1, 0)])
 
 
@@ -1356,9 +1351,6 @@ def emit_sgemm(
         trans = i32(trans_b) if isinstance(trans_b, int) else trans_b
         args = [i32(ROW_MAJOR), i32(trans_a), trans, as_i32(m), as_i32(n), as_i32(k), f32(alpha), a]
         b.call(sgemm, [*args, as_i32(lda), b_mat, as_i32(ldb), beta_value, c, as_i32(ldc)])
-
-    def as_i64(value: int | ir.Value) -> ir.Value:
-        return i64(value) if isinstance(value, int) else value
 
     def tiles(b: ir.IRBuilder) -> None:
         assert shape is not None

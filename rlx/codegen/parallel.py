@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from llvmlite import ir
 
-from rlx.codegen.irutil import I8, I32, I64, PTR, VOID, alloca_entry, declare, for_range, gep, i32, i64
+from rlx.codegen.irutil import I8, I32, I64, PTR, VOID, alloca_entry, as_i64, declare, for_range, gep, i32, i64
 from rlx.codegen.pool import BARRIER_MEMBERS, BARRIER_WORDS, declare_barrier, declare_pool
 
 # Shared by the members: step arguments, counters, scratch, its stride, barrier, start flag, profile,
@@ -120,7 +120,7 @@ def emit_team(
         args_table,
         counters,
         scratch,
-        i64(stride) if isinstance(stride, int) else stride,
+        as_i64(stride),
         barrier,
         ready,
         profile if profile is not None else ir.Constant(PTR, None),
@@ -217,7 +217,7 @@ def _team_size(b: ir.IRBuilder, steps: list[Step], threads: int) -> tuple[int, i
         return most, i64(most)
     widest: ir.Value = i64(1)
     for count in counts:
-        value = i64(count) if isinstance(count, int) else count
+        value = as_i64(count)
         widest = b.select(b.icmp_signed(">", value, widest), value, widest, name="widest")
     return threads, b.select(b.icmp_signed("<", widest, i64(threads)), widest, i64(threads), name="members.wanted")
 
