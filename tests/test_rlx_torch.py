@@ -354,17 +354,23 @@ def test_contiguous_float32_output_is_not_copied() -> None:
 def test_float32_tensors_go_to_native_code_by_address(monkeypatch: pytest.MonkeyPatch) -> None:
     """The direct path (tensors' memory as it is, out a new tensor the kernel writes) gives what
     the NumPy path gives, and is the one float32 calls take, strided ones after torch copies
-    them contiguous; half precisions take the NumPy path."""
-    from rlx.codegen.executable import Executable
+    them contiguous; half precisions take the NumPy path. A call of shapes seen before runs its
+    plan's runner (``DirectRunner``), the same path."""
+    from rlx.codegen.executable import DirectRunner, Executable
 
     taken: list[bool] = []
-    direct = Executable.run_direct
+    direct, prepared = Executable.run_direct, DirectRunner.__call__
 
     def spy(self: Executable, *args: object, **kwargs: object) -> bool:
         taken.append(direct(self, *args, **kwargs))  # type: ignore[arg-type]
         return taken[-1]
 
+    def spy_prepared(self: DirectRunner, *args: object, **kwargs: object) -> None:
+        prepared(self, *args, **kwargs)  # type: ignore[arg-type]
+        taken.append(True)
+
     monkeypatch.setattr(Executable, "run_direct", spy)
+    monkeypatch.setattr(DirectRunner, "__call__", spy_prepared)
     for sk in (1, 7, 29):
         q, k, v = (t.detach() for t in qkv(sq=1 if sk == 1 else 29, sk=sk, seed=sk))
         strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
@@ -404,6 +410,65 @@ def test_inference_calls_match_the_general_path_and_record_nothing() -> None:
     detached = rt.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), enable_gqa=True, scale=0.3)
     assert torch.equal(inferred, detached) and torch.equal(inferred, recorded.detach())
     assert_close(inferred, want)
+
+
+def test_repeated_inference_calls_check_what_their_shapes_do_not_say() -> None:
+    """An inference call whose heads, head dims and flags an earlier one had reuses its plan and
+    runner; the rest is checked on every call: a call of the same shapes in another dtype,
+    through a transpose, with a gradient to record, with dropout or another scale, and calls of
+    other lengths and batches, or whose shapes disagree, each get what the general path gives."""
+    from rlx.torch import sdpa
+
+    q, k, v = (t.detach() for t in qkv(b=1, h=4, sq=1, sk=33, d=16, seed=5))
+    with torch.no_grad():
+        first = rt.scaled_dot_product_attention(q, k, v)
+        assert (4, 16, 4, 16, False, None, False) in sdpa._inference_runners  # heads, head dims, flags
+        again = rt.scaled_dot_product_attention(q, k, v)
+        assert torch.equal(first, again) and again.data_ptr() != first.data_ptr()
+        assert_close(again, F.scaled_dot_product_attention(q, k, v))
+        q2, k2, v2 = (t.detach() for t in qkv(b=1, h=4, sq=1, sk=33, d=16, seed=6))  # new memory, same shapes
+        assert_close(rt.scaled_dot_product_attention(q2, k2, v2), F.scaled_dot_product_attention(q2, k2, v2))
+        with pytest.raises(rlx.RlxTypeError, match=r"query has dtype torch\.float64"):
+            rt.scaled_dot_product_attention(q.double(), k.double(), v.double())
+        halves = rt.scaled_dot_product_attention(q.half(), k.half(), v.half())
+        assert halves.dtype == torch.float16
+        assert_close(halves.float(), F.scaled_dot_product_attention(q.half(), k.half(), v.half()).float(), tol=2e-3)
+        # the same shapes through a strided view of other memory
+        k_strided = torch.randn(1, 33, 4, 16).transpose(1, 2)
+        assert k_strided.shape == k.shape and not k_strided.is_contiguous()
+        assert_close(rt.scaled_dot_product_attention(q, k_strided, v), F.scaled_dot_product_attention(q, k_strided, v))
+        scaled = rt.scaled_dot_product_attention(q, k, v, scale=0.5)
+        assert_close(scaled, F.scaled_dot_product_attention(q, k, v, scale=0.5))
+        with pytest.raises(rlx.RlxValueError, match="no dropout"):
+            rt.scaled_dot_product_attention(q, k, v, dropout_p=0.25)
+        with pytest.raises(rlx.RlxTypeError, match=r"key has dtype torch\.float64"):
+            rt.scaled_dot_product_attention(q, k.double(), v)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    recorded = rt.scaled_dot_product_attention(*leaves)
+    assert recorded.grad_fn is not None
+    recorded.sum().backward()
+    assert all(leaf.grad is not None for leaf in leaves)
+    with torch.no_grad():
+        for batch, seq_q, seq_k in ((1, 1, 35), (3, 1, 2), (2, 5, 9), (1, 1, 1)):
+            other = [t.detach() for t in qkv(b=batch, h=4, sq=seq_q, sk=seq_k, d=16, seed=seq_k)]
+            assert_close(rt.scaled_dot_product_attention(*other), F.scaled_dot_product_attention(*other))
+        causal = [t.detach() for t in qkv(b=1, h=4, sq=6, sk=6, d=16, seed=9)]
+        assert_close(
+            rt.scaled_dot_product_attention(*causal, is_causal=True),
+            F.scaled_dot_product_attention(*causal, is_causal=True),
+        )
+        # Sq != Sk with is_causal: not the fixed kernels' mask (top-left), the programmable path
+        short = [causal[0][:, :, :2], causal[1], causal[2]]
+        assert_close(
+            rt.scaled_dot_product_attention(*short, is_causal=True),
+            F.scaled_dot_product_attention(*short, is_causal=True),
+        )
+        with pytest.raises(rlx.RlxError):  # key and value of different lengths: the general path's error
+            rt.scaled_dot_product_attention(q, k, v[:, :, :5])
+        two = torch.cat([q, q])  # batch 2 against 1: broadcast, as torch does, on the general path
+        assert_close(rt.scaled_dot_product_attention(two, k, v), F.scaled_dot_product_attention(two, k, v))
+        empty = rt.scaled_dot_product_attention(q, k[:, :, :0], v[:, :, :0])
+        assert empty.shape == q.shape
 
 
 @pytest.mark.parametrize(

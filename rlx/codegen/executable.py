@@ -180,6 +180,24 @@ class CallLayout:
     results: tuple[tuple[str, int, bool], ...]
 
 
+@dataclass(frozen=True)
+class DirectRunner:
+    """:meth:`Executable.run_direct` in two steps, for a caller that calls again and again (a
+    decode loop, at a new length every step): ``layout(shapes)`` checks the inputs' shapes
+    (declaration order) and returns the call's :class:`CallLayout`, or None where they do not
+    match; ``runner(layout, addresses, threads)`` runs on the addresses of the inputs, then of
+    the outputs in :attr:`outputs` order, whose shapes are ``layout.buffers``'. The caller
+    vouches for the addresses as :meth:`Executable.run_direct` says. See
+    :meth:`Executable.direct_runner`."""
+
+    executable: Executable
+    layout: LayoutFunction
+    outputs: tuple[str, ...]
+
+    def __call__(self, layout: CallLayout, addresses: list[int], threads: int | None = None) -> None:
+        self.executable._enter(layout, addresses, threads, None)
+
+
 _cache: OrderedDict[tuple, Program] = OrderedDict()
 _cache_lock = threading.Lock()
 _statistics = {"compiles": 0}  # graphs compiled (cache misses) in this process
@@ -528,6 +546,17 @@ class Executable:
             addresses.append(given[0])
         self._enter(layout, addresses, threads, None)
         return True
+
+    def direct_runner(self) -> DirectRunner | None:
+        """A :class:`DirectRunner` of this executable, or None where a call needs more than the
+        addresses of its inputs and outputs (an intermediate buffer, per-call data:
+        :attr:`Program.direct_outputs`): :meth:`run` then takes it. Its ``layout`` runs the
+        size checks, before native code."""
+        program = self._program
+        direct = program.direct_outputs
+        if direct is None or None in direct:
+            return None
+        return DirectRunner(self, program.direct_layout, direct)  # type: ignore[arg-type]
 
     def _enter(
         self, layout: CallLayout, addresses: list[int], threads: int | None, bound: Mapping[str, np.ndarray] | None

@@ -13,7 +13,7 @@ import torch
 
 import rlx
 import rlx.mods as _mods
-from rlx.codegen.executable import Executable
+from rlx.codegen.executable import DirectRunner, Executable
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.graph import Graph
 from rlx.ir.types import Layout
@@ -63,6 +63,11 @@ def scaled_dot_product_attention(
     return _sdpa_eager(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
+# Inference plans by what selects a plan (heads and head dims, flags): the forward's direct
+# runner. Lengths and batch are not in the key: a decode loop at Sk = 1..N meets one entry.
+_inference_runners: dict[tuple[Any, ...], DirectRunner] = {}
+
+
 def _inference_call(
     q: object, k: object, v: object, dropout_p: object, is_causal: bool, scale: object, enable_gqa: bool
 ) -> torch.Tensor | None:
@@ -72,10 +77,32 @@ def _inference_call(
     A decode step of a model (a projection, the KV cache's ``torch.cat``, attention) leaves
     little of the Python objects a call touches in the caches, and there every function a call
     passes through cost microseconds: the general path's checks and plan lookups took longer
-    than the kernel. Here the checks are :func:`_fixed_op_takes` (what the fixed-mask kernels
-    compute exactly as the general path would, which raises nothing for them) and
-    :func:`_direct`; the rest is the general path's own plan and kernel call.
+    than the kernel. A call whose heads, head dims and flags an earlier call had takes that
+    call's plan and runner (:class:`DirectRunner`): the compiled graph's own shape check (its
+    call layout, which refuses what :func:`_fixed_op_takes` refuses for that plan: batches,
+    lengths or head dims that disagree, a causal call with ``Sq != Sk``, an empty dimension),
+    :func:`_direct` (dtype, device, contiguity, alignment) and autograd's flags are what is
+    left per call. Any other call goes through :func:`_fixed_op_takes` and the general path's
+    plan, and is kept for the next.
     """
+    plain = type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+    plain = plain and (scale is None or type(scale) is float) and dropout_p == 0.0
+    if plain:
+        assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+        if q.ndim == k.ndim == v.ndim == 4:
+            qs, ks, vs = q.shape, k.shape, v.shape
+            runner = _inference_runners.get((qs[1], qs[3], ks[1], vs[3], is_causal, scale, enable_gqa))
+            if runner is not None:
+                if not _direct(q, k, v):
+                    return None
+                if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+                    return None
+                layout = runner.layout((qs, ks, vs))
+                if layout is not None:
+                    out = torch.empty(layout.buffers[0][1])
+                    flops = 2.0 * qs[0] * qs[1] * qs[2] * ks[2] * (qs[3] + vs[3])  # _attention_flops
+                    runner(layout, [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()], _threads_for(flops))
+                    return out
     if not _fixed_op_takes(q, k, v, None, dropout_p, is_causal, scale, enable_gqa):
         return None
     assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
@@ -85,6 +112,12 @@ def _inference_call(
         return None
     plan = _fixed_plan(q, k, v, is_causal, scale)  # type: ignore[arg-type]
     assert plan is not None  # _fixed_op_takes refuses causal calls with Sq != Sk
+    if plain and plan.layout == "bhsd":
+        runner = (plan.executables.get("forward") or plan.executable("forward")).direct_runner()
+        if runner is not None and runner.outputs == ("out",):
+            key = (q.shape[1], q.shape[3], k.shape[1], v.shape[3], is_causal, scale, enable_gqa)
+            with _plans_lock:
+                _inference_runners.setdefault(key, runner)
     return _fixed_out(plan, q, k, v, _attention_flops(q, k, v), direct=True)
 
 
