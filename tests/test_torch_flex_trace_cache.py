@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+import rlx
+
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
 rt = pytest.importorskip("rlx.torch")
@@ -216,3 +218,69 @@ def test_kept_traces_keep_no_tensor_alive(traces: list[int]) -> None:
     gc.collect()
     assert all(ref() is None for ref in refs)
     assert len(traces) == 5
+
+
+def _shaped_check(batch: int, seq_q: int, seq_k: int, score_mod: Any = None, mask_mod: Any = None) -> None:
+    """One call at these sizes (heads and head dims as everywhere here), against the formula."""
+    torch.manual_seed(batch * 1000 + seq_q * 37 + seq_k)
+    q = torch.randn(batch, H, seq_q, D)
+    k, v = torch.randn(batch, H, seq_k, D), torch.randn(batch, H, seq_k, D)
+    out = rt.flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+    torch.testing.assert_close(out.double(), _formula(q, k, v, score_mod, mask_mod), rtol=1e-5, atol=2e-6)
+
+
+def _softcap(score: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+    return 5.0 * torch.tanh(score / 5.0)
+
+
+def _sees_key_zero(b: Any, h: Any, q: Any, kv: Any) -> Any:
+    return (kv <= q) | (kv == 0)  # every row sees a key, whatever the lengths
+
+
+def test_one_trace_serves_every_batch_and_length(traces: list[int]) -> None:
+    """A symbolic trace is kept under the heads and head dims: a decode loop (Sk growing by one
+    each call), a new batch, a prefill, all on one trace, each result right."""
+    for seq_k in range(1, 12):
+        _shaped_check(1, 1, seq_k, score_mod=_softcap, mask_mod=_sees_key_zero)
+    for batch, seq_q, seq_k in ((3, 1, 5), (2, 9, 9), (1, 20, 4)):
+        _shaped_check(batch, seq_q, seq_k, score_mod=_softcap, mask_mod=_sees_key_zero)
+    assert len(traces) == 1
+    _shaped_check(1, 1, 5, score_mod=_softcap)  # other mods: another trace
+    assert len(traces) == 2
+
+
+def test_a_trace_made_for_one_calls_sizes_serves_those_sizes_only(
+    traces: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the symbolic trace fails (mods that need the lengths), the graph has the call's
+    sizes, and its trace is kept under them: another length traces again, the same one not."""
+    traced = flex._flex_graph
+
+    def static_only(
+        q: Any, k: Any, v: Any, score_mod: Any, mask_mod: Any, scale: Any, symbolic: bool, *rest: Any
+    ) -> Any:
+        if symbolic:
+            raise rlx.RlxValueError("needs static lengths (forced by the test)")
+        return traced(q, k, v, score_mod, mask_mod, scale, symbolic, *rest)
+
+    monkeypatch.setattr(flex, "_flex_graph", static_only)
+    for seq_k in (6, 9, 6, 9, 6):
+        _shaped_check(1, 1, seq_k, score_mod=_softcap)
+    assert len(traces) == 2
+    _shaped_check(2, 1, 6, score_mod=_softcap)  # a new batch: new sizes
+    assert len(traces) == 3
+
+
+def test_a_captured_tensor_resized_in_place_is_traced_again(traces: list[int]) -> None:
+    """A trace declares its captured tensors' shapes; the same tensor with another shape (resized
+    in place) needs the graph traced for that shape (the mods' key holds the shapes)."""
+    bias = torch.randn(H, S, S)
+
+    def add_bias(score: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return score + bias[h, q, kv]
+
+    _shaped_check(1, S, S, score_mod=add_bias)
+    bias.resize_(H, S + 4, S + 4).normal_()
+    _shaped_check(1, S, S, score_mod=add_bias)  # the same lengths as before: the shape tells
+    _shaped_check(1, S + 4, S + 4, score_mod=add_bias)
+    assert len(traces) == 2

@@ -187,11 +187,13 @@ class DirectRunner:
     (declaration order) and returns the call's :class:`CallLayout`, or None where they do not
     match; ``runner(layout, addresses, threads)`` runs on the addresses of the inputs, then of
     the outputs in :attr:`outputs` order, whose shapes are ``layout.buffers``'. The caller
-    vouches for the addresses as :meth:`Executable.run_direct` says. See
-    :meth:`Executable.direct_runner`."""
+    vouches for the addresses as :meth:`Executable.run_direct` says, and for the dtypes: each
+    input's is in :attr:`dtypes`. See :meth:`Executable.direct_runner`."""
 
     executable: Executable
     layout: LayoutFunction
+    inputs: tuple[str, ...]
+    dtypes: tuple[np.dtype, ...]  # each input's
     outputs: tuple[str, ...]
 
     def __call__(self, layout: CallLayout, addresses: list[int], threads: int | None = None) -> None:
@@ -401,6 +403,8 @@ class Executable:
         self._program = program
         self.compile_times = compile_times
         self._arenas = threading.local()
+        self._direct_runner: DirectRunner | None = None
+        self._direct_runner_made = False
 
     @property
     def graph(self) -> Graph:
@@ -552,11 +556,15 @@ class Executable:
         addresses of its inputs and outputs (an intermediate buffer, per-call data:
         :attr:`Program.direct_outputs`): :meth:`run` then takes it. Its ``layout`` runs the
         size checks, before native code."""
-        program = self._program
-        direct = program.direct_outputs
-        if direct is None or None in direct:
-            return None
-        return DirectRunner(self, program.direct_layout, direct)  # type: ignore[arg-type]
+        if not self._direct_runner_made:
+            program = self._program
+            direct = program.direct_outputs
+            if direct is not None and None not in direct:
+                inputs = program.graph.inputs
+                dtypes = tuple(value.dtype for value in inputs.values())
+                self._direct_runner = DirectRunner(self, program.direct_layout, tuple(inputs), dtypes, direct)  # type: ignore[arg-type]
+            self._direct_runner_made = True
+        return self._direct_runner
 
     def _enter(
         self, layout: CallLayout, addresses: list[int], threads: int | None, bound: Mapping[str, np.ndarray] | None

@@ -701,11 +701,15 @@ def _call_map(
 
 
 def call_checks(graph: Graph) -> list[Callable[[Mapping[str, int]], None]]:
-    """Checks that need a call's sizes: the index ranges of mods reading tensors of symbolic shape."""
+    """Checks that need a call's sizes: the index ranges of mods reading tensors of symbolic shape.
+    A node whose mods index no tensor has none: its calls take the generated call layout alone
+    (:mod:`rlx.codegen.call_layout`), where a check sent every call through the generic one."""
     return [
         _IndexRangeCheck(node)
         for node in graph.nodes
-        if node.op.value in FLEX_OPS and not all(v.type.is_static for v in (*node.inputs[:3], *flex_captured(node)))
+        if node.op.value in FLEX_OPS
+        and any(region is not None and region.reads() for region in (node.attrs.score_mod, node.attrs.mask_mod))
+        and not all(v.type.is_static for v in (*node.inputs[:3], *flex_captured(node)))
     ]
 
 

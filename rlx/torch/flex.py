@@ -3,6 +3,7 @@ with a CPU backward; the plans (traced graph, forward and backwards) cached by g
 
 from __future__ import annotations
 
+import functools
 import numbers
 import threading
 import weakref
@@ -134,9 +135,20 @@ def _flex_graph(
 _plans: dict[str, tuple[Executable, dict[tuple[bool, bool], Executable]]] = {}
 
 TRACES_KEPT = 32  # flex_attention calls' traces kept for reuse
-_traces: OrderedDict[Hashable, tuple[_Plan, list[weakref.ref[torch.Tensor]]]] = OrderedDict()
+_traces: OrderedDict[Hashable, _Trace] = OrderedDict()
 
 _plans_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class _Trace:
+    """A kept trace: its plan without captured tensors, weak references to them (their shapes
+    and dtypes are in the mods' key), and whether the graph has one call's sizes (mods that
+    read the lengths), which then are part of its key."""
+
+    plan: _Plan
+    refs: list[weakref.ref[torch.Tensor]]
+    sized: bool
 
 
 def _traced_plan(
@@ -148,29 +160,42 @@ def _traced_plan(
     scale: float | None,
     layout: str,
 ) -> _Plan:
-    """:func:`_plan`, reusing the trace of an earlier call of the same shapes whose mods read the
-    same things (:mod:`rlx.torch._fingerprint`): a training loop traces its mods once. Mods
-    without a key (one reads an object's attribute, say) are traced on every call."""
+    """:func:`_plan`, reusing the trace of an earlier call whose mods read the same things
+    (:mod:`rlx.torch._fingerprint`): a training loop traces its mods once. Mods without a key
+    (one reads an object's attribute, say) are traced on every call.
+
+    A trace whose graph has symbolic batch and lengths (the usual one) serves calls of any
+    batch and lengths: it is kept under the heads, head dims and dtypes, so a decode loop,
+    whose key length grows every step, traces once (it traced every step, ~0.5 ms a call). A
+    trace made for one call's sizes is kept under them too.
+    """
     mods = (mod_key(score_mod), mod_key(mask_mod))
     if mods[0] is None or mods[1] is None:
         return _plan(q, k, v, score_mod, mask_mod, scale, layout=layout)
-    shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype)
-    key = (mods, shapes, scale, layout)
+    qs, ks, vs = q.shape, k.shape, v.shape
+    key: tuple[Any, ...] = (mods, qs[1], qs[3], ks[1], ks[3], vs[1], vs[3], q.dtype, k.dtype, v.dtype, scale, layout)
     with _plans_lock:
         found = _traces.get(key)
         if found is not None:
             _traces.move_to_end(key)
+            if found.sized:
+                found = _traces.get((*key, qs, ks, vs))
     if found is not None:
-        plan, refs = found
-        captured = [tensor for tensor in (ref() for ref in refs) if tensor is not None]
-        if len(captured) == len(refs):  # all alive; the thread cap as this call gets it
-            return replace(plan, captured=captured, threads=_threads_for(_attention_flops(q, k, v)))
+        captured = [tensor for tensor in (ref() for ref in found.refs) if tensor is not None]
+        if len(captured) == len(found.refs):  # all alive; the thread cap as this call gets it
+            kept = found.plan  # a new _Plan, not dataclasses.replace: a decode step's microseconds
+            threads = _threads_for(_attention_flops(q, k, v))
+            return _Plan(kept.graph, kept.forward, captured, kept.backward_exe, threads, kept.layout)
     plan = _plan(q, k, v, score_mod, mask_mod, scale, layout=layout)
     # Kept without its captured tensors (weak references): a kept trace never keeps a tensor's
     # memory alive, so a mod indexing a new large tensor every call costs no memory.
-    kept = (replace(plan, captured=[]), [weakref.ref(tensor) for tensor in plan.captured])
+    refs = [weakref.ref(t) for t in plan.captured]
+    sized = all(isinstance(dim, int) for dim in plan.graph.inputs[_layout_names(layout)[0]].shape)
+    trace = _Trace(replace(plan, captured=[]), refs, sized)
     with _plans_lock:
-        _traces[key] = kept
+        _traces[key] = trace
+        if sized:
+            _traces[(*key, qs, ks, vs)] = trace
         while len(_traces) > TRACES_KEPT:
             _traces.popitem(last=False)
     return plan
@@ -204,20 +229,69 @@ def _attention_arrays(
     return arrays | {name: _array(t) for name, t in more.items()}
 
 
+def _forward_arrays(
+    plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, captured: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """``out`` (in the query's dtype, as torch lays it out), ``lse`` and ``out`` in float32."""
+    result = plan.forward.run(_attention_arrays(q, k, v, captured, plan.layout), plan.threads)
+    out = _tensor(result["out"], q.dtype)
+    if plan.layout != "bhsd":  # written [B, S, H, Dv]: its transpose, as torch returns it
+        out = out.transpose(1, 2)
+    return out, torch.from_numpy(result["lse"]), result["out"]
+
+
+def _forward_by_address(
+    plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``out`` and ``lse`` of a call autograd does not record, the kernel reading the tensors'
+    memory and writing into new tensors (:class:`DirectRunner`), or None where it cannot: a
+    layout other than contiguous ``[B, H, S, D]``, a tensor of another dtype than the graph
+    declares or not dense, a graph whose call needs more than addresses (index checks, a
+    block map made per call). No NumPy array in or out, no autograd ``Function``: in a decode
+    loop those cost more than a short call's kernel."""
+    runner = plan.forward.direct_runner() if plan.layout == "bhsd" else None
+    if runner is None or runner.outputs not in (("out", "lse"), ("lse", "out")):
+        return None
+    tensors = [q, k, v, *plan.captured]
+    if runner.inputs != _input_names(len(plan.captured)):
+        return None
+    if not all(_addressable(t, dtype) for t, dtype in zip(tensors, runner.dtypes, strict=True)):
+        return None
+    layout = runner.layout([t.shape for t in tensors])
+    if layout is None:
+        return None
+    outputs = {name: torch.empty(shape) for name, (_, shape, _) in zip(runner.outputs, layout.buffers, strict=True)}
+    addresses = [t.data_ptr() for t in tensors] + [outputs[name].data_ptr() for name in runner.outputs]
+    runner(layout, addresses, plan.threads)
+    return outputs["out"], outputs["lse"]
+
+
+@functools.cache
+def _input_names(captured: int) -> tuple[str, ...]:
+    """A ``"bhsd"`` plan's graph inputs, in declaration order (:func:`_attention_arrays`)."""
+    return ("q", "k", "v", *(f"c{i}" for i in range(captured)))
+
+
+_TORCH_DTYPES = {np.dtype(name): getattr(torch, name) for name in ("float32", "int32", "int64", "bool")}
+
+
+def _addressable(t: torch.Tensor, dtype: np.dtype) -> bool:
+    """Whether native code may read ``t``'s memory as a dense C-contiguous ``dtype`` array."""
+    if t.dtype != _TORCH_DTYPES.get(dtype) or t.layout is not torch.strided or t.is_nested or not t.is_cpu:
+        return False
+    return t.is_contiguous() and t.data_ptr() % t.element_size() == 0 and not t.is_neg() and not t.is_conj()
+
+
 class _FlexFunction(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any, plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *captured: torch.Tensor
     ) -> Any:
-        result = plan.forward.run(_attention_arrays(q, k, v, captured, plan.layout), plan.threads)
-        out = _tensor(result["out"], q.dtype)
-        if plan.layout != "bhsd":  # written [B, S, H, Dv]: its transpose, as torch returns it
-            out = out.transpose(1, 2)
-        lse = torch.from_numpy(result["lse"])
+        out, lse, float_out = _forward_arrays(plan, q, k, v, captured)
         ctx.plan = plan
         # Saved as tensors, so torch refuses a backward after any of them was modified in place.
         ctx.save_for_backward(q, k, v, out, lse, *captured)
-        ctx.float_out = result["out"]  # out in float32 (``out`` itself may be bf16/f16)
+        ctx.float_out = float_out  # out in float32 (``out`` itself may be bf16/f16)
         ctx.dtypes = [t.dtype for t in (q, k, v, *captured)]
         ctx.set_materialize_grads(False)
         return out, lse
@@ -320,7 +394,12 @@ def flex_attention(
             )
         want_lse = bool(getattr(return_aux, "lse", False))
     plan = _traced_plan(q, k, v, score_mod, mask_mod, scale, _strided_layout(q, k, v))
-    out, lse = _FlexFunction.apply(plan, q, k, v, *plan.captured)
+    tensors = (q, k, v, *plan.captured)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        out, lse = _FlexFunction.apply(plan, *tensors)
+    else:  # nothing for autograd to record (inference, a decode loop)
+        found = _forward_by_address(plan, q, k, v)
+        out, lse = found if found is not None else _forward_arrays(plan, q, k, v, plan.captured)[:2]
     if return_aux is not None:
         return out, _aux_output(lse if want_lse else None)
     return (out, lse) if return_lse else out

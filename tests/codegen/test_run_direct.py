@@ -90,7 +90,8 @@ def test_a_direct_runner_runs_as_run_direct_at_every_length() -> None:
     one) have no runner."""
     exe = rlx.compile(decode_graph())
     runner = exe.direct_runner()
-    assert runner is not None and runner.outputs == ("out",)
+    assert runner is not None and runner.outputs == ("out",) and runner.inputs == ("q", "k", "v")
+    assert runner.dtypes == (np.dtype(np.float32),) * 3 and exe.direct_runner() is runner  # made once
     for batch, seq_k in ((2, 37), (2, 37), (1, 1), (3, 200)):
         shapes = [(batch, HEADS, 1, DIM), (batch, HEADS, seq_k, DIM), (batch, HEADS, seq_k, DIM)]
         layout = runner.layout(shapes)

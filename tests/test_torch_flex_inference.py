@@ -1,0 +1,136 @@
+"""rlx.torch flex_attention calls that autograd does not record (inference, a decode loop) run
+the kernel on the tensors' memory by address, without NumPy arrays or an autograd Function:
+their results are the recorded path's, bit for bit, and whatever cannot go by address (half
+precision, strided views, a captured tensor of another dtype) takes the general path."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+import rlx
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.torch
+rt = pytest.importorskip("rlx.torch")
+executable = pytest.importorskip("rlx.codegen.executable")
+
+B, H, D = 2, 4, 16
+
+
+@pytest.fixture()
+def by_address(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the calls that went to native code by address (DirectRunner)."""
+    count: list[int] = []
+    call = executable.DirectRunner.__call__
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> None:
+        count.append(1)
+        call(self, *args, **kwargs)
+
+    monkeypatch.setattr(executable.DirectRunner, "__call__", counted)
+    return count
+
+
+def _tensors(seq_q: int, seq_k: int, kv_heads: int = H, value_dim: int = D, seed: int = 0) -> list[Any]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(B, H, seq_q, D), (B, kv_heads, seq_k, D), (B, kv_heads, seq_k, value_dim)]
+    return [torch.randn(shape, generator=gen) for shape in shapes]
+
+
+def _softcap(score: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+    return 3.0 * torch.tanh(score / 3.0)
+
+
+DOC = torch.tensor([[0] * 5 + [1] * 6, [0] * 2 + [1] * 9])  # int64 ids, read by a mask_mod
+
+
+def _same_document(b: Any, h: Any, q: Any, kv: Any) -> Any:
+    return DOC[b, q] == DOC[b, kv]
+
+
+def _formula(q: Any, k: Any, v: Any, score_mod: Any, mask_mod: Any) -> tuple[Any, Any]:
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(groups, 1), v.double().repeat_interleave(groups, 1)
+    scores = q.double() @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    b, h, i, j = torch.meshgrid(*(torch.arange(n) for n in scores.shape), indexing="ij")
+    if score_mod is not None:
+        scores = score_mod(scores, b, h, i, j)
+    if mask_mod is not None:
+        scores = scores.masked_fill(~mask_mod(b, h, i, j), -math.inf)
+    return torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
+
+
+# mods, shapes, whether the call goes by address: a mask read from a tensor has its block map
+# made per call from the tensor, which a call by address does not make (the general path does).
+CASES = {
+    "plain": ({}, {}, True),
+    "softcap": ({"score_mod": _softcap}, {}, True),
+    "document": ({"mask_mod": _same_document}, {}, False),
+    "gqa-and-value-width": ({"score_mod": _softcap}, {"kv_heads": 2, "value_dim": 24}, True),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_inference_calls_go_by_address_and_equal_the_recorded_path(case: str, by_address: list[int]) -> None:
+    mods, shapes, addressed = CASES[case]
+    gqa = shapes.get("kv_heads", H) != H
+    q, k, v = _tensors(11, 11, **shapes)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    recorded, recorded_lse = rt.flex_attention(*leaves, **mods, enable_gqa=gqa, return_lse=True)
+    assert recorded.grad_fn is not None and not by_address  # the recorded path: arrays and autograd
+    with torch.no_grad():
+        out, lse = rt.flex_attention(*leaves, **mods, enable_gqa=gqa, return_lse=True)
+    plain = rt.flex_attention(q, k, v, **mods, enable_gqa=gqa)  # nothing requires grad
+    assert len(by_address) == (2 if addressed else 0)
+    assert out.grad_fn is None and not out.requires_grad and out.is_contiguous()
+    assert torch.equal(out, recorded.detach()) and torch.equal(lse, recorded_lse.detach())
+    assert torch.equal(plain, out)
+    want, want_lse = _formula(q, k, v, mods.get("score_mod"), mods.get("mask_mod"))
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=2e-6)
+
+
+def test_a_decode_loop_goes_by_address_at_every_length(by_address: list[int]) -> None:
+    with torch.no_grad():
+        for seq_k in range(1, 40, 3):
+            q, k, v = _tensors(1, seq_k, seed=seq_k)
+            out = rt.flex_attention(q, k, v, score_mod=_softcap)
+            torch.testing.assert_close(out.double(), _formula(q, k, v, _softcap, None)[0], rtol=1e-5, atol=2e-6)
+    assert len(by_address) == 13
+
+
+def test_what_cannot_go_by_address_takes_the_general_path(by_address: list[int]) -> None:
+    q, k, v = _tensors(9, 9)
+    bias = torch.randn(H, 9, 9, dtype=torch.float64)  # read as float32 by the graph: copied
+
+    def add_bias(score: Any, b: Any, h: Any, i: Any, j: Any) -> Any:
+        return score + bias[h, i, j]
+
+    with torch.no_grad():
+        half = rt.flex_attention(q.half(), k.half(), v.half(), score_mod=_softcap)
+        assert half.dtype == torch.float16
+        strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]  # [B, S, H, D] memory
+        from_views = rt.flex_attention(*strided, score_mod=_softcap)
+        biased = rt.flex_attention(q, k, v, score_mod=add_bias)
+    assert not by_address
+    want = _formula(q, k, v, _softcap, None)[0]
+    torch.testing.assert_close(half.double(), want, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(from_views.double(), want, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(biased.double(), _formula(q, k, v, add_bias, None)[0], rtol=1e-5, atol=2e-6)
+
+
+def test_an_index_out_of_range_is_refused_before_native_code() -> None:
+    """A mod indexing a captured tensor by the lengths is checked at every call's sizes, on the
+    inference path too: a longer call than the tensor covers is a clear error."""
+    bias = torch.randn(H, 9, 9)
+
+    def add_bias(score: Any, b: Any, h: Any, i: Any, j: Any) -> Any:
+        return score + bias[h, i, j]
+
+    with torch.no_grad():
+        rt.flex_attention(*_tensors(9, 9), score_mod=add_bias)
+        with pytest.raises(rlx.RlxValueError, match="outside"):
+            rt.flex_attention(*_tensors(12, 12), score_mod=add_bias)
