@@ -12,7 +12,9 @@ hundred steps.
 A second table times the step of a model's attention layer around the call (the QKV
 projection, the cache's ``torch.cat``, attention, the output projection; E = H * D): there
 the projections' weights pass through the caches before every attention call, as in a model,
-and an attention call is as fast as its Python is when it starts cold.
+and an attention call is as fast as its Python is when it starts cold. A third times
+``flex_attention`` with a softcap score_mod (Gemma-2's) against the same attention written in
+torch ops, as a model without a fused kernel for it runs it.
 
     python benchmarks/decode.py [--steps 1000]
 
@@ -90,12 +92,20 @@ def main() -> int:
     layer = model_steps(args.steps, batch, heads, dim)
     print("\nThe step of a model's attention layer (projections, cache, attention), same lengths:")
     print(h.markdown_table(["steps", "rlx ms/step", "torch ms/step", "torch / rlx"], rows(layer)))
+    softcap, softcap_diff = softcap_steps(args.steps, batch, heads, dim)
+    print(
+        f"\nflex_attention with a softcap score_mod (as Gemma-2 decodes; cap {SOFTCAP}) against the same "
+        "attention in torch ops (matmul, tanh, softmax, matmul: torch's SDPA takes no score_mod, and its "
+        f"flex_attention runs only under torch.compile), same lengths; max |rlx - torch| {softcap_diff:.1e}:"
+    )
+    print(h.markdown_table(["steps", "rlx ms/step", "torch ms/step", "torch / rlx"], rows(softcap)))
     report = {
         "steps": args.steps,
         "compiles": compiles,
         "first_step_s": first_step,
         "mean_step_s": {name: float(np.mean(values[steady])) for name, values in timings.items()},
         "model_mean_step_s": {name: float(np.mean(values[steady])) for name, values in layer.items()},
+        "softcap_mean_step_s": {name: float(np.mean(values[steady])) for name, values in softcap.items()},
         "max_abs_diff": worst,
         "cpu": h.cpu_model(),
     }
@@ -132,6 +142,44 @@ def model_steps(steps: int, batch: int, heads: int, dim: int) -> dict[str, list[
                 timings[name].append(time.perf_counter() - start)
                 caches[name] = (k, v)
     return timings
+
+
+SOFTCAP = 50.0
+
+
+def softcap_steps(steps: int, batch: int, heads: int, dim: int) -> tuple[dict[str, list[float]], float]:
+    """Seconds per decode step of softcapped attention: rlx.torch's ``flex_attention`` with a
+    score_mod, and torch's ops as a model without a fused kernel writes it (Gemma-2's eager
+    attention), in alternating order; and the largest difference between the two."""
+    import torch
+
+    import rlx.torch as rt
+
+    def softcap(score: torch.Tensor, b: object, h: object, q_idx: object, kv_idx: object) -> torch.Tensor:
+        return SOFTCAP * torch.tanh(score / SOFTCAP)
+
+    def torch_softcap(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        scores = (q @ k.transpose(-1, -2)) * dim**-0.5
+        return torch.softmax(SOFTCAP * torch.tanh(scores / SOFTCAP), dim=-1) @ v
+
+    gen = torch.Generator().manual_seed(2)
+    queries = torch.randn(steps, batch, heads, 1, dim, generator=gen)
+    new_keys = torch.randn(steps, batch, heads, 1, dim, generator=gen) * 4.0  # scores reaching the cap
+    new_values = torch.randn(steps, batch, heads, 1, dim, generator=gen)
+    attend = {"rlx": lambda q, k, v: rt.flex_attention(q, k, v, score_mod=softcap), "torch": torch_softcap}
+    k, v = torch.empty(batch, heads, 0, dim), torch.empty(batch, heads, 0, dim)
+    timings: dict[str, list[float]] = {name: [] for name in attend}
+    worst = 0.0
+    with torch.no_grad():
+        for step in range(steps):
+            k, v = torch.cat([k, new_keys[step]], dim=2), torch.cat([v, new_values[step]], dim=2)
+            results = {}
+            for name in ("rlx", "torch") if step % 2 == 0 else ("torch", "rlx"):
+                start = time.perf_counter()
+                results[name] = attend[name](queries[step], k, v)
+                timings[name].append(time.perf_counter() - start)
+            worst = max(worst, float((results["rlx"] - results["torch"]).abs().max()))
+    return timings, worst
 
 
 if __name__ == "__main__":
