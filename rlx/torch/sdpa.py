@@ -114,7 +114,7 @@ def _inference_call(
     assert plan is not None  # _fixed_op_takes refuses causal calls with Sq != Sk
     if plain and plan.layout == "bhsd":
         runner = (plan.executables.get("forward") or plan.executable("forward")).direct_runner()
-        if runner is not None and runner.outputs == ("out",):
+        if runner is not None and runner.inputs == ("q", "k", "v") and runner.outputs == ("out",):
             key = (q.shape[1], q.shape[3], k.shape[1], v.shape[3], is_causal, scale, enable_gqa)
             with _plans_lock:
                 _inference_runners.setdefault(key, runner)
