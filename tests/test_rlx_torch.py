@@ -6,6 +6,7 @@ flex_attention, gradients against float64 torch autograd and a float32 finite-di
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from typing import Any
@@ -410,6 +411,27 @@ def test_inference_calls_match_the_general_path_and_record_nothing() -> None:
     detached = rt.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), enable_gqa=True, scale=0.3)
     assert torch.equal(inferred, detached) and torch.equal(inferred, recorded.detach())
     assert_close(inferred, want)
+
+
+@pytest.mark.parametrize("dim", [32, 96, 128])
+def test_a_models_own_default_scale_is_the_default(dim: int) -> None:
+    """transformers passes ``scale=head_dim**-0.5``, which times sqrt(D) misses 1.0 by an ulp of
+    float64 at these head dims; in float32 it is 1.0, so the call is the default-scale call:
+    the same plan (no product of q in its graph) and the same bits. Another scale is not."""
+    from rlx.torch import sdpa
+
+    q, k, v = (t.detach() for t in qkv(b=1, h=2, sq=3, sk=5, d=dim, seed=dim))
+    assert dim**-0.5 * math.sqrt(dim) != 1.0
+    assert sdpa._fixed_plan(q, k, v, False, dim**-0.5) is sdpa._fixed_plan(q, k, v, False, None)
+    ops = {node.op for node in sdpa._fixed_plan(q, k, v, False, None).forward_graph.nodes}  # type: ignore[union-attr]
+    assert rlx.OpKind.MUL not in ops
+    with torch.no_grad():
+        ours = rt.scaled_dot_product_attention(q, k, v, scale=dim**-0.5)
+        assert torch.equal(ours, rt.scaled_dot_product_attention(q, k, v))
+        assert_close(ours, F.scaled_dot_product_attention(q, k, v, scale=dim**-0.5))
+        other = rt.scaled_dot_product_attention(q, k, v, scale=0.5 * dim**-0.5)
+        assert_close(other, F.scaled_dot_product_attention(q, k, v, scale=0.5 * dim**-0.5))
+    assert sdpa._fixed_plan(q, k, v, False, 0.5 * dim**-0.5) is not sdpa._fixed_plan(q, k, v, False, None)
 
 
 def test_repeated_inference_calls_check_what_their_shapes_do_not_say() -> None:

@@ -428,6 +428,11 @@ def _fixed_plan(
     # The kernels scale scores by 1/sqrt(D); another scale multiplies q first (in the graph, so
     # its gradient follows).
     factor = 1.0 if scale is None else float(scale) * math.sqrt(dim)
+    # A model's own 1/sqrt(D) (transformers passes scale=head_dim**-0.5) can miss 1.0 by an ulp
+    # of float64 (D = 32, 48, 96, 112, 128): q times its float32, which is 1.0, is q itself, so
+    # that call needs no product in the graph (a kernel, and no by-address inference path).
+    if np.float32(factor) == np.float32(1.0):
+        factor = 1.0
     key = (heads, kv_heads, dim, value_dim, is_causal, factor, layout)
     plan = _fixed_plans.get(key)
     if plan is None:
