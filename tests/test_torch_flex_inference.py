@@ -134,3 +134,28 @@ def test_an_index_out_of_range_is_refused_before_native_code() -> None:
         rt.flex_attention(*_tensors(9, 9), score_mod=add_bias)
         with pytest.raises(rlx.RlxValueError, match="outside"):
             rt.flex_attention(*_tensors(12, 12), score_mod=add_bias)
+
+
+def test_masks_whose_shape_keeps_every_index_in_range_need_no_check_per_call() -> None:
+    """An SDPA mask ``[B|1, 1, Sq|1, Sk]`` is read by ``b``, ``0`` and ``kv_idx`` on axes of the
+    batch's, one and Sk's size: in range at any sizes, so its graph has no per-call check (which
+    ran at every new length of a decode loop); a tensor of its own static shape read by the
+    lengths keeps the check."""
+    from rlx.codegen.lower import call_checks
+    from rlx.torch import flex, sdpa
+
+    q, k, v = _tensors(1, 7)
+    for mask in (torch.ones(B, 1, 1, 7, dtype=torch.bool), torch.zeros(1, 1, 1, 7), torch.ones(B, H, 1, 7) > 0):
+        plan = sdpa._masked_plan(q, k, v, mask, False, None)
+        assert not plan.graph.inputs["q"].type.is_static
+        assert call_checks(plan.graph) == []
+    bias = torch.randn(H, 9, 9)
+    plan = flex._plan(q, k, v, lambda score, b, h, i, j: score + bias[h, i, j], None, None)
+    assert len(call_checks(plan.graph)) == 1
+    with torch.no_grad():  # masked decode steps, each against torch
+        for seq_k in (3, 8, 20):
+            q, k, v = _tensors(1, seq_k, seed=seq_k)
+            mask = torch.rand(B, 1, 1, seq_k, generator=torch.Generator().manual_seed(seq_k)) > 0.3
+            mask[..., 0] = True
+            want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            torch.testing.assert_close(rt.scaled_dot_product_attention(q, k, v, attn_mask=mask), want)

@@ -129,6 +129,29 @@ def check_regions(
         # else: the sizes are known per call, and so is the check (check_index_ranges_per_call)
 
 
+def reads_in_range_by_construction(
+    score_mod: Region | None, mask_mod: Region | None, dims: FlexDims, captured: Sequence[TensorType]
+) -> bool:
+    """Whether every tensor read of the mods stays in range at any sizes, by the shapes alone: on
+    each axis the index is ``0``, a constant below a static size, or the index symbol whose range
+    is that axis's own dimension (``b`` on an axis of the batch's size, ``h`` of the heads',
+    ``q_idx`` of Sq's, ``kv_idx`` of Sk's), as an SDPA mask ``[B|1, H|1, Sq|1, Sk|1]`` is read.
+    Such mods need no check per call (:func:`check_index_ranges_per_call`)."""
+    ranges: dict[str, Dim] = {"b": dims.batch, "h": dims.heads, "q_idx": dims.seq_q, "kv_idx": dims.seq_k}
+    for region in (score_mod, mask_mod):
+        if region is None:
+            continue
+        for step, tensor in region.reads():
+            shape = captured[tensor].shape
+            for (kind, value), size in zip(region.steps[step].args[1:], shape, strict=True):
+                if kind == "k" and isinstance(value, int) and not isinstance(value, bool):
+                    if not (value == 0 or (isinstance(size, int) and 0 <= value < size)):
+                        return False
+                elif kind != "s" or str(value) not in ranges or ranges[str(value)] != size:
+                    return False
+    return True
+
+
 def check_index_ranges_per_call(
     what: str, score_mod: Region | None, mask_mod: Region | None, dims: FlexDims, captured: Sequence[TensorType]
 ) -> None:

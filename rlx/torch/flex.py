@@ -282,6 +282,17 @@ def _addressable(t: torch.Tensor, dtype: np.dtype) -> bool:
     return t.is_contiguous() and t.data_ptr() % t.element_size() == 0 and not t.is_neg() and not t.is_conj()
 
 
+def _flex_forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` and ``lse`` of a plan's forward: through autograd where it records the call, else
+    (inference, a decode loop) by address where the call allows, else through arrays."""
+    tensors = (q, k, v, *plan.captured)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        out, lse = _FlexFunction.apply(plan, *tensors)
+        return out, lse
+    found = _forward_by_address(plan, q, k, v)
+    return found if found is not None else _forward_arrays(plan, q, k, v, plan.captured)[:2]
+
+
 class _FlexFunction(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -394,12 +405,7 @@ def flex_attention(
             )
         want_lse = bool(getattr(return_aux, "lse", False))
     plan = _traced_plan(q, k, v, score_mod, mask_mod, scale, _strided_layout(q, k, v))
-    tensors = (q, k, v, *plan.captured)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        out, lse = _FlexFunction.apply(plan, *tensors)
-    else:  # nothing for autograd to record (inference, a decode loop)
-        found = _forward_by_address(plan, q, k, v)
-        out, lse = found if found is not None else _forward_arrays(plan, q, k, v, plan.captured)[:2]
+    out, lse = _flex_forward(plan, q, k, v)
     if return_aux is not None:
         return out, _aux_output(lse if want_lse else None)
     return (out, lse) if return_lse else out

@@ -20,7 +20,7 @@ from rlx.ir.types import Layout
 from rlx.torch._autograd import _eager_under_torch_compile, _once_differentiable
 from rlx.torch._layouts import _layout_inputs, _layout_names, _layout_tensors, _strided_layout
 from rlx.torch._tensors import _COMPUTED, _array, _check_tensor, _dense, _direct, _tensor
-from rlx.torch.flex import _check_scale, _FlexFunction, _Plan, _plan, _plans_lock
+from rlx.torch.flex import _check_scale, _flex_forward, _Plan, _plan, _plans_lock
 from rlx.torch.threads import _attention_flops, _threads_for
 
 _sdpa_plans: dict[tuple[Any, ...], _Plan] = {}  # SDPA calls by shapes and mask kind: no tracing
@@ -312,7 +312,7 @@ def _sdpa(
     if fixed is not None:
         return _fixed_forward(fixed, q, k, v)
     plan = _masked_plan(q, k, v, attn_mask, is_causal, scale)
-    out, _ = _FlexFunction.apply(plan, q, k, v, *plan.captured)
+    out, _ = _flex_forward(plan, q, k, v)
     return out
 
 

@@ -233,8 +233,14 @@ def test_fully_masked_rows_give_zero_out_minus_inf_lse_and_zero_grads() -> None:
     np.testing.assert_allclose(got["dq"], expected["dq"], rtol=2e-4, atol=2e-4)
 
 
-def test_block_map_per_call_follows_the_documents() -> None:
-    """The same executable with different document layouts: the per-call map must follow."""
+@pytest.mark.parametrize("small_call_macs", [0, None])  # 0: every call works out its map; None: the default
+def test_block_map_per_call_follows_the_documents(small_call_macs: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same executable with different document layouts: the per-call map must follow (or,
+    for a call below ``SMALL_CALL_MACS``, as this one is by default, every tile is partial)."""
+    import rlx.codegen.lower as lower
+
+    if small_call_macs is not None:
+        monkeypatch.setattr(lower, "SMALL_CALL_MACS", small_call_macs)
     case = Case(
         "doc-calls",
         mask_mod=lambda e: mods.document(e["doc"]),
@@ -252,6 +258,31 @@ def test_block_map_per_call_follows_the_documents() -> None:
         got = exe(**arrays)
         for name in ("out", "dq", "dk", "dv"):
             np.testing.assert_allclose(got[name], expected[name], rtol=2e-4, atol=2e-4, err_msg=f"seed {seed} {name}")
+
+
+def test_a_small_calls_map_is_all_partial_and_a_large_calls_skips(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-call maps from tensors: below ``SMALL_CALL_MACS`` every tile is PARTIAL (working out
+    the map would cost more than the call); above, the tiles the documents hide are EMPTY."""
+    import rlx.codegen.lower as lower
+    from rlx.codegen.block_map import EMPTY, PARTIAL
+
+    case = Case(
+        "doc-map",
+        mask_mod=lambda e: mods.document(e["doc"]),
+        tensors={"doc": ((2, 512), "int64")},
+        seq_q=512,
+        seq_k=512,
+    )
+    g, _ = build(case)
+    node = next(n for n in g.nodes if n.op.value == "flex_attention")
+    spec = lower.flex_spec(node, lower.CodegenOptions())
+    bound = {"doc": np.repeat(np.arange(4), 128)[None].repeat(2, 0)}  # four documents of 128 tokens
+    macs = 2 * 4 * 512 * 512 * 32  # B H Sq Sk (D + Dv)
+    for threshold, skips in ((macs + 1, False), (macs, True)):
+        monkeypatch.setattr(lower, "SMALL_CALL_MACS", threshold)
+        states = lower._per_call_states(spec, tuple(node.inputs[3:]), bound, spec.grid)
+        assert states.shape == spec.grid.shape
+        assert (states == EMPTY).mean() > 0.5 if skips else (states == PARTIAL).all()
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
