@@ -14,7 +14,8 @@ projection, the cache's ``torch.cat``, attention, the output projection; E = H *
 the projections' weights pass through the caches before every attention call, as in a model,
 and an attention call is as fast as its Python is when it starts cold. A third times
 ``flex_attention`` with a softcap score_mod (Gemma-2's) against the same attention written in
-torch ops, as a model without a fused kernel for it runs it.
+torch ops, as a model without a fused kernel for it runs it; a fourth SDPA with a padding mask,
+as batched generation calls it.
 
     python benchmarks/decode.py [--steps 1000]
 
@@ -99,6 +100,15 @@ def main() -> int:
         f"flex_attention runs only under torch.compile), same lengths; max |rlx - torch| {softcap_diff:.1e}:"
     )
     print(h.markdown_table(["steps", "rlx ms/step", "torch ms/step", "torch / rlx"], rows(softcap)))
+    before_masked = compile_count()
+    masked, masked_diff = masked_steps(args.steps, heads, dim)
+    print(
+        f"\nSDPA with a padding mask [B, 1, 1, Sk] (batched generation, B{MASKED_BATCH}: the second sequence's "
+        f"first {PADDING} keys are padding), same lengths; max |rlx - torch| {masked_diff:.1e}; compilations "
+        f"in the loop: {compile_count() - before_masked} (a mask of one key is compiled apart, so the second "
+        "step compiles too and the first hundred's mean holds it):"
+    )
+    print(h.markdown_table(["steps", "rlx ms/step", "torch ms/step", "torch / rlx"], rows(masked)))
     report = {
         "steps": args.steps,
         "compiles": compiles,
@@ -106,6 +116,8 @@ def main() -> int:
         "mean_step_s": {name: float(np.mean(values[steady])) for name, values in timings.items()},
         "model_mean_step_s": {name: float(np.mean(values[steady])) for name, values in layer.items()},
         "softcap_mean_step_s": {name: float(np.mean(values[steady])) for name, values in softcap.items()},
+        "masked_mean_step_s": {name: float(np.mean(values[steady])) for name, values in masked.items()},
+        "masked_last_hundred_s": {name: float(np.mean(values[-hundred:])) for name, values in masked.items()},
         "max_abs_diff": worst,
         "cpu": h.cpu_model(),
     }
@@ -177,6 +189,39 @@ def softcap_steps(steps: int, batch: int, heads: int, dim: int) -> tuple[dict[st
             for name in ("rlx", "torch") if step % 2 == 0 else ("torch", "rlx"):
                 start = time.perf_counter()
                 results[name] = attend[name](queries[step], k, v)
+                timings[name].append(time.perf_counter() - start)
+            worst = max(worst, float((results["rlx"] - results["torch"]).abs().max()))
+    return timings, worst
+
+
+MASKED_BATCH, PADDING = 2, 3
+
+
+def masked_steps(steps: int, heads: int, dim: int) -> tuple[dict[str, list[float]], float]:
+    """Seconds per decode step of SDPA with a bool padding mask, as batched generation calls it
+    (left padding on the second sequence), rlx.torch against torch, in alternating order; and
+    the largest difference between the two."""
+    import torch
+    import torch.nn.functional as F
+
+    import rlx.torch as rt
+
+    gen = torch.Generator().manual_seed(3)
+    shape = (steps, MASKED_BATCH, heads, 1, dim)
+    queries, new_keys, new_values = (torch.randn(shape, generator=gen) for _ in range(3))
+    attend = {"rlx": rt.scaled_dot_product_attention, "torch": F.scaled_dot_product_attention}
+    k, v = torch.empty(MASKED_BATCH, heads, 0, dim), torch.empty(MASKED_BATCH, heads, 0, dim)
+    timings: dict[str, list[float]] = {name: [] for name in attend}
+    worst = 0.0
+    with torch.no_grad():
+        for step in range(steps):
+            k, v = torch.cat([k, new_keys[step]], dim=2), torch.cat([v, new_values[step]], dim=2)
+            mask = torch.ones(MASKED_BATCH, 1, 1, step + 1, dtype=torch.bool)
+            mask[1, :, :, : min(PADDING, step)] = False  # the newest key is never padding
+            results = {}
+            for name in ("rlx", "torch") if step % 2 == 0 else ("torch", "rlx"):
+                start = time.perf_counter()
+                results[name] = attend[name](queries[step], k, v, attn_mask=mask)
                 timings[name].append(time.perf_counter() - start)
             worst = max(worst, float((results["rlx"] - results["torch"]).abs().max()))
     return timings, worst
