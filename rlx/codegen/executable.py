@@ -188,7 +188,7 @@ class DirectRunner:
     match; ``runner(layout, addresses, threads)`` runs on the addresses of the inputs, then of
     the outputs in :attr:`outputs` order, whose shapes are ``layout.buffers``'. The caller
     vouches for the addresses as :meth:`Executable.run_direct` says, and for the dtypes: each
-    input's is in :attr:`dtypes`. See :meth:`Executable.direct_runner`."""
+    input's is in :attr:`dtypes`. See :attr:`Executable.direct_runner`."""
 
     executable: Executable
     layout: LayoutFunction
@@ -403,8 +403,6 @@ class Executable:
         self._program = program
         self.compile_times = compile_times
         self._arenas = threading.local()
-        self._direct_runner: DirectRunner | None = None
-        self._direct_runner_made = False
 
     @property
     def graph(self) -> Graph:
@@ -551,20 +549,19 @@ class Executable:
         self._enter(layout, addresses, threads, None)
         return True
 
+    @functools.cached_property
     def direct_runner(self) -> DirectRunner | None:
-        """A :class:`DirectRunner` of this executable, or None where a call needs more than the
-        addresses of its inputs and outputs (an intermediate buffer, per-call data:
-        :attr:`Program.direct_outputs`): :meth:`run` then takes it. Its ``layout`` runs the
-        size checks, before native code."""
-        if not self._direct_runner_made:
-            program = self._program
-            direct = program.direct_outputs
-            if direct is not None and None not in direct:
-                inputs = program.graph.inputs
-                dtypes = tuple(value.dtype for value in inputs.values())
-                self._direct_runner = DirectRunner(self, program.direct_layout, tuple(inputs), dtypes, direct)  # type: ignore[arg-type]
-            self._direct_runner_made = True
-        return self._direct_runner
+        """A :class:`DirectRunner` of this executable (made once), or None where a call needs
+        more than the addresses of its inputs and outputs (an intermediate buffer, per-call data:
+        :attr:`Program.direct_outputs`): :meth:`run` then takes it. Its ``layout`` runs the size
+        checks, before native code."""
+        program = self._program
+        direct = program.direct_outputs
+        if direct is None or None in direct:
+            return None
+        inputs = program.graph.inputs
+        dtypes = tuple(value.dtype for value in inputs.values())
+        return DirectRunner(self, program.direct_layout, tuple(inputs), dtypes, direct)  # type: ignore[arg-type]
 
     def _enter(
         self, layout: CallLayout, addresses: list[int], threads: int | None, bound: Mapping[str, np.ndarray] | None

@@ -35,13 +35,14 @@ def _array(tensor: torch.Tensor) -> np.ndarray:
     return (x if x.is_contiguous() else x.contiguous()).numpy()
 
 
-def _direct(*tensors: torch.Tensor) -> bool:
-    """Whether native code may read these tensors' memory as it is: dense float32 CPU tensors,
-    C-contiguous and aligned to their elements (what ``_array`` would view without a copy)."""
+def _direct(*tensors: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether native code may read these tensors' memory as it is: dense CPU tensors of
+    ``dtype``, C-contiguous and aligned to their elements (for float32, what ``_array`` would
+    view without a copy)."""
     for t in tensors:  # a loop, not all() of a generator: one frame less on every decode step
-        if t.layout is not torch.strided or t.is_nested or t.dtype != torch.float32 or not t.is_cpu:
+        if t.layout is not torch.strided or t.is_nested or t.dtype != dtype or not t.is_cpu:
             return False
-        if not t.is_contiguous() or t.data_ptr() % 4 or t.is_neg():
+        if not t.is_contiguous() or t.data_ptr() % t.element_size() or t.is_neg():
             return False
     return True
 

@@ -24,7 +24,7 @@ from rlx.torch._autograd import _eager_under_torch_compile, _once_differentiable
 from rlx.torch._capture import _Capture, _capturing
 from rlx.torch._fingerprint import mod_key
 from rlx.torch._layouts import _layout_inputs, _layout_names, _layout_tensors, _strided_layout
-from rlx.torch._tensors import _array, _check_tensor, _tensor
+from rlx.torch._tensors import _array, _check_tensor, _direct, _tensor
 from rlx.torch.threads import _attention_flops, _threads_for
 
 
@@ -246,17 +246,19 @@ def _forward_by_address(
     """``out`` and ``lse`` of a call autograd does not record, the kernel reading the tensors'
     memory and writing into new tensors (:class:`DirectRunner`), or None where it cannot: a
     layout other than contiguous ``[B, H, S, D]``, a tensor of another dtype than the graph
-    declares or not dense, a graph whose call needs more than addresses (index checks, a
-    block map made per call). No NumPy array in or out, no autograd ``Function``: in a decode
-    loop those cost more than a short call's kernel."""
-    runner = plan.forward.direct_runner() if plan.layout == "bhsd" else None
+    declares or not dense (:func:`_direct`), a graph whose call needs more than addresses
+    (index checks, a block map made per call). No NumPy array in or out, no autograd
+    ``Function``: in a decode loop those cost more than a short call's kernel."""
+    runner = plan.forward.direct_runner if plan.layout == "bhsd" else None
     if runner is None or runner.outputs not in (("out", "lse"), ("lse", "out")):
         return None
     tensors = [q, k, v, *plan.captured]
     if runner.inputs != _input_names(len(plan.captured)):
         return None
-    if not all(_addressable(t, dtype) for t, dtype in zip(tensors, runner.dtypes, strict=True)):
-        return None
+    for t, dtype in zip(tensors, runner.dtypes, strict=True):
+        wanted = _TORCH_DTYPES.get(dtype)
+        if wanted is None or not _direct(t, dtype=wanted):
+            return None
     layout = runner.layout([t.shape for t in tensors])
     if layout is None:
         return None
@@ -266,20 +268,13 @@ def _forward_by_address(
     return outputs["out"], outputs["lse"]
 
 
+_TORCH_DTYPES = {np.dtype(name): getattr(torch, name) for name in ("float32", "int32", "int64", "bool")}
+
+
 @functools.cache
 def _input_names(captured: int) -> tuple[str, ...]:
     """A ``"bhsd"`` plan's graph inputs, in declaration order (:func:`_attention_arrays`)."""
     return ("q", "k", "v", *(f"c{i}" for i in range(captured)))
-
-
-_TORCH_DTYPES = {np.dtype(name): getattr(torch, name) for name in ("float32", "int32", "int64", "bool")}
-
-
-def _addressable(t: torch.Tensor, dtype: np.dtype) -> bool:
-    """Whether native code may read ``t``'s memory as a dense C-contiguous ``dtype`` array."""
-    if t.dtype != _TORCH_DTYPES.get(dtype) or t.layout is not torch.strided or t.is_nested or not t.is_cpu:
-        return False
-    return t.is_contiguous() and t.data_ptr() % t.element_size() == 0 and not t.is_neg() and not t.is_conj()
 
 
 def _flex_forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -65,7 +65,7 @@ def scaled_dot_product_attention(
 
 # Inference plans by what selects a plan (heads and head dims, flags): the forward's direct
 # runner. Lengths and batch are not in the key: a decode loop at Sk = 1..N meets one entry.
-_inference_runners: dict[tuple[Any, ...], DirectRunner] = {}
+_inference_runners: dict[tuple[Any, ...] | None, DirectRunner] = {}  # never under None
 
 
 def _inference_call(
@@ -89,20 +89,19 @@ def _inference_call(
     plain = plain and (scale is None or type(scale) is float) and dropout_p == 0.0
     if plain:
         assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
-        if q.ndim == k.ndim == v.ndim == 4:
+        runner = _inference_runners.get(_runner_key(q, k, v, is_causal, scale, enable_gqa))
+        if runner is not None:
+            if not _direct(q, k, v):
+                return None
+            if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+                return None
             qs, ks, vs = q.shape, k.shape, v.shape
-            runner = _inference_runners.get((qs[1], qs[3], ks[1], vs[3], is_causal, scale, enable_gqa))
-            if runner is not None:
-                if not _direct(q, k, v):
-                    return None
-                if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-                    return None
-                layout = runner.layout((qs, ks, vs))
-                if layout is not None:
-                    out = torch.empty(layout.buffers[0][1])
-                    flops = 2.0 * qs[0] * qs[1] * qs[2] * ks[2] * (qs[3] + vs[3])  # _attention_flops
-                    runner(layout, [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()], _threads_for(flops))
-                    return out
+            layout = runner.layout((qs, ks, vs))
+            if layout is not None:
+                out = torch.empty(layout.buffers[0][1])
+                flops = 2.0 * qs[0] * qs[1] * qs[2] * ks[2] * (qs[3] + vs[3])  # _attention_flops, inlined
+                runner(layout, [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()], _threads_for(flops))
+                return out
     if not _fixed_op_takes(q, k, v, None, dropout_p, is_causal, scale, enable_gqa):
         return None
     assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
@@ -113,12 +112,21 @@ def _inference_call(
     plan = _fixed_plan(q, k, v, is_causal, scale)  # type: ignore[arg-type]
     assert plan is not None  # _fixed_op_takes refuses causal calls with Sq != Sk
     if plain and plan.layout == "bhsd":
-        runner = (plan.executables.get("forward") or plan.executable("forward")).direct_runner()
+        runner = (plan.executables.get("forward") or plan.executable("forward")).direct_runner
         if runner is not None and runner.inputs == ("q", "k", "v") and runner.outputs == ("out",):
-            key = (q.shape[1], q.shape[3], k.shape[1], v.shape[3], is_causal, scale, enable_gqa)
             with _plans_lock:
-                _inference_runners.setdefault(key, runner)
+                _inference_runners.setdefault(_runner_key(q, k, v, is_causal, scale, enable_gqa), runner)
     return _fixed_out(plan, q, k, v, _attention_flops(q, k, v), direct=True)
+
+
+def _runner_key(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: object, enable_gqa: bool
+) -> tuple[Any, ...] | None:
+    """What selects an inference call's plan (:data:`_inference_runners`): heads, head dims and
+    flags; None for tensors that are not 4-D."""
+    if not q.ndim == k.ndim == v.ndim == 4:
+        return None
+    return (q.shape[1], q.shape[3], k.shape[1], v.shape[3], is_causal, scale, enable_gqa)
 
 
 def _fixed_op_takes(

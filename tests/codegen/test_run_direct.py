@@ -84,14 +84,14 @@ def test_direct_declines_graphs_whose_calls_need_more_than_addresses() -> None:
 
 
 def test_a_direct_runner_runs_as_run_direct_at_every_length() -> None:
-    """``direct_runner()``'s layout checks a call's shapes and its call writes what
+    """``direct_runner``'s layout checks a call's shapes and its call writes what
     ``run_direct`` writes, on any memory, at any lengths; the layout declines what
     ``run_direct`` declines. Graphs whose calls need an intermediate from the pool (the scaled
     one) have no runner."""
     exe = rlx.compile(decode_graph())
-    runner = exe.direct_runner()
+    runner = exe.direct_runner
     assert runner is not None and runner.outputs == ("out",) and runner.inputs == ("q", "k", "v")
-    assert runner.dtypes == (np.dtype(np.float32),) * 3 and exe.direct_runner() is runner  # made once
+    assert runner.dtypes == (np.dtype(np.float32),) * 3 and exe.direct_runner is runner  # made once
     for batch, seq_k in ((2, 37), (2, 37), (1, 1), (3, 200)):
         shapes = [(batch, HEADS, 1, DIM), (batch, HEADS, seq_k, DIM), (batch, HEADS, seq_k, DIM)]
         layout = runner.layout(shapes)
@@ -106,7 +106,7 @@ def test_a_direct_runner_runs_as_run_direct_at_every_length() -> None:
     assert runner.layout([(3, HEADS, 1, DIM), shapes[1], shapes[2]]) is None  # batches 3 and 2
     assert runner.layout([(2, HEADS, 1, DIM), (2, HEADS, 0, DIM), (2, HEADS, 0, DIM)]) is None
     assert runner.layout(shapes[:2]) is None
-    assert rlx.compile(decode_graph(scaled=True)).direct_runner() is None
+    assert rlx.compile(decode_graph(scaled=True)).direct_runner is None
     with pytest.raises(RlxValueError, match="32-bit BLAS limit"):  # refused by the layout, before native code
         runner.layout([(1, HEADS, 1, DIM), (1, HEADS, INT32_MAX, DIM), (1, HEADS, INT32_MAX, DIM)])
 
