@@ -85,6 +85,25 @@ class TileShape:
         keep the library small: it is compiled at the first attention call of a process."""
         return tuple(sorted({self.rows, min(4, self.rows), 1}, reverse=True))
 
+    def step_cycles(self, height: int) -> int:
+        """Cycles of one step of k for a tile of ``height`` rows, on a core of two FMA pipes of
+        latency 4: ``height·vectors`` FMAs, at most two a cycle, each chain at most one per 4
+        cycles (a row of 1 takes as long as a row of 4)."""
+        return max(height * self.vectors // 2, 4)
+
+    def remainder_cycles(self, rows: int) -> int:
+        """Cycles of one step of k for ``rows`` rows in tiles of 4 and of 1 (see row_steps)."""
+        return rows // 4 * self.step_cycles(4) + rows % 4 * self.step_cycles(1)
+
+    def rows_given_back(self, remainder: int) -> int:
+        """Whole tiles to leave to the short ones when ``remainder`` rows (``m`` mod ``rows``)
+        are left over: 1 where 4-row tiles cover the remainder and one whole tile in fewer
+        cycles than 1-row tiles cover the remainder alone (128 rows: 20·6 + 2·4, not 21·6 +
+        2·1), else 0."""
+        own = self.remainder_cycles(remainder)
+        shared = self.remainder_cycles(remainder + self.rows) - self.step_cycles(self.rows)
+        return int(shared < own)
+
     def product_name(self, trans_a: bool) -> str:
         return f"rlx_tile_gemm_{'tn' if trans_a else 'nn'}_{self.rows}x{self.vectors}x{self.width}"
 
@@ -211,10 +230,10 @@ class _ProductEmitter:
         b = self.b
         columns = smin(b, i64(self.shape.columns), b.sub(self.n, j), name="columns")
         operands = [*self.strides, b_panel, ldb, self.c, self.ldc, self.depth, self.alpha, self.block_beta]
-        i = i64(0)
+        i, whole_rows_end = i64(0), self._whole_rows_end()
         for height in self.shape.row_steps:
             tile = functools.partial(self._tile, self.tiles[height], operands, j, columns)
-            i = self._rows(i, height, tile)
+            i = self._rows(i, height, tile, whole_rows_end if height == self.shape.rows else self.m)
 
     def _tile(self, tile: ir.Function, operands: list[ir.Value], j: ir.Value, columns: ir.Value, i: ir.Value) -> None:
         a_tile = gep_f32(self.b, self.a_block, self.b.mul(i, self.strides[0]), name="a.tile")
@@ -231,8 +250,20 @@ class _ProductEmitter:
                 value = _masked_load(b, gep_f32(b, row, i64(v * width)), masks[v])
                 b.store(value, b.gep(self.panel, [b.add(b.mul(p, i64(vectors)), i64(v))], inbounds=True), align=64)
 
-    def _rows(self, start: ir.Value, height: int, body: Callable[[ir.Value], None]) -> ir.Value:
-        """``for i = start; i + height <= m; i += height: body(i)``; returns where it stopped."""
+    def _whole_rows_end(self) -> ir.Value:
+        """Where the whole tiles stop: before ``m``, less one whole tile where the short tiles
+        do the rest faster with it (:meth:`TileShape.rows_given_back`)."""
+        b, rows = self.b, self.shape.rows
+        remainder = b.srem(self.m, i64(rows), name="rows.left")
+        end = self.m
+        for left in range(1, rows):
+            if self.shape.rows_given_back(left):
+                back = b.and_(b.icmp_signed("==", remainder, i64(left)), b.icmp_signed(">=", self.m, i64(rows + left)))
+                end = b.select(back, b.sub(self.m, i64(rows + left)), end)
+        return end
+
+    def _rows(self, start: ir.Value, height: int, body: Callable[[ir.Value], None], stop: ir.Value) -> ir.Value:
+        """``for i = start; i + height <= stop; i += height: body(i)``; returns where it stopped."""
         b = self.b
         before = b.block
         cond, inner, end = (b.append_basic_block(f"rows{height}.{part}") for part in ("cond", "body", "end"))
@@ -240,7 +271,7 @@ class _ProductEmitter:
         b.position_at_end(cond)
         index = b.phi(I64, name=f"rows{height}")
         index.add_incoming(start, before)
-        b.cbranch(b.icmp_signed("<=", b.add(index, i64(height)), self.m), inner, end)
+        b.cbranch(b.icmp_signed("<=", b.add(index, i64(height)), stop), inner, end)
         b.position_at_end(inner)
         body(index)
         index.add_incoming(b.add(index, i64(height), name=f"rows{height}.next"), b.block)
@@ -316,14 +347,34 @@ def _define_tile(module: ir.Module, shape: TileShape, height: int) -> ir.Functio
             phi.add_incoming(updated[r][v], last)
         sums.append(phis)
     # C = alpha·sums + beta·C; with beta 0, C is not read (it may hold NaN) and is alpha·sums.
+    # A whole panel's C is written with plain stores: a masked store (vmaskmovps) costs a dozen
+    # micro-ops on AMD's Zen cores, and 12 of them took 40% of a 6 x 16 tile's time over 64 terms
+    # of k. Only the last panel of a width that is not a multiple of the tile's takes masks.
     alpha_vector, beta_vector = splat(b, alpha, width), splat(b, beta, width)
     reads_c = b.fcmp_ordered("!=", beta, f32(0.0), name="reads.c")
-    for r in range(height):
-        for v in range(vectors):
-            offset = b.add(b.mul(b.add(i, i64(r)), ldc), b.add(j, i64(v * width)))
-            old = load(c, offset, b.and_(masks[v], splat(b, reads_c, width)))
-            scaled = b.fmul(alpha_vector, sums[r][v])
-            store(b.select(reads_c, b.call(fma, [beta_vector, old, scaled]), scaled), offset, masks[v])
+    scaled = [[b.fmul(alpha_vector, sums[r][v]) for v in range(vectors)] for r in range(height)]
+    offsets = [
+        [b.add(b.mul(b.add(i, i64(r)), ldc), b.add(j, i64(v * width))) for v in range(vectors)] for r in range(height)
+    ]
+    whole = b.icmp_signed("==", columns, i64(shape.columns), name="panel.whole")
+    with b.if_else(whole) as (plain, masked):
+        with plain, b.if_else(reads_c) as (accumulate, overwrite):
+            with accumulate:
+                for r, v in itertools.product(range(height), range(vectors)):
+                    at = gep_f32(b, c, offsets[r][v])
+                    old = b.load(at, typ=vector, align=4)
+                    b.store(b.call(fma, [beta_vector, old, scaled[r][v]]), at, align=4)
+            with overwrite:
+                for r, v in itertools.product(range(height), range(vectors)):
+                    b.store(scaled[r][v], gep_f32(b, c, offsets[r][v]), align=4)
+        with masked:
+            for r, v in itertools.product(range(height), range(vectors)):
+                old = load(c, offsets[r][v], b.and_(masks[v], splat(b, reads_c, width)))
+                store(
+                    b.select(reads_c, b.call(fma, [beta_vector, old, scaled[r][v]]), scaled[r][v]),
+                    offsets[r][v],
+                    masks[v],
+                )
     b.ret_void()
     return fn
 

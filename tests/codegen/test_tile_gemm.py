@@ -113,6 +113,26 @@ def test_matches_float64(shape: TileShape, trans_a: bool, m: int, n: int, k: int
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s.rows}x{s.vectors}x{s.width}")
+def test_rows_left_to_short_tiles_match_float64(shape: TileShape) -> None:
+    """Heights where the whole tiles stop one early and the 4-row tiles take the rest (a
+    remainder of 2 or 3 rows), next to heights where they do not, with a column tail."""
+    if not _runs_here(shape):
+        pytest.skip("this CPU has no vectors of this width")
+    for m in sorted({shape.rows + 2, shape.rows + 3, 2 * shape.rows + 2, 2, 3, shape.rows + 1, shape.rows + 4}):
+        _check(shape, m, 2 * shape.columns + 3, 37, m % 2 == 1, 1.0, 0.0, seed=m)
+        _check(shape, m, shape.columns, 37, m % 2 == 0, 0.5, 1.0, pad=(1, 2, 3), seed=m)
+
+
+def test_whole_tiles_give_rows_back_where_short_tiles_are_faster() -> None:
+    """A remainder of 2 or 3 rows runs as 4-row tiles at the FMA rate with one whole tile's rows,
+    not as 1-row tiles bound by the FMA latency; 1 or 4 rows stay where they are."""
+    assert [AVX2_TILE.rows_given_back(r) for r in range(6)] == [0, 0, 1, 1, 0, 0]
+    assert AVX2_TILE.remainder_cycles(8) + AVX2_TILE.step_cycles(6) * 20 == 128
+    assert AVX2_TILE.remainder_cycles(2) + AVX2_TILE.step_cycles(6) * 21 == 134
+    assert AVX512_TILE.rows_given_back(2) and not AVX512_TILE.rows_given_back(1)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s.rows}x{s.vectors}x{s.width}")
 def test_zero_terms_scale_c(shape: TileShape) -> None:
     """``k = 0`` leaves ``beta C``, as BLAS does (and zeros for beta 0, whatever C held)."""
     if not _runs_here(shape):
