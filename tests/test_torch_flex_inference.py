@@ -64,11 +64,13 @@ def _formula(q: Any, k: Any, v: Any, score_mod: Any, mask_mod: Any) -> tuple[Any
 
 
 # mods, shapes, whether the call goes by address: a mask read from a tensor has its block map
-# made per call from the tensor, which a call by address does not make (the general path does).
+# made per call from the tensor, but a call as small as these reads no map (every tile PARTIAL),
+# so it goes by address too; a large one takes the general path, which makes the map
+# (test_a_large_call_with_a_mask_tensor_takes_the_general_path).
 CASES = {
     "plain": ({}, {}, True),
     "softcap": ({"score_mod": _softcap}, {}, True),
-    "document": ({"mask_mod": _same_document}, {}, False),
+    "document": ({"mask_mod": _same_document}, {}, True),
     "gqa-and-value-width": ({"score_mod": _softcap}, {"kv_heads": 2, "value_dim": 24}, True),
 }
 
@@ -91,6 +93,43 @@ def test_inference_calls_go_by_address_and_equal_the_recorded_path(case: str, by
     want, want_lse = _formula(q, k, v, mods.get("score_mod"), mods.get("mask_mod"))
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=2e-6)
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=2e-6)
+
+
+def test_a_large_call_with_a_mask_tensor_takes_the_general_path(
+    by_address: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Above the small-call threshold the kernel reads its block map, which only the general
+    path makes from the tensor: such a call does not go by address, and skips the hidden tiles
+    (here the threshold is lowered so that a call of this size counts as large)."""
+    from rlx.codegen import lower
+
+    monkeypatch.setattr(lower, "SMALL_CALL_MACS", 64)  # read when a kernel is emitted
+    q, k, v = _tensors(11, 11, value_dim=8, seed=5)  # a graph no other test compiled
+    with torch.no_grad():
+        out, lse = rt.flex_attention(q, k, v, mask_mod=_same_document, return_lse=True)
+    assert not by_address
+    want, want_lse = _formula(q, k, v, None, _same_document)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=2e-6)
+
+
+def test_sdpa_padding_masks_in_a_decode_loop_go_by_address(by_address: list[int]) -> None:
+    """Batched generation's padding mask ``[B, 1, 1, Sk]``: each step's block map would be made
+    from the mask, but a decode step is small, its kernel reads no map, and it runs by address;
+    the results are torch's at every length."""
+    gen = torch.Generator().manual_seed(7)
+    steps = 0
+    with torch.no_grad():
+        for seq_k in range(2, 60, 7):
+            q = torch.randn(B, H, 1, D, generator=gen)
+            k, v = (torch.randn(B, H, seq_k, D, generator=gen) for _ in range(2))
+            mask = torch.ones(B, 1, 1, seq_k, dtype=torch.bool)
+            mask[1, :, :, : min(3, seq_k - 1)] = False
+            out = rt.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=2e-6)
+            steps += 1
+    assert len(by_address) == steps
 
 
 def test_a_decode_loop_goes_by_address_at_every_length(by_address: list[int]) -> None:

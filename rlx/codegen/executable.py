@@ -28,8 +28,10 @@ from rlx.codegen.call_layout import LayoutFunction, layout_function
 from rlx.codegen.gc_pause import collection_paused
 from rlx.codegen.jit import CompiledLibrary, cache_key, compile_ir
 from rlx.codegen.lower import (
+    UNREAD_MAP,
     CallBufferFill,
     CallData,
+    CallMap,
     CodegenOptions,
     DynamicScratch,
     call_checks,
@@ -118,9 +120,11 @@ class Program:
     @functools.cached_property
     def direct_outputs(self) -> tuple[str | None, ...] | None:
         """For :meth:`Executable.run_direct`: per buffer after the inputs, the graph output it is
-        (None: an intermediate, from the pool); None where a call needs more than addresses
-        (index checks, per-call block maps or buffers, an output that is a copy of another)."""
-        if self.index_bounds or self.call_data or self.call_buffers:
+        (None: an intermediate, from the pool), or the name of a block map made per call (which a
+        call whose kernel reads no map, :attr:`CallLayout.unread`, runs without); None where a
+        call needs more than addresses (index checks, block maps in the call data, an output that
+        is a copy of another)."""
+        if self.index_bounds or self.call_data:
             return None
         if not all(owned for _, _, owned in self.results):
             return None
@@ -128,6 +132,9 @@ class Program:
         names = {slot: name for name, slot, _ in self.results}
         if len(names) != len(self.results) or min(names, default=first) < first:
             return None  # two outputs of one buffer, or an output that is an input
+        for slot, name in enumerate(self.plan.buffer_names):
+            if name in self.call_buffers:
+                names[slot] = name
         return tuple(names.get(slot) for slot in range(first, len(self.plan.buffer_names)))
 
     @functools.cached_property
@@ -158,7 +165,10 @@ class Program:
             (name, shape if static or shape is None else resolve_dims(shape, sizes), dtype)
             for name, shape, static, dtype in self.buffer_kinds
         )
-        layout = CallLayout(table, arena_bytes, buffers, self.results)  # type: ignore[arg-type]  # static: ints
+        unread = frozenset(
+            name for name, fill in self.call_buffers.items() if isinstance(fill, CallMap) and fill.unread(sizes)
+        )
+        layout = CallLayout(table, arena_bytes, buffers, self.results, unread)  # type: ignore[arg-type]  # static: ints
         if len(self.layouts) >= LAYOUTS_KEPT:  # a decode loop brings new sizes every step
             self.layouts.clear()
         self.layouts[tuple(sizes.items())] = layout
@@ -172,12 +182,14 @@ LAYOUTS_KEPT = 64
 class CallLayout:
     """The part of a call that depends on its symbol sizes only: the sizes table native code reads
     (empty for static shapes), the arena's size, ``(name, shape, dtype)`` of each buffer after the
-    inputs (shape None: made per call by ``call_buffers``), and ``(name, slot, owned)`` per output."""
+    inputs (shape None: made per call by ``call_buffers``), ``(name, slot, owned)`` per output, and
+    the block maps made per call that this call does not need (:meth:`rlx.codegen.lower.CallMap.unread`)."""
 
     table: bytes
     arena_bytes: int
     buffers: tuple[tuple[str, tuple[int, ...] | None, np.dtype | None], ...]
     results: tuple[tuple[str, int, bool], ...]
+    unread: frozenset[str] = frozenset()  # block maps made per call that this call's kernels do not read
 
 
 @dataclass(frozen=True)
@@ -195,8 +207,18 @@ class DirectRunner:
     inputs: tuple[str, ...]
     dtypes: tuple[np.dtype, ...]  # each input's
     outputs: tuple[str, ...]
+    maps: tuple[int, ...] = ()  # positions after the inputs of block maps made per call (unread)
+
+    def output_shapes(self, layout: CallLayout) -> tuple[tuple[int, ...], ...]:
+        """The shapes of :attr:`outputs`, in order, for a call of this layout."""
+        shapes = [shape for index, (_, shape, _) in enumerate(layout.buffers) if index not in self.maps]
+        return tuple(shapes)  # type: ignore[arg-type]
 
     def __call__(self, layout: CallLayout, addresses: list[int], threads: int | None = None) -> None:
+        if self.maps:  # a layout from self.layout: no map is read, any address serves
+            first = len(self.inputs)
+            for index in self.maps:
+                addresses.insert(first + index, _UNREAD_ADDRESS)
         self.executable._enter(layout, addresses, threads, None)
 
 
@@ -542,6 +564,11 @@ class Executable:
                 pool = self._outputs() if pool is None else pool
                 addresses.append(data_address(pool.take(name, shape, dtype)))  # type: ignore[arg-type]
                 continue
+            if output in program.call_buffers:  # a block map made per call
+                if output not in layout.unread:
+                    return False
+                addresses.append(_UNREAD_ADDRESS)
+                continue
             given = outputs.get(output)
             if given is None or given[1] != shape:
                 return False
@@ -561,7 +588,18 @@ class Executable:
             return None
         inputs = program.graph.inputs
         dtypes = tuple(value.dtype for value in inputs.values())
-        return DirectRunner(self, program.direct_layout, tuple(inputs), dtypes, direct)  # type: ignore[arg-type]
+        maps = tuple(slot for slot, name in enumerate(direct) if name in program.call_buffers)
+        outputs = tuple(name for name in direct if name not in program.call_buffers)
+        layout = program.direct_layout
+        if maps:
+            names = frozenset(program.call_buffers)
+
+            def layout_without_maps(shapes: Sequence[tuple[int, ...]]) -> CallLayout | None:
+                found = program.direct_layout(shapes)
+                return found if found is not None and names <= found.unread else None
+
+            layout = layout_without_maps
+        return DirectRunner(self, layout, tuple(inputs), dtypes, outputs, maps)  # type: ignore[arg-type]
 
     def _enter(
         self, layout: CallLayout, addresses: list[int], threads: int | None, bound: Mapping[str, np.ndarray] | None
@@ -708,3 +746,6 @@ def emit_llvm_ir(graph: Graph, passes: Sequence[str] | None = None, config: Runt
         raise RlxTypeError(f"emit_llvm_ir expects an rlx.Graph, got {type(graph).__name__}")
     config = resolve_config(config)
     return _lower(graph, _check_passes(passes), config, resolve_num_threads(config), CodegenOptions(), {}).llvm_ir
+
+
+_UNREAD_ADDRESS = data_address(UNREAD_MAP)  # what a call passes for a block map its kernels do not read

@@ -16,6 +16,7 @@ I8 = ir.IntType(8)
 I32 = ir.IntType(32)
 I64 = ir.IntType(64)
 F32 = ir.FloatType()
+F64 = ir.DoubleType()
 PTR = ir.PointerType()
 VOID = ir.VoidType()
 

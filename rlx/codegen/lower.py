@@ -295,6 +295,14 @@ def block_map_arrays(
 SMALL_CALL_MACS = 1 << 24
 
 
+def small_call(batch: int, heads: int, seq_q: int, seq_k: int, head_dims: int, threshold: int | None = None) -> bool:
+    """Whether a call's multiply-adds are below ``threshold`` (default :data:`SMALL_CALL_MACS`),
+    as the kernels decide it in native code (``FlexLowering._map_unread``): a product of
+    float64s, exact below 2^53 and never below the threshold when the sizes are above it."""
+    limit = SMALL_CALL_MACS if threshold is None else threshold
+    return float(batch) * float(heads) * float(seq_q) * float(seq_k) * float(head_dims) < limit
+
+
 def _per_call_states(
     spec: FlexKernelSpec, captured: tuple[Value, ...], bound: Mapping[str, np.ndarray] | None, grid: TileGrid
 ) -> np.ndarray:
@@ -303,8 +311,7 @@ def _per_call_states(
     from rlx.codegen.block_map import PARTIAL
 
     dims = spec.dims
-    macs = int(grid.batch) * dims.heads * int(grid.seq_q) * int(grid.seq_k) * (dims.head_dim + dims.value_dim)
-    if macs < SMALL_CALL_MACS:
+    if small_call(int(grid.batch), dims.heads, int(grid.seq_q), int(grid.seq_k), dims.head_dim + dims.value_dim):
         return np.full(grid.shape, PARTIAL, dtype=np.uint8)
     return _tile_states(spec, captured, bound, grid)
 
@@ -355,6 +362,9 @@ class CallData:
 
 CallBufferFill = Callable[[Mapping[str, np.ndarray], Mapping[str, int]], np.ndarray]
 """``fill(bound inputs, symbol sizes)``: a buffer made for one call (a block map at its lengths)."""
+
+UNREAD_MAP = np.zeros(1, dtype=np.uint8)
+"""What a call passes for a block map its kernel does not read (:meth:`CallMap.unread`)."""
 
 
 STRIDE_BUCKET = 64  # symbol sizes that share a scratch stride (see DynamicScratch.stride)
@@ -585,8 +595,8 @@ class _Lowering:
         kind = spec.map_kind
         if kind == "call":
             name = f"%blockmap{node.id}"
-            fill = functools.partial(_call_map, spec, flex_captured(node))
-            self.call_buffers.append((name, fill))
+            # The threshold the kernel was emitted with (FlexLowering read it too, just above).
+            self.call_buffers.append((name, CallMap(spec, flex_captured(node), SMALL_CALL_MACS)))
             slot = len(self.plan.buffer_names)
             self.plan.buffer_names.append(name)
             return self.b.load(gep(self.b, self.buffers, [i64(slot)], PTR), typ=PTR, name=f"blockmap.{node.id}")
@@ -708,16 +718,43 @@ def _map_for_sizes(spec: FlexKernelSpec, batch: int, seq_q: int, seq_k: int) -> 
     return _tile_states(spec, (), None, replace(spec.grid, batch=batch, seq_q=seq_q, seq_k=seq_k))
 
 
-def _call_map(
-    spec: FlexKernelSpec, captured: tuple[Value, ...], bound: Mapping[str, np.ndarray], sizes: Mapping[str, int]
-) -> np.ndarray:
-    """The tile states at one call's batch and lengths: from its tensors when the mask reads
-    any, else (a mask of indices alone) cached by the sizes."""
-    assert spec.map_mask is not None
-    batch, seq_q, seq_k = resolve_dims((spec.dims.batch, spec.dims.seq_q, spec.dims.seq_k), sizes)
-    if not spec.map_mask.reads():
-        return _map_for_sizes(spec, batch, seq_q, seq_k)
-    return _per_call_states(spec, captured, bound, replace(spec.grid, batch=batch, seq_q=seq_q, seq_k=seq_k))
+@dataclass(frozen=True)
+class CallMap:
+    """The block map of a kernel of symbolic lengths, made for each call (a :data:`CallBufferFill`).
+
+    A mask reading tensors gives a small call (:func:`small_call`) every tile PARTIAL, and a
+    kernel that reads the call's sizes then reads no map at all (``FlexKernelSpec.
+    small_calls_read_no_map``): such a call needs nothing but addresses, so ``rlx.torch`` runs a
+    batched decode step with a padding mask by address (:class:`rlx.codegen.executable.
+    DirectRunner`), as it runs one without."""
+
+    spec: FlexKernelSpec
+    captured: tuple[Value, ...]
+    threshold: int  # SMALL_CALL_MACS when the kernel was emitted: its native test and this one agree
+
+    def _sizes(self, sizes: Mapping[str, int]) -> tuple[int, int, int]:
+        dims = self.spec.dims
+        return resolve_dims((dims.batch, dims.seq_q, dims.seq_k), sizes)  # type: ignore[return-value]
+
+    def unread(self, sizes: Mapping[str, int]) -> bool:
+        """Whether the kernel reads no map in a call of these sizes (:data:`UNREAD_MAP` serves)."""
+        if not self.spec.small_calls_read_no_map:
+            return False
+        dims = self.spec.dims
+        batch, seq_q, seq_k = self._sizes(sizes)
+        return small_call(batch, dims.heads, seq_q, seq_k, dims.head_dim + dims.value_dim, self.threshold)
+
+    def __call__(self, bound: Mapping[str, np.ndarray], sizes: Mapping[str, int]) -> np.ndarray:
+        """The tile states at one call's batch and lengths: from its tensors when the mask reads
+        any, else (a mask of indices alone) cached by the sizes."""
+        assert self.spec.map_mask is not None
+        if self.unread(sizes):
+            return UNREAD_MAP
+        batch, seq_q, seq_k = self._sizes(sizes)
+        if not self.spec.map_mask.reads():
+            return _map_for_sizes(self.spec, batch, seq_q, seq_k)
+        grid = replace(self.spec.grid, batch=batch, seq_q=seq_q, seq_k=seq_k)
+        return _per_call_states(self.spec, self.captured, bound, grid)
 
 
 def call_checks(graph: Graph) -> list[Callable[[Mapping[str, int]], None]]:

@@ -33,6 +33,7 @@ from rlx.codegen.blas import NO_TRANS, TRANS
 from rlx.codegen.block_map import EMPTY, FULL, PARTIAL, TileGrid
 from rlx.codegen.irutil import (
     F32,
+    F64,
     I1,
     I8,
     I64,
@@ -121,6 +122,14 @@ class FlexKernelSpec:
     def per_call(self) -> bool:
         """Whether the kernel reads sizes from the call's table (lengths or captured shapes symbolic)."""
         return not self.is_static or not all(t.is_static for t in self.captured)
+
+    @property
+    def small_calls_read_no_map(self) -> bool:
+        """Whether a call below ``lower.SMALL_CALL_MACS`` reads no block map (every tile
+        PARTIAL): a map made per call from tensors, in a kernel that reads the call's sizes (the
+        test needs the batch, which a kernel of static lengths does not load)."""
+        mask = self.map_mask
+        return self.map_kind == "call" and mask is not None and bool(mask.reads()) and self.per_call
 
     @property
     def backward(self) -> bool:
@@ -225,6 +234,24 @@ class FlexLowering:
         grid = self.spec.grid
         self.strips = ceil_div(b, self.sq, grid.block_q)
         self.tiles = ceil_div(b, self.sk, grid.block_k)
+        self.map_unread = self._map_unread(b)
+
+    def _map_unread(self, b: ir.IRBuilder) -> ir.Value | None:
+        """For a map made per call from tensors: whether this call is small (every tile PARTIAL,
+        the map not read; the caller may pass any address, see ``lower.CallMap``), by the rule
+        of :func:`rlx.codegen.lower.small_call`, a product of doubles. None: the map is read."""
+        from rlx.codegen import lower  # read now: lower.CallMap takes the same value, for this kernel
+
+        spec = self.spec
+        if not spec.small_calls_read_no_map:
+            return None
+        dims = spec.dims
+        factors = [emit_size(b, dims.batch, self.symbols), i64(dims.heads), self.sq, self.sk]
+        factors.append(i64(dims.head_dim + dims.value_dim))
+        product: ir.Value = ir.Constant(F64, 1.0)
+        for factor in factors:
+            product = b.fmul(product, b.sitofp(factor, F64))
+        return b.fcmp_ordered("<", product, ir.Constant(F64, float(lower.SMALL_CALL_MACS)), name="map.unread")
 
     def _runtime_strides(self, b: ir.IRBuilder, ty: TensorType) -> tuple[ir.Value, ...]:
         """Row-major strides of a captured tensor whose shape names symbols, for this call."""
@@ -319,7 +346,14 @@ class FlexLowering:
             return ir.Constant(I8, FULL)
         if kind == "all":
             return ir.Constant(I8, PARTIAL)
-        state = b.load(gep(b, map_row, [tile], I8), typ=I8, name="state")
+        if self.map_unread is not None:  # a small call reads no map: every tile PARTIAL
+            slot = alloca_entry(b, I8, "state.slot")
+            b.store(ir.Constant(I8, PARTIAL), slot)
+            with b.if_then(b.not_(self.map_unread)):
+                b.store(b.load(gep(b, map_row, [tile], I8), typ=I8), slot)
+            state = b.load(slot, typ=I8, name="state")
+        else:
+            state = b.load(gep(b, map_row, [tile], I8), typ=I8, name="state")
         if self.dense is not None:  # a strip recomputed over every key: every tile evaluated
             state = b.select(self.dense, ir.Constant(I8, PARTIAL), state)
         return state

@@ -262,7 +262,9 @@ def _forward_by_address(
     layout = runner.layout([t.shape for t in tensors])
     if layout is None:
         return None
-    outputs = {name: torch.empty(shape) for name, (_, shape, _) in zip(runner.outputs, layout.buffers, strict=True)}
+    outputs = {
+        name: torch.empty(shape) for name, shape in zip(runner.outputs, runner.output_shapes(layout), strict=True)
+    }
     addresses = [t.data_ptr() for t in tensors] + [outputs[name].data_ptr() for name in runner.outputs]
     runner(layout, addresses, plan.threads)
     return outputs["out"], outputs["lse"]

@@ -210,3 +210,80 @@ def test_sizes_in_a_known_bucket_need_no_generic_layout(monkeypatch: pytest.Monk
         assert [c["Sk"] for c in calls] == [1, STRIDE_BUCKET + 1]
     finally:
         program.__dict__.pop("direct_layout", None)  # the next use generates it around the real method
+
+
+def padded_graph() -> rlx.Graph:
+    """Symbolic lengths, a padding mask read from a bool tensor ``[B, Sk]``: its block map is made
+    per call from the tensor (a call buffer), unless the call is small."""
+    g = rlx.Graph("padded")
+    q = g.input("q", ("B", HEADS, "Sq", DIM))
+    k = g.input("k", ("B", HEADS, "Sk", DIM))
+    v = g.input("v", ("B", HEADS, "Sk", DIM))
+    keep = g.input("keep", ("B", "Sk"), dtype="bool")
+    out, lse = g.attention(q, k, v, mask_mod=lambda b, h, qi, kv: keep[b, kv], layout=rlx.Layout.BHSD, return_lse=True)
+    g.output(out=out, lse=lse)
+    return g
+
+
+def padded_arrays(batch: int, seq_q: int, seq_k: int, seed: int) -> dict[str, np.ndarray]:
+    a = arrays(batch, seq_q, seq_k, seed)
+    keep = np.ones((batch, seq_k), dtype=bool)
+    keep[-1, : min(3, seq_k - 1)] = False  # the last sequence's first keys are padding
+    return a | {"keep": keep}
+
+
+def test_a_small_call_with_a_mask_tensor_runs_by_address_without_its_map() -> None:
+    """A call below the small-call threshold reads no block map (every tile PARTIAL), so its
+    runner needs only addresses; its results are ``run``'s and the reference's. A call above
+    the threshold reads the map, which only ``run`` makes from the tensor: the runner's layout
+    and ``run_direct`` decline it, and ``run`` is still right."""
+    g = padded_graph()
+    exe = rlx.compile(g)
+    runner = exe.direct_runner
+    assert runner is not None and runner.outputs == ("out", "lse") and len(runner.maps) == 1
+    for batch, seq_q, seq_k in ((2, 1, 1), (2, 1, 37), (3, 1, 200), (2, 5, 64)):
+        a = padded_arrays(batch, seq_q, seq_k, seed=seq_k)
+        names = ("q", "k", "v", "keep")
+        layout = runner.layout([a[name].shape for name in names])
+        assert layout is not None
+        out = np.full((batch, HEADS, seq_q, DIM), np.nan, dtype=np.float32)
+        lse = np.full((batch, HEADS, seq_q), np.nan, dtype=np.float32)
+        assert runner.output_shapes(layout) == (out.shape, lse.shape)
+        runner(layout, [data_address(a[name]) for name in names] + [data_address(out), data_address(lse)])
+        got = exe(**a)
+        np.testing.assert_array_equal(out, got["out"])
+        np.testing.assert_array_equal(lse, got["lse"])
+        want = rlx.reference.run(g, **a)
+        np.testing.assert_allclose(out, want["out"], rtol=1e-5, atol=1e-6)
+        outputs = {"out": (data_address(out), out.shape), "lse": (data_address(lse), lse.shape)}
+        assert exe.run_direct([(data_address(a[name]), a[name].shape) for name in names], outputs)
+    large = padded_arrays(2, 512, 512, seed=1)  # 2·4·512·512·32 multiply-adds: above the threshold
+    names = ("q", "k", "v", "keep")
+    assert runner.layout([large[name].shape for name in names]) is None
+    out, lse = np.zeros((2, HEADS, 512, DIM), np.float32), np.zeros((2, HEADS, 512), np.float32)
+    outputs = {"out": (data_address(out), out.shape), "lse": (data_address(lse), lse.shape)}
+    assert not exe.run_direct([(data_address(large[name]), large[name].shape) for name in names], outputs)
+    assert (out == 0).all()
+    np.testing.assert_allclose(exe(**large)["out"], rlx.reference.run(g, **large)["out"], rtol=1e-4, atol=1e-5)
+
+
+def test_the_native_and_the_python_small_call_rules_agree_at_the_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel decides in native code whether it reads the map, the call's layout in Python
+    whether to make one: both from the threshold the kernel was compiled with, so a call just
+    below it goes by address and one at it makes its map, even after the threshold changes."""
+    import rlx.codegen.lower as lower
+
+    macs_at = 2 * HEADS * 1 * 40 * (2 * DIM)  # B2, one query, 40 keys
+    monkeypatch.setattr(lower, "SMALL_CALL_MACS", macs_at)
+    g = padded_graph()
+    g.name = "padded_threshold"  # not the executable another test compiled with the default
+    exe = rlx.compile(g)
+    monkeypatch.setattr(lower, "SMALL_CALL_MACS", 1 << 40)  # later changes do not reach it
+    runner = exe.direct_runner
+    assert runner is not None
+    names = ("q", "k", "v", "keep")
+    for seq_k, addressed in ((39, True), (40, False), (41, False)):
+        a = padded_arrays(2, 1, seq_k, seed=seq_k)
+        layout = runner.layout([a[name].shape for name in names])
+        assert (layout is not None) == addressed
+        np.testing.assert_allclose(exe(**a)["out"], rlx.reference.run(g, **a)["out"], rtol=1e-5, atol=1e-6)
