@@ -198,3 +198,36 @@ def test_masks_whose_shape_keeps_every_index_in_range_need_no_check_per_call() -
             mask[..., 0] = True
             want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             torch.testing.assert_close(rt.scaled_dot_product_attention(q, k, v, attn_mask=mask), want)
+
+
+def test_a_padding_mask_decode_loop_compiles_once_from_its_first_key() -> None:
+    """A mask axis of size 1 that equals its dimension (one key, one query, a batch of one) is
+    that dimension, not a broadcast: the loop's first step (one key) and the rest share a plan,
+    and so do a prefill's ``[B, 1, S, S]`` mask and the decode steps' ``[B, 1, 1, S + t]``; the
+    plan traced at one key reads the mask at every key of the later steps (it read key 0 once)."""
+    sdpa = pytest.importorskip("rlx.torch.sdpa")
+    gen = torch.Generator().manual_seed(11)
+    heads, dim = 3, 8
+    executables = set()
+    with torch.no_grad():
+        for seq_k in (1, 2, 3, 9):
+            q = torch.randn(B, heads, 1, dim, generator=gen)
+            k, v = (torch.randn(B, heads, seq_k, dim, generator=gen) for _ in range(2))
+            mask = torch.ones(B, 1, 1, seq_k, dtype=torch.bool)
+            mask[1, :, :, : min(2, seq_k - 1)] = False  # the second sequence's first keys are padding
+            out = rt.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=2e-6)
+            executables.add(id(sdpa._masked_plan(q, k, v, mask, False, None).forward))
+        assert len(executables) == 1
+        q, k, v = (torch.randn(B, heads, 6, dim, generator=gen) for _ in range(3))
+        mask = torch.rand(B, 1, 6, 6, generator=gen) > 0.3
+        mask[..., 0] = True  # every query sees a key
+        out = rt.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+        executables.add(id(sdpa._masked_plan(q, k, v, mask, False, None).forward))
+        assert len(executables) == 1  # the prefill's mask has the decode steps' plan
+        broadcast = torch.ones(1, 1, 1, 6, dtype=torch.bool)  # one mask row for every sequence and query
+        out = rt.scaled_dot_product_attention(q, k, v, attn_mask=broadcast)
+        torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
+        assert id(sdpa._masked_plan(q, k, v, broadcast, False, None).forward) not in executables

@@ -348,10 +348,10 @@ def _masked_plan(
         # static for now).
         shape = tuple(full.shape)
         mask_shape = (
-            "B" if shape[0] == q.shape[0] and shape[0] != 1 else shape[0],
+            "B" if shape[0] == q.shape[0] else shape[0],
             shape[1],
-            "Sq" if shape[2] == q.shape[2] and shape[2] != 1 else shape[2],
-            "Sk" if shape[3] == k.shape[2] and shape[3] != 1 else shape[3],
+            "Sq" if shape[2] == q.shape[2] else shape[2],
+            "Sk" if shape[3] == k.shape[2] else shape[3],
         )
         symbolic_key = (q.shape[1:2], q.shape[3], k.shape[1:2], v.shape[3], scale, mask_shape, full.dtype, is_causal)
         if symbolic_key in _sdpa_plans:
@@ -371,10 +371,12 @@ def _masked_plan(
                 f"scaled_dot_product_attention: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
                 f"[B, H, Sq, Sk] = {list(target)}"
             ) from None
+        broadcast = tuple(size == 1 for size in full.shape) if mask_shape is None else tuple(d == 1 for d in mask_shape)
         if attn_mask.dtype == torch.bool:
-            mask_mod = _indexed(full, lambda value, b, h, q_idx, kv_idx: value)
+            mask_mod = _indexed(full, broadcast, lambda value, b, h, q_idx, kv_idx: value)
         else:
-            score_mod = _indexed(full, lambda value, score, b, h, q_idx, kv_idx: score + value, with_score=True)
+            combine = lambda value, score, b, h, q_idx, kv_idx: score + value  # noqa: E731
+            score_mod = _indexed(full, broadcast, combine, with_score=True)
     if is_causal:  # with a mask as well, both apply (as torch does)
         mask_mod = _mods.causal if mask_mod is None else _mods.and_(mask_mod, _mods.causal)
     declared = None if mask_shape is None else {id(full): mask_shape}
@@ -576,12 +578,17 @@ def _fixed_grads(
     return dq, dk, dv
 
 
-def _indexed(mask: torch.Tensor, combine: Callable[..., Any], with_score: bool = False) -> Callable[..., Any]:
-    """A mod reading ``mask[b, h, q_idx, kv_idx]``, with 0 on the dims it broadcasts over."""
+def _indexed(
+    mask: torch.Tensor, broadcast: tuple[bool, ...], combine: Callable[..., Any], with_score: bool = False
+) -> Callable[..., Any]:
+    """A mod reading ``mask[b, h, q_idx, kv_idx]``, with 0 on the dims it broadcasts over
+    (``broadcast``: the plan declares the axis 1). An axis of size 1 that the plan declares as
+    its dimension (a mask of one key for a call of one key) is indexed by the symbol: the plan
+    serves the next call, of more keys, too."""
 
     def pick(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        index = tuple(0 if size == 1 else sym for size, sym in zip(mask.shape, (b, h, q_idx, kv_idx), strict=True))
-        if all(size == 1 for size in mask.shape):
+        index = tuple(0 if one else sym for one, sym in zip(broadcast, (b, h, q_idx, kv_idx), strict=True))
+        if all(broadcast):
             # Indexed by numbers only, torch would read the value now and the trace would bake it
             # in, while SDPA's plans are reused for every mask of this shape: index by a symbol.
             index = (b * 0, *index[1:])
