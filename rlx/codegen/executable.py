@@ -216,7 +216,7 @@ class DirectRunner:
 
     def __call__(self, layout: CallLayout, addresses: list[int], threads: int | None = None) -> None:
         if self.maps:  # a layout from self.layout: no map is read, any address serves
-            first = len(self.inputs)
+            addresses, first = list(addresses), len(self.inputs)
             for index in self.maps:
                 addresses.insert(first + index, _UNREAD_ADDRESS)
         self.executable._enter(layout, addresses, threads, None)
