@@ -18,6 +18,11 @@ SGEMM = "scipy_cblas_sgemm"
 SGEMV = "scipy_cblas_sgemv"
 OMATCOPY = "scipy_cblas_somatcopy"  # out-of-place scaled copy or transpose of a matrix
 SET_THREADS = "scipy_openblas_set_num_threads"
+CORENAME = "scipy_openblas_get_corename"
+# OpenBLAS cores with a small-matrix path for sgemm (kernel/x86_64/KERNEL.SKYLAKEX, which the later
+# Intel cores include): products of up to 10^6 multiply-adds run unpacked. Elsewhere (the Haswell
+# and Zen kernels) the generic permit sends every product through packing.
+SMALL_PATH_CORES = frozenset({"skylakex", "cooperlake", "sapphirerapids"})
 
 INT32_MAX = 2**31 - 1  # BLAS (LP64 here) takes 32-bit sizes and leading dimensions
 
@@ -34,6 +39,12 @@ class Blas:
     sgemm_address: int
     sgemv_address: int
     omatcopy_address: int
+    corename: str  # the kernels OpenBLAS chose for this CPU, lower case ("" if it cannot say)
+
+    @property
+    def has_small_path(self) -> bool:
+        """Whether OpenBLAS runs small sgemm products on its unpacked small-matrix path."""
+        return self.corename in SMALL_PATH_CORES
 
 
 @functools.cache
@@ -52,7 +63,12 @@ def load_blas() -> Blas:
         assert found, f"{name} not found in {path}"
         return int(found)
 
-    return Blas(path, library, address(SGEMM), address(SGEMV), address(OMATCOPY))
+    corename = ""
+    if hasattr(library, CORENAME):
+        get_corename = getattr(library, CORENAME)
+        get_corename.restype = ctypes.c_char_p
+        corename = (get_corename() or b"").decode(errors="replace").strip().lower()
+    return Blas(path, library, address(SGEMM), address(SGEMV), address(OMATCOPY), corename)
 
 
 @functools.cache

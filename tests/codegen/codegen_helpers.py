@@ -9,7 +9,7 @@ merge the nodes under test.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 from helpers import Case
@@ -194,9 +194,23 @@ def sgemm_calls(body: str) -> int:
 _CALL = re.compile(r'call [^@]*@"?([A-Za-z0-9_.]+)"?\(')
 
 
-def sgemm_calls_reached(bodies: dict[str, tuple[str, str]], name: str) -> int:
-    """``scipy_cblas_sgemm`` call sites in function ``name`` and, per call site, in the module's own
-    functions it calls (a kernel calls the shared ``scores_softmax`` function once per strip)."""
+def sgemm_calls_reached(
+    bodies: dict[str, tuple[str, str]], name: str, count: Callable[[str], int] | None = None
+) -> int:
+    """``scipy_cblas_sgemm`` call sites (or what ``count`` counts in a body) in function ``name``
+    and, per call site, in the module's own functions it calls (a kernel calls the shared
+    ``scores_softmax`` function once per strip)."""
+    count = count or sgemm_calls
     body = bodies[name][1]
     callees = [callee for callee in _CALL.findall(body) if callee in bodies and callee != name]
-    return sgemm_calls(body) + sum(sgemm_calls_reached(bodies, callee) for callee in callees)
+    return count(body) + sum(sgemm_calls_reached(bodies, callee, count) for callee in callees)
+
+
+_PRODUCT_CALL = re.compile(r'call [^@]*@"?(scipy_cblas_sgemm|rlx_tile_gemm_\w+)"?\(')
+
+
+def product_calls_reached(bodies: dict[str, tuple[str, str]], name: str) -> int:
+    """Matrix-product call sites reached from function ``name``: OpenBLAS's ``sgemm`` and the
+    register tiles' products (``rlx.codegen.tile_gemm``), which take small products where
+    OpenBLAS would pack them."""
+    return sgemm_calls_reached(bodies, name, lambda body: len(_PRODUCT_CALL.findall(body)))

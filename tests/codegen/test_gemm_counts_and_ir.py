@@ -3,12 +3,15 @@
 GEMM counts are SPEC's cost model (per head and strip): forward 2; backward V alone 2, Q or K
 alone 3, any two 4, all three 5. They are counted as ``scipy_cblas_sgemm`` call sites reached from
 each kernel function ``attention.<id>`` / ``attention_bwd.<id>`` of the unoptimised module (its own
-and those of the shared ``scores_softmax`` function it calls once per strip).
+and those of the shared ``scores_softmax`` function it calls once per strip), with OpenBLAS taken
+to have its small-matrix path (:func:`products_on_blas`): the small products of these shapes then
+stay on BLAS, one call site each, where otherwise the register tiles take some of them.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 import llvmlite.binding as llvm
 import pytest
@@ -32,6 +35,24 @@ EXPECTED_GEMMS = {
 FORWARD_GEMMS = 2
 
 
+@pytest.fixture()
+def products_on_blas(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Compile as if OpenBLAS ran small products on its small-matrix path (its SkylakeX kernels),
+    where every product of these small static shapes is one ``sgemm`` call site. Without the
+    path, the tiles take those whose size is known at compile time, and call no sgemm."""
+    import dataclasses
+
+    import rlx.codegen.executable as executable
+    import rlx.codegen.lower_attention as lower_attention
+    from rlx.codegen.blas import load_blas
+
+    found = dataclasses.replace(load_blas(), corename="skylakex")
+    monkeypatch.setattr(lower_attention, "load_blas", lambda: found)
+    executable._cache.clear()  # programs compiled under the host's rule
+    yield
+    executable._cache.clear()  # and none compiled under this one for later tests
+
+
 def kernel_gemms(exe: Executable) -> dict[str, int]:
     """``{"forward" or str(wrt): sgemm call sites}`` for every attention kernel of ``exe``."""
     bodies = function_bodies(exe.llvm_ir)
@@ -53,10 +74,16 @@ def kernel_gemms(exe: Executable) -> dict[str, int]:
 
 @pytest.mark.parametrize(
     ("mask", "layout"),
-    [(MaskKind.NONE, Layout.BSHD), (MaskKind.CAUSAL, Layout.BHSD), (MaskKind.sliding_window(2), Layout.BSHD),
-     (MaskKind.CUSTOM, Layout.BSHD), (MaskKind.BIAS, Layout.BHSD)],
+    [
+        (MaskKind.NONE, Layout.BSHD),
+        (MaskKind.CAUSAL, Layout.BHSD),
+        (MaskKind.sliding_window(2), Layout.BSHD),
+        (MaskKind.CUSTOM, Layout.BSHD),
+        (MaskKind.BIAS, Layout.BHSD),
+    ],
     ids=str,
 )
+@pytest.mark.usefixtures("products_on_blas")
 def test_gemms_per_kernel(mask: MaskKind, layout: Layout) -> None:
     """Each wrt subset costs exactly its SPEC number of GEMMs, whatever the mask and layout."""
     exe = rlx.compile(multi_graph(Case(33, 40, mask=mask, layout=layout)), passes=[])
@@ -64,12 +91,15 @@ def test_gemms_per_kernel(mask: MaskKind, layout: Layout) -> None:
     assert kernel_gemms(exe) == expected
 
 
+@pytest.mark.usefixtures("products_on_blas")
 def test_fusion_saves_gemms() -> None:
     """rlx.grad's three nodes cost 3 + 3 + 2 = 8 GEMMs; the fused node 5 (forward: 2 either way)."""
     g = Graph("grad")
     case = Case(16, 16, mask=MaskKind.CAUSAL)
-    q, k, v, dy = (g.input(n, s) for n, s in [("q", case.q_shape), ("k", case.kv_shape), ("v", case.kv_shape),
-                                               ("dy", case.q_shape)])
+    q, k, v, dy = (
+        g.input(n, s)
+        for n, s in [("q", case.q_shape), ("k", case.kv_shape), ("v", case.kv_shape), ("dy", case.q_shape)]
+    )
     out = g.attention(q, k, v, mask=case.mask)
     dq, dk, dv = rlx.grad(g, out, [q, k, v], dy)
     g.output(out=out, dq=dq, dk=dk, dv=dv)

@@ -11,6 +11,7 @@ read), beta 1 and other alphas, ``k = 0``, and products taller than wide and wid
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import numpy as np
 import pytest
@@ -291,7 +292,8 @@ def test_reads_nothing_past_the_operands(m: int, n: int, k: int, trans_a: bool) 
 
 def test_transposed_products_take_the_tiles_while_a_is_small() -> None:
     """``dV += P^T dY`` and ``dK += dS^T Q`` run on the tiles while A (keys x strip rows) is at
-    most 512 KB, above OpenBLAS's small-matrix path; B read transposed never does."""
+    most 512 KB, above OpenBLAS's small-matrix path where it has one; B read transposed never does."""
+    from rlx.codegen.blas import load_blas
     from rlx.codegen.lower_attention import TILE_TN_MAX_A, tiles_take
 
     if host_tile_shape() is None:
@@ -300,7 +302,7 @@ def test_transposed_products_take_the_tiles_while_a_is_small() -> None:
     assert tiles_take(512, 64, 256, trans_a=True, trans_b=False)
     assert tiles_take(2048, 64, 64, trans_a=True, trans_b=False)
     assert not tiles_take(1024, 64, 256, trans_a=True, trans_b=False)  # A is 1 MB
-    assert not tiles_take(128, 64, 64, trans_a=True, trans_b=False)  # on the small-matrix path
+    assert tiles_take(128, 64, 64, trans_a=True, trans_b=False) != load_blas().has_small_path
     assert tiles_take(1024, 64, 256, trans_a=False, trans_b=False)  # A as stored: no such limit
     assert not tiles_take(256, 512, 64, trans_a=False, trans_b=True)
 
@@ -309,6 +311,7 @@ def test_products_with_a_as_stored_take_the_tiles_at_any_size() -> None:
     """Above OpenBLAS's small-matrix path, ``Q K^T`` over 16384 keys and ``dQ = dS K`` over as
     many terms run on the tiles; transposed products are limited by the size of A, and B read
     transposed never takes them."""
+    from rlx.codegen.blas import load_blas
     from rlx.codegen.lower_attention import SMALL_PATH_MACS, tiles_take
 
     if host_tile_shape() is None:
@@ -318,7 +321,36 @@ def test_products_with_a_as_stored_take_the_tiles_at_any_size() -> None:
     assert tiles_take(256, 16384, 256, trans_a=False, trans_b=False)
     assert not tiles_take(16384, 64, 256, trans_a=True, trans_b=False)  # dK += dS^T Q: A is 16 MB
     assert not tiles_take(256, 64, 16384, trans_a=False, trans_b=True)
-    assert not tiles_take(SMALL_PATH_MACS // (64 * 64), 64, 64, trans_a=False, trans_b=False)
+    small = tiles_take(SMALL_PATH_MACS // (64 * 64), 64, 64, trans_a=False, trans_b=False)
+    assert small != load_blas().has_small_path
+
+
+@pytest.mark.parametrize("core", ["skylakex", "haswell", "zen", ""])
+def test_small_products_take_the_tiles_where_openblas_packs_them(core: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """OpenBLAS's SkylakeX kernels (and the later Intel cores') run products of up to 10^6
+    multiply-adds unpacked, and keep them; its other kernels pack every product, and the tiles
+    take the small ones too. Products above the path take the tiles either way."""
+    from rlx.codegen import blas
+    from rlx.codegen.lower_attention import SMALL_PATH_MACS, tiles_take
+
+    if host_tile_shape() is None:
+        pytest.skip("no tiles on this CPU")
+    import rlx.codegen.lower_attention as lower_attention
+
+    found = dataclasses.replace(blas.load_blas(), corename=core)
+    monkeypatch.setattr(lower_attention, "load_blas", lambda: found)
+    packs = core not in ("skylakex",)
+    assert tiles_take(16, 64, 64, trans_a=False, trans_b=False) == packs
+    assert tiles_take(64, 64, 128, trans_a=True, trans_b=False) == packs
+    assert tiles_take(SMALL_PATH_MACS // (64 * 64) + 1, 64, 64, trans_a=False, trans_b=False)
+
+
+def test_openblas_names_its_kernels() -> None:
+    from rlx.codegen.blas import SMALL_PATH_CORES, load_blas
+
+    found = load_blas()
+    assert found.corename == found.corename.lower() and found.corename.strip() == found.corename
+    assert found.has_small_path == (found.corename in SMALL_PATH_CORES)
 
 
 @pytest.mark.parametrize("trans_a", [False, True])
