@@ -29,7 +29,6 @@ from rlx.codegen.gc_pause import collection_paused
 from rlx.codegen.jit import CompiledLibrary, cache_key, compile_ir
 from rlx.codegen.lower import (
     UNREAD_MAP,
-    CallBufferFill,
     CallData,
     CallMap,
     CodegenOptions,
@@ -86,7 +85,7 @@ class Program:
     options: CodegenOptions = field(default_factory=CodegenOptions)
     dynamic: DynamicScratch | None = None  # graphs with symbolic dimensions: the per-call sizes table
     binder: InputBinder | None = None  # checks a call's arrays and reads its symbol sizes
-    call_buffers: dict[str, CallBufferFill] = field(default_factory=dict)
+    call_buffers: dict[str, CallMap] = field(default_factory=dict)  # block maps made per call
     call_checks: list[Callable[[Mapping[str, int]], None]] = field(default_factory=list)  # need the call's sizes
     layouts: dict[tuple[tuple[str, int], ...], CallLayout] = field(default_factory=dict)  # by the call's sizes
 
@@ -165,9 +164,7 @@ class Program:
             (name, shape if static or shape is None else resolve_dims(shape, sizes), dtype)
             for name, shape, static, dtype in self.buffer_kinds
         )
-        unread = frozenset(
-            name for name, fill in self.call_buffers.items() if isinstance(fill, CallMap) and fill.unread(sizes)
-        )
+        unread = frozenset(name for name, fill in self.call_buffers.items() if fill.unread(sizes))
         layout = CallLayout(table, arena_bytes, buffers, self.results, unread)  # type: ignore[arg-type]  # static: ints
         if len(self.layouts) >= LAYOUTS_KEPT:  # a decode loop brings new sizes every step
             self.layouts.clear()
@@ -297,7 +294,7 @@ class _Lowered(NamedTuple):
     call_data_offset: int
     profile_offset: int
     dynamic: DynamicScratch | None
-    call_buffers: dict[str, CallBufferFill]
+    call_buffers: dict[str, CallMap]
 
 
 def _distinct_bounds(bounds: list[tuple[Value, int, str]]) -> list[tuple[Value, int, str]]:

@@ -360,9 +360,6 @@ class CallData:
     fill: Callable[[Mapping[str, np.ndarray]], np.ndarray]
 
 
-CallBufferFill = Callable[[Mapping[str, np.ndarray], Mapping[str, int]], np.ndarray]
-"""``fill(bound inputs, symbol sizes)``: a buffer made for one call (a block map at its lengths)."""
-
 UNREAD_MAP = np.zeros(1, dtype=np.uint8)
 """What a call passes for a block map its kernel does not read (:meth:`CallMap.unread`)."""
 
@@ -433,7 +430,7 @@ class LoweredModule:
     call_data_offset: int  # arena offset of the call data
     profile_offset: int  # arena offset of the per-kernel timings (profiling builds)
     dynamic: DynamicScratch | None = None  # graphs with symbolic dimensions
-    call_buffers: tuple[tuple[str, CallBufferFill], ...] = ()  # made per call
+    call_buffers: tuple[tuple[str, CallMap], ...] = ()  # block maps made per call
 
 
 @dataclass
@@ -456,7 +453,7 @@ class _Lowering:
     symbols: tuple[str, ...] = ()
     sizes: ir.Value | None = None  # the per-call sizes table (graphs with symbolic dimensions)
     attention_specs: list[tuple[str, AttentionKernelSpec | FlexKernelSpec]] = field(default_factory=list)
-    call_buffers: list[tuple[str, CallBufferFill]] = field(default_factory=list)
+    call_buffers: list[tuple[str, CallMap]] = field(default_factory=list)
     _entry_symbols: dict[str, ir.Value] | None = None
     _items: dict[tuple[object, ...], ir.Function] = field(default_factory=dict)
 
@@ -720,7 +717,8 @@ def _map_for_sizes(spec: FlexKernelSpec, batch: int, seq_q: int, seq_k: int) -> 
 
 @dataclass(frozen=True)
 class CallMap:
-    """The block map of a kernel of symbolic lengths, made for each call (a :data:`CallBufferFill`).
+    """The block map of a kernel of symbolic lengths, made for each call: ``fill(bound inputs,
+    symbol sizes)``, the buffers a program makes per call.
 
     A mask reading tensors gives a small call (:func:`small_call`) every tile PARTIAL, and a
     kernel that reads the call's sizes then reads no map at all (``FlexKernelSpec.

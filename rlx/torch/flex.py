@@ -247,7 +247,7 @@ def _forward_by_address(
     memory and writing into new tensors (:class:`DirectRunner`), or None where it cannot: a
     layout other than contiguous ``[B, H, S, D]``, a tensor of another dtype than the graph
     declares or not dense (:func:`_direct`), a graph whose call needs more than addresses
-    (index checks, a block map made per call). No NumPy array in or out, no autograd
+    (index checks, a block map the call reads). No NumPy array in or out, no autograd
     ``Function``: in a decode loop those cost more than a short call's kernel."""
     runner = plan.forward.direct_runner if plan.layout == "bhsd" else None
     if runner is None or runner.outputs not in (("out", "lse"), ("lse", "out")):

@@ -371,7 +371,7 @@ def _masked_plan(
                 f"scaled_dot_product_attention: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
                 f"[B, H, Sq, Sk] = {list(target)}"
             ) from None
-        broadcast = tuple(size == 1 for size in full.shape) if mask_shape is None else tuple(d == 1 for d in mask_shape)
+        broadcast = tuple(dim == 1 for dim in (mask_shape or full.shape))  # declared 1: read at index 0
         if attn_mask.dtype == torch.bool:
             mask_mod = _indexed(full, broadcast, lambda value, b, h, q_idx, kv_idx: value)
         else:
