@@ -749,10 +749,12 @@ def attention_products(
     V^T``, ``dV += P^T dY``, ``dQ = dS K`` and ``dK += dS^T Q`` backward. A causal strip sees the
     keys up to its last row. From ``PACK_MIN_ROWS`` queries on, the kernel reads K and V from
     transposed copies, so ``S`` and ``dP`` are NN products; below, NT."""
+    from rlx.codegen.blas import load_blas
     from rlx.codegen.lower_attention import may_pack
     from rlx.codegen.strip_heights import choose_block_q
 
-    block_q = choose_block_q(seq, seq, needs_dp=backward, causal_like=causal, strided_rows=strided_rows, head_dim=dim)
+    block_q = choose_block_q(seq, seq, needs_dp=backward, causal_like=causal, strided_rows=strided_rows, head_dim=dim,
+                             small_path=load_blas().has_small_path)  # fmt: skip
     keys_transposed = not may_pack(seq)
     counts: dict[tuple[int, int, int, bool, bool], int] = {}
     for first in range(0, seq, block_q):

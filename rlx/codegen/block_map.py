@@ -141,9 +141,11 @@ class _RangeTable:
         return low, high
 
 
-def choose_blocks(seq_q: int, seq_k: int, needs_dp: bool, masked: bool = False) -> tuple[int, int]:
+def choose_blocks(
+    seq_q: int, seq_k: int, needs_dp: bool, masked: bool = False, small_path: bool = True
+) -> tuple[int, int]:
     """Query rows per strip and keys per tile for the flex kernels (``masked``: a tile map may
-    skip tiles).
+    skip tiles; ``small_path``: OpenBLAS runs small products unpacked, ``Blas.has_small_path``).
 
     Strips of up to 128 rows keep the dK/dV rank updates efficient GEMMs while a sliding window
     or document mask still skips most tiles; 64-key tiles are the unit of skipping. Shorter
@@ -151,12 +153,13 @@ def choose_blocks(seq_q: int, seq_k: int, needs_dp: bool, masked: bool = False) 
     (causal, B·H = 16-96 on an Intel Xeon host: forward and backward 17-23% faster at S = 128
     than with 128 rows, 0-3% at 512; with the strip products on the register tiles, forward
     3-5% and backward 7-9% faster at 768 and 1024, the same at 2048); unmasked ones only up to
-    Sk = 128, where the strip products fit OpenBLAS's small-matrix path (see ``choose_block_q``).
+    Sk = 128, where the strip products fit OpenBLAS's small-matrix path (see ``choose_block_q``),
+    and not at all on a host without that path.
     """
     block_k = 64
     buffers = 3 if needs_dp else 1
     budget = 48 << 20
-    cap = 64 if seq_k <= (1024 if masked else 128) else 128
+    cap = 64 if seq_k <= (1024 if masked else 128 if small_path else 0) else 128
     target = max(16, min(cap, budget // (4 * max(seq_k, 1) * buffers)))
     strips = -(-seq_q // target)
     return max(1, -(-seq_q // strips)), max(1, min(block_k, seq_k))

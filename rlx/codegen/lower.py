@@ -22,7 +22,7 @@ import numpy as np
 from llvmlite import binding as llvm
 from llvmlite import ir
 
-from rlx.codegen.blas import refuse_beyond_blas
+from rlx.codegen.blas import load_blas, refuse_beyond_blas
 from rlx.codegen.fused import FusedEmitter, plan_chunking
 from rlx.codegen.irutil import I8, I64, PTR, VOID, alloca_entry, clock, declare, gep, i64
 from rlx.codegen.jit import ENTRY
@@ -112,7 +112,7 @@ def kernel_spec(
     strides = operand_strides(attrs.layout, dims, views)
     width = max(dims.head_dim, dims.value_dim)
     strided = rows_strided(attrs.layout, dims, strides, grads is not None)
-    heights = strip_heights(needs_dp, attrs.mask.is_causal_like, strided, width)
+    heights = strip_heights(needs_dp, attrs.mask.is_causal_like, strided, width, load_blas().has_small_path)
     if isinstance(dims.seq_q, int) and isinstance(dims.seq_k, int):
         block_q = max(1, min(options.block_q or heights.rows(dims.seq_q, dims.seq_k), dims.seq_q))
     elif options.block_q:  # one strip height for every call (tests choose one)
@@ -216,10 +216,11 @@ def flex_spec(
     # some index condition by a constant (a MaskKind with a finite neg): hidden tiles skipped.
     mask, masked_value = map_mask(attrs.score_mod, attrs.mask_mod)
     if isinstance(dims.seq_q, int) and isinstance(dims.seq_k, int):
-        block_q, block_k = choose_blocks(dims.seq_q, dims.seq_k, needs_dp, masked=mask is not None)
+        small_path = load_blas().has_small_path
+        block_q, block_k = choose_blocks(dims.seq_q, dims.seq_k, needs_dp, mask is not None, small_path)
         if mask is None and attrs.score_mod is None:  # nothing to skip: as tall as the fixed kernels
             width = max(dims.head_dim, dims.value_dim)
-            block_q = choose_block_q(dims.seq_q, dims.seq_k, needs_dp, causal_like=False, head_dim=width)
+            block_q = choose_block_q(dims.seq_q, dims.seq_k, needs_dp, False, head_dim=width, small_path=small_path)
         if options.block_q:
             block_q = max(1, min(options.block_q, dims.seq_q))
     else:  # one kernel for every length: tiles of a fixed size, the last ones cut at the length

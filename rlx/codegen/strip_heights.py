@@ -80,9 +80,12 @@ class StripHeights:
         return reached
 
 
-def strip_heights(needs_dp: bool, causal_like: bool, strided_rows: bool = False, head_dim: int = 64) -> StripHeights:
+def strip_heights(
+    needs_dp: bool, causal_like: bool, strided_rows: bool = False, head_dim: int = 64, small_path: bool = True
+) -> StripHeights:
     """The strip-height rules of one kernel, from measurements on the benchmark shapes (see
-    benchmarks/README.md); ``head_dim`` is the wider of D and Dv.
+    benchmarks/README.md); ``head_dim`` is the wider of D and Dv, ``small_path`` whether OpenBLAS
+    runs small products unpacked (``Blas.has_small_path``).
 
     Tall strips turn the rank-``block_q`` updates of dK/dV into efficient GEMMs: at Sk = 16384,
     512 rows ran 1.5x faster than 64 (AMD EPYC host). On an Intel Xeon host 256 rows were 5-10%
@@ -113,6 +116,13 @@ def strip_heights(needs_dp: bool, causal_like: bool, strided_rows: bool = False,
     the path: B8 H12 S256 D64 backward 15.5 ms with 32 rows, 17.6 with 256, 19.3 with 64 (just
     over the path); D128 stays at 256 rows, which ran fastest there. Not where the rows are
     strided: there the BSHD backward ran fastest with 256 unmasked rows.
+    Without the small-matrix path (OpenBLAS's Haswell kernels, on AMD Zen) every strip product
+    runs on the register tiles, and the unmasked rules that keep products on that path have
+    nothing to keep: such a host takes the long-sequence height everywhere unmasked (AMD EPYC,
+    Zen 3; B8 H12 D64, interleaved medians of 21: S = 200 and 256 forward 0.92-0.94x the time
+    of the 32-row strips, backward BHSD 0.92x, BSHD 0.98x; S = 128 within 1-3% either way). The
+    causal-like rules stand: 32-row strips hide less of the triangle there too (B4 H8 S512 D64
+    forward: 8.58 ms with 32 rows, 8.86 with 64, 9.02 with 128).
     Scratch stays O(block_q · Sk) per thread, capped by :data:`SCRATCH_BUDGET`.
     """
     buffers = 2 if needs_dp else 1
@@ -121,6 +131,8 @@ def strip_heights(needs_dp: bool, causal_like: bool, strided_rows: bool = False,
     if causal_like:
         short = min(512, 32768 // head_dim)
         caps = [(SMALL_PATH_ROWS, short), (64, 511 if strided_backward else 1024), (128, 2048)]
+    elif not small_path:
+        caps = []
     else:
         if strided_backward:
             caps = [(128, 128)]
@@ -136,7 +148,13 @@ def strip_heights(needs_dp: bool, causal_like: bool, strided_rows: bool = False,
 
 
 def choose_block_q(
-    seq_q: int, seq_k: int, needs_dp: bool, causal_like: bool, strided_rows: bool = False, head_dim: int = 64
+    seq_q: int,
+    seq_k: int,
+    needs_dp: bool,
+    causal_like: bool,
+    strided_rows: bool = False,
+    head_dim: int = 64,
+    small_path: bool = True,
 ) -> int:
     """Query rows per strip for these lengths (:func:`strip_heights`' rules)."""
-    return strip_heights(needs_dp, causal_like, strided_rows, head_dim).rows(seq_q, seq_k)
+    return strip_heights(needs_dp, causal_like, strided_rows, head_dim, small_path).rows(seq_q, seq_k)

@@ -21,7 +21,7 @@ from rlx.codegen.lower import CodegenOptions, kernel_spec
 from rlx.codegen.strip_heights import StripHeights, choose_block_q, strip_heights
 from rlx.config import RuntimeConfig
 
-KINDS = list(itertools.product((False, True), (False, True), (False, True), (16, 64, 96, 128, 256)))
+KINDS = list(itertools.product((False, True), (False, True), (False, True), (16, 64, 96, 128, 256), (False, True)))
 LENGTHS = [1, 2, 31, 32, 33, 63, 64, 100, 128, 129, 200, 255, 256, 257, 341, 342, 488, 511, 512, 513, 1024,
            1025, 2048, 2049, 4096, 16384, 100_000, 1_000_000]  # fmt: skip
 
@@ -45,9 +45,11 @@ def _native_rows(heights: StripHeights) -> ctypes._CFuncPtr:
     return function
 
 
-@pytest.mark.parametrize(("needs_dp", "causal", "strided", "width"), KINDS)
-def test_native_heights_are_the_compile_time_ones(needs_dp: bool, causal: bool, strided: bool, width: int) -> None:
-    heights = strip_heights(needs_dp, causal, strided, width)
+@pytest.mark.parametrize(("needs_dp", "causal", "strided", "width", "small_path"), KINDS)
+def test_native_heights_are_the_compile_time_ones(
+    needs_dp: bool, causal: bool, strided: bool, width: int, small_path: bool
+) -> None:
+    heights = strip_heights(needs_dp, causal, strided, width, small_path)
     pairs = np.array([(q, k) for q in LENGTHS for k in LENGTHS], dtype=np.int64)
     sq, sk = np.ascontiguousarray(pairs[:, 0]), np.ascontiguousarray(pairs[:, 1])
     got = np.empty(len(pairs), np.int64)
@@ -72,6 +74,29 @@ def test_rules_as_measured() -> None:
     assert choose_block_q(768, 768, needs_dp=True, causal_like=False, head_dim=128) == 256
     assert choose_block_q(300, 16384, needs_dp=True, causal_like=False, head_dim=64) == 150  # balanced: 2 strips
     assert choose_block_q(1000, 1 << 20, needs_dp=True, causal_like=False) == 32  # the budget's floor
+
+
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("needs_dp", [False, True])
+def test_without_the_small_path_unmasked_strips_are_tall(needs_dp: bool, strided: bool) -> None:
+    """Where OpenBLAS has no small-matrix path, no unmasked rule keeps products on it: short
+    sequences take one strip, longer ones 256 rows; the causal rules do not change."""
+    for seq in (64, 128, 200, 256):
+        assert choose_block_q(seq, seq, needs_dp, False, strided, 64, small_path=False) == seq
+    assert choose_block_q(256, 256, needs_dp, False, strided, 64, small_path=True) == (256 if strided else 32)
+    assert choose_block_q(1024, 1024, needs_dp, False, strided, 64, small_path=False) == 256
+    for seq in (256, 512, 1024, 2048):
+        causal = [choose_block_q(seq, seq, needs_dp, True, strided, 64, small_path=path) for path in (False, True)]
+        assert causal[0] == causal[1]
+
+
+def test_flex_blocks_without_the_small_path() -> None:
+    """The flex kernels' unmasked strips follow the same rule; masked ones keep 64 rows to 1024 keys."""
+    from rlx.codegen.block_map import choose_blocks
+
+    assert choose_blocks(128, 128, False, masked=False, small_path=True) == (64, 64)
+    assert choose_blocks(128, 128, False, masked=False, small_path=False) == (128, 64)
+    assert choose_blocks(1024, 1024, True, masked=True, small_path=False) == (64, 64)
 
 
 def _causal_graph(batch: int | str, seq: int | str) -> Graph:

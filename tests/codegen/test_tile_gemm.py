@@ -199,6 +199,7 @@ def test_attention_on_the_tiles_matches_the_reference(
     (above OpenBLAS's small-matrix path), against the float64 reference."""
     import rlx
     from rlx import Graph, Layout, MaskKind
+    from rlx.codegen.blas import load_blas
     from rlx.codegen.lower_attention import tiles_take
     from rlx.codegen.strip_heights import choose_block_q
     from rlx.reference import run as reference
@@ -206,7 +207,7 @@ def test_attention_on_the_tiles_matches_the_reference(
     if host_tile_shape() is None:
         pytest.skip("no tiles on this CPU")
     rows = choose_block_q(seq, seq, needs_dp=True, causal_like=causal, strided_rows=layout == "bshd",
-                          head_dim=max(dim, dim_v))  # fmt: skip
+                          head_dim=max(dim, dim_v), small_path=load_blas().has_small_path)  # fmt: skip
     assert tiles_take(rows, seq, dim, trans_a=False, trans_b=False)  # S = Q K^T of a whole strip
     lay = Layout.BHSD if layout == "bhsd" else Layout.BSHD
 
