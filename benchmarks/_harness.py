@@ -397,6 +397,68 @@ def measure_sgemm(blas: RlxOpenBlas, n: int, threads: int, repeat: int, gap: flo
     )
 
 
+@dataclass(frozen=True)
+class WakeRamp:
+    """How fast one core works right after ``gap`` seconds of sleep, against its warm speed.
+
+    Chunks of the same work (``n``³ sgemm on one OpenBLAS thread, each timed) run back to back
+    after every gap; ``cold_s[i]`` is the median time of the i-th chunk after the gap, ``warm_s``
+    that of chunks after the first ``len(cold_s)``. On the KVM hosts of this project the first
+    milliseconds after a gap ran at a fraction of the warm speed for every program, rlx and torch
+    alike: it is the host's, and it weighs on short calls (the benchmarks' cold columns)."""
+
+    gap: float
+    n: int
+    warm_s: float
+    cold_s: tuple[float, ...]
+
+    def first_speed(self, work_s: float) -> float:
+        """Warm speed's fraction reached over the first ``work_s`` seconds of warm work."""
+        count = max(1, min(len(self.cold_s), round(work_s / self.warm_s)))
+        return count * self.warm_s / sum(self.cold_s[:count])
+
+    def extra_s(self, work_s: float) -> float:
+        """How much longer ``work_s`` seconds of warm work took right after the gap (up to the
+        chunks measured)."""
+        count = max(1, min(len(self.cold_s), round(work_s / self.warm_s)))
+        return sum(self.cold_s[:count]) - count * self.warm_s
+
+    def as_dict(self) -> dict[str, object]:
+        return {"gap_s": self.gap, "n": self.n, "warm_chunk_s": self.warm_s, "cold_chunks_s": list(self.cold_s),
+                "first_ms_speed": self.first_speed(1e-3), "extra_s_for_5ms": self.extra_s(5e-3)}  # fmt: skip
+
+    def summary(self) -> str:
+        return (
+            f"host wake-up (one core, OpenBLAS {self.n}³ chunks of {self.warm_s * 1e6:.0f} us): after a "
+            f"{self.gap * 1e3:.0f} ms gap its first 1 ms of work ran at {self.first_speed(1e-3):.0%} of the warm "
+            f"speed, its first 5 ms at {self.first_speed(5e-3):.0%} (+{self.extra_s(5e-3) * 1e3:.1f} ms)"
+        )
+
+
+def measure_wake_ramp(blas: RlxOpenBlas, gap: float, repeat: int = 11, chunks: int = 80, n: int = 160) -> WakeRamp:
+    """:class:`WakeRamp`: ``repeat`` times, sleep ``gap`` and time ``2 * chunks`` sgemm chunks."""
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
+    c = np.zeros((n, n), dtype=np.float32)
+    args = (101, 111, 111, n, n, n, 1.0, a.ctypes.data, n, b.ctypes.data, n, 0.0, c.ctypes.data, n)
+    previous = blas.threads()
+    times = np.empty((repeat, 2 * chunks))
+    try:
+        blas.set_threads(1)
+        for _ in range(20):
+            blas.sgemm(*args)
+        for r in range(repeat):
+            time.sleep(gap)
+            for i in range(2 * chunks):
+                start = time.perf_counter()
+                blas.sgemm(*args)
+                times[r, i] = time.perf_counter() - start
+    finally:
+        blas.set_threads(previous)
+    medians = np.median(times, axis=0)
+    return WakeRamp(gap, n, float(np.median(medians[chunks:])), tuple(float(t) for t in medians[:chunks]))
+
+
 # ----------------------------------------------------------------------------- NumPy's own BLAS threads
 
 

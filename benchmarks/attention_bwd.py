@@ -50,6 +50,7 @@ from _harness import (
     markdown_table,
     measure_bandwidth,
     measure_sgemm,
+    measure_wake_ramp,
     median_or_none,
     numpy_blas_info,
     roofline,
@@ -902,6 +903,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{args.threads}; others' load {fmt(sgemm[0].foreign_load_cores, '.2f')} cores", flush=True)
     bandwidth = measure_bandwidth()
     print(f"memory bandwidth (copy, 1 thread): {bandwidth:.1f} GB/s", flush=True)
+    ramp = measure_wake_ramp(blas, args.gap)
+    print(ramp.summary(), flush=True)
     print("demo-graph compile in fresh processes ...", flush=True)
     demo = measure_demo_compile(args.threads, 1 if args.quick else 3)
 
@@ -952,13 +955,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         middle = median_or_none(fractions)
         print(f"\nwarm: torch/fused geomean {fmt(geomean(ratios), '.2f', 'x')}, fused/sgemm median "
               f"{fmt(middle and middle * 100, '.1f', '%')} {WARM_NOT_TARGETS}")
+        print(f"why the first calls are slower, for every implementation: {ramp.summary()}")
     print("\n### Extra peak RSS of one call (fresh process) and rlx fused compile times\n")
     print(memory_table(results))
     print("\n### Summary\n")
     for line in summary_lines(summary, sgemm, demo, results):
         print(line)
 
-    report = {"bandwidth_gbs": bandwidth,
+    report = {"bandwidth_gbs": bandwidth, "wake_ramp": ramp.as_dict(),
               "environment": env, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "sgemm": [asdict(s) for s in sgemm], "demo_compile": demo, "cases": results, "summary": summary}
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -119,6 +119,7 @@ def main() -> int:
     repeat = 3 if args.quick else args.repeat
     sgemm = h.measure_sgemm(h.RlxOpenBlas(), 2048, threads, 5, args.gap)
     bandwidth = h.measure_bandwidth()
+    ramp = h.measure_wake_ramp(h.RlxOpenBlas(), args.gap)
     results = []
     for case in CASES:
         rng = np.random.default_rng(0)
@@ -201,6 +202,7 @@ def main() -> int:
         warm_fraction = float(np.median([r["flops"] / r["warm_median_s"]["rlx"] / 1e9 / rate for r in results]))
         summary_warm = f"warm: torch/rlx geomean {warm_ratio:.2f}x, rlx sgemm fraction median {warm_fraction:.0%}"
         print(summary_warm, h.WARM_NOT_TARGETS)
+        print(f"why the first calls are slower, for every implementation: {ramp.summary()}")
     summary: dict[str, Any] = {}
     if torch is not None:
         summary["geomean_torch_over_rlx"] = h.geomean(r["median_s"]["torch"] / r["median_s"]["rlx"] for r in results)
@@ -233,6 +235,7 @@ def main() -> int:
         "threads": threads,
         "sgemm_gflops": rate,
         "bandwidth_gbs": bandwidth,
+        "wake_ramp": ramp.as_dict(),
         "git": h.git_revision(REPO),
         "cases": results,
         **summary,
