@@ -11,7 +11,10 @@ microseconds: together more than the kernel. So a graph's own function is genera
 as constants and locals, one frame. It covers calls that give every input; anything it does not
 write out (a buffer made per call, a shape whose dimension is a product of symbols, checks that
 need the sizes) goes to the generic ``layout_for``, which is also where a new bucket of sizes
-gets its scratch stride (:meth:`rlx.codegen.lower.DynamicScratch.stride`).
+gets its scratch stride (:meth:`rlx.codegen.lower.DynamicScratch.stride`). A block map made per call
+is written out too, as the set of maps the call's sizes leave unread (``CallMap.unread``): a
+batched decode step with a padding mask brings a new length every step, and the generic path
+cost it ~20 us a step (B2 H8 D64).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from rlx.codegen.lower import STRIDE_BUCKET, DynamicScratch
+from rlx.codegen.lower import STRIDE_BUCKET, CallMap, DynamicScratch
 from rlx.ir.types import Dim
 
 LayoutFunction = Callable[[Sequence[tuple[int, ...]]], Any]
@@ -35,17 +38,19 @@ def layout_function(
     dynamic: DynamicScratch | None,
     buffers: Sequence[tuple[str, tuple[Dim, ...] | None, np.dtype | None]],
     layout_for: Callable[[Mapping[str, int]], Any],
-    make_layout: Callable[[bytes, int, tuple[Any, ...]], Any],
+    make_layout: Callable[..., Any],
     threads: int,
     checked: bool,
+    call_maps: Mapping[str, CallMap] | None = None,
 ) -> LayoutFunction:
     """The layout function of a program whose inputs are declared with these shapes.
 
     ``buffers``: ``(name, declared shape, dtype)`` of each buffer after the inputs (shape None:
-    made per call). ``make_layout(table, arena bytes, buffers)`` builds a layout as
+    made per call). ``make_layout(table, arena bytes, buffers, unread)`` builds a layout as
     ``layout_for`` would; ``checked``: the program has checks that need a call's sizes, so every
-    new size goes through ``layout_for``.
+    new size goes through ``layout_for``; ``call_maps``: the buffers made per call, by name.
     """
+    call_maps = call_maps or {}
     lines = ["def layout(shapes):", f"    if len(shapes) != {len(inputs)}:", "        return None"]
     names: dict[str, str] = {}  # symbol -> its local
     for index, shape in enumerate(inputs):
@@ -69,7 +74,8 @@ def layout_function(
     sizes = "{" + ", ".join(f"{symbol!r}: {local}" for symbol, local in names.items()) + "}"
     namespace: dict[str, Any] = {"layout_for": layout_for}
     plain = all(
-        shape is not None and all(isinstance(dim, int) or dim in names for dim in shape) for _, shape, _ in buffers
+        name in call_maps if shape is None else all(isinstance(dim, int) or dim in names for dim in shape)
+        for name, shape, _ in buffers
     )
     if not names:  # static shapes: one layout for every call
         lines.append("    return layout_for({})")
@@ -79,12 +85,17 @@ def layout_function(
         ordered = [names[symbol] for symbol in symbols]
         bucket = ", ".join(f"({local} + {STRIDE_BUCKET - 1}) // {STRIDE_BUCKET} * {STRIDE_BUCKET}" for local in ordered)
 
-        def shape_of(shape: tuple[Dim, ...]) -> str:
+        def shape_of(shape: tuple[Dim, ...] | None) -> str:
+            if shape is None:  # a block map made per call
+                return "None"
             dims = [str(dim) if isinstance(dim, int) else names[dim] for dim in shape]
             return f"({', '.join(dims)}{',' if len(dims) == 1 else ''})"
 
-        described = [f"({name!r}, {shape_of(shape)}, dtype{i})" for i, (name, shape, _) in enumerate(buffers)]  # type: ignore[arg-type]
+        described = [f"({name!r}, {shape_of(shape)}, dtype{i})" for i, (name, shape, _) in enumerate(buffers)]
         namespace |= {f"dtype{i}": dtype for i, (_, _, dtype) in enumerate(buffers)}
+        maps = [name for name, shape, _ in buffers if shape is None]
+        namespace |= {f"map{i}": call_maps[name] for i, name in enumerate(maps)}
+        unread = ", ".join(f"*(({name!r},) if map{i}.unread(sizes) else ())" for i, name in enumerate(maps))
         namespace |= {"strides": dynamic.bucket_strides, "pack": struct.Struct(f"={len(ordered) + 1}q").pack}
         namespace["make_layout"] = make_layout
         lines += [
@@ -92,8 +103,12 @@ def layout_function(
             "    if stride is None:",
             f"        return layout_for({sizes})",
             f"    table = pack({', '.join(ordered)}, stride)",
-            f"    return make_layout(table, {dynamic.offset} + stride * {threads}, ({', '.join(described)},))",
         ]
+        arguments = f"table, {dynamic.offset} + stride * {threads}, ({', '.join(described)},)"
+        if maps:
+            lines += [f"    sizes = {sizes}", f"    unread = frozenset(({unread},))"]
+            arguments += ", unread"
+        lines.append(f"    return make_layout({arguments})")
     source = "\n".join(lines) + "\n"
     exec(compile(source, "<rlx call layout>", "exec"), namespace)  # our own source, written above
     function: LayoutFunction = namespace["layout"]

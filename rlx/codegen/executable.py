@@ -105,9 +105,12 @@ class Program:
             self.dynamic,
             [(name, shape, dtype) for name, shape, _, dtype in self.buffer_kinds],
             self.layout_for,
-            lambda table, arena_bytes, buffers: CallLayout(table, arena_bytes, buffers, self.results),
+            lambda table, arena_bytes, buffers, unread=frozenset(): CallLayout(
+                table, arena_bytes, buffers, self.results, unread
+            ),
             self.threads,
             bool(self.call_checks),
+            self.call_buffers,
         )
 
     @functools.cached_property
@@ -151,7 +154,11 @@ class Program:
 
     def layout_for(self, sizes: Mapping[str, int]) -> CallLayout:
         """What a call with these symbol sizes needs, after the checks that depend on them (which
-        raise before any pointer reaches native code); kept for the next call of the same sizes."""
+        raise before any pointer reaches native code); kept for the next call of the same sizes
+        (the checks read the sizes alone: sizes that passed once pass again)."""
+        kept = self.layouts.get(tuple(sizes.items()))
+        if kept is not None:
+            return kept
         table, arena_bytes = b"", self.arena_bytes
         if self.dynamic is not None:  # symbolic dimensions: scratch sized for this call's sizes
             for check in self.call_checks:

@@ -202,6 +202,7 @@ def test_sizes_in_a_known_bucket_need_no_generic_layout(monkeypatch: pytest.Monk
     program.__dict__.pop("direct_layout", None)  # generated again, around the counted method
     assert program.dynamic is not None
     program.dynamic.bucket_strides.clear()  # the program is shared with other tests' calls
+    program.layouts.clear()
     try:
         for seq_k in range(1, 2 * STRIDE_BUCKET + 1):  # a decode loop over two buckets of lengths
             layout = program.direct_layout([(1, HEADS, 1, DIM), (1, HEADS, seq_k, DIM), (1, HEADS, seq_k, DIM)])
@@ -287,3 +288,43 @@ def test_the_native_and_the_python_small_call_rules_agree_at_the_threshold(monke
         layout = runner.layout([a[name].shape for name in names])
         assert (layout is not None) == addressed
         np.testing.assert_allclose(exe(**a)["out"], rlx.reference.run(g, **a)["out"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_masked_decode_loop_gets_its_layouts_without_the_generic_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graph with a block map made per call (a padding mask) has its layout written out too:
+    a decode loop over a known bucket of lengths takes no generic ``layout_for``, and each
+    layout (the maps it leaves unread included) is the one the generic path makes, for small
+    calls (map unread) and large ones (map read) alike."""
+    g = padded_graph()
+    g.name = "padded_layouts"  # a program of its own, whatever other tests called
+    program = rlx.compile(g)._program
+    generic = type(program).layout_for
+    calls: list[dict[str, int]] = []
+
+    def counted(self: object, sizes: dict[str, int]) -> object:
+        calls.append(dict(sizes))
+        return generic(self, sizes)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(type(program), "layout_for", counted)
+    program.__dict__.pop("direct_layout", None)
+    try:
+        cases = [(2, 1, seq_k) for seq_k in range(1, STRIDE_BUCKET + 1)] + [(2, 512, 512), (2, 512, 500)]
+        for batch, seq_q, seq_k in cases:
+            keys = (batch, HEADS, seq_k, DIM)
+            shapes = [(batch, HEADS, seq_q, DIM), keys, keys, (batch, seq_k)]
+            made = program.direct_layout(shapes)
+            program.layouts.clear()
+            want = generic(program, {"B": batch, "Sk": seq_k, "Sq": seq_q})
+            assert made == want
+            assert bool(made.unread) == (seq_q == 1)  # one query: a small call, its map unread
+        assert [c["Sk"] for c in calls] == [1, 512]  # one generic call per new bucket
+    finally:
+        program.__dict__.pop("direct_layout", None)
+
+
+def test_a_layout_is_kept_for_the_same_sizes() -> None:
+    """The generic path returns the layout it made for the same sizes (its checks read the sizes
+    alone), so repeated calls of a graph that needs it do not redo it."""
+    program = rlx.compile(padded_graph())._program
+    sizes = {"B": 3, "Sk": 77, "Sq": 2}
+    assert program.layout_for(dict(sizes)) is program.layout_for(dict(sizes))
