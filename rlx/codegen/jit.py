@@ -38,6 +38,13 @@ _IMPORTED_LIBC = (
 )
 _library_ids = itertools.count()
 _lock = threading.RLock()
+# LLVM's boolean options, on while rlx compiles any module (and only then: they are process-wide
+# in LLVM, and other users of llvmlite in the process keep their own). Loop strength reduction
+# rewrote the register tiles' few base pointers into A (tile_gemm._row_bases) back into a chain
+# of an add per row on every step of k (3% slower products), and bought the other kernels
+# nothing (attention forward and backward, a transformer block's step: within 1% either way,
+# interleaved, AMD EPYC) while it took 14% of their machine code's time (11 ms of the demo graph's).
+LLVM_FLAGS = ("disable-lsr",)
 
 
 @dataclass
@@ -183,7 +190,8 @@ def compile_ir(llvm_ir: str, prebuilt: Mapping[str, bytes] | None = None) -> Com
         times["llvm_optimize"] = time.perf_counter() - start
         optimized_ir = str(module)  # before code generation, which rewrites the module in place
         start = time.perf_counter()
-        object_code = jit_state().target_machine.emit_object(module)
+        with _llvm_flags(LLVM_FLAGS):
+            object_code = jit_state().target_machine.emit_object(module)
         times["machine_code"] = time.perf_counter() - start
     library = _load(object_code, llvm_ir, optimized_ir, times)
     _write_cache(cache_dir, key, object_code)
@@ -223,24 +231,17 @@ def _link(object_code: bytes, imports: Mapping[str, int], exports: tuple[str, ..
 _runtimes: list[object] = []  # runtime libraries: linked once, never freed
 
 
-def link_runtime(
-    llvm_ir: str,
-    libc: tuple[str, ...],
-    exports: tuple[str, ...],
-    llvm_flags: tuple[str, ...] = (),
-    quick: bool = False,
-) -> dict[str, int]:
+def link_runtime(llvm_ir: str, libc: tuple[str, ...], exports: tuple[str, ...], quick: bool = False) -> dict[str, int]:
     """Compile and link a module of the rlx runtime (its thread pool, the attention kernels'
     register tiles) for the life of the process: the addresses of its ``exports``. With a disk
     cache (:func:`disk_cache_dir`) its object file is kept there as a graph's is, so a process
-    that finds it links without compiling. ``llvm_flags`` names LLVM's boolean options (off by
-    default) to switch on while this module, and nothing else, is compiled. ``quick`` makes its
+    that finds it links without compiling. ``quick`` makes its
     machine code with LLVM's fast instruction selection and register allocation (codegen level 0,
     after rlx's own IR optimisation): for code whose speed is not in its instructions, a fifth
     of the compile time."""
     cache_dir = disk_cache_dir()
     # no hashing without a disk cache; the flags change the code, so they are part of the key
-    options = [*(f"-{flag}" for flag in llvm_flags), *(["quick"] if quick else [])]
+    options = [*(f"-{flag}" for flag in LLVM_FLAGS), *(["quick"] if quick else [])]
     key = cache_key(llvm_ir + "".join(f"\n; {option}" for option in options)) if cache_dir is not None else ""
     imports = {name: libc_symbol(name) for name in libc}
     cached = _read_cache(cache_dir, key)
@@ -251,7 +252,7 @@ def link_runtime(
             with contextlib.suppress(RlxError):
                 tracker = _link(cached, imports, exports)
         if tracker is None:
-            with _llvm_flags(llvm_flags):
+            with _llvm_flags(LLVM_FLAGS):
                 state = jit_state()
                 machine = state.quick_machine if quick else state.target_machine
                 object_code = machine.emit_object(_optimized_module(llvm_ir))

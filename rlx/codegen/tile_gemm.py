@@ -49,9 +49,6 @@ from rlx.codegen.irutil import (
 )
 from rlx.codegen.vector import splat, zero_vector
 
-# Compiled without loop strength reduction, which rewrote the tiles' few base pointers into A
-# (see _row_bases) back into a chain of an add per row on every step of k: 3% slower products.
-LLVM_FLAGS = ("disable-lsr",)
 K_BLOCK = 512  # terms of k per pass over C: a tile's rows of A and a panel of B stay in L2
 # A wide product's panel of B is copied contiguous when B's rows lie at least this many floats (a
 # page) apart and C has this many rows to reuse the copy (see _ProductEmitter._all_tiles).
@@ -151,7 +148,7 @@ def runtime_symbols(shape: TileShape) -> dict[str, int]:
     from rlx.codegen.jit import link_runtime
 
     names = tuple(shape.product_name(trans_a) for trans_a in (False, True))
-    return link_runtime(str(runtime_module(shape)), (), names, llvm_flags=LLVM_FLAGS)
+    return link_runtime(str(runtime_module(shape)), (), names)  # compiled without LSR: jit.LLVM_FLAGS
 
 
 def runtime_module(shape: TileShape) -> ir.Module:
