@@ -293,9 +293,10 @@ class AttentionKernelSpec:
         length = self.dims.seq_k if seq_k is None else seq_k
         assert isinstance(length, int), "give the call's Sk"
         if self.heights is not None and not self.is_static:
-            most = self.heights.most_floats(length)  # a strip has at most Sq rows
-            return whole_lines(most if seq_q is None else min(most, max(seq_q, 1) * length))
-        return whole_lines(self.block_q * length)
+            # rows · Sk is at most most_floats, and a row's stride (strip_ld) at most 31 floats more
+            most = self.heights.most_floats(length) + (STRIP_LD_SLACK * self.heights.most_rows())
+            return whole_lines(most if seq_q is None else min(most, max(seq_q, 1) * strip_ld(length)))
+        return whole_lines(self.block_q * strip_ld(length))
 
     def scratch_bytes(self, seq_k: int | None = None, seq_q: int | None = None) -> int:
         """Per-thread scratch: the P strip, plus the dP/dS strip when dQ or dK are wanted; the
@@ -445,6 +446,26 @@ def keys_operand(
     return operand, ld, b.select(is_packed, i32(NO_TRANS), i32(TRANS), name="keys.trans")
 
 
+STRIP_LD_SLACK = 31  # strip_ld(n) - n is at most this
+
+
+def strip_ld(keys: int) -> int:
+    """The row stride of a fixed-mask kernel's score strips (P, dP/dS) over ``keys`` keys: rows of
+    an odd number of 64-byte lines (:func:`packed_ld`). At ``keys`` floats, rows a power of two
+    of lines apart (every strip of 512 or 1024 keys, causal strips whose keys are a multiple of
+    256) fell into a few sets of L1 and, a page or more apart, of L2: the transposed products
+    that read the strips down their columns (``dV += P^T dY``, ``dK += dS^T Q``) fetched every
+    line again for each tile. One core, native loops: 1024 x 64 x 256 at 70-72 GFLOP/s with
+    rows 1024 floats apart, 77-79 at 1040; 4096 x 64 x 256 71 -> 81; 16384 x 64 x 256 (a long
+    causal strip) 31-34 -> 61-74."""
+    return packed_ld(keys)
+
+
+def emit_strip_ld(b: ir.IRBuilder, keys: ir.Value) -> ir.Value:
+    """:func:`strip_ld` of a count known per call (a strip's visible keys)."""
+    return b.mul(b.or_(ceil_div(b, keys, 16), i64(1)), i64(16), name="strip.ld")
+
+
 def emit_strip_floats(b: ir.IRBuilder, block_q: int | ir.Value, seq_k: ir.Value) -> ir.Value:
     """Floats in one scores strip of ``block_q`` rows and ``seq_k`` keys known per call, rounded
     up to whole cache lines as the specs' ``strip_floats`` round them."""
@@ -523,7 +544,7 @@ class AttentionLowering:
         symbolic lengths those of this call's strip height (at most what the scratch holds)."""
         if self.spec.is_static:
             return i64(self.spec.strip_floats())
-        return emit_strip_floats(b, self.block_q, self.sk)
+        return emit_whole_lines(b, b.mul(emit_strip_ld(b, self.sk), as_i64(self.block_q)), "strip.floats")
 
     def emit(self) -> ir.Function:
         spec, dims = self.spec, self.spec.dims
@@ -686,12 +707,15 @@ class AttentionLowering:
                 name="keys",
             )
             ks, nk = b.extract_value(keys, 0, name="ks"), b.extract_value(keys, 1, name="nk")
+            ldp = emit_strip_ld(b, nk)  # the strips' row stride, as the softmax function laid them out
             if forward:
-                self._forward_gemm(b, heads, i0, rows, ks, nk, strip_s, inverse)
+                self._forward_gemm(b, heads, i0, rows, ks, nk, ldp, strip_s, inverse)
             else:
                 assert first_member is not None
                 first = b.and_(first_member, b.icmp_signed("==", step, i64(0)), name="first.write")
-                self._backward_gemms(b, heads, strips, packed, i0, rows, ks, nk, strip_s, strip_dp, mask_base, first)
+                self._backward_gemms(
+                    b, heads, strips, packed, i0, rows, ks, nk, ldp, strip_s, strip_dp, mask_base, first
+                )
 
     def _strip_rows(
         self, b: ir.IRBuilder, heads: dict[str, ir.Value], slot: str, i0: ir.Value, rows: ir.Value
@@ -844,11 +868,12 @@ class AttentionLowering:
         nk.add_incoming(nk0, before)
         ks.add_incoming(i64(0), retry)
         nk.add_incoming(self.sk, retry)
+        ldp = emit_strip_ld(b, nk)
         self._product_with_transposed(
-            b, rows, nk, dims.head_dim, spec.scale, q_strip, ldq, k_head, ldk, k_packed, ks, strip, nk
+            b, rows, nk, dims.head_dim, spec.scale, q_strip, ldq, k_head, ldk, k_packed, ks, strip, ldp
         )
         started = self.clock.start(b)
-        needs_all_keys = self._mask_softmax_rows(b, strip, i0, rows, ks, nk, mask_base, inverse)
+        needs_all_keys = self._mask_softmax_rows(b, strip, i0, rows, ks, nk, ldp, mask_base, inverse)
         self.clock.count(b, "softmax", started)
         partial = b.icmp_signed("<", nk, self.sk, name="partial")
         b.cbranch(b.and_(partial, needs_all_keys, name="redo"), retry, after)
@@ -865,10 +890,12 @@ class AttentionLowering:
         rows: ir.Value,
         ks: ir.Value,
         nk: ir.Value,
+        ldp: ir.Value,
         mask_base: ir.Value,
         inverse: ir.Value | None,
     ) -> ir.Value:
-        """Mask and softmax every row of the strip in place; true if a skipped key could matter.
+        """Mask and softmax every row of the strip (rows ``ldp`` apart) in place; true if a skipped
+        key could matter.
 
         With a non-null ``inverse`` (the forward), rows stay ``exp(s - m)`` and ``inverse[r]`` gets
         ``1/sum``; a null one (the backward, which needs P) normalises. One function serves both,
@@ -879,7 +906,7 @@ class AttentionLowering:
         b.store(ir.Constant(I1, 0), flag)
         with for_range(b, 0, rows, "r") as r:
             gi = b.add(i0, r, name="gi")
-            row = gep_f32(b, strip, b.mul(r, nk), name="row")
+            row = gep_f32(b, strip, b.mul(r, ldp), name="row")
             start, stop = i64(0), nk
             if mask.is_causal_like:
                 lo, hi = self._row_keys(b, gi, ks, nk)
@@ -990,12 +1017,14 @@ class AttentionLowering:
         rows: ir.Value,
         ks: ir.Value,
         nk: ir.Value,
+        ldp: ir.Value,
         mask_base: ir.Value,
     ) -> None:
-        """``dS = P ∘ (dP − rowsum(P ∘ dP))`` into ``dp``; exactly 0 where the mask hid the score."""
+        """``dS = P ∘ (dP − rowsum(P ∘ dP))`` into ``dp`` (rows ``ldp`` apart); exactly 0 where the
+        mask hid the score."""
         mask = self.spec.mask
         with for_range(b, 0, rows, "r.bwd") as r:
-            offset = b.mul(r, nk)
+            offset = b.mul(r, ldp)
             p_row = gep_f32(b, p, offset, name="p.row")
             dp_row = gep_f32(b, dp, offset, name="dp.row")
             dot = vector_reduce(
@@ -1032,6 +1061,7 @@ class AttentionLowering:
         rows: ir.Value,
         ks: ir.Value,
         nk: ir.Value,
+        ldp: ir.Value,
         p: ir.Value,
         inverse: ir.Value,
     ) -> None:
@@ -1043,11 +1073,11 @@ class AttentionLowering:
         staged = self.staged.get("out")
 
         def in_place() -> None:
-            self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(dv), nk, 1.0, p, nk, v_vis, ldv, 0.0, out, ldo)
+            self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(dv), nk, 1.0, p, ldp, v_vis, ldv, 0.0, out, ldo)
             scale_rows(b, out, rows, ldo, dv, inverse)
 
         def streamed(staged: ir.Value) -> None:  # fenced at the end of the item (_stream_out)
-            self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(dv), nk, 1.0, p, nk, v_vis, ldv, 0.0, staged, dv)
+            self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(dv), nk, 1.0, p, ldp, v_vis, ldv, 0.0, staged, dv)
             stream_rows(b, staged, dv, out, ldo, rows, dv, inverse)
 
         self._either(b, staged, in_place, streamed)
@@ -1062,6 +1092,7 @@ class AttentionLowering:
         rows: ir.Value,
         ks: ir.Value,
         nk: ir.Value,
+        ldp: ir.Value,
         p: ir.Value,
         dp: ir.Value | None,
         mask_base: ir.Value,
@@ -1087,31 +1118,31 @@ class AttentionLowering:
         if grads & Wrt.VALUE:  # dV_vis += P^T dY_strip
             ld_dv = self._out_ld(b, "dv")
             dv = gep_f32(b, heads["dv"], b.mul(ks, as_i64(ld_dv)), name="dv.vis")
-            self._sgemm(b, TRANS, NO_TRANS, nk, i64(dv_width), rows, 1.0, p, nk, dy_strip, ldo, accumulate, dv, ld_dv)
+            self._sgemm(b, TRANS, NO_TRANS, nk, i64(dv_width), rows, 1.0, p, ldp, dy_strip, ldo, accumulate, dv, ld_dv)
         if dp is None:
             return
         # dP = dY_strip V_vis^T, then dS in place
         v, v_packed = heads["v"], packed["v"]
-        self._product_with_transposed(b, rows, nk, dv_width, 1.0, dy_strip, ldo, v, ldv, v_packed, ks, dp, nk)
+        self._product_with_transposed(b, rows, nk, dv_width, 1.0, dy_strip, ldo, v, ldv, v_packed, ks, dp, ldp)
         self.clock.timed(
-            b, "softmax_backward", lambda: self._softmax_backward_rows(b, p, dp, i0, rows, ks, nk, mask_base)
+            b, "softmax_backward", lambda: self._softmax_backward_rows(b, p, dp, i0, rows, ks, nk, ldp, mask_base)
         )
         if grads & Wrt.QUERY:  # dQ_strip = scale · dS K_vis
             ld_dq = self._ld("dq")
             dq = gep_f32(b, heads["dq"], b.mul(i0, i64(ld_dq)), name="dq.strip")
 
             def in_place() -> None:
-                self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(d), nk, spec.scale, dp, nk, k_vis, ldk, 0.0, dq, ld_dq)
+                self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(d), nk, spec.scale, dp, ldp, k_vis, ldk, 0.0, dq, ld_dq)
 
             def streamed(staged: ir.Value) -> None:  # fenced with dK/dV at the end of the item (_stream_out)
-                self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(d), nk, spec.scale, dp, nk, k_vis, ldk, 0.0, staged, d)
+                self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(d), nk, spec.scale, dp, ldp, k_vis, ldk, 0.0, staged, d)
                 stream_rows(b, staged, d, dq, ld_dq, rows, d)
 
             self._either(b, self.staged.get("dq"), in_place, streamed)
         if grads & Wrt.KEY:  # dK_vis += scale · dS^T Q_strip
             ld_dk = self._out_ld(b, "dk")
             dk = gep_f32(b, heads["dk"], b.mul(ks, as_i64(ld_dk)), name="dk.vis")
-            self._sgemm(b, TRANS, NO_TRANS, nk, i64(d), rows, spec.scale, dp, nk, q_strip, ldq, accumulate, dk, ld_dk)
+            self._sgemm(b, TRANS, NO_TRANS, nk, i64(d), rows, spec.scale, dp, ldp, q_strip, ldq, accumulate, dk, ld_dk)
 
     def _either(
         self,

@@ -133,7 +133,7 @@ def test_a_calls_strips_fit_the_scratch_of_its_bucket() -> None:
     """The scratch stride is worked out once per bucket of lengths, at the bucket's largest
     sizes: every call in the bucket takes strips that fit it."""
     from rlx.codegen.lower import STRIDE_BUCKET
-    from rlx.codegen.lower_attention import whole_lines
+    from rlx.codegen.lower_attention import strip_ld, whole_lines
 
     for needs_dp, causal in itertools.product((False, True), (False, True)):
         graph = _causal_graph("B", "S") if causal else Graph("plain")
@@ -148,9 +148,9 @@ def test_a_calls_strips_fit_the_scratch_of_its_bucket() -> None:
         assert spec.heights is not None
         for seq in [*range(1, 300), 511, 512, 513, 1000, 1024, 1025, 2047, 2049, 5000]:
             bucket = -(-seq // STRIDE_BUCKET) * STRIDE_BUCKET
-            used = whole_lines(spec.heights.rows(seq, seq) * seq)
+            used = whole_lines(spec.heights.rows(seq, seq) * strip_ld(seq))  # rows strip_ld apart
             assert used <= spec.strip_floats(bucket, bucket), (needs_dp, causal, seq)
-            assert spec.strip_floats(seq, 1) == whole_lines(seq)  # one query row: one row of scores
+            assert spec.strip_floats(seq, 1) == whole_lines(strip_ld(seq))  # one query row: one row of scores
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -199,3 +199,28 @@ def test_symbolic_attention_matches_the_reference_at_every_length(
         for name, value in want.items():
             np.testing.assert_allclose(got[name], value, rtol=3e-4, atol=3e-5, err_msg=f"{name} at {sizes}")
     assert exe.compile_count == 1
+
+
+def test_strip_rows_are_an_odd_number_of_lines_apart() -> None:
+    """A score strip's row stride: at least its keys, at most 31 floats more, whole 64-byte lines
+    and an odd number of them, so no count of keys puts a strip's rows into a few cache sets;
+    the native rule is the same."""
+    from rlx.codegen.lower_attention import STRIP_LD_SLACK, emit_strip_ld, strip_ld
+
+    counts = [1, 2, 15, 16, 17, 31, 32, 33, 255, 256, 512, 1000, 1024, 4096, 16384, 100_003]
+    for keys in counts:
+        ld = strip_ld(keys)
+        assert keys <= ld <= keys + STRIP_LD_SLACK and ld % 16 == 0 and (ld // 16) % 2 == 1
+    module = ir.Module("strip_ld")
+    entry = ir.Function(module, ir.FunctionType(VOID, [PTR, PTR, I64]), name=ENTRY)
+    b = ir.IRBuilder(entry.append_basic_block())
+    keys_in, out, count = entry.args
+    with for_range(b, 0, count, "i") as i:
+        b.store(emit_strip_ld(b, b.load(gep(b, keys_in, [i], I64), typ=I64)), gep(b, out, [i], I64))
+    b.ret_void()
+    library = compile_ir(str(module))
+    native = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(library.entry_address)
+    keys = np.array(counts, dtype=np.int64)
+    got = np.empty_like(keys)
+    native(keys.ctypes.data, got.ctypes.data, len(keys))
+    assert got.tolist() == [strip_ld(k) for k in counts]

@@ -190,6 +190,7 @@ def test_tile_for_features() -> None:
         ("bshd", 384, 4, 2, 96, 96, True),
         ("bshd", 1100, 2, 2, 64, 64, True),  # K's transposed copy a page a row: panels copied
         ("bhsd", 1030, 1, 1, 32, 40, False),
+        ("bhsd", 1024, 2, 2, 64, 64, False),  # strips of 1024 keys: rows 1040 floats apart (strip_ld)
     ],
 )
 def test_attention_on_the_tiles_matches_the_reference(
