@@ -141,6 +141,7 @@ def cache_key(llvm_ir: str) -> str:
         state.cpu,
         state.features,
         __version__,
+        *LLVM_FLAGS,
     ]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
@@ -235,14 +236,12 @@ def link_runtime(llvm_ir: str, libc: tuple[str, ...], exports: tuple[str, ...], 
     """Compile and link a module of the rlx runtime (its thread pool, the attention kernels'
     register tiles) for the life of the process: the addresses of its ``exports``. With a disk
     cache (:func:`disk_cache_dir`) its object file is kept there as a graph's is, so a process
-    that finds it links without compiling. ``quick`` makes its
-    machine code with LLVM's fast instruction selection and register allocation (codegen level 0,
-    after rlx's own IR optimisation): for code whose speed is not in its instructions, a fifth
-    of the compile time."""
+    that finds it links without compiling. ``quick`` makes its machine code with LLVM's fast
+    instruction selection and register allocation (codegen level 0, after rlx's own IR
+    optimisation): for code whose speed is not in its instructions, a fifth of the compile time."""
     cache_dir = disk_cache_dir()
-    # no hashing without a disk cache; the flags change the code, so they are part of the key
-    options = [*(f"-{flag}" for flag in LLVM_FLAGS), *(["quick"] if quick else [])]
-    key = cache_key(llvm_ir + "".join(f"\n; {option}" for option in options)) if cache_dir is not None else ""
+    # no hashing without a disk cache; quick changes the code, so it is part of the key (as the flags are)
+    key = cache_key(llvm_ir + ("\n; quick" if quick else "")) if cache_dir is not None else ""
     imports = {name: libc_symbol(name) for name in libc}
     cached = _read_cache(cache_dir, key)
     tracker = None

@@ -206,7 +206,8 @@ def test_disk_hit_reports_the_optimised_code(tmp_path: Path, monkeypatch: pytest
 
 
 def test_disk_key_depends_on_everything_that_shapes_machine_code(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Same IR, same key; a different IR, rlx version, CPU name or CPU features: a different key."""
+    """Same IR, same key; a different IR, rlx version, CPU name, CPU features, llvmlite version or
+    LLVM options: a different key."""
     ir_text = rlx.compile(build(unique_name())).llvm_ir
     base = jit.cache_key(ir_text)
     assert jit.cache_key(ir_text) == base
@@ -226,6 +227,9 @@ def test_disk_key_depends_on_everything_that_shapes_machine_code(monkeypatch: py
         assert jit.cache_key(ir_text) != base
     with monkeypatch.context() as patch:
         patch.setattr(jit.llvmlite, "__version__", "0.0.0")
+        assert jit.cache_key(ir_text) != base
+    with monkeypatch.context() as patch:  # the LLVM options rlx compiles with
+        patch.setattr(jit, "LLVM_FLAGS", ())
         assert jit.cache_key(ir_text) != base
     assert jit.cache_key(ir_text) == base
 
