@@ -231,3 +231,81 @@ def test_a_padding_mask_decode_loop_compiles_once_from_its_first_key() -> None:
         out = rt.scaled_dot_product_attention(q, k, v, attn_mask=broadcast)
         torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
         assert id(sdpa._masked_plan(q, k, v, broadcast, False, None).forward) not in executables
+
+
+def test_masked_inference_calls_after_the_first_skip_the_general_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a masked inference call of some heads, head dims, flags and mask pattern ran by
+    address, later calls like it run by its runner without the general path, with the general
+    path's results bit for bit; whatever the runner does not take (a gradient to record, another
+    mask pattern, a mask that does not fit, a strided mask, a call large enough to read its block
+    map) takes the general path, with its results or its error."""
+    import rlx.codegen.lower as lower
+
+    sdpa = pytest.importorskip("rlx.torch.sdpa")
+    heads, dim = 5, 24  # shapes no other test uses: this test's plan and runner are its own
+    macs_limit = 2 * heads * 1 * 300 * (2 * dim)  # calls of B2, one query and fewer than 300 keys are small
+    monkeypatch.setattr(lower, "SMALL_CALL_MACS", macs_limit)
+    general: list[int] = []
+    eager = sdpa._sdpa_eager
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        general.append(1)
+        return eager(*args, **kwargs)
+
+    monkeypatch.setattr(sdpa, "_sdpa_eager", counted)
+    gen = torch.Generator().manual_seed(21)
+
+    def step(seq_q: int, seq_k: int) -> tuple[Any, Any, Any, Any]:
+        q = torch.randn(B, heads, seq_q, dim, generator=gen)
+        k, v = (torch.randn(B, heads, seq_k, dim, generator=gen) for _ in range(2))
+        mask = torch.ones(B, 1, seq_q, seq_k, dtype=torch.bool)
+        mask[1, ..., : min(3, seq_k - 1)] = False
+        return q, k, v, mask
+
+    sdpa_torch = torch.nn.functional.scaled_dot_product_attention
+
+    def ours(q: Any, k: Any, v: Any, mask: Any) -> Any:
+        return rt.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    with torch.no_grad():
+        first = step(1, 7)
+        ours(*first)  # the general path, once
+        assert len(general) == 1
+        for seq_k in (8, 40, 299):
+            q, k, v, mask = step(1, seq_k)
+            out = rt.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            assert torch.equal(out, eager(q, k, v, mask, 0.0, False, None, False))  # the general path's result
+            torch.testing.assert_close(out, sdpa_torch(q, k, v, attn_mask=mask), rtol=1e-5, atol=2e-6)
+        assert len(general) == 1  # (the eager calls above are the original function, not counted)
+        general.clear()
+        q, k, v, mask = step(1, 300)  # at the threshold: the kernel reads its map, which only the general path makes
+        torch.testing.assert_close(ours(q, k, v, mask), sdpa_torch(q, k, v, attn_mask=mask))
+        assert len(general) == 1
+        q, k, v, mask = step(3, 20)  # [B, 1, Sq, Sk], a prefill's: the decode steps' plan, so their runner
+        torch.testing.assert_close(ours(q, k, v, mask), sdpa_torch(q, k, v, attn_mask=mask))
+        assert len(general) == 1
+        shared = torch.ones(1, 1, 1, 20, dtype=torch.bool)  # another pattern: one row for the whole batch
+        shared[..., :4] = False
+        torch.testing.assert_close(
+            rt.scaled_dot_product_attention(q, k, v, attn_mask=shared), sdpa_torch(q, k, v, attn_mask=shared)
+        )
+        assert len(general) == 2
+        q, k, v, mask = step(1, 20)
+        strided = torch.ones(B, 1, 40, 1, dtype=torch.bool)[:, :, ::2].transpose(2, 3)  # [B, 1, 1, 20], not contiguous
+        strided[1, ..., :2] = False
+        assert strided.shape == (B, 1, 1, 20) and not strided.is_contiguous()
+        out = rt.scaled_dot_product_attention(q, k, v, attn_mask=strided)
+        torch.testing.assert_close(out, sdpa_torch(q, k, v, attn_mask=strided), rtol=1e-5, atol=2e-6)
+        assert len(general) == 3
+        with pytest.raises(rlx.RlxValueError):  # 21 mask keys for 20 keys: the general path's error
+            rt.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(B, 1, 1, 21, dtype=torch.bool))
+        additive = torch.zeros(B, 1, 1, 20).masked_fill(~mask, float("-inf"))  # a float mask: its own plan
+        out = rt.scaled_dot_product_attention(q, k, v, attn_mask=additive)
+        torch.testing.assert_close(out, sdpa_torch(q, k, v, attn_mask=additive), rtol=1e-5, atol=2e-6)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = rt.scaled_dot_product_attention(*leaves, attn_mask=mask)  # a gradient to record
+    out.sum().backward()
+    want = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    sdpa_torch(*want, attn_mask=mask).sum().backward()
+    for ours, theirs in zip(leaves, want, strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-5)
