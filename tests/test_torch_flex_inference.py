@@ -302,6 +302,11 @@ def test_masked_inference_calls_after_the_first_skip_the_general_path(monkeypatc
         additive = torch.zeros(B, 1, 1, 20).masked_fill(~mask, float("-inf"))  # a float mask: its own plan
         out = rt.scaled_dot_product_attention(q, k, v, attn_mask=additive)
         torch.testing.assert_close(out, sdpa_torch(q, k, v, attn_mask=additive), rtol=1e-5, atol=2e-6)
+        for dtype in (torch.float16, torch.float64):  # masks the kernel reads as float32 copies, twice each
+            for _ in range(2):
+                other = torch.randn(B, 1, 1, 20, generator=gen).to(dtype)
+                out = rt.scaled_dot_product_attention(q, k, v, attn_mask=other)
+                torch.testing.assert_close(out, sdpa_torch(q, k, v, attn_mask=other.float()), rtol=1e-5, atol=2e-6)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     out = rt.scaled_dot_product_attention(*leaves, attn_mask=mask)  # a gradient to record
     out.sum().backward()

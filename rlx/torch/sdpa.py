@@ -20,7 +20,7 @@ from rlx.ir.types import Layout
 from rlx.torch._autograd import _eager_under_torch_compile, _once_differentiable
 from rlx.torch._layouts import _layout_inputs, _layout_names, _layout_tensors, _strided_layout
 from rlx.torch._tensors import _COMPUTED, _array, _check_tensor, _dense, _direct, _tensor
-from rlx.torch.flex import _check_scale, _flex_forward, _Plan, _plan, _plans_lock
+from rlx.torch.flex import _TORCH_DTYPES, _check_scale, _flex_forward, _Plan, _plan, _plans_lock
 from rlx.torch.threads import _attention_flops, _threads_for
 
 _sdpa_plans: dict[tuple[Any, ...], _Plan] = {}  # SDPA calls by shapes and mask kind: no tracing
@@ -206,6 +206,8 @@ def _keep_masked_runner(
         return
     runner = plan.forward.direct_runner
     if runner is None or runner.inputs != ("q", "k", "v", "c0") or set(runner.outputs) != {"out", "lse"}:
+        return
+    if _TORCH_DTYPES.get(runner.dtypes[3]) != mask.dtype:  # a half or double mask: computed from a float32 copy
         return
     with _plans_lock:
         _masked_runners.setdefault(key, runner)  # the key holds the mask's dtype, which the graph declares
