@@ -989,3 +989,41 @@ def test_the_sdpa_custom_ops_pass_torchs_opcheck() -> None:
         grad = torch.randn(2, 4, 16, 8, generator=gen)
         inputs = (grad, q.detach(), k.detach(), v.detach(), is_causal, scale)
         torch.library.opcheck(torch.ops.rlx.sdpa_backward.default, inputs)
+
+
+def test_torchs_default_dtype_does_not_reach_the_buffers_rlx_writes() -> None:
+    """The float32 buffers native code writes (outputs, gradients, cotangents of an rlx graph)
+    are made float32 whatever torch's default dtype: scientific code sets float64, under which
+    the outputs were float64 tensors holding float32 bit patterns."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        q, k, v = (torch.randn(2, 4, 5, 16, dtype=torch.float32) for _ in range(3))
+        mask = torch.rand(2, 1, 5, 5) > 0.3
+        mask[..., 0] = True
+        with torch.no_grad():
+            for _ in range(2):  # the general path, then the inference runners
+                for kwargs in ({}, {"is_causal": True}, {"attn_mask": mask}):
+                    out = rt.scaled_dot_product_attention(q, k, v, **kwargs)
+                    assert out.dtype == torch.float32
+                    assert_close(out, F.scaled_dot_product_attention(q, k, v, **kwargs))
+                out = rt.flex_attention(q, k, v)
+                assert out.dtype == torch.float32
+                assert_close(out, F.scaled_dot_product_attention(q, k, v))
+        ours = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        theirs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        rt.scaled_dot_product_attention(*ours, is_causal=True).sum().backward()
+        F.scaled_dot_product_attention(*theirs, is_causal=True).sum().backward()
+        for mine, want in zip(ours, theirs, strict=True):
+            assert mine.grad is not None and mine.grad.dtype == torch.float32
+            assert_close(mine.grad, want.grad, tol=1e-4)
+        g = rlx.Graph("two_outputs")
+        x = g.input("x", (3, 4))
+        g.output(y=g.exp(x), z=g.mul(x, x))
+        compiled = rt.compile(g)
+        leaf = torch.randn(3, 4, dtype=torch.float32, requires_grad=True)
+        compiled(x=leaf)["y"].sum().backward()  # z's cotangent: zeros rlx makes
+        assert leaf.grad is not None and leaf.grad.dtype == torch.float32
+        assert_close(leaf.grad, leaf.detach().exp())
+    finally:
+        torch.set_default_dtype(previous)

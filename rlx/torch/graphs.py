@@ -302,7 +302,9 @@ def _backward_inputs(
     inputs = dict(zip(compiled.names, ctx.saved_tensors, strict=True))
     for name, ct in zip(compiled.outputs, cotangents, strict=True):
         if name in compiled.cotangent_names:
-            inputs[compiled.cotangent_names[name]] = ct if ct is not None else torch.zeros(ctx.shapes[name])
+            if ct is None:  # float32 whatever torch's default dtype
+                ct = torch.zeros(ctx.shapes[name], dtype=torch.float32)
+            inputs[compiled.cotangent_names[name]] = ct
     return {name: inputs[name] for name in graph.inputs}
 
 
