@@ -1027,3 +1027,44 @@ def test_torchs_default_dtype_does_not_reach_the_buffers_rlx_writes() -> None:
         assert_close(leaf.grad, leaf.detach().exp())
     finally:
         torch.set_default_dtype(previous)
+
+
+_DEFAULT_DEVICE_SCRIPT = """
+import torch
+import torch.nn.functional as F
+import rlx
+import rlx.torch as rt
+
+q, k, v = (torch.randn(2, 4, 5, 16, device="cpu") for _ in range(3))
+mask = torch.rand(2, 1, 5, 5, device="cpu") > 0.3
+mask[..., 0] = True
+g = rlx.Graph("two_outputs")
+x = g.input("x", (3, 4))
+g.output(y=g.exp(x), z=g.mul(x, x))
+compiled = rt.compile(g)
+torch.set_default_device("meta")  # as accelerate's init_empty_weights() does while a model is built
+with torch.no_grad():
+    for _ in range(2):
+        for kwargs in ({}, {"is_causal": True}, {"attn_mask": mask}):
+            out = rt.scaled_dot_product_attention(q, k, v, **kwargs)
+            assert out.device.type == "cpu"
+            torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, **kwargs))
+        torch.testing.assert_close(rt.flex_attention(q, k, v), F.scaled_dot_product_attention(q, k, v))
+ours = [t.clone().requires_grad_(True) for t in (q, k, v)]
+rt.scaled_dot_product_attention(*ours, is_causal=True).sum().backward()
+assert all(t.grad is not None and t.grad.device.type == "cpu" for t in ours)
+leaf = torch.randn(3, 4, device="cpu", requires_grad=True)
+compiled(x=leaf)["y"].sum().backward()
+torch.testing.assert_close(leaf.grad, leaf.detach().exp())
+print("ok")
+"""
+
+
+def test_torchs_default_device_does_not_reach_the_buffers_rlx_writes() -> None:
+    """Under ``torch.set_default_device("meta")`` (accelerate sets it while it builds a model on
+    no memory) the buffers native code writes were meta tensors, whose address is 0: the first
+    SDPA call crashed the process. They are CPU tensors whatever the default device; run in a
+    child process, so that a crash fails this test rather than the suite."""
+    done = subprocess.run([sys.executable, "-c", _DEFAULT_DEVICE_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("ok")

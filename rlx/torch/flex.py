@@ -263,7 +263,7 @@ def _forward_by_address(
     if layout is None:
         return None
     outputs = {
-        name: torch.empty(shape, dtype=torch.float32)
+        name: torch.empty(shape, dtype=torch.float32, device="cpu")
         for name, shape in zip(runner.outputs, runner.output_shapes(layout), strict=True)
     }
     addresses = [t.data_ptr() for t in tensors] + [outputs[name].data_ptr() for name in runner.outputs]

@@ -303,7 +303,7 @@ def _backward_inputs(
     for name, ct in zip(compiled.outputs, cotangents, strict=True):
         if name in compiled.cotangent_names:
             if ct is None:  # float32 whatever torch's default dtype
-                ct = torch.zeros(ctx.shapes[name], dtype=torch.float32)
+                ct = torch.zeros(ctx.shapes[name], dtype=torch.float32, device="cpu")
             inputs[compiled.cotangent_names[name]] = ct
     return {name: inputs[name] for name in graph.inputs}
 

@@ -100,7 +100,7 @@ def _inference_call(
             qs, ks, vs = q.shape, k.shape, v.shape
             layout = runner.layout((qs, ks, vs))
             if layout is not None:
-                out = torch.empty(layout.buffers[0][1], dtype=torch.float32)
+                out = torch.empty(layout.buffers[0][1], dtype=torch.float32, device="cpu")
                 flops = 2.0 * qs[0] * qs[1] * qs[2] * ks[2] * (qs[3] + vs[3])  # _attention_flops, inlined
                 runner(layout, [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()], _threads_for(flops))
                 return out
@@ -161,7 +161,7 @@ def _masked_inference_call(
     if layout is None:
         return None
     shapes = dict(zip(runner.outputs, runner.output_shapes(layout), strict=True))
-    outputs = {name: torch.empty(shape, dtype=torch.float32) for name, shape in shapes.items()}
+    outputs = {name: torch.empty(shape, dtype=torch.float32, device="cpu") for name, shape in shapes.items()}
     flops = 2.0 * qs[0] * qs[1] * qs[2] * ks[2] * (qs[3] + vs[3])  # _attention_flops, inlined
     addresses = [q.data_ptr(), k.data_ptr(), v.data_ptr(), mask.data_ptr()]
     runner(layout, addresses + [outputs[name].data_ptr() for name in runner.outputs], _threads_for(flops))
@@ -598,7 +598,7 @@ def _fixed_out(
         return _strided_out(plan, exe, q, k, v, threads)
     dense = [q, k, v] if direct else _dense(q, k, v)
     if dense is not None:
-        out = torch.empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]), dtype=torch.float32)
+        out = torch.empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]), dtype=torch.float32, device="cpu")
         inputs = [(t.data_ptr(), t.shape) for t in dense]  # torch.Size: tuples
         if exe.run_direct(inputs, {"out": (out.data_ptr(), out.shape)}, threads):
             return out
@@ -613,7 +613,7 @@ def _strided_out(
     """``out`` of a ``"bshd"`` or ``"qkv"`` plan: written as ``[B, S, H, Dv]``, returned as its
     ``[B, H, S, Dv]`` transpose (as torch's kernel returns it for such inputs)."""
     inputs = _layout_tensors(plan.layout, q, k, v)
-    out = torch.empty((q.shape[0], q.shape[2], q.shape[1], v.shape[3]), dtype=torch.float32)
+    out = torch.empty((q.shape[0], q.shape[2], q.shape[1], v.shape[3]), dtype=torch.float32, device="cpu")
     if not exe.run_direct([(t.data_ptr(), t.shape) for t in inputs], {"out": (out.data_ptr(), out.shape)}, threads):
         out = torch.from_numpy(exe.run(_named_arrays(plan, inputs), threads)["out"])
     return out.transpose(1, 2)
@@ -656,7 +656,10 @@ def _fixed_grads(
         # The gradient of a transposed out: [B, S, H, Dv] again (each step a no-op where it is).
         dy = d_out.transpose(1, 2).float().resolve_neg().contiguous()
         tensors = [*_layout_tensors(plan.layout, q, k, v), dy]
-        rows = [torch.empty((t.shape[0], t.shape[2], t.shape[1], t.shape[3]), dtype=torch.float32) for t in (q, k, v)]
+        rows = [
+            torch.empty((t.shape[0], t.shape[2], t.shape[1], t.shape[3]), dtype=torch.float32, device="cpu")
+            for t in (q, k, v)
+        ]
         outputs = {f"d{n}": (g.data_ptr(), g.shape) for n, g in zip("qkv", rows, strict=True)}
         if not exe.run_direct([(t.data_ptr(), t.shape) for t in tensors], outputs, threads):
             grads = exe.run(_named_arrays(plan, tensors), threads)
@@ -664,7 +667,7 @@ def _fixed_grads(
         return rows[0].transpose(1, 2), rows[1].transpose(1, 2), rows[2].transpose(1, 2)
     dense = _dense(q, k, v, d_out)  # strided views (a split projection, a transpose's gradient) copied
     if dense is not None:
-        written = [torch.empty(t.shape, dtype=torch.float32) for t in (q, k, v)]
+        written = [torch.empty(t.shape, dtype=torch.float32, device="cpu") for t in (q, k, v)]
         inputs = [(t.data_ptr(), t.shape) for t in dense]
         outputs = {f"d{n}": (g.data_ptr(), g.shape) for n, g in zip("qkv", written, strict=True)}
         if exe.run_direct(inputs, outputs, threads):
