@@ -412,15 +412,19 @@ class WakeRamp:
     warm_s: float
     cold_s: tuple[float, ...]
 
+    def _chunks(self, work_s: float) -> int:
+        """How many chunks make ``work_s`` seconds of warm work (at least one, at most those measured)."""
+        return max(1, min(len(self.cold_s), round(work_s / self.warm_s)))
+
     def first_speed(self, work_s: float) -> float:
         """Warm speed's fraction reached over the first ``work_s`` seconds of warm work."""
-        count = max(1, min(len(self.cold_s), round(work_s / self.warm_s)))
+        count = self._chunks(work_s)
         return count * self.warm_s / sum(self.cold_s[:count])
 
     def extra_s(self, work_s: float) -> float:
         """How much longer ``work_s`` seconds of warm work took right after the gap (up to the
         chunks measured)."""
-        count = max(1, min(len(self.cold_s), round(work_s / self.warm_s)))
+        count = self._chunks(work_s)
         return sum(self.cold_s[:count]) - count * self.warm_s
 
     def as_dict(self) -> dict[str, object]:

@@ -463,7 +463,7 @@ def strip_ld(keys: int) -> int:
 
 def emit_strip_ld(b: ir.IRBuilder, keys: ir.Value) -> ir.Value:
     """:func:`strip_ld` of a count known per call (a strip's visible keys)."""
-    return b.mul(b.or_(ceil_div(b, keys, 16), i64(1)), i64(16), name="strip.ld")
+    return emit_packed_ld(b, keys)
 
 
 def emit_strip_floats(b: ir.IRBuilder, block_q: int | ir.Value, seq_k: ir.Value) -> ir.Value:

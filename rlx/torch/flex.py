@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 import rlx
-from rlx.codegen.executable import Executable
+from rlx.codegen.executable import CallLayout, DirectRunner, Executable
 from rlx.errors import RlxError, RlxTypeError, RlxValueError
 from rlx.ir.graph import Graph
 from rlx.ir.types import Layout, Wrt
@@ -262,13 +262,22 @@ def _forward_by_address(
     layout = runner.layout([t.shape for t in tensors])
     if layout is None:
         return None
+    outputs = _run_by_address(runner, layout, tensors, plan.threads)
+    return outputs["out"], outputs["lse"]
+
+
+def _run_by_address(
+    runner: DirectRunner, layout: CallLayout, tensors: Sequence[torch.Tensor], threads: int | None
+) -> dict[str, torch.Tensor]:
+    """Run ``runner`` on the memory of its input ``tensors`` (checked by the caller) into new
+    float32 CPU tensors, one per output: CPU and float32 whatever torch's default device and
+    dtype, as native code writes them."""
     outputs = {
         name: torch.empty(shape, dtype=torch.float32, device="cpu")
         for name, shape in zip(runner.outputs, runner.output_shapes(layout), strict=True)
     }
-    addresses = [t.data_ptr() for t in tensors] + [outputs[name].data_ptr() for name in runner.outputs]
-    runner(layout, addresses, plan.threads)
-    return outputs["out"], outputs["lse"]
+    runner(layout, [t.data_ptr() for t in tensors] + [outputs[name].data_ptr() for name in runner.outputs], threads)
+    return outputs
 
 
 _TORCH_DTYPES = {np.dtype(name): getattr(torch, name) for name in ("float32", "int32", "int64", "bool")}

@@ -20,7 +20,7 @@ from rlx.ir.types import Layout
 from rlx.torch._autograd import _eager_under_torch_compile, _once_differentiable
 from rlx.torch._layouts import _layout_inputs, _layout_names, _layout_tensors, _strided_layout
 from rlx.torch._tensors import _COMPUTED, _array, _check_tensor, _dense, _direct, _tensor
-from rlx.torch.flex import _TORCH_DTYPES, _check_scale, _flex_forward, _Plan, _plan, _plans_lock
+from rlx.torch.flex import _TORCH_DTYPES, _check_scale, _flex_forward, _Plan, _plan, _plans_lock, _run_by_address
 from rlx.torch.threads import _attention_flops, _threads_for
 
 _sdpa_plans: dict[tuple[Any, ...], _Plan] = {}  # SDPA calls by shapes and mask kind: no tracing
@@ -160,12 +160,8 @@ def _masked_inference_call(
     layout = runner.layout((qs, ks, vs, mask.shape))
     if layout is None:
         return None
-    shapes = dict(zip(runner.outputs, runner.output_shapes(layout), strict=True))
-    outputs = {name: torch.empty(shape, dtype=torch.float32, device="cpu") for name, shape in shapes.items()}
     flops = 2.0 * qs[0] * qs[1] * qs[2] * ks[2] * (qs[3] + vs[3])  # _attention_flops, inlined
-    addresses = [q.data_ptr(), k.data_ptr(), v.data_ptr(), mask.data_ptr()]
-    runner(layout, addresses + [outputs[name].data_ptr() for name in runner.outputs], _threads_for(flops))
-    return outputs["out"]
+    return _run_by_address(runner, layout, (q, k, v, mask), _threads_for(flops))["out"]
 
 
 def _masked_runner_key(
