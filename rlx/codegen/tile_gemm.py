@@ -240,11 +240,23 @@ class _ProductEmitter:
         """B[:depth, j : j + columns] into :attr:`panel`, rows of ``columns`` floats (zeros past
         B's last column)."""
         b, width, vectors = self.b, self.shape.width, self.shape.vectors
-        masks = _column_masks(b, b.sub(self.n, j, name="real.columns"), self.shape)
+        whole = b.icmp_signed("<=", b.add(j, i64(self.shape.columns)), self.n, name="copy.whole")
+        with b.if_else(whole) as (plain, masked):
+            with plain:
+                self._copy_rows(j, lambda at, v: b.load(at, typ=ir.VectorType(F32, width), align=4))
+            with masked:
+                masks = _column_masks(b, b.sub(self.n, j, name="real.columns"), self.shape)
+                self._copy_rows(j, lambda at, v: _masked_load(b, at, masks[v]))
+
+    def _copy_rows(self, j: ir.Value, load: Callable[[ir.Value, int], ir.Value]) -> None:
+        """The copy loop of :meth:`_copy_panel`, reading vector ``v`` of a row at ``at`` with
+        ``load``. Whole panels take plain loads: a masked load (vmaskmovps) issued on every row
+        made the copy a twentieth of a short backward's time on AMD's Zen 3 (B8 H12 S128)."""
+        b, width, vectors = self.b, self.shape.width, self.shape.vectors
         with for_range(b, 0, self.depth, "copy") as p:
             row = gep_f32(b, self.b_block, b.add(b.mul(p, self.ldb), j), name="b.row")
             for v in range(vectors):
-                value = _masked_load(b, gep_f32(b, row, i64(v * width)), masks[v])
+                value = load(gep_f32(b, row, i64(v * width)), v)
                 b.store(value, b.gep(self.panel, [b.add(b.mul(p, i64(vectors)), i64(v))], inbounds=True), align=64)
 
     def _whole_rows_end(self) -> ir.Value:
