@@ -33,6 +33,7 @@ from rlx.codegen.lower_attention import (
     AttentionLowering,
     HeadDims,
     OperandStrides,
+    bands_strips,
     rows_strided,
     slot_heads_and_width,
 )
@@ -112,7 +113,8 @@ def kernel_spec(
     strides = operand_strides(attrs.layout, dims, views)
     width = max(dims.head_dim, dims.value_dim)
     strided = rows_strided(attrs.layout, dims, strides, grads is not None)
-    heights = strip_heights(needs_dp, attrs.mask.is_causal_like, strided, width, load_blas().has_small_path)
+    causal_like, small_path = attrs.mask.is_causal_like, load_blas().has_small_path
+    heights = strip_heights(needs_dp, causal_like, strided, width, small_path, bands_strips(attrs.mask))
     if isinstance(dims.seq_q, int) and isinstance(dims.seq_k, int):
         block_q = max(1, min(options.block_q or heights.rows(dims.seq_q, dims.seq_k), dims.seq_q))
     elif options.block_q:  # one strip height for every call (tests choose one)

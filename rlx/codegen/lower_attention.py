@@ -70,7 +70,7 @@ from rlx.codegen.irutil import (
 from rlx.codegen.kernel_clock import COUNTERS_BYTES, KernelClock
 from rlx.codegen.sizes import SizeLike, ceil_div, emit_size, load_symbols, size_of
 from rlx.codegen.strip_heights import SMALL_PATH_MACS, StripHeights
-from rlx.codegen.tile_gemm import declare_tile_gemm, host_tile_shape
+from rlx.codegen.tile_gemm import Band, declare_tile_gemm, host_tile_shape
 from rlx.codegen.vector import WIDTH, Lanes, splat, vector_fill, vector_loop, vector_reduce
 from rlx.ir.ops import AttentionDims
 from rlx.ir.types import Dim, Layout, MaskKind, Wrt
@@ -112,6 +112,35 @@ STAGE_KV_MAX_FLOATS = 1 << 16
 # S512, B2 H8 S1024 causal and B2 H6 S768 D128: 3-4% faster, the forward 0-6%; at S = 128 the
 # copy costs what it saves.
 DENSE_ROWS_MIN_KEYS = 256
+# Causal-like kernels band their strip products (tile_gemm.Band): a product skips what lies
+# above the strip's diagonal, where the mask hides the scores and P and dS are 0. Scores there
+# are never read, so S = Q K^T always skips them. The other products skip terms that add 0 ·
+# x, which is 0 only for finite x: they skip them where the kernel has checked that Q, K, V
+# (and dY) hold no NaN or Inf and no row's hidden keys weigh, so that results are bitwise those
+# of the whole products. The check (a pass over the operands) runs from this many query rows
+# on; a decode step's few rows would pay more for it than the band saves.
+BANDS = True
+BAND_MIN_ROWS = 32
+
+
+def bands_strips(mask: MaskKind) -> bool:
+    """Whether a kernel of this mask bands its strip products (:data:`BANDS`): causal-like
+    masks, where the CPU has the register tiles that skip the band."""
+    return BANDS and mask.is_causal_like and host_tile_shape() is not None
+
+
+@dataclass(frozen=True)
+class StripBand:
+    """Whether a strip's products after its softmax may skip the terms above its ``diagonal``
+    (``exact``, an i1 of the strip; see :data:`BANDS`), and that diagonal (row r of the strip
+    sees its keys j <= r + diagonal)."""
+
+    exact: ir.Value
+    diagonal: ir.Value
+
+    def mode(self, b: ir.IRBuilder, mode: int) -> ir.Value:
+        """``mode`` where the strip is exact, else the whole product."""
+        return b.select(self.exact, i64(mode), i64(Band.NONE), name="band")
 
 
 INPUT_SLOTS = ("q", "k", "v", "dy")  # the tensor operands of attention (q, k, v) and its backward
@@ -489,6 +518,7 @@ class AttentionLowering:
         self.clock = KernelClock(module, spec.profile and spec.is_static, spec.counters_at)
         self.staged: dict[str, ir.Value] = {}  # output -> its staging buffer (a streaming kernel)
         self.dense: dict[str, ir.Value] = {}  # q, dy -> the buffer a strip's rows are copied to
+        self.banded = bands_strips(spec.mask)
 
     # ------------------------------------------------------------------ public
 
@@ -568,6 +598,7 @@ class AttentionLowering:
             head = b.srem(item, i64(dims.heads), name="h")
             group = b.sdiv(head, i64(dims.group), name="g")
             heads = self._head_pointers(b, base, batch, head, group)
+            self.heads_finite = self._heads_finite(b, heads, ("v",))
             self._pack(b, heads, packed)
             self._buffers(b, scratch)
             self._strips(b, heads, packed, base, batch, head, strip_s, strip_dp)
@@ -576,6 +607,7 @@ class AttentionLowering:
             batch = b.sdiv(item, i64(dims.kv_heads), name="b")
             group = b.srem(item, i64(dims.kv_heads), name="g")
             kv_heads = self._head_pointers(b, base, batch, group, group)
+            self.heads_finite = self._heads_finite(b, kv_heads, ("k", "v"))
             self._pack(b, kv_heads, packed)  # K, V of kv head g
             self._buffers(b, scratch)
             with for_range(b, 0, dims.group, "member") as member:
@@ -708,14 +740,56 @@ class AttentionLowering:
             )
             ks, nk = b.extract_value(keys, 0, name="ks"), b.extract_value(keys, 1, name="nk")
             ldp = emit_strip_ld(b, nk)  # the strips' row stride, as the softmax function laid them out
+            band = self._strip_band(b, strips, rows, b.extract_value(keys, 2, name="weighty"), i0, ks)
             if forward:
-                self._forward_gemm(b, heads, i0, rows, ks, nk, ldp, strip_s, inverse)
+                self._forward_gemm(b, heads, i0, rows, ks, nk, ldp, strip_s, inverse, band)
             else:
                 assert first_member is not None
                 first = b.and_(first_member, b.icmp_signed("==", step, i64(0)), name="first.write")
                 self._backward_gemms(
-                    b, heads, strips, packed, i0, rows, ks, nk, ldp, strip_s, strip_dp, mask_base, first
+                    b, heads, strips, packed, i0, rows, ks, nk, ldp, strip_s, strip_dp, mask_base, first, band
                 )
+
+    # ------------------------------------------------------------------ bands
+
+    def _heads_finite(self, b: ir.IRBuilder, heads: dict[str, ir.Value], slots: tuple[str, ...]) -> ir.Value:
+        """Whether the item's heads of ``slots`` hold only finite numbers (false where the kernel
+        does not band its products: see :data:`BANDS`)."""
+        if not self.banded:
+            return ir.Constant(I1, 0)
+        flag = alloca_entry(b, I1, "heads.finite")
+        b.store(ir.Constant(I1, 0), flag)
+        with b.if_then(b.icmp_signed(">=", self.sq, i64(BAND_MIN_ROWS), name="bands.pay")):
+            finite = ir.Constant(I1, 1)
+            for slot in slots:
+                width = self._geometry(slot)[2]
+                finite = b.and_(finite, finite_rows(b, heads[slot], self.sk, self._ld(slot), width))
+            b.store(finite, flag)
+        return b.load(flag, typ=I1, name="heads.finite")
+
+    def _strip_band(
+        self,
+        b: ir.IRBuilder,
+        strips: dict[str, tuple[ir.Value, int]],
+        rows: ir.Value,
+        weighty: ir.Value,
+        i0: ir.Value,
+        ks: ir.Value,
+    ) -> StripBand:
+        """Whether this strip's products after the softmax may skip the terms above its diagonal
+        (:data:`BANDS`): the heads and the strip's rows of Q and dY are finite and no row's
+        hidden keys weigh."""
+        if not self.banded:
+            return StripBand(ir.Constant(I1, 0), i64(0))
+        flag = alloca_entry(b, I1, "strip.exact")
+        b.store(ir.Constant(I1, 0), flag)
+        with b.if_then(b.and_(self.heads_finite, b.not_(weighty)), likely=True):
+            finite = ir.Constant(I1, 1)
+            if self.spec.grads is not None:
+                for slot, (strip, ld) in strips.items():
+                    finite = b.and_(finite, finite_rows(b, strip, rows, ld, self._geometry(slot)[2]))
+            b.store(finite, flag)
+        return StripBand(b.load(flag, typ=I1, name="strip.exact"), self._strip_diagonal(b, i0, ks))
 
     def _strip_rows(
         self, b: ir.IRBuilder, heads: dict[str, ir.Value], slot: str, i0: ir.Value, rows: ir.Value
@@ -822,7 +896,7 @@ class AttentionLowering:
         existing = self.module.globals.get(name)
         if existing is not None:
             return existing  # type: ignore[return-value]
-        keys_type = ir.LiteralStructType([I64, I64])
+        keys_type = ir.LiteralStructType([I64, I64, I1])
         signature = ir.FunctionType(keys_type, [PTR, I64, PTR, PTR, PTR, PTR, I64, I64, PTR, I64, I64])
         fn = ir.Function(self.module, signature, name=name)
         fn.linkage = "internal"
@@ -834,10 +908,13 @@ class AttentionLowering:
         caller = self.sq, self.sk, self.clock.counters
         self.sq, self.sk = sq, sk  # the lengths as this function sees them: its arguments
         self.clock.point_at(b, strip)  # the strip is the thread's scratch
-        ks, nk = self._scores_and_softmax(b, q_strip, ldq, k_head, k_packed, mask_base, strip, i0, rows, inverse)
+        ks, nk, weighty = self._scores_and_softmax(
+            b, q_strip, ldq, k_head, k_packed, mask_base, strip, i0, rows, inverse
+        )
         self.sq, self.sk, self.clock.counters = caller
         keys = b.insert_value(ir.Constant(keys_type, ir.Undefined), ks, 0)
-        b.ret(b.insert_value(keys, nk, 1))
+        keys = b.insert_value(keys, nk, 1)
+        b.ret(b.insert_value(keys, weighty, 2))
         return fn
 
     def _scores_and_softmax(
@@ -852,7 +929,9 @@ class AttentionLowering:
         i0: ir.Value,
         rows: ir.Value,
         inverse: ir.Value | None = None,
-    ) -> tuple[ir.Value, ir.Value]:
+    ) -> tuple[ir.Value, ir.Value, ir.Value]:
+        """The strip's scores and softmax: its keys ``(ks, nk)``, and whether some row's hidden
+        keys weigh (:meth:`_mask_softmax_rows`)."""
         spec, dims = self.spec, self.spec.dims
         ldk = self._ld("k")
         ks0, nk0 = self._strip_keys(b, i0, rows)
@@ -869,18 +948,25 @@ class AttentionLowering:
         ks.add_incoming(i64(0), retry)
         nk.add_incoming(self.sk, retry)
         ldp = emit_strip_ld(b, nk)
+        # The softmax reads no score above the diagonal (it writes the hidden ones): skip them.
+        band = Band.OUT_LOWER if spec.mask.is_causal_like else Band.NONE
         self._product_with_transposed(
-            b, rows, nk, dims.head_dim, spec.scale, q_strip, ldq, k_head, ldk, k_packed, ks, strip, ldp
-        )
+            b, rows, nk, dims.head_dim, spec.scale, q_strip, ldq, k_head, ldk, k_packed, ks, strip, ldp,
+            band, self._strip_diagonal(b, i0, ks),
+        )  # fmt: skip
         started = self.clock.start(b)
-        needs_all_keys = self._mask_softmax_rows(b, strip, i0, rows, ks, nk, ldp, mask_base, inverse)
+        needs_all_keys, weighty = self._mask_softmax_rows(b, strip, i0, rows, ks, nk, ldp, mask_base, inverse)
         self.clock.count(b, "softmax", started)
         partial = b.icmp_signed("<", nk, self.sk, name="partial")
         b.cbranch(b.and_(partial, needs_all_keys, name="redo"), retry, after)
         b.position_at_end(retry)
         b.branch(scores)
         b.position_at_end(after)
-        return ks, nk
+        return ks, nk, weighty
+
+    def _strip_diagonal(self, b: ir.IRBuilder, i0: ir.Value, ks: ir.Value) -> ir.Value:
+        """The strip's diagonal for :class:`Band`: row r of the strip sees its keys j <= r + d."""
+        return b.sub(b.add(i0, self._diagonal_offset(b)), ks, name="strip.diagonal")
 
     def _mask_softmax_rows(
         self,
@@ -893,9 +979,10 @@ class AttentionLowering:
         ldp: ir.Value,
         mask_base: ir.Value,
         inverse: ir.Value | None,
-    ) -> ir.Value:
-        """Mask and softmax every row of the strip (rows ``ldp`` apart) in place; true if a skipped
-        key could matter.
+    ) -> tuple[ir.Value, ir.Value]:
+        """Mask and softmax every row of the strip (rows ``ldp`` apart) in place; returns whether
+        a skipped key could matter, and whether some row's hidden keys weigh (a NaN row maximum,
+        or ``neg`` within reach of it), so that P is not exactly 0 above the diagonal.
 
         With a non-null ``inverse`` (the forward), rows stay ``exp(s - m)`` and ``inverse[r]`` gets
         ``1/sum``; a null one (the backward, which needs P) normalises. One function serves both,
@@ -904,6 +991,8 @@ class AttentionLowering:
         mask, neg = self.spec.mask, self.spec.neg
         flag = alloca_entry(b, I1, "needs.all.keys")
         b.store(ir.Constant(I1, 0), flag)
+        weighty_rows = alloca_entry(b, I1, "weighty.rows")
+        b.store(ir.Constant(I1, 0), weighty_rows)
         with for_range(b, 0, rows, "r") as r:
             gi = b.add(i0, r, name="gi")
             row = gep_f32(b, strip, b.mul(r, ldp), name="row")
@@ -925,6 +1014,7 @@ class AttentionLowering:
                     b.store(b.or_(b.load(flag, typ=I1), matters), flag)
                     weighty = b.or_(weighty, matters, name="hidden.weighty")
                 whole = b.and_(hidden, weighty, name="whole.row")
+                b.store(b.or_(b.load(weighty_rows, typ=I1), weighty), weighty_rows)
                 # Exp runs over whole vectors, [start, stop) around [lo, hi): the hidden scores in
                 # it are -inf (weight 0), those outside it 0. Scalar tails of up to 15 exps a row
                 # cost more than the hidden keys' vectors saved.
@@ -946,7 +1036,7 @@ class AttentionLowering:
                     lambda b, j, lanes: self._masked_score(b, row, gi, ks, j, lanes, mask_base),
                 )
             self._exp_normalise(b, row, (start, stop, nk), m, inverse, r)
-        return b.load(flag, typ=I1, name="needs.all")
+        return b.load(flag, typ=I1, name="needs.all"), b.load(weighty_rows, typ=I1, name="weighty.any")
 
     def _masked_score(
         self, b: ir.IRBuilder, row: ir.Value, gi: ir.Value, ks: ir.Value, j: ir.Value, lanes: Lanes, mask_base: ir.Value
@@ -1019,25 +1109,32 @@ class AttentionLowering:
         nk: ir.Value,
         ldp: ir.Value,
         mask_base: ir.Value,
+        exact: ir.Value,
     ) -> None:
         """``dS = P ∘ (dP − rowsum(P ∘ dP))`` into ``dp`` (rows ``ldp`` apart); exactly 0 where the
-        mask hid the score."""
+        mask hid the score. With a banded dP (``exact``), the row sum stops at the end of the
+        vector holding the row's last visible key: its terms past it are 0 · (finite dP) and
+        every vector it reads a panel of dP the product computed (panels are whole vectors)."""
         mask = self.spec.mask
         with for_range(b, 0, rows, "r.bwd") as r:
             offset = b.mul(r, ldp)
             p_row = gep_f32(b, p, offset, name="p.row")
             dp_row = gep_f32(b, dp, offset, name="dp.row")
+            lo, hi = (i64(0), nk)
+            dot_end = nk
+            if mask.is_causal_like:
+                lo, hi = self._row_keys(b, b.add(i0, r), ks, nk)
+                vector_end = smin(b, b.and_(b.add(hi, i64(WIDTH - 1)), i64(-WIDTH)), nk)
+                dot_end = b.select(exact, vector_end, nk, name="dot.end")
             dot = vector_reduce(
                 b,
                 i64(0),
-                nk,
+                dot_end,
                 "dot",
                 "add",
                 lambda b, j, lanes: b.fmul(lanes.load(b, p_row, j), lanes.load(b, dp_row, j)),
             )
-            lo, hi = (i64(0), nk)
             if mask.is_causal_like:
-                lo, hi = self._row_keys(b, b.add(i0, r), ks, nk)
                 vector_fill(b, dp_row, i64(0), lo, 0.0, "ds.lo")
                 vector_fill(b, dp_row, hi, nk, 0.0, "ds.hi")
 
@@ -1064,6 +1161,7 @@ class AttentionLowering:
         ldp: ir.Value,
         p: ir.Value,
         inverse: ir.Value,
+        band: StripBand,
     ) -> None:
         """``out_strip = P V_vis``, then each row by its deferred ``1/sum`` (``inverse``), in place
         or, streaming, on the way from the staged strip to ``out``."""
@@ -1071,13 +1169,14 @@ class AttentionLowering:
         v_vis = gep_f32(b, heads["v"], b.mul(ks, i64(ldv)), name="v.vis")
         out = gep_f32(b, heads["out"], b.mul(i0, i64(ldo)), name="out.strip")
         staged = self.staged.get("out")
+        upper = band.mode(b, Band.K_UPPER), band.diagonal
 
         def in_place() -> None:
-            self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(dv), nk, 1.0, p, ldp, v_vis, ldv, 0.0, out, ldo)
+            self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(dv), nk, 1.0, p, ldp, v_vis, ldv, 0.0, out, ldo, *upper)
             scale_rows(b, out, rows, ldo, dv, inverse)
 
         def streamed(staged: ir.Value) -> None:  # fenced at the end of the item (_stream_out)
-            self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(dv), nk, 1.0, p, ldp, v_vis, ldv, 0.0, staged, dv)
+            self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(dv), nk, 1.0, p, ldp, v_vis, ldv, 0.0, staged, dv, *upper)
             stream_rows(b, staged, dv, out, ldo, rows, dv, inverse)
 
         self._either(b, staged, in_place, streamed)
@@ -1097,17 +1196,20 @@ class AttentionLowering:
         dp: ir.Value | None,
         mask_base: ir.Value,
         first: ir.Value,
+        band: StripBand,
     ) -> None:
         """The strip's dV, dP, dS, dQ and dK. dK/dV sum over strips and over the kv group's heads;
         the ``first`` write of a group stores (beta = 0) and zeroes the rows outside its keys, so
         no pass zeroes the whole head beforehand (strided rows cost a cache miss each to zero)."""
-        spec, d, dv_width = self.spec, self.spec.dims.head_dim, self.spec.dims.value_dim
+        spec, width, dv_width = self.spec, self.spec.dims.head_dim, self.spec.dims.value_dim
         ldk, ldv = self._ld("k"), self._ld("v")
         (q_strip, ldq), (dy_strip, ldo) = strips["q"], strips["dy"]  # in place or dense (_strip_rows)
         grads = spec.grads
         assert grads is not None
         k_vis = gep_f32(b, heads["k"], b.mul(ks, i64(ldk)), name="k.vis")
         accumulate = b.select(first, f32(0.0), f32(1.0), name="beta.kv")
+        lower, upper = (band.mode(b, mode) for mode in (Band.K_LOWER, Band.K_UPPER))
+        out_lower, d = band.mode(b, Band.OUT_LOWER), band.diagonal
         with b.if_then(first):
             keys_end = b.add(ks, nk, name="keys.end")
             for slot in ("dk", "dv"):
@@ -1118,31 +1220,46 @@ class AttentionLowering:
         if grads & Wrt.VALUE:  # dV_vis += P^T dY_strip
             ld_dv = self._out_ld(b, "dv")
             dv = gep_f32(b, heads["dv"], b.mul(ks, as_i64(ld_dv)), name="dv.vis")
-            self._sgemm(b, TRANS, NO_TRANS, nk, i64(dv_width), rows, 1.0, p, ldp, dy_strip, ldo, accumulate, dv, ld_dv)
+            self._sgemm(
+                b, TRANS, NO_TRANS, nk, i64(dv_width), rows, 1.0, p, ldp, dy_strip, ldo, accumulate, dv, ld_dv, lower, d
+            )
         if dp is None:
             return
         # dP = dY_strip V_vis^T, then dS in place
         v, v_packed = heads["v"], packed["v"]
-        self._product_with_transposed(b, rows, nk, dv_width, 1.0, dy_strip, ldo, v, ldv, v_packed, ks, dp, ldp)
+        self._product_with_transposed(
+            b, rows, nk, dv_width, 1.0, dy_strip, ldo, v, ldv, v_packed, ks, dp, ldp, out_lower, d
+        )
         self.clock.timed(
-            b, "softmax_backward", lambda: self._softmax_backward_rows(b, p, dp, i0, rows, ks, nk, ldp, mask_base)
+            b,
+            "softmax_backward",
+            lambda: self._softmax_backward_rows(b, p, dp, i0, rows, ks, nk, ldp, mask_base, band.exact),
         )
         if grads & Wrt.QUERY:  # dQ_strip = scale · dS K_vis
             ld_dq = self._ld("dq")
             dq = gep_f32(b, heads["dq"], b.mul(i0, i64(ld_dq)), name="dq.strip")
 
             def in_place() -> None:
-                self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(d), nk, spec.scale, dp, ldp, k_vis, ldk, 0.0, dq, ld_dq)
+                self._sgemm(
+                    b, NO_TRANS, NO_TRANS, rows, i64(width), nk, spec.scale, dp, ldp, k_vis, ldk, 0.0, dq, ld_dq,
+                    upper, d,
+                )  # fmt: skip
 
             def streamed(staged: ir.Value) -> None:  # fenced with dK/dV at the end of the item (_stream_out)
-                self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(d), nk, spec.scale, dp, ldp, k_vis, ldk, 0.0, staged, d)
-                stream_rows(b, staged, d, dq, ld_dq, rows, d)
+                self._sgemm(
+                    b, NO_TRANS, NO_TRANS, rows, i64(width), nk, spec.scale, dp, ldp, k_vis, ldk, 0.0, staged, width,
+                    upper, d,
+                )  # fmt: skip
+                stream_rows(b, staged, width, dq, ld_dq, rows, width)
 
             self._either(b, self.staged.get("dq"), in_place, streamed)
         if grads & Wrt.KEY:  # dK_vis += scale · dS^T Q_strip
             ld_dk = self._out_ld(b, "dk")
             dk = gep_f32(b, heads["dk"], b.mul(ks, as_i64(ld_dk)), name="dk.vis")
-            self._sgemm(b, TRANS, NO_TRANS, nk, i64(d), rows, spec.scale, dp, ldp, q_strip, ldq, accumulate, dk, ld_dk)
+            self._sgemm(
+                b, TRANS, NO_TRANS, nk, i64(width), rows, spec.scale, dp, ldp, q_strip, ldq, accumulate, dk, ld_dk,
+                lower, d,
+            )  # fmt: skip
 
     def _either(
         self,
@@ -1179,11 +1296,13 @@ class AttentionLowering:
         ks: ir.Value,
         c: ir.Value,
         ldc: ir.Value,
+        band: int | ir.Value = Band.NONE,
+        diagonal: int | ir.Value = 0,
     ) -> None:
         """``C = alpha A X_vis^T`` for a head operand X (K or V) over the visible keys ``[ks, ks +
-        nk)`` (see :func:`keys_operand`)."""
+        nk)`` (see :func:`keys_operand`), the part ``band`` says (:class:`Band`)."""
         operand, ld, trans = keys_operand(b, head, ld_head, packed, ks, self.sk)
-        self._sgemm(b, NO_TRANS, trans, rows, nk, i64(width), alpha, a, lda, operand, ld, 0.0, c, ldc)
+        self._sgemm(b, NO_TRANS, trans, rows, nk, i64(width), alpha, a, lda, operand, ld, 0.0, c, ldc, band, diagonal)
 
     def _sgemm(
         self,
@@ -1201,12 +1320,11 @@ class AttentionLowering:
         beta: float | ir.Value,
         c: ir.Value,
         ldc: int | ir.Value,
+        band: int | ir.Value = Band.NONE,
+        diagonal: int | ir.Value = 0,
     ) -> None:
-        self.clock.timed(
-            b,
-            "blas",
-            lambda: emit_sgemm(b, self.sgemm, trans_a, trans_b, m, n, k, alpha, a, lda, b_mat, ldb, beta, c, ldc),
-        )
+        args = (trans_a, trans_b, m, n, k, alpha, a, lda, b_mat, ldb, beta, c, ldc, band, diagonal)
+        self.clock.timed(b, "blas", lambda: emit_sgemm(b, self.sgemm, *args))
 
 
 def row_stride(layout: Layout, heads: int, width: int) -> int:
@@ -1230,6 +1348,21 @@ def scale_rows(b: ir.IRBuilder, base: ir.Value, rows: ir.Value, stride: int, wid
     with for_range(b, 0, rows, "scale") as r:
         row = gep_f32(b, base, b.mul(r, i64(stride)))
         scale_row(b, row, i64(width), b.load(gep_f32(b, factors, r), typ=F32, name="inv"))
+
+
+def finite_rows(b: ir.IRBuilder, base: ir.Value, rows: ir.Value, ld: int, width: int) -> ir.Value:
+    """Whether ``rows`` rows of ``width`` floats, ``ld`` apart, hold no NaN or Inf: their sum
+    of ``x · 0`` is 0, or NaN if any ``x`` is not finite (no fast-math flag lets LLVM fold it)."""
+    total = alloca_entry(b, F32, "finite.total")
+    b.store(f32(0.0), total)
+    with for_range(b, 0, rows, "finite.row") as r:
+        row = gep_f32(b, base, b.mul(r, i64(ld)))
+        zeros = vector_reduce(
+            b, i64(0), i64(width), "finite", "add", lambda b, j, lanes: b.fmul(lanes.load(b, row, j), lanes.const(0.0))
+        )
+        b.store(b.fadd(b.load(total, typ=F32), zeros), total)
+    value = b.load(total, typ=F32)
+    return b.fcmp_ordered("ord", value, value, name="finite")
 
 
 def scale_row(b: ir.IRBuilder, row: ir.Value, width: ir.Value, factor: ir.Value) -> None:
@@ -1364,8 +1497,14 @@ def emit_sgemm(
     beta: float | ir.Value,
     c: ir.Value,
     ldc: int | ir.Value,
+    band: int | ir.Value = Band.NONE,
+    diagonal: int | ir.Value = 0,
 ) -> None:
     """The one place an attention kernel emits a matrix product: row-major ``C = alpha op(A) op(B) + beta C``.
+
+    ``band`` and ``diagonal`` say what part of the product a causal strip needs (:class:`Band`):
+    the register tiles skip the rest; OpenBLAS and ``sgemv`` compute it all, which gives the
+    same values wherever the caller reads them.
 
     Strip products with B as stored run on the register tiles of :mod:`rlx.codegen.tile_gemm`
     where the CPU has FMA vectors and the shape is one they run faster (above OpenBLAS's
@@ -1392,7 +1531,7 @@ def emit_sgemm(
         assert shape is not None
         product = declare_tile_gemm(sgemm.module, trans_a != NO_TRANS, shape)
         sizes = [as_i64(m), as_i64(n), as_i64(k), f32(alpha), a, as_i64(lda), b_mat, as_i64(ldb)]
-        b.call(product, [*sizes, beta_value, c, as_i64(ldc)])
+        b.call(product, [*sizes, beta_value, c, as_i64(ldc), as_i64(band), as_i64(diagonal)])
 
     shape = host_tile_shape()
 

@@ -81,11 +81,17 @@ class StripHeights:
 
 
 def strip_heights(
-    needs_dp: bool, causal_like: bool, strided_rows: bool = False, head_dim: int = 64, small_path: bool = True
+    needs_dp: bool,
+    causal_like: bool,
+    strided_rows: bool = False,
+    head_dim: int = 64,
+    small_path: bool = True,
+    banded: bool = False,
 ) -> StripHeights:
     """The strip-height rules of one kernel, from measurements on the benchmark shapes (see
     benchmarks/README.md); ``head_dim`` is the wider of D and Dv, ``small_path`` whether OpenBLAS
-    runs small products unpacked (``Blas.has_small_path``).
+    runs small products unpacked (``Blas.has_small_path``), ``banded`` whether a causal-like
+    kernel's products skip what lies above each strip's diagonal (``lower_attention.BANDS``).
 
     Tall strips turn the rank-``block_q`` updates of dK/dV into efficient GEMMs: at Sk = 16384,
     512 rows ran 1.5x faster than 64 (AMD EPYC host). On an Intel Xeon host 256 rows were 5-10%
@@ -123,12 +129,21 @@ def strip_heights(
     of the 32-row strips, backward BHSD 0.92x, BSHD 0.98x; S = 128 within 1-3% either way). The
     causal-like rules stand: 32-row strips hide less of the triangle there too (B4 H8 S512 D64
     forward: 8.58 ms with 32 rows, 8.86 with 64, 9.02 with 128).
+    Banded causal-like strips (every product on the tiles, none on a small-matrix path) compute
+    no hidden triangle, so they no longer need to be short, and tall ones make the products of
+    dK and dV sum over more rows per pass over them: 128 rows while Sk·D <= 65536, 256 beyond
+    (AMD EPYC, Zen 3, BSHD, B·H = 8-96, medians of 11-21 interleaved calls; against the 32 rows
+    of before: S512 D64 backward 19.3 against 21.1 ms, forward 8.3 against 9.5; S256 10.7
+    against 11.8 and 5.2 against 5.7; S1024 and longer as fast as the 128 and 256 of before,
+    which hid little; S768 D128 forward 12.9 with 256 rows against 14.2 with 128).
     Scratch stays O(block_q · Sk) per thread, capped by :data:`SCRATCH_BUDGET`.
     """
     buffers = 2 if needs_dp else 1
     strided_backward = needs_dp and strided_rows
     caps: list[tuple[int, int]]
-    if causal_like:
+    if causal_like and banded and not small_path:
+        caps = [(128, 65536 // head_dim)]
+    elif causal_like:
         short = min(512, 32768 // head_dim)
         caps = [(SMALL_PATH_ROWS, short), (64, 511 if strided_backward else 1024), (128, 2048)]
     elif not small_path:
@@ -155,6 +170,7 @@ def choose_block_q(
     strided_rows: bool = False,
     head_dim: int = 64,
     small_path: bool = True,
+    banded: bool = False,
 ) -> int:
     """Query rows per strip for these lengths (:func:`strip_heights`' rules)."""
-    return strip_heights(needs_dp, causal_like, strided_rows, head_dim, small_path).rows(seq_q, seq_k)
+    return strip_heights(needs_dp, causal_like, strided_rows, head_dim, small_path, banded).rows(seq_q, seq_k)

@@ -55,8 +55,34 @@ K_BLOCK = 512  # terms of k per pass over C: a tile's rows of A and a panel of B
 FAR_ROWS_LD = 1024
 FAR_COPY_MIN_ROWS = 64
 
-# (m, n, k, alpha, a, lda, b, ldb, beta, c, ldc): sgemm's arguments without order and transposes
-PRODUCT_ARGS = [I64, I64, I64, F32, PTR, I64, PTR, I64, F32, PTR, I64]
+# (m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, band, diagonal): sgemm's arguments without order
+# and transposes, and the band of a causal strip that the product may skip (:class:`Band`)
+PRODUCT_ARGS = [I64, I64, I64, F32, PTR, I64, PTR, I64, F32, PTR, I64, I64, I64]
+
+
+class Band:
+    """What part of a product a causal strip needs, given a ``diagonal`` d (the products' last argument).
+
+    The strips of a causal attention kernel are lower triangles of scores: row i of a strip sees
+    keys j <= i + d. Computed whole, a strip of R rows spends R^2/2 of its products on scores
+    the mask hides, and on the zeros they become. A banded product skips the tiles of C, or the
+    steps of k, that only those touch: the sums it does compute add the same terms in the same
+    order, so its results are bitwise those of the whole product wherever the caller reads them.
+
+    - ``NONE``: the whole product.
+    - ``OUT_LOWER``: only C[i, j] with j <= i + d is needed (S = Q K^T, dP = dY V^T); a tile
+      wholly above the diagonal is left unwritten.
+    - ``K_UPPER``: op(A)[i, p] is 0 for p > i + d (out = P V, dQ = dS K): row i sums p <= i + d.
+    - ``K_LOWER``: op(A)[i, p] is 0 for p < i - d (dV += P^T dY, dK += dS^T Q: A's row i is key
+      i, which strip rows from i - d on see): row i sums p >= i - d.
+    """
+
+    NONE = 0
+    OUT_LOWER = 1
+    K_UPPER = 2
+    K_LOWER = 3
+
+
 # (a, a's row stride, a's column stride, b panel, ldb, c, ldc, k, alpha, beta, i, j, columns): one
 # tile at row i, column j of C; a points at the tile's first row of op(A), whose element (r, p)
 # is a[r·row stride + p·column stride], and the b panel at B's column j (or a copy of it).
@@ -173,9 +199,10 @@ class _ProductEmitter:
         self, b: ir.IRBuilder, fn: ir.Function, shape: TileShape, tiles: dict[int, ir.Function], trans_a: bool
     ) -> None:
         self.b, self.shape, self.tiles, self.trans_a = b, shape, tiles, trans_a
-        (self.m, self.n, self.k, self.alpha, self.a, self.lda, self.b_mat, self.ldb, self.beta, self.c, self.ldc) = (
-            fn.args
-        )
+        (
+            self.m, self.n, self.k, self.alpha, self.a, self.lda, self.b_mat, self.ldb, self.beta, self.c, self.ldc,
+            self.band, self.diagonal,
+        ) = fn.args  # fmt: skip
 
     def emit(self) -> None:
         b, shape = self.b, self.shape
@@ -188,6 +215,7 @@ class _ProductEmitter:
             first = b.icmp_signed("==", k0, i64(0), name="k.first")
             self.block_beta = b.select(first, self.beta, f32(1.0), name="beta.block")  # later blocks add
             self.strides = [i64(1), self.lda] if self.trans_a else [self.lda, i64(1)]  # A's rows, columns
+            self.k0 = k0
             self.a_block = gep_f32(b, self.a, b.mul(k0, self.strides[1]), name="a.block")
             self.b_block = gep_f32(b, self.b_mat, b.mul(k0, self.ldb), name="b.block")
             self._all_tiles()
@@ -213,7 +241,10 @@ class _ProductEmitter:
             b.icmp_signed(">=", self.m, i64(FAR_COPY_MIN_ROWS)),
             name="far.rows",
         )
-        with for_range(b, 0, self.n, "panel", columns) as j:
+        out_lower = b.icmp_signed("==", self.band, i64(Band.OUT_LOWER), name="out.lower")
+        # OUT_LOWER: the panels from column m + d on lie wholly above the diagonal
+        n = b.select(out_lower, smax(b, smin(b, b.add(self.m, self.diagonal), self.n), i64(0)), self.n, name="n.band")
+        with for_range(b, 0, n, "panel", columns) as j:
             whole = b.icmp_signed("<=", b.add(j, i64(columns)), self.n, name="panel.whole")
             copied = b.or_(b.or_(tall, far), b.not_(whole), name="panel.copied")
             with b.if_then(copied):
@@ -229,17 +260,42 @@ class _ProductEmitter:
         operands = [*self.strides, b_panel, ldb, self.c, self.ldc, self.depth, self.alpha, self.block_beta]
         i, whole_rows_end = i64(0), self._whole_rows_end()
         for height in self.shape.row_steps:
-            tile = functools.partial(self._tile, self.tiles[height], operands, j, columns)
+            tile = functools.partial(self._tile, self.tiles[height], height, operands, j, columns)
             i = self._rows(i, height, tile, whole_rows_end if height == self.shape.rows else self.m)
 
-    def _tile(self, tile: ir.Function, operands: list[ir.Value], j: ir.Value, columns: ir.Value, i: ir.Value) -> None:
-        a_tile = gep_f32(self.b, self.a_block, self.b.mul(i, self.strides[0]), name="a.tile")
-        self.b.call(tile, [a_tile, *operands, i, j, columns])
+    def _tile(
+        self, tile: ir.Function, height: int, operands: list[ir.Value], j: ir.Value, columns: ir.Value, i: ir.Value
+    ) -> None:
+        """One tile's call, over the steps of this block of k that its band leaves (:class:`Band`)."""
+        b = self.b
+        b_panel, ldb, c, ldc, depth, alpha, beta = operands[2:]
+        band, d = self.band, self.diagonal
+        # K_UPPER: rows i .. i + height - 1 sum p < i + height + d; K_LOWER: p >= i - d
+        upper_end = b.sub(b.add(i, i64(height)), b.sub(self.k0, d), name="upper.end")  # in this block
+        upper = b.icmp_signed("==", band, i64(Band.K_UPPER))
+        lower = b.icmp_signed("==", band, i64(Band.K_LOWER))
+        end = b.select(upper, smax(b, smin(b, upper_end, depth), i64(0)), depth, name="tile.end")
+        lower_start = smax(b, smin(b, b.sub(b.sub(i, d), self.k0), end), i64(0))
+        start = b.select(lower, lower_start, i64(0), name="tile.start")
+        steps = b.sub(end, start, name="tile.steps")
+        # Above the diagonal (OUT_LOWER), or no step of k in this block to add to C: no call.
+        # With beta != 1 (the first block) a tile with no step still scales C, as BLAS would.
+        above = b.and_(
+            b.icmp_signed("==", band, i64(Band.OUT_LOWER)),
+            b.icmp_signed(">", j, b.add(b.add(i, i64(height - 1)), d)),
+        )
+        idle = b.and_(b.icmp_signed("==", steps, i64(0)), b.fcmp_ordered("==", beta, f32(1.0)))
+        with b.if_then(b.not_(b.or_(above, idle), name="tile.runs")):
+            a_tile = gep_f32(b, self.a_block, b.add(b.mul(i, self.strides[0]), b.mul(start, self.strides[1])))
+            # in bytes: the panel may be the copy, whose pointer llvmlite keeps typed as vectors
+            b_offset = b.mul(b.mul(start, ldb), i64(4), name="b.tile.offset")
+            b_start = b.inttoptr(b.add(b.ptrtoint(b_panel, I64), b_offset), PTR, name="b.tile")
+            b.call(tile, [a_tile, *operands[:2], b_start, ldb, c, ldc, steps, alpha, beta, i, j, columns])
 
     def _copy_panel(self, j: ir.Value) -> None:
         """B[:depth, j : j + columns] into :attr:`panel`, rows of ``columns`` floats (zeros past
         B's last column)."""
-        b, width, vectors = self.b, self.shape.width, self.shape.vectors
+        b, width = self.b, self.shape.width
         whole = b.icmp_signed("<=", b.add(j, i64(self.shape.columns)), self.n, name="copy.whole")
         with b.if_else(whole) as (plain, masked):
             with plain:

@@ -21,7 +21,11 @@ from rlx.codegen.lower import CodegenOptions, kernel_spec
 from rlx.codegen.strip_heights import StripHeights, choose_block_q, strip_heights
 from rlx.config import RuntimeConfig
 
-KINDS = list(itertools.product((False, True), (False, True), (False, True), (16, 64, 96, 128, 256), (False, True)))
+KINDS = [
+    (*kind, banded)
+    for kind in itertools.product((False, True), (False, True), (False, True), (16, 64, 96, 128, 256), (False, True))
+    for banded in ((False, True) if kind[1] else (False,))  # banded: causal-like kernels only
+]
 LENGTHS = [1, 2, 31, 32, 33, 63, 64, 100, 128, 129, 200, 255, 256, 257, 341, 342, 488, 511, 512, 513, 1024,
            1025, 2048, 2049, 4096, 16384, 100_000, 1_000_000]  # fmt: skip
 
@@ -45,11 +49,11 @@ def _native_rows(heights: StripHeights) -> ctypes._CFuncPtr:
     return function
 
 
-@pytest.mark.parametrize(("needs_dp", "causal", "strided", "width", "small_path"), KINDS)
+@pytest.mark.parametrize(("needs_dp", "causal", "strided", "width", "small_path", "banded"), KINDS)
 def test_native_heights_are_the_compile_time_ones(
-    needs_dp: bool, causal: bool, strided: bool, width: int, small_path: bool
+    needs_dp: bool, causal: bool, strided: bool, width: int, small_path: bool, banded: bool
 ) -> None:
-    heights = strip_heights(needs_dp, causal, strided, width, small_path)
+    heights = strip_heights(needs_dp, causal, strided, width, small_path, banded)
     pairs = np.array([(q, k) for q in LENGTHS for k in LENGTHS], dtype=np.int64)
     sq, sk = np.ascontiguousarray(pairs[:, 0]), np.ascontiguousarray(pairs[:, 1])
     got = np.empty(len(pairs), np.int64)

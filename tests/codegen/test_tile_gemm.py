@@ -22,6 +22,7 @@ from rlx.codegen.tile_gemm import (
     AVX2_TILE,
     AVX512_TILE,
     K_BLOCK,
+    Band,
     TileShape,
     _row_bases,
     host_tile_shape,
@@ -41,6 +42,8 @@ _SIGNATURE = ctypes.CFUNCTYPE(
     ctypes.c_int64,
     ctypes.c_float,
     ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_int64,
     ctypes.c_int64,
 )
 
@@ -83,7 +86,7 @@ def _check(
     if beta != 0.0:
         expected += beta * before[:, :n]
     _products(shape)[trans_a](m, n, k, alpha, a.ctypes.data, a.shape[1], b.ctypes.data, b.shape[1], beta,
-                              c.ctypes.data, c.shape[1])  # fmt: skip
+                              c.ctypes.data, c.shape[1], Band.NONE, 0)  # fmt: skip
     tolerance = 1e-5 * (np.sqrt(max(k, 1)) * 4 + 1)
     np.testing.assert_allclose(c[:, :n], expected, rtol=tolerance, atol=tolerance)
     np.testing.assert_array_equal(c[:, n:], before[:, n:])  # padding beyond n untouched
@@ -152,7 +155,8 @@ def test_nan_and_inf_propagate(trans_a: bool) -> None:
     b = np.ones((k, n), dtype=np.float32)
     b[3, 5], b[4, 37] = np.nan, np.inf
     c = np.zeros((m, n), dtype=np.float32)
-    _products(shape)[trans_a](m, n, k, 1.0, a.ctypes.data, a.shape[1], b.ctypes.data, n, 0.0, c.ctypes.data, n)
+    _products(shape)[trans_a](m, n, k, 1.0, a.ctypes.data, a.shape[1], b.ctypes.data, n, 0.0, c.ctypes.data, n,
+                              Band.NONE, 0)  # fmt: skip
     assert np.isnan(c[:, 5]).all() and np.isposinf(c[:, 37]).all()
     assert np.isfinite(np.delete(c, [5, 37], axis=1)).all()
 
@@ -263,14 +267,15 @@ def guarded(rows, cols):
 shape = host_tile_shape()
 product = ctypes.CFUNCTYPE(None, *([ctypes.c_int64] * 3), ctypes.c_float, ctypes.c_void_p, ctypes.c_int64,
                            ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
-                           ctypes.c_int64)(runtime_symbols(shape)[shape.product_name(bool(trans_a))])
+                           ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)(
+    runtime_symbols(shape)[shape.product_name(bool(trans_a))])
 rng = np.random.default_rng(0)
 keep_a, a = guarded(*((k, m) if trans_a else (m, k)))
 keep_b, b = guarded(k, n)
 keep_c, c = guarded(m, n)
 a[:] = rng.standard_normal(a.shape)
 b[:] = rng.standard_normal(b.shape)
-product(m, n, k, 1.0, a.ctypes.data, a.shape[1], b.ctypes.data, n, 0.0, c.ctypes.data, n)
+product(m, n, k, 1.0, a.ctypes.data, a.shape[1], b.ctypes.data, n, 0.0, c.ctypes.data, n, 0, 0)
 expected = (a.T if trans_a else a).astype(np.float64) @ b.astype(np.float64)
 np.testing.assert_allclose(c, expected, rtol=1e-4, atol=1e-4)
 """
@@ -380,3 +385,66 @@ def test_long_products_match_float64(trans_a: bool) -> None:
         pytest.skip("no tiles on this CPU")
     _check(shape, 30, 64, 40 * K_BLOCK + 17, trans_a, 1.0, 0.0)
     _check(shape, 17, 72, 33 * K_BLOCK + 5, trans_a, 0.5, 1.0, pad=(1, 3, 2), seed=3)
+
+
+def _banded(
+    shape: TileShape, m: int, n: int, k: int, trans_a: bool, beta: float, band: int, diagonal: int, seed: int
+) -> None:
+    """A banded product against the whole one on the same operands: bitwise equal wherever the
+    band says the caller reads C, and equal to float64. For K_UPPER/K_LOWER op(A) holds zeros
+    where the band skips its terms (as a causal strip's P and dS do); for OUT_LOWER the entries
+    above the diagonal are either left as they were or the whole product's."""
+    rng = np.random.default_rng(seed)
+    op_a = rng.standard_normal((m, k), dtype=np.float32)
+    rows, steps = np.arange(m)[:, None], np.arange(k)[None, :]
+    if band == Band.K_UPPER:
+        op_a[steps > rows + diagonal] = 0.0
+    elif band == Band.K_LOWER:
+        op_a[steps < rows - diagonal] = 0.0
+    a = np.ascontiguousarray(op_a.T) if trans_a else op_a
+    b = rng.standard_normal((k, n + 3), dtype=np.float32)
+    before = rng.standard_normal((m, n), dtype=np.float32)
+    whole, banded = before.copy(), before.copy()
+    product = _products(shape)[trans_a]
+    for c, which in ((whole, Band.NONE), (banded, band)):
+        product(m, n, k, 0.5, a.ctypes.data, a.shape[1], b.ctypes.data, b.shape[1], beta, c.ctypes.data, n, which,
+                diagonal)  # fmt: skip
+    expected = 0.5 * (op_a.astype(np.float64) @ b[:, :n].astype(np.float64)) + beta * before
+    if band == Band.OUT_LOWER:
+        read = np.arange(n)[None, :] <= rows + diagonal
+        np.testing.assert_array_equal(banded[read], whole[read])
+        left = ~read
+        assert np.all((banded[left] == before[left]) | (banded[left] == whole[left]))
+    else:
+        np.testing.assert_array_equal(banded, whole)
+    tolerance = 1e-5 * (np.sqrt(max(k, 1)) * 4 + 1)
+    np.testing.assert_allclose(whole, expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("band", [Band.OUT_LOWER, Band.K_UPPER, Band.K_LOWER])
+@pytest.mark.parametrize(("m", "n", "k"), [(32, 64, 32), (64, 128, 64), (7, 40, 19), (128, 64, K_BLOCK + 40)])
+def test_bands_skip_only_what_the_caller_does_not_read(trans_a: bool, band: int, m: int, n: int, k: int) -> None:
+    shape = host_tile_shape()
+    if shape is None:
+        pytest.skip("no tiles on this CPU")
+    for diagonal in (-20, -1, 0, 5, 33, K_BLOCK + 7, 10**6):
+        for beta in (0.0, 1.0):
+            _banded(shape, m, n, k, trans_a, beta, band, diagonal, seed=diagonal % 97)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    m=st.integers(1, 70),
+    n=st.integers(1, 90),
+    k=st.integers(0, 80),
+    trans_a=st.booleans(),
+    beta=st.sampled_from([0.0, 1.0, 0.5]),
+    band=st.sampled_from([Band.OUT_LOWER, Band.K_UPPER, Band.K_LOWER]),
+    diagonal=st.integers(-80, 160),
+)
+def test_random_bands(m: int, n: int, k: int, trans_a: bool, beta: float, band: int, diagonal: int) -> None:
+    shape = host_tile_shape()
+    if shape is None:
+        pytest.skip("no tiles on this CPU")
+    _banded(shape, m, n, k, trans_a, beta, band, diagonal, seed=m * 131 + n)

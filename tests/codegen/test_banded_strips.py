@@ -1,0 +1,157 @@
+"""Banded strips (``lower_attention.BANDS``): a causal-like kernel's strip products skip what lies
+above each strip's diagonal, and its results are bitwise those of the whole products.
+
+Each test compiles the same graph twice in one process, banded and not, with the same strip
+height (the height changes the order in which dK and dV sum their strips), and compares the
+outputs bit for bit: for finite inputs, where the band is taken; for NaN or Inf in an operand
+and for rows whose hidden keys weigh (a finite ``neg`` near the scores), where the kernel
+falls back to the whole products, so that NaN reaches exactly what it reached before. The
+results are also checked against the float64 reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import rlx
+import rlx.codegen.executable as executable
+import rlx.codegen.lower_attention as lower_attention
+from rlx import Graph, Layout, MaskKind, RuntimeConfig
+from rlx.codegen import CodegenOptions, compile_graph
+from rlx.codegen.strip_heights import choose_block_q
+from rlx.codegen.tile_gemm import host_tile_shape
+
+pytestmark = pytest.mark.skipif(host_tile_shape() is None, reason="no register tiles on this CPU: nothing is banded")
+
+MASKS = [MaskKind.CAUSAL, MaskKind.sliding_window(5), MaskKind.sliding_window(40)]
+
+
+def build(
+    mask: MaskKind, layout: Layout, b: int, sq: int | str, sk: int | str, h: int, hkv: int, d: int, dv: int
+) -> Graph:
+    g = Graph("banded")
+    q = g.input("q", layout.join(b, sq, h, d))
+    k = g.input("k", layout.join(b, sk, hkv, d))
+    v = g.input("v", layout.join(b, sk, hkv, dv))
+    out = g.attention(q, k, v, mask=mask, layout=layout)
+    dy = g.input("dy", out.shape)
+    dq, dk, dvv = rlx.grad(g, out, [q, k, v], dy)
+    g.output(out=out, dq=dq, dk=dk, dv=dvv)
+    return g
+
+
+def arrays_for(layout: Layout, b: int, sq: int, sk: int, h: int, hkv: int, d: int, dv: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(sq * 7 + sk)
+    shapes = {
+        "q": layout.join(b, sq, h, d),
+        "k": layout.join(b, sk, hkv, d),
+        "v": layout.join(b, sk, hkv, dv),
+        "dy": layout.join(b, sq, h, dv),
+    }
+    return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+
+
+@pytest.fixture
+def bands() -> Iterator[None]:
+    """Restore BANDS and drop executables compiled with it flipped."""
+    saved = lower_attention.BANDS
+    yield
+    lower_attention.BANDS = saved
+    executable._cache.clear()
+
+
+def both(graph: Graph, block_q: int, config: RuntimeConfig | None = None) -> dict[bool, executable.Executable]:
+    """The graph compiled with whole products and banded, with strips of ``block_q`` rows."""
+    compiled = {}
+    for banded in (False, True):
+        lower_attention.BANDS = banded
+        executable._cache.clear()
+        compiled[banded] = compile_graph(graph, config=config, options=CodegenOptions(block_q=block_q))
+    return compiled
+
+
+def assert_same_bits(whole: dict[str, np.ndarray], banded: dict[str, np.ndarray]) -> None:
+    for name, value in whole.items():
+        np.testing.assert_array_equal(banded[name], value, err_msg=name)
+        assert np.array_equal(np.signbit(banded[name]), np.signbit(value)) or np.isnan(value).any(), name
+
+
+SHAPES = [
+    # (layout, b, sq, sk, h, hkv, d, dv, block_q)
+    (Layout.BSHD, 2, 96, 96, 2, 2, 16, 16, 32),
+    (Layout.BSHD, 1, 130, 130, 4, 2, 8, 12, 64),  # GQA, Dv != D, strips cut at the length
+    (Layout.BHSD, 2, 77, 150, 2, 1, 16, 16, 40),  # Sq < Sk: the diagonal is offset; MQA
+    (Layout.BHSD, 1, 200, 200, 1, 1, 32, 32, 200),  # one strip: its whole triangle
+    (Layout.BSHD, 1, 150, 90, 2, 2, 16, 8, 64),  # Sq > Sk: the first rows see no key
+]
+
+
+@pytest.mark.usefixtures("bands")
+@pytest.mark.parametrize("mask", MASKS, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}-{s[2]}x{s[3]}-h{s[4]}/{s[5]}-d{s[6]}/{s[7]}-q{s[8]}")
+def test_banded_is_bitwise_the_whole_product(mask: MaskKind, shape: tuple) -> None:
+    layout, b, sq, sk, h, hkv, d, dv, block_q = shape
+    graph = build(mask, layout, b, sq, sk, h, hkv, d, dv)
+    arrays = arrays_for(layout, b, sq, sk, h, hkv, d, dv)
+    compiled = both(graph, block_q)
+    whole, banded = compiled[False](**arrays), compiled[True](**arrays)
+    assert_same_bits(whole, banded)
+    expected = rlx.reference.run(graph, **arrays)
+    for name, want in expected.items():
+        np.testing.assert_allclose(banded[name], want, rtol=2e-4, atol=2e-4, err_msg=name)
+
+
+@pytest.mark.usefixtures("bands")
+@pytest.mark.parametrize("where", ["q", "k", "v", "dy"])
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_non_finite_operands_take_the_whole_products(where: str, value: float) -> None:
+    """A NaN or Inf in a key that a strip's first rows do not see still reaches them through
+    0 · x, as in the whole product (and the reference): the kernel checks its operands."""
+    layout, b, sq, sk, h, d = Layout.BSHD, 1, 128, 128, 2, 16
+    graph = build(MaskKind.CAUSAL, layout, b, sq, sk, h, h, d, d)
+    arrays = arrays_for(layout, b, sq, sk, h, h, d, d)
+    arrays[where][0, 100, 1, 3] = value  # row/key 100, head 1: hidden from rows 64-99 of its strip
+    compiled = both(graph, 64)
+    whole, banded = compiled[False](**arrays), compiled[True](**arrays)
+    assert any(np.isnan(x).any() for x in whole.values())
+    assert_same_bits(whole, banded)
+
+
+@pytest.mark.usefixtures("bands")
+def test_rows_whose_hidden_keys_weigh_take_the_whole_products() -> None:
+    """With ``neg`` within reach of the scores, hidden keys weigh exp(neg - max) > 0: P is not 0
+    above the diagonal, and the strip's products must not skip it."""
+    layout, b, sq, sk, h, d = Layout.BSHD, 1, 96, 96, 2, 16
+    config = RuntimeConfig(attn_mask_neg_inf=-2.0)
+    graph = build(MaskKind.CAUSAL, layout, b, sq, sk, h, h, d, d)
+    arrays = arrays_for(layout, b, sq, sk, h, h, d, d)
+    compiled = both(graph, 32, config)
+    whole, banded = compiled[False](**arrays), compiled[True](**arrays)
+    assert_same_bits(whole, banded)
+    expected = rlx.reference.run(graph, config=config, **arrays)
+    for name, want in expected.items():
+        np.testing.assert_allclose(banded[name], want, rtol=2e-4, atol=2e-4, err_msg=name)
+
+
+@pytest.mark.usefixtures("bands")
+def test_symbolic_lengths_band_per_call() -> None:
+    """A kernel of symbolic lengths decides per call; a short call (fewer rows than the check
+    pays for) takes the whole products."""
+    layout, b, h, d = Layout.BSHD, 1, 2, 16
+    graph = build(MaskKind.CAUSAL, layout, b, "S", "S", h, h, d, d)
+    compiled = both(graph, 48)
+    for length in (5, 31, 32, 100, 257):
+        arrays = arrays_for(layout, b, length, length, h, h, d, d)
+        assert_same_bits(compiled[False](**arrays), compiled[True](**arrays))
+
+
+def test_banded_causal_strips_are_tall_without_a_small_path() -> None:
+    """Banded causal strips hide nothing, so they take the tall heights (see strip_heights)."""
+    rows = [choose_block_q(s, s, True, True, True, 64, small_path=False, banded=True) for s in (128, 512, 1024, 4096)]
+    assert rows == [128, 128, 128, 256]
+    assert choose_block_q(768, 768, True, True, True, 128, small_path=False, banded=True) == 256
+    assert choose_block_q(512, 512, True, True, True, 64, small_path=False, banded=False) == 32
+    assert choose_block_q(512, 512, True, True, True, 64, small_path=True, banded=True) == 32
