@@ -71,7 +71,7 @@ from rlx.codegen.kernel_clock import COUNTERS_BYTES, KernelClock
 from rlx.codegen.sizes import SizeLike, ceil_div, emit_size, load_symbols, size_of
 from rlx.codegen.strip_heights import SMALL_PATH_MACS, StripHeights
 from rlx.codegen.tile_gemm import Band, declare_tile_gemm, host_tile_shape
-from rlx.codegen.vector import WIDTH, Lanes, splat, vector_fill, vector_loop, vector_reduce
+from rlx.codegen.vector import WIDTH, Lanes, splat, sum_lanes, vector_fill, vector_loop, vector_reduce
 from rlx.ir.ops import AttentionDims
 from rlx.ir.types import Dim, Layout, MaskKind, Wrt
 
@@ -1352,17 +1352,28 @@ def scale_rows(b: ir.IRBuilder, base: ir.Value, rows: ir.Value, stride: int, wid
 
 def finite_rows(b: ir.IRBuilder, base: ir.Value, rows: ir.Value, ld: int, width: int) -> ir.Value:
     """Whether ``rows`` rows of ``width`` floats, ``ld`` apart, hold no NaN or Inf: their sum
-    of ``x · 0`` is 0, or NaN if any ``x`` is not finite (no fast-math flag lets LLVM fold it)."""
-    total = alloca_entry(b, F32, "finite.total")
-    b.store(f32(0.0), total)
+    of ``x · 0`` is 0, or NaN if any ``x`` is not finite (no fast-math flag lets LLVM fold it).
+    One accumulator per vector of a row, folded once at the end: a fold per row cost a causal
+    S512 backward 3% (the pass reads Q, K, V and dY once per head)."""
+    vec, one = Lanes(b.module, WIDTH), Lanes(b.module, 1)
+    vectors, tail = divmod(width, WIDTH)
+    partials = [alloca_entry(b, vec.type, f"finite.v{v}") for v in range(vectors)]
+    for partial in partials:
+        b.store(vec.const(0.0), partial)
+    scalar = alloca_entry(b, F32, "finite.s")
+    b.store(f32(0.0), scalar)
     with for_range(b, 0, rows, "finite.row") as r:
         row = gep_f32(b, base, b.mul(r, i64(ld)))
-        zeros = vector_reduce(
-            b, i64(0), i64(width), "finite", "add", lambda b, j, lanes: b.fmul(lanes.load(b, row, j), lanes.const(0.0))
-        )
-        b.store(b.fadd(b.load(total, typ=F32), zeros), total)
-    value = b.load(total, typ=F32)
-    return b.fcmp_ordered("ord", value, value, name="finite")
+        for v, partial in enumerate(partials):
+            zeros = b.fmul(vec.load(b, row, i64(v * WIDTH)), vec.const(0.0))
+            b.store(b.fadd(b.load(partial, typ=vec.type), zeros), partial)
+        for t in range(vectors * WIDTH, vectors * WIDTH + tail):
+            zero = b.fmul(one.load(b, row, i64(t)), f32(0.0))
+            b.store(b.fadd(b.load(scalar, typ=F32), zero), scalar)
+    total = b.load(scalar, typ=F32)
+    for partial in partials:
+        total = b.fadd(total, sum_lanes(b, b.load(partial, typ=vec.type)))
+    return b.fcmp_ordered("ord", total, total, name="finite")
 
 
 def scale_row(b: ir.IRBuilder, row: ir.Value, width: ir.Value, factor: ir.Value) -> None:
