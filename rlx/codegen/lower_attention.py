@@ -1351,29 +1351,42 @@ def scale_rows(b: ir.IRBuilder, base: ir.Value, rows: ir.Value, stride: int, wid
 
 
 def finite_rows(b: ir.IRBuilder, base: ir.Value, rows: ir.Value, ld: int, width: int) -> ir.Value:
-    """Whether ``rows`` rows of ``width`` floats, ``ld`` apart, hold no NaN or Inf: their sum
-    of ``x · 0`` is 0, or NaN if any ``x`` is not finite (no fast-math flag lets LLVM fold it).
-    One accumulator per vector of a row, folded once at the end: a fold per row cost a causal
-    S512 backward 3% (the pass reads Q, K, V and dY once per head)."""
-    vec, one = Lanes(b.module, WIDTH), Lanes(b.module, 1)
-    vectors, tail = divmod(width, WIDTH)
-    partials = [alloca_entry(b, vec.type, f"finite.v{v}") for v in range(vectors)]
-    for partial in partials:
-        b.store(vec.const(0.0), partial)
+    """Whether ``rows`` rows of ``width`` floats, ``ld`` apart, hold no NaN or Inf (an i1)."""
+    count = b.call(_finite_rows_function(b.module), [base, rows, i64(ld), i64(width)], name="non.finite")
+    return b.icmp_signed("==", count, i64(0), name="finite")
+
+
+def _finite_rows_function(module: ir.Module) -> ir.Function:
+    """``rlx_non_finite(base, rows, ld, width)``: 0 if the rows hold only finite numbers, else
+    not 0. One function per module, as :func:`stream_rows`: inlined at each of a kernel's four
+    call sites, the loops cost the demo graph a tenth more compile time. It sums ``x · 0``,
+    which is 0, or NaN if any ``x`` is not finite (no fast-math flag lets LLVM fold it), in a
+    vector accumulator folded once at the end (a fold per row cost a causal S512 backward 3%)."""
+    existing = module.globals.get("rlx_non_finite")
+    if existing is not None:
+        return existing  # type: ignore[return-value]
+    fn = ir.Function(module, ir.FunctionType(I64, [PTR, I64, I64, I64]), name="rlx_non_finite")
+    fn.linkage = "internal"
+    fn.attributes.add("noinline")
+    base, rows, ld, width = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    vec = Lanes(module, WIDTH)
+    partial = alloca_entry(b, vec.type, "finite.v")
+    b.store(vec.const(0.0), partial)
     scalar = alloca_entry(b, F32, "finite.s")
     b.store(f32(0.0), scalar)
+    whole = b.and_(width, i64(-WIDTH), name="whole")
     with for_range(b, 0, rows, "finite.row") as r:
-        row = gep_f32(b, base, b.mul(r, i64(ld)))
-        for v, partial in enumerate(partials):
-            zeros = b.fmul(vec.load(b, row, i64(v * WIDTH)), vec.const(0.0))
+        row = gep_f32(b, base, b.mul(r, ld))
+        with for_range(b, 0, whole, "finite.column", WIDTH) as j:
+            zeros = b.fmul(vec.load(b, row, j), vec.const(0.0))
             b.store(b.fadd(b.load(partial, typ=vec.type), zeros), partial)
-        for t in range(vectors * WIDTH, vectors * WIDTH + tail):
-            zero = b.fmul(one.load(b, row, i64(t)), f32(0.0))
+        with for_range(b, whole, width, "finite.tail") as j:
+            zero = b.fmul(b.load(gep_f32(b, row, j), typ=F32), f32(0.0))
             b.store(b.fadd(b.load(scalar, typ=F32), zero), scalar)
-    total = b.load(scalar, typ=F32)
-    for partial in partials:
-        total = b.fadd(total, sum_lanes(b, b.load(partial, typ=vec.type)))
-    return b.fcmp_ordered("ord", total, total, name="finite")
+    total = b.fadd(sum_lanes(b, b.load(partial, typ=vec.type)), b.load(scalar, typ=F32))
+    b.ret(b.zext(b.fcmp_unordered("uno", total, total), I64))
+    return fn
 
 
 def scale_row(b: ir.IRBuilder, row: ir.Value, width: ir.Value, factor: ir.Value) -> None:

@@ -54,6 +54,7 @@ K_BLOCK = 512  # terms of k per pass over C: a tile's rows of A and a panel of B
 # page) apart and C has this many rows to reuse the copy (see _ProductEmitter._all_tiles).
 FAR_ROWS_LD = 1024
 FAR_COPY_MIN_ROWS = 64
+FAR_DIAGONAL = 1 << 40  # a diagonal no index reaches: that side of the band skips nothing
 
 # (m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, band, diagonal): sgemm's arguments without order
 # and transposes, and the band of a causal strip that the product may skip (:class:`Band`)
@@ -206,6 +207,13 @@ class _ProductEmitter:
 
     def emit(self) -> None:
         b, shape = self.b, self.shape
+        # The band as three diagonals, each far off where its mode is not the band's: every
+        # tile's limits are then a few min/max, with no branch on the mode for LLVM to unswitch
+        # into copies of the loops (which doubled the library's compile time).
+        self.diagonals = {
+            mode: b.select(b.icmp_signed("==", self.band, i64(mode)), self.diagonal, i64(FAR_DIAGONAL), name=f"d{mode}")
+            for mode in (Band.OUT_LOWER, Band.K_UPPER, Band.K_LOWER)
+        }
         # A tall product's column panel of B, copied per block of k: see _all_tiles.
         self.panel = b.alloca(ir.VectorType(F32, shape.width), size=i64(K_BLOCK * shape.vectors), name="b.panel")
         self.panel.align = 64
@@ -241,9 +249,8 @@ class _ProductEmitter:
             b.icmp_signed(">=", self.m, i64(FAR_COPY_MIN_ROWS)),
             name="far.rows",
         )
-        out_lower = b.icmp_signed("==", self.band, i64(Band.OUT_LOWER), name="out.lower")
         # OUT_LOWER: the panels from column m + d on lie wholly above the diagonal
-        n = b.select(out_lower, smax(b, smin(b, b.add(self.m, self.diagonal), self.n), i64(0)), self.n, name="n.band")
+        n = smax(b, smin(b, b.add(self.m, self.diagonals[Band.OUT_LOWER]), self.n), i64(0), name="n.band")
         with for_range(b, 0, n, "panel", columns) as j:
             whole = b.icmp_signed("<=", b.add(j, i64(columns)), self.n, name="panel.whole")
             copied = b.or_(b.or_(tall, far), b.not_(whole), name="panel.copied")
@@ -266,24 +273,27 @@ class _ProductEmitter:
     def _tile(
         self, tile: ir.Function, height: int, operands: list[ir.Value], j: ir.Value, columns: ir.Value, i: ir.Value
     ) -> None:
-        """One tile's call, over the steps of this block of k that its band leaves (:class:`Band`)."""
+        """One tile's call, over the steps of this block of k that its band leaves (:class:`Band`).
+
+        Only whole tiles look at the band: the short ones (a strip's last few rows) compute
+        their whole tile, which gives the same values where the caller reads them (the terms
+        the band would skip are 0), and the band's logic at every call site had made the
+        library a fifth slower to compile."""
         b = self.b
+        if height != self.shape.rows:
+            a_tile = gep_f32(b, self.a_block, b.mul(i, self.strides[0]), name="a.tile")
+            b.call(tile, [a_tile, *operands, i, j, columns])
+            return
         b_panel, ldb, c, ldc, depth, alpha, beta = operands[2:]
-        band, d = self.band, self.diagonal
-        # K_UPPER: rows i .. i + height - 1 sum p < i + height + d; K_LOWER: p >= i - d
-        upper_end = b.sub(b.add(i, i64(height)), b.sub(self.k0, d), name="upper.end")  # in this block
-        upper = b.icmp_signed("==", band, i64(Band.K_UPPER))
-        lower = b.icmp_signed("==", band, i64(Band.K_LOWER))
-        end = b.select(upper, smax(b, smin(b, upper_end, depth), i64(0)), depth, name="tile.end")
-        lower_start = smax(b, smin(b, b.sub(b.sub(i, d), self.k0), end), i64(0))
-        start = b.select(lower, lower_start, i64(0), name="tile.start")
+        d_out, d_upper, d_lower = (self.diagonals[mode] for mode in (Band.OUT_LOWER, Band.K_UPPER, Band.K_LOWER))
+        # rows i .. i + height - 1 sum p < i + height + d_upper and p >= i - d_lower (in this block)
+        upper_end = b.sub(b.add(i, i64(height)), b.sub(self.k0, d_upper), name="upper.end")
+        end = smax(b, smin(b, upper_end, depth), i64(0), name="tile.end")
+        start = smax(b, smin(b, b.sub(b.sub(i, d_lower), self.k0), end), i64(0), name="tile.start")
         steps = b.sub(end, start, name="tile.steps")
         # Above the diagonal (OUT_LOWER), or no step of k in this block to add to C: no call.
         # With beta != 1 (the first block) a tile with no step still scales C, as BLAS would.
-        above = b.and_(
-            b.icmp_signed("==", band, i64(Band.OUT_LOWER)),
-            b.icmp_signed(">", j, b.add(b.add(i, i64(height - 1)), d)),
-        )
+        above = b.icmp_signed(">", j, b.add(b.add(i, i64(height - 1)), d_out), name="tile.above")
         idle = b.and_(b.icmp_signed("==", steps, i64(0)), b.fcmp_ordered("==", beta, f32(1.0)))
         with b.if_then(b.not_(b.or_(above, idle), name="tile.runs")):
             a_tile = gep_f32(b, self.a_block, b.add(b.mul(i, self.strides[0]), b.mul(start, self.strides[1])))
