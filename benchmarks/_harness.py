@@ -719,7 +719,7 @@ class NativeProducts:
                 assert shape is not None
                 products = [declare(module, shape.product_name(flag), VOID, PRODUCT_ARGS) for flag in (False, True)]
                 transposed = b.icmp_signed("!=", trans_a, ir.Constant(I32, 0))
-                call_args = [m, n, k, one, a, lda, b_mat, ldb, zero, c, ldc, *[ir.Constant(I64, 0)] * 2]  # no band
+                call_args = [m, n, k, one, a, lda, b_mat, ldb, zero, c, ldc, *[ir.Constant(I64, 0)] * 3]  # as stored
                 call = functools.partial(_call_either, b, transposed, products[1], products[0], call_args)
             with for_range(b, 0, reps, "rep"):
                 call()

@@ -120,6 +120,9 @@ DENSE_ROWS_MIN_KEYS = 256
 # of the whole products. The check (a pass over the operands) runs from this many query rows
 # on; a decode step's few rows would pay more for it than the band saves.
 BANDS = True
+# The forward packs each head's V, the backward its K, in the tiles' column panels once per head
+# (emit_panel_copy), for the products that read them strip after strip (P V, dQ = dS K).
+PANELS = True
 BAND_MIN_ROWS = 32
 
 
@@ -336,6 +339,16 @@ class AttentionKernelSpec:
             return self._strips_bytes(seq_k) + buffers + COUNTERS_BYTES
         return self._strips_bytes(seq_k, seq_q) + buffers
 
+    def panel_widths(self) -> dict[str, int]:
+        """The head operands a kernel packs in the tiles' column panels, once per head
+        (:func:`emit_panel_copy`), with their row widths: V for the forward's ``P V`` and K for
+        the backward's ``dQ = dS K``, where the CPU has the tiles."""
+        if not PANELS or host_tile_shape() is None:
+            return {}
+        if self.grads is None:
+            return {"v": self.dims.value_dim}
+        return {"k": self.dims.head_dim} if self.grads & Wrt.QUERY else {}
+
     @property
     def strip_layout(self) -> tuple[int, int]:
         """``(strips, floats after them)`` at the start of a thread's scratch: the P strip and the
@@ -406,6 +419,7 @@ class StripScratch(Protocol):
     @property
     def strip_layout(self) -> tuple[int, int]: ...
     def strip_floats(self, seq_k: int | None = None, seq_q: int | None = None) -> int: ...
+    def panel_widths(self) -> dict[str, int]: ...
 
 
 def _copied(spec: StripScratch) -> dict[str, int]:
@@ -422,7 +436,8 @@ def strips_and_copies_bytes(spec: StripScratch, seq_k: int | None = None, seq_q:
     length = spec.dims.seq_k if seq_k is None else seq_k
     assert isinstance(length, int), "give the call's Sk"
     strips, tail = spec.strip_layout
-    copies = sum(width * packed_ld(length) for width in _copied(spec).values()) if may_pack(spec.dims.seq_q) else 0
+    widths = [*_copied(spec).values(), *map(panel_width, spec.panel_widths().values())]
+    copies = sum(width * packed_ld(length) for width in widths) if may_pack(spec.dims.seq_q) else 0
     return (spec.strip_floats(length, seq_q) * strips + tail + copies) * 4
 
 
@@ -432,9 +447,11 @@ def transposed_buffers(
     """Per copied operand (``"k"``, ``"v"``), its buffer in the thread's scratch after the strips
     (``width x Sk``, leading dimension :func:`packed_ld`): null where this call does not pack (fewer than
     :data:`PACK_MIN_ROWS` query rows: a decode step reads K in place), a constant null where no
-    call of the kernel can."""
+    call of the kernel can. Then the operands packed in the tiles' column panels
+    (``spec.panel_widths()``, keys ``"v.panels"``, ``"k.panels"``: :func:`emit_panel_copy`), each
+    ``panel_width(width)`` x ``packed_ld(Sk)`` floats."""
     null = ir.Constant(PTR, None)
-    copied = _copied(spec)
+    copied = _copied(spec) | {f"{slot}.panels": panel_width(width) for slot, width in spec.panel_widths().items()}
     if not may_pack(spec.dims.seq_q):
         return dict.fromkeys(copied, null)
     strips, tail = spec.strip_layout
@@ -445,6 +462,83 @@ def transposed_buffers(
         buffers[slot] = b.select(pack, gep_f32(b, scratch, offset, name=f"{slot}t"), null, name=f"{slot}t.or.null")
         offset = b.add(offset, b.mul(emit_packed_ld(b, seq_k), i64(width)), name="copies.end")
     return buffers
+
+
+def panel_width(width: int) -> int:
+    """Floats a row of ``width`` takes packed in the tiles' column panels (whole panels)."""
+    shape = host_tile_shape()
+    assert shape is not None, "panels are packed for the register tiles"
+    return -(-width // shape.columns) * shape.columns
+
+
+@dataclass(frozen=True)
+class PackedPanels:
+    """A head operand packed in the tiles' column panels (``base``, null where this call did not
+    pack it), panel p + 1 ``stride`` floats after panel p (``tile_gemm.PRODUCT_ARGS``)."""
+
+    base: ir.Value
+    stride: ir.Value
+
+    def rows_from(self, b: ir.IRBuilder, row: ir.Value) -> PackedPanels:
+        """The same panels from row ``row`` on; null stays null (an offset from null is not)."""
+        shape = host_tile_shape()
+        assert shape is not None
+        moved = gep_f32(b, self.base, b.mul(row, i64(shape.columns)), name="panels.from")
+        null = ir.Constant(PTR, None)
+        return PackedPanels(b.select(b.icmp_unsigned("==", self.base, null), null, moved), self.stride)
+
+
+def emit_panel_copy(
+    b: ir.IRBuilder, head: ir.Value, ld: int, seq_k: ir.Value, width: int, target: ir.Value
+) -> PackedPanels:
+    """Pack a head operand (``Sk`` rows of ``width``, ``ld`` apart) in the tiles' column panels
+    into ``target`` where it is not null (nothing at all for a constant null): once per head,
+    where the products of every strip would copy the panels of the rows they read again.
+
+    In BSHD a head's rows are H·D floats apart, which the products read through a copied
+    panel, and the forward's ``P V`` had its driver spend 6% of a causal S1024 forward copying
+    V's panels, strip after strip (AMD EPYC, Zen 3)."""
+    stride = b.mul(emit_packed_ld(b, seq_k), i64(host_tile_shape().columns), name="panels.stride")  # type: ignore[union-attr]
+    packed = PackedPanels(target, stride)
+    if isinstance(target, ir.Constant) and target.constant is None:
+        return packed
+    with b.if_then(b.icmp_unsigned("!=", target, ir.Constant(PTR, None))):
+        b.call(_pack_panels_function(b.module), [head, i64(ld), seq_k, i64(width), target, stride])
+    return packed
+
+
+def _pack_panels_function(module: ir.Module) -> ir.Function:
+    """``rlx_pack_panels(src, ld, rows, width, dst, stride)`` (:func:`emit_panel_copy`): row r of
+    ``src`` goes to row r of every panel, zeros past the last column. One function per module."""
+    existing = module.globals.get("rlx_pack_panels")
+    if existing is not None:
+        return existing  # type: ignore[return-value]
+    fn = ir.Function(module, ir.FunctionType(VOID, [PTR, I64, I64, I64, PTR, I64]), name="rlx_pack_panels")
+    fn.linkage = "internal"
+    fn.attributes.add("noinline")
+    src, ld, rows, width, dst, stride = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    shape = host_tile_shape()
+    assert shape is not None
+    columns = shape.columns
+    vec = Lanes(module, WIDTH)
+    whole = b.and_(width, i64(-WIDTH), name="whole")
+    with for_range(b, 0, rows, "pack.row") as r:
+        row = gep_f32(b, src, b.mul(r, ld))
+        target = gep_f32(b, dst, b.mul(r, i64(columns)))  # row r of panel 0
+
+        def at(column: ir.Value) -> ir.Value:  # where column c of row r goes
+            panel, lane = b.sdiv(column, i64(columns)), b.srem(column, i64(columns))
+            return gep_f32(b, target, b.add(b.mul(panel, stride), lane))
+
+        with for_range(b, 0, whole, "pack.vector", WIDTH) as c:
+            b.store(vec.load(b, row, c), at(c), align=4)
+        with for_range(b, whole, width, "pack.tail") as c:
+            b.store(b.load(gep_f32(b, row, c), typ=F32), at(c))
+        with for_range(b, width, b.mul(ceil_div(b, width, columns), i64(columns)), "pack.zeros") as c:
+            b.store(f32(0.0), at(c))
+    b.ret_void()
+    return fn
 
 
 def emit_transposed_copy(
@@ -640,7 +734,7 @@ class AttentionLowering:
         strips, tail = self.spec.strip_layout
         floats = b.add(b.mul(self._strip_floats(b), i64(strips)), i64(tail))
         if may_pack(self.spec.dims.seq_q):
-            for width in _copied(self.spec).values():
+            for width in [*_copied(self.spec).values(), *map(panel_width, self.spec.panel_widths().values())]:
                 floats = b.add(floats, b.mul(emit_packed_ld(b, self.sk), i64(width)))
         return floats
 
@@ -677,11 +771,19 @@ class AttentionLowering:
     # ------------------------------------------------------------------ packing
 
     def _pack(self, b: ir.IRBuilder, heads: dict[str, ir.Value], packed: dict[str, ir.Value]) -> None:
-        """Copy the head's K (and V) transposed into ``packed`` (where not null)."""
-        for slot, target in packed.items():
+        """Copy the head's K (and V) transposed into ``packed`` (where not null), and pack those
+        of :meth:`AttentionKernelSpec.panel_widths` in column panels (:attr:`panels`)."""
+        self.panels: dict[str, PackedPanels] = {}
+        for name, target in packed.items():
+            slot = name.removesuffix(".panels")
             width, ld = self._geometry(slot)[2], self._ld(slot)
-            copy = functools.partial(emit_transposed_copy, b, heads[slot], ld, self.sk, width, target)
-            self.clock.timed(b, "blas", copy)
+            if name.endswith(".panels"):
+                started = self.clock.start(b)
+                self.panels[slot] = emit_panel_copy(b, heads[slot], ld, self.sk, width, target)
+                self.clock.count(b, "blas", started)
+            else:
+                copy = functools.partial(emit_transposed_copy, b, heads[slot], ld, self.sk, width, target)
+                self.clock.timed(b, "blas", copy)
 
     def _head_pointers(
         self, b: ir.IRBuilder, base: dict[str, ir.Value], batch: ir.Value, head: ir.Value, group: ir.Value
@@ -1169,7 +1271,8 @@ class AttentionLowering:
         v_vis = gep_f32(b, heads["v"], b.mul(ks, i64(ldv)), name="v.vis")
         out = gep_f32(b, heads["out"], b.mul(i0, i64(ldo)), name="out.strip")
         staged = self.staged.get("out")
-        upper = band.mode(b, Band.K_UPPER), band.diagonal
+        packed = self.panels["v"].rows_from(b, ks) if "v" in self.panels else None
+        upper = band.mode(b, Band.K_UPPER), band.diagonal, packed
 
         def in_place() -> None:
             self._sgemm(b, NO_TRANS, NO_TRANS, rows, i64(dv), nk, 1.0, p, ldp, v_vis, ldv, 0.0, out, ldo, *upper)
@@ -1238,17 +1341,18 @@ class AttentionLowering:
         if grads & Wrt.QUERY:  # dQ_strip = scale · dS K_vis
             ld_dq = self._ld("dq")
             dq = gep_f32(b, heads["dq"], b.mul(i0, i64(ld_dq)), name="dq.strip")
+            k_panels = self.panels["k"].rows_from(b, ks) if "k" in self.panels else None
 
             def in_place() -> None:
                 self._sgemm(
                     b, NO_TRANS, NO_TRANS, rows, i64(width), nk, spec.scale, dp, ldp, k_vis, ldk, 0.0, dq, ld_dq,
-                    upper, d,
+                    upper, d, k_panels,
                 )  # fmt: skip
 
             def streamed(staged: ir.Value) -> None:  # fenced with dK/dV at the end of the item (_stream_out)
                 self._sgemm(
                     b, NO_TRANS, NO_TRANS, rows, i64(width), nk, spec.scale, dp, ldp, k_vis, ldk, 0.0, staged, width,
-                    upper, d,
+                    upper, d, k_panels,
                 )  # fmt: skip
                 stream_rows(b, staged, width, dq, ld_dq, rows, width)
 
@@ -1322,8 +1426,9 @@ class AttentionLowering:
         ldc: int | ir.Value,
         band: int | ir.Value = Band.NONE,
         diagonal: int | ir.Value = 0,
+        packed_b: PackedPanels | None = None,
     ) -> None:
-        args = (trans_a, trans_b, m, n, k, alpha, a, lda, b_mat, ldb, beta, c, ldc, band, diagonal)
+        args = (trans_a, trans_b, m, n, k, alpha, a, lda, b_mat, ldb, beta, c, ldc, band, diagonal, packed_b)
         self.clock.timed(b, "blas", lambda: emit_sgemm(b, self.sgemm, *args))
 
 
@@ -1523,12 +1628,14 @@ def emit_sgemm(
     ldc: int | ir.Value,
     band: int | ir.Value = Band.NONE,
     diagonal: int | ir.Value = 0,
+    packed_b: PackedPanels | None = None,
 ) -> None:
     """The one place an attention kernel emits a matrix product: row-major ``C = alpha op(A) op(B) + beta C``.
 
     ``band`` and ``diagonal`` say what part of the product a causal strip needs (:class:`Band`):
     the register tiles skip the rest; OpenBLAS and ``sgemv`` compute it all, which gives the
-    same values wherever the caller reads them.
+    same values wherever the caller reads them. ``packed_b``: B (as stored) also packed in the
+    tiles' column panels, which the tiles read where it is not null (:func:`emit_panel_copy`).
 
     Strip products with B as stored run on the register tiles of :mod:`rlx.codegen.tile_gemm`
     where the CPU has FMA vectors and the shape is one they run faster (above OpenBLAS's
@@ -1554,8 +1661,13 @@ def emit_sgemm(
     def tiles(b: ir.IRBuilder) -> None:
         assert shape is not None
         product = declare_tile_gemm(sgemm.module, trans_a != NO_TRANS, shape)
-        sizes = [as_i64(m), as_i64(n), as_i64(k), f32(alpha), a, as_i64(lda), b_mat, as_i64(ldb)]
-        b.call(product, [*sizes, beta_value, c, as_i64(ldc), as_i64(band), as_i64(diagonal)])
+        operand, ld, panels = b_mat, as_i64(ldb), i64(0)
+        if packed_b is not None:
+            is_packed = b.icmp_unsigned("!=", packed_b.base, ir.Constant(PTR, None), name="b.is.packed")
+            operand = b.select(is_packed, packed_b.base, b_mat, name="b.operand")
+            panels = b.select(is_packed, packed_b.stride, i64(0), name="b.panels")
+        sizes = [as_i64(m), as_i64(n), as_i64(k), f32(alpha), a, as_i64(lda), operand, ld]
+        b.call(product, [*sizes, beta_value, c, as_i64(ldc), as_i64(band), as_i64(diagonal), panels])
 
     shape = host_tile_shape()
 

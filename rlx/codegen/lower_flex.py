@@ -171,6 +171,10 @@ class FlexKernelSpec:
         counters = COUNTERS_BYTES if self.profile and self.is_static else 0
         return strips_and_copies_bytes(self, seq_k) + counters
 
+    def panel_widths(self) -> dict[str, int]:
+        """The flex kernels pack no operand in column panels (``lower_attention.emit_panel_copy``)."""
+        return {}
+
     @property
     def strip_layout(self) -> tuple[int, int]:
         """``(strips, floats after them)`` at the start of a thread's scratch: the score strip, the

@@ -56,9 +56,14 @@ FAR_ROWS_LD = 1024
 FAR_COPY_MIN_ROWS = 64
 FAR_DIAGONAL = 1 << 40  # a diagonal no index reaches: that side of the band skips nothing
 
-# (m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, band, diagonal): sgemm's arguments without order
-# and transposes, and the band of a causal strip that the product may skip (:class:`Band`)
-PRODUCT_ARGS = [I64, I64, I64, F32, PTR, I64, PTR, I64, F32, PTR, I64, I64, I64]
+# (m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, band, diagonal, b_panels): sgemm's arguments
+# without order and transposes, the band of a causal strip that the product may skip
+# (:class:`Band`), and ``b_panels`` > 0 where B comes packed: panel p holds B's columns
+# p·columns .. (p + 1)·columns - 1 row after row, ``columns`` floats a row (zeros past B's last
+# column), and panel p + 1 starts b_panels floats after panel p (ldb is then not read). The
+# attention kernels pack a head's V or K so once per head (lower_attention.emit_panel_copy),
+# where the products would copy each panel of it again for every strip.
+PRODUCT_ARGS = [I64, I64, I64, F32, PTR, I64, PTR, I64, F32, PTR, I64, I64, I64, I64]
 
 
 class Band:
@@ -202,7 +207,7 @@ class _ProductEmitter:
         self.b, self.shape, self.tiles, self.trans_a = b, shape, tiles, trans_a
         (
             self.m, self.n, self.k, self.alpha, self.a, self.lda, self.b_mat, self.ldb, self.beta, self.c, self.ldc,
-            self.band, self.diagonal,
+            self.band, self.diagonal, self.b_panels,
         ) = fn.args  # fmt: skip
 
     def emit(self) -> None:
@@ -225,7 +230,9 @@ class _ProductEmitter:
             self.strides = [i64(1), self.lda] if self.trans_a else [self.lda, i64(1)]  # A's rows, columns
             self.k0 = k0
             self.a_block = gep_f32(b, self.a, b.mul(k0, self.strides[1]), name="a.block")
-            self.b_block = gep_f32(b, self.b_mat, b.mul(k0, self.ldb), name="b.block")
+            self.packed_b = b.icmp_signed(">", self.b_panels, i64(0), name="b.packed")
+            b_row_stride = b.select(self.packed_b, i64(shape.columns), self.ldb)  # within a panel if packed
+            self.b_block = gep_f32(b, self.b_mat, b.mul(k0, b_row_stride), name="b.block")
             self._all_tiles()
         b.ret_void()
 
@@ -253,12 +260,15 @@ class _ProductEmitter:
         n = smax(b, smin(b, b.add(self.m, self.diagonals[Band.OUT_LOWER]), self.n), i64(0), name="n.band")
         with for_range(b, 0, n, "panel", columns) as j:
             whole = b.icmp_signed("<=", b.add(j, i64(columns)), self.n, name="panel.whole")
-            copied = b.or_(b.or_(tall, far), b.not_(whole), name="panel.copied")
+            unpacked = b.or_(b.or_(tall, far), b.not_(whole), name="panel.unpacked")
+            copied = b.and_(unpacked, b.not_(self.packed_b), name="panel.copied")
             with b.if_then(copied):
                 self._copy_panel(j)
-            in_place = gep_f32(b, self.b_block, j, name="b.panel.in.place")
+            packed = gep_f32(b, self.b_block, b.mul(b.sdiv(j, i64(columns)), self.b_panels), name="b.panel.packed")
+            in_place = b.select(self.packed_b, packed, gep_f32(b, self.b_block, j), name="b.panel.in.place")
             panel = b.select(copied, b.bitcast(self.panel, PTR), in_place, name="b.panel")
-            self._panel(j, panel, b.select(copied, i64(columns), self.ldb, name="b.panel.ld"))
+            contiguous = b.or_(copied, self.packed_b)
+            self._panel(j, panel, b.select(contiguous, i64(columns), self.ldb, name="b.panel.ld"))
 
     def _panel(self, j: ir.Value, b_panel: ir.Value, ldb: ir.Value) -> None:
         """The tiles of the column panel at ``j``, every row of C, in :attr:`TileShape.row_steps`."""

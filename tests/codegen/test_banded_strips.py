@@ -155,3 +155,40 @@ def test_banded_causal_strips_are_tall_without_a_small_path() -> None:
     assert choose_block_q(768, 768, True, True, True, 128, small_path=False, banded=True) == 256
     assert choose_block_q(512, 512, True, True, True, 64, small_path=False, banded=False) == 32
     assert choose_block_q(512, 512, True, True, True, 64, small_path=True, banded=True) == 32
+
+
+@pytest.fixture
+def panels() -> Iterator[None]:
+    """Restore PANELS and drop executables compiled with it flipped."""
+    saved = lower_attention.PANELS
+    yield
+    lower_attention.PANELS = saved
+    executable._cache.clear()
+
+
+@pytest.mark.usefixtures("panels")
+@pytest.mark.parametrize("mask", [MaskKind.NONE, MaskKind.CAUSAL, MaskKind.sliding_window(3)], ids=str)
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (Layout.BSHD, 2, 70, 70, 2, 1, 16, 24, 32),
+        (Layout.BHSD, 1, 40, 90, 2, 2, 8, 5, 16),  # Dv = 5: one panel, zeros past its fifth column
+        (Layout.BSHD, 2, 11, 6, 2, 2, 4, 4, 3),  # fewer query rows than a call packs for
+        (Layout.BSHD, 1, "S", "S", 2, 2, 16, 16, 24),  # symbolic: each call decides
+    ],
+    ids=lambda s: f"{s[0]}-{s[2]}x{s[3]}-d{s[6]}/{s[7]}",
+)
+def test_packed_panels_give_the_bits_of_the_heads_as_stored(mask: MaskKind, shape: tuple) -> None:
+    """V (forward) and K (backward's dQ) packed in column panels once per head: the products add
+    the same numbers in the same order as when they read the heads in place."""
+    layout, b, sq, sk, h, hkv, d, dv, block_q = shape
+    graph = build(mask, layout, b, sq, sk, h, hkv, d, dv)
+    compiled = {}
+    for packed in (False, True):
+        lower_attention.PANELS = packed
+        executable._cache.clear()
+        compiled[packed] = compile_graph(graph, options=CodegenOptions(block_q=block_q))
+    lengths = [(sq, sk)] if isinstance(sq, int) else [(5, 5), (40, 40), (130, 130)]
+    for length_q, length_k in lengths:
+        arrays = arrays_for(layout, b, length_q, length_k, h, hkv, d, dv)
+        assert_same_bits(compiled[False](**arrays), compiled[True](**arrays))

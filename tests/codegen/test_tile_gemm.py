@@ -45,6 +45,7 @@ _SIGNATURE = ctypes.CFUNCTYPE(
     ctypes.c_int64,
     ctypes.c_int64,
     ctypes.c_int64,
+    ctypes.c_int64,
 )
 
 SHAPES = [AVX512_TILE, AVX2_TILE]
@@ -86,7 +87,7 @@ def _check(
     if beta != 0.0:
         expected += beta * before[:, :n]
     _products(shape)[trans_a](m, n, k, alpha, a.ctypes.data, a.shape[1], b.ctypes.data, b.shape[1], beta,
-                              c.ctypes.data, c.shape[1], Band.NONE, 0)  # fmt: skip
+                              c.ctypes.data, c.shape[1], Band.NONE, 0, 0)  # fmt: skip
     tolerance = 1e-5 * (np.sqrt(max(k, 1)) * 4 + 1)
     np.testing.assert_allclose(c[:, :n], expected, rtol=tolerance, atol=tolerance)
     np.testing.assert_array_equal(c[:, n:], before[:, n:])  # padding beyond n untouched
@@ -156,7 +157,7 @@ def test_nan_and_inf_propagate(trans_a: bool) -> None:
     b[3, 5], b[4, 37] = np.nan, np.inf
     c = np.zeros((m, n), dtype=np.float32)
     _products(shape)[trans_a](m, n, k, 1.0, a.ctypes.data, a.shape[1], b.ctypes.data, n, 0.0, c.ctypes.data, n,
-                              Band.NONE, 0)  # fmt: skip
+                              Band.NONE, 0, 0)  # fmt: skip
     assert np.isnan(c[:, 5]).all() and np.isposinf(c[:, 37]).all()
     assert np.isfinite(np.delete(c, [5, 37], axis=1)).all()
 
@@ -267,7 +268,7 @@ def guarded(rows, cols):
 shape = host_tile_shape()
 product = ctypes.CFUNCTYPE(None, *([ctypes.c_int64] * 3), ctypes.c_float, ctypes.c_void_p, ctypes.c_int64,
                            ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
-                           ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)(
+                           ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)(
     runtime_symbols(shape)[shape.product_name(bool(trans_a))])
 rng = np.random.default_rng(0)
 keep_a, a = guarded(*((k, m) if trans_a else (m, k)))
@@ -275,7 +276,7 @@ keep_b, b = guarded(k, n)
 keep_c, c = guarded(m, n)
 a[:] = rng.standard_normal(a.shape)
 b[:] = rng.standard_normal(b.shape)
-product(m, n, k, 1.0, a.ctypes.data, a.shape[1], b.ctypes.data, n, 0.0, c.ctypes.data, n, 0, 0)
+product(m, n, k, 1.0, a.ctypes.data, a.shape[1], b.ctypes.data, n, 0.0, c.ctypes.data, n, 0, 0, 0)
 expected = (a.T if trans_a else a).astype(np.float64) @ b.astype(np.float64)
 np.testing.assert_allclose(c, expected, rtol=1e-4, atol=1e-4)
 """
@@ -408,7 +409,7 @@ def _banded(
     product = _products(shape)[trans_a]
     for c, which in ((whole, Band.NONE), (banded, band)):
         product(m, n, k, 0.5, a.ctypes.data, a.shape[1], b.ctypes.data, b.shape[1], beta, c.ctypes.data, n, which,
-                diagonal)  # fmt: skip
+                diagonal, 0)  # fmt: skip
     expected = 0.5 * (op_a.astype(np.float64) @ b[:, :n].astype(np.float64)) + beta * before
     if band == Band.OUT_LOWER:
         read = np.arange(n)[None, :] <= rows + diagonal
@@ -448,3 +449,42 @@ def test_random_bands(m: int, n: int, k: int, trans_a: bool, beta: float, band: 
     if shape is None:
         pytest.skip("no tiles on this CPU")
     _banded(shape, m, n, k, trans_a, beta, band, diagonal, seed=m * 131 + n)
+
+
+def _packed(b: np.ndarray, columns: int, rows_apart: int) -> np.ndarray:
+    """B in column panels (tile_gemm.PRODUCT_ARGS' b_panels): panel p holds columns p·columns ..,
+    row after row, zeros past the last column; panels ``rows_apart · columns`` floats apart."""
+    k, n = b.shape
+    panels = -(-n // columns)
+    out = np.full((panels, rows_apart, columns), np.nan, dtype=np.float32)  # padding rows: never read
+    padded = np.zeros((k, panels * columns), dtype=np.float32)
+    padded[:, :n] = b
+    out[:, :k, :] = padded.reshape(k, panels, columns).transpose(1, 0, 2)
+    return out
+
+
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize(("m", "n", "k"), [(100, 64, 129), (7, 40, 19), (64, 16, K_BLOCK + 40), (13, 5, 3)])
+@pytest.mark.parametrize("band", [Band.NONE, Band.K_UPPER, Band.K_LOWER])
+def test_packed_b_is_bitwise_b_as_stored(trans_a: bool, m: int, n: int, k: int, band: int) -> None:
+    """B packed in column panels gives the bits of B as stored, for every panel width and band."""
+    shape = host_tile_shape()
+    if shape is None:
+        pytest.skip("no tiles on this CPU")
+    rng = np.random.default_rng(m + n + k)
+    op_a = rng.standard_normal((m, k), dtype=np.float32)
+    a = np.ascontiguousarray(op_a.T) if trans_a else op_a
+    b = rng.standard_normal((k, n), dtype=np.float32)
+    packed = _packed(b, shape.columns, k + 5)
+    stride = packed.shape[1] * shape.columns
+    product = _products(shape)[trans_a]
+    results = []
+    for operand, ldb, panels in ((b, n, 0), (packed, 0, stride)):
+        c = np.full((m, n), 3.0, dtype=np.float32)
+        product(m, n, k, 0.5, a.ctypes.data, a.shape[1], operand.ctypes.data, ldb, 1.0, c.ctypes.data, n, band, 2,
+                panels)  # fmt: skip
+        results.append(c)
+    np.testing.assert_array_equal(results[1], results[0])
+    if band == Band.NONE:
+        expected = 0.5 * (op_a.astype(np.float64) @ b.astype(np.float64)) + 3.0
+        np.testing.assert_allclose(results[0], expected, rtol=1e-4, atol=1e-4)
