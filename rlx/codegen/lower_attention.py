@@ -17,14 +17,19 @@ So V alone costs 2 GEMMs, Q or K alone 3, any two 4, all three 5. The visible ke
 are ``[ks, ks + nk)``: all keys, except for causal and sliding-window masks, whose hidden blocks
 are skipped. Skipping is exact only while a hidden key's weight ``exp(neg − rowmax)`` vanishes;
 when a row says otherwise (a custom ``neg`` near the scores, or a row with no visible key) the
-strip is recomputed over all keys, which is always exact.
+strip is recomputed over all keys, which is always exact. Within a strip the causal-like
+kernels band their products (:data:`BANDS`, ``tile_gemm.Band``): the register tiles skip what
+lies above the strip's diagonal, bitwise the whole product wherever it is read, so their strips
+can be tall without computing the hidden triangle.
 
 Both layouts are read in place: a head's rows are ``H·D`` floats apart in BSHD and ``D`` apart in
 BHSD, and that stride is the BLAS leading dimension. An operand read through a strided view (a
 split of a fused QKV projection: rows ``3·H·D`` floats apart) is read in place too, through its
-own strides (:class:`OperandStrides`). The one copy: from ``PACK_MIN_ROWS`` query
+own strides (:class:`OperandStrides`). The copies: from ``PACK_MIN_ROWS`` query
 rows on, each item first copies its head's K (and, for dP, V) transposed into the thread's
-scratch, so that ``Q K^T`` and ``dY V^T`` run as NN products, which OpenBLAS runs faster.
+scratch, so that ``Q K^T`` and ``dY V^T`` run as NN products, which OpenBLAS runs faster; and
+where the register tiles run the products, it packs V (forward) or K (the backward's dQ) in
+their column panels (:data:`PANELS`), which every strip's product would otherwise copy again.
 
 A kernel whose operands and outputs exceed the L2 caches writes ``out`` or dQ (a strip at a
 time) and, for heads short enough, dK and dV into the thread's scratch and streams them out with
