@@ -345,14 +345,8 @@ class AttentionKernelSpec:
         return self._strips_bytes(seq_k, seq_q) + buffers
 
     def panel_widths(self) -> dict[str, int]:
-        """The head operands a kernel packs in the tiles' column panels, once per head
-        (:func:`emit_panel_copy`), with their row widths: V for the forward's ``P V`` and K for
-        the backward's ``dQ = dS K``, where the CPU has the tiles."""
-        if not PANELS or host_tile_shape() is None:
-            return {}
-        if self.grads is None:
-            return {"v": self.dims.value_dim}
-        return {"k": self.dims.head_dim} if self.grads & Wrt.QUERY else {}
+        """The head operands this kernel packs in column panels (:func:`panel_operands`)."""
+        return panel_operands(self.grads, self.dims)
 
     @property
     def strip_layout(self) -> tuple[int, int]:
@@ -467,6 +461,17 @@ def transposed_buffers(
         buffers[slot] = b.select(pack, gep_f32(b, scratch, offset, name=f"{slot}t"), null, name=f"{slot}t.or.null")
         offset = b.add(offset, b.mul(emit_packed_ld(b, seq_k), i64(width)), name="copies.end")
     return buffers
+
+
+def panel_operands(grads: Wrt | None, dims: HeadDims) -> dict[str, int]:
+    """The head operands an attention kernel packs in the tiles' column panels, once per head
+    (:func:`emit_panel_copy`), with their row widths: V for the forward's ``P V`` and K for
+    the backward's ``dQ = dS K``, where the CPU has the tiles (:data:`PANELS`)."""
+    if not PANELS or host_tile_shape() is None:
+        return {}
+    if grads is None:
+        return {"v": dims.value_dim}
+    return {"k": dims.head_dim} if grads & Wrt.QUERY else {}
 
 
 def panel_width(width: int) -> int:

@@ -52,12 +52,15 @@ from rlx.codegen.kernel_clock import COUNTERS_BYTES, KernelClock
 from rlx.codegen.lower_attention import (
     KEY_SIDE,
     OperandStrides,
+    PackedPanels,
     declare_sgemm,
+    emit_panel_copy,
     emit_sgemm,
     emit_strip_floats,
     emit_transposed_copy,
     emit_view_head_offset,
     keys_operand,
+    panel_operands,
     scale_row,
     scale_rows,
     strips_and_copies_bytes,
@@ -68,6 +71,7 @@ from rlx.codegen.lower_attention import (
 )
 from rlx.codegen.region_emit import LaneValue, RegionEmitter, Tensor, lane_indices
 from rlx.codegen.sizes import SizeLike, ceil_div, emit_size, load_symbols, size_of
+from rlx.codegen.tile_gemm import Band
 from rlx.codegen.vector import Lanes, sum_lanes, vector_fill, vector_loop, vector_reduce
 from rlx.codegen.views import dense_strides
 from rlx.ir.region import GradientRegion, Region
@@ -172,8 +176,8 @@ class FlexKernelSpec:
         return strips_and_copies_bytes(self, seq_k) + counters
 
     def panel_widths(self) -> dict[str, int]:
-        """The flex kernels pack no operand in column panels (``lower_attention.emit_panel_copy``)."""
-        return {}
+        """The head operands this kernel packs in column panels (``lower_attention.panel_operands``)."""
+        return panel_operands(self.grads, self.dims)
 
     @property
     def strip_layout(self) -> tuple[int, int]:
@@ -326,13 +330,25 @@ class FlexLowering:
     # ------------------------------------------------------------------ packing
 
     def _pack(self, b: ir.IRBuilder, batch: ir.Value, group: ir.Value) -> None:
-        """Copy kv head ``group``'s K (and V) transposed into this call's buffers."""
+        """Copy kv head ``group``'s K (and V) transposed into this call's buffers, and pack those
+        of ``spec.panel_widths()`` in column panels (:attr:`panels`)."""
         d = self.spec.dims
-        for slot, target in self.packed.items():
+        self.panels: dict[str, PackedPanels] = {}
+        for name, target in self.packed.items():
+            slot = name.removesuffix(".panels")
             width = d.head_dim if slot == "k" else d.value_dim
             head = self._head(b, slot, batch, group)
-            copy = functools.partial(emit_transposed_copy, b, head, self._row_stride(slot), self.sk, width, target)
-            self.clock.timed(b, "blas", copy)
+            if name.endswith(".panels"):
+                started = self.clock.start(b)
+                self.panels[slot] = emit_panel_copy(b, head, self._row_stride(slot), self.sk, width, target)
+                self.clock.count(b, "blas", started)
+            else:
+                copy = functools.partial(emit_transposed_copy, b, head, self._row_stride(slot), self.sk, width, target)
+                self.clock.timed(b, "blas", copy)
+
+    def _panels_from(self, b: ir.IRBuilder, slot: str, row: ir.Value) -> PackedPanels | None:
+        """``slot``'s packed panels from key ``row`` on, if this kernel packs it."""
+        return self.panels[slot].rows_from(b, row) if slot in self.panels else None
 
     # ------------------------------------------------------------------ tiles
 
@@ -678,6 +694,9 @@ class FlexLowering:
                 beta,
                 out_strip,
                 ldo,
+                Band.NONE,
+                0,
+                self._panels_from(b, "v", c0),
             )
 
         self._for_runs(b, map_row, first, last, pv)
@@ -1075,6 +1094,9 @@ class FlexLowering:
                                             beta,
                                             dq_strip,
                                             ld_dq,
+                                            Band.NONE,
+                                            0,
+                                            self._panels_from(b, "k", c0),
                                         )
 
                                     self._for_runs(b, map_row, first, last, dq_gemm)
