@@ -125,10 +125,10 @@ DENSE_ROWS_MIN_KEYS = 256
 # of the whole products. The check (a pass over the operands) runs from this many query rows
 # on; a decode step's few rows would pay more for it than the band saves.
 BANDS = True
+BAND_MIN_ROWS = 32
 # The forward packs each head's V, the backward its K, in the tiles' column panels once per head
 # (emit_panel_copy), for the products that read them strip after strip (P V, dQ = dS K).
 PANELS = True
-BAND_MIN_ROWS = 32
 
 
 def bands_strips(mask: MaskKind) -> bool:
@@ -508,7 +508,9 @@ def emit_panel_copy(
     In BSHD a head's rows are H·D floats apart, which the products read through a copied
     panel, and the forward's ``P V`` had its driver spend 6% of a causal S1024 forward copying
     V's panels, strip after strip (AMD EPYC, Zen 3)."""
-    stride = b.mul(emit_packed_ld(b, seq_k), i64(host_tile_shape().columns), name="panels.stride")  # type: ignore[union-attr]
+    shape = host_tile_shape()
+    assert shape is not None, "panels are packed for the register tiles"
+    stride = b.mul(emit_packed_ld(b, seq_k), i64(shape.columns), name="panels.stride")
     packed = PackedPanels(target, stride)
     if isinstance(target, ir.Constant) and target.constant is None:
         return packed

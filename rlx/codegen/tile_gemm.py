@@ -6,10 +6,13 @@ multiply-adds on its small-matrix path at close to the core's FMA rate, but ever
 (a 128-row strip over 512 keys, ``P V`` over 1024 keys) goes through its general path, which
 packs both operands on every call: measured on one core of an AVX-512 Xeon, in a native loop,
 32x512x64 ran at 104 GFLOP/s, 64x64x512 at 116 and 128x512x64 at 134, where MKL ran the same
-products at 164-179. This kernel packs nothing. Each tile of ``rows`` x ``vectors`` SIMD
-vectors of C stays in registers while ``k`` runs; every step loads one row of the tile's
-columns of B and broadcasts one element of A per row into fused multiply-adds (14 x 2 vectors
-of 16 floats: 28 of AVX-512's 32 registers). The same products ran at 140-180 GFLOP/s.
+products at 164-179. This kernel packs nothing but the panels of B that would be read from
+far apart (see ``_ProductEmitter._all_tiles``), and reads B pre-packed where the caller packed
+it once for many products. Each tile of ``rows`` x ``vectors`` SIMD vectors of C stays in
+registers while ``k`` runs; every step loads one row of the tile's columns of B and broadcasts
+one element of A per row into fused multiply-adds (14 x 2 vectors of 16 floats: 28 of
+AVX-512's 32 registers). The same products ran at 140-180 GFLOP/s. A causal strip's products
+skip what lies above its diagonal (:class:`Band`).
 
 Products of the block (projections, MLP) stay on BLAS: they are large enough for its packing
 to pay off. Only the attention kernels call this, and only for ``op(B) = B`` (row-major, any
@@ -67,7 +70,7 @@ PRODUCT_ARGS = [I64, I64, I64, F32, PTR, I64, PTR, I64, F32, PTR, I64, I64, I64,
 
 
 class Band:
-    """What part of a product a causal strip needs, given a ``diagonal`` d (the products' last argument).
+    """What part of a product a causal strip needs, given a ``diagonal`` d (:data:`PRODUCT_ARGS`).
 
     The strips of a causal attention kernel are lower triangles of scores: row i of a strip sees
     keys j <= i + d. Computed whole, a strip of R rows spends R^2/2 of its products on scores
