@@ -814,7 +814,10 @@ def attention_products(
     ``strided_rows`` for BSHD heads): ``S = Q K^T`` and ``out = P V`` forward; ``S``, ``dP = dY
     V^T``, ``dV += P^T dY``, ``dQ = dS K`` and ``dK += dS^T Q`` backward. A causal strip sees the
     keys up to its last row. From ``PACK_MIN_ROWS`` queries on, the kernel reads K and V from
-    transposed copies, so ``S`` and ``dP`` are NN products; below, NT."""
+    transposed copies, so ``S`` and ``dP`` are NN products; below, NT. Causal kernels on the
+    register tiles band their strips (``lower_attention.BANDS``): a tall strip whose products
+    skip what lies above its diagonal; these whole products take the short strips of the rules
+    without bands, which compute about as much (the band skips per 6-row tile)."""
     from rlx.codegen.blas import load_blas
     from rlx.codegen.lower_attention import may_pack
     from rlx.codegen.strip_heights import choose_block_q
