@@ -41,7 +41,6 @@ first be read. Over BSHD heads, each strip's rows of Q (and dY) are read from a 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -567,6 +566,37 @@ def emit_transposed_copy(
         b.call(omatcopy, [i32(ROW_MAJOR), i32(TRANS), sk, i32(width), f32(1.0), head, i32(ld), target, ld_target])
 
 
+def emit_head_copies(
+    b: ir.IRBuilder,
+    clock: KernelClock,
+    packed: dict[str, ir.Value],
+    head: Callable[[str], ir.Value],
+    geometry: Callable[[str], tuple[int, int]],
+    seq_k: ir.Value,
+) -> dict[str, PackedPanels]:
+    """An item's copies of its head operands into the buffers of :func:`transposed_buffers`:
+    K (and V) transposed, and those keyed ``"<slot>.panels"`` packed in column panels; returns
+    the panels by slot. ``head(slot)``: the operand's row 0; ``geometry(slot)``: its leading
+    dimension and row width. Timed as ``blas`` in a profiling build. Both kinds of attention
+    kernel copy this way."""
+    panels = {}
+    for name, target in packed.items():
+        slot = name.removesuffix(".panels")
+        (ld, width), source = geometry(slot), head(slot)
+        started = clock.start(b)
+        if name.endswith(".panels"):
+            panels[slot] = emit_panel_copy(b, source, ld, seq_k, width, target)
+        else:
+            emit_transposed_copy(b, source, ld, seq_k, width, target)
+        clock.count(b, "blas", started)
+    return panels
+
+
+def panels_from(b: ir.IRBuilder, panels: dict[str, PackedPanels], slot: str, row: ir.Value) -> PackedPanels | None:
+    """``slot``'s packed panels (:func:`emit_head_copies`) from row ``row`` on, if it was packed."""
+    return panels[slot].rows_from(b, row) if slot in panels else None
+
+
 def keys_operand(
     b: ir.IRBuilder, head: ir.Value, ld_head: int, packed: ir.Value, c0: ir.Value, seq_k: ir.Value
 ) -> tuple[ir.Value, ir.Value, ir.Value]:
@@ -785,17 +815,9 @@ class AttentionLowering:
     def _pack(self, b: ir.IRBuilder, heads: dict[str, ir.Value], packed: dict[str, ir.Value]) -> None:
         """Copy the head's K (and V) transposed into ``packed`` (where not null), and pack those
         of :meth:`AttentionKernelSpec.panel_widths` in column panels (:attr:`panels`)."""
-        self.panels: dict[str, PackedPanels] = {}
-        for name, target in packed.items():
-            slot = name.removesuffix(".panels")
-            width, ld = self._geometry(slot)[2], self._ld(slot)
-            if name.endswith(".panels"):
-                started = self.clock.start(b)
-                self.panels[slot] = emit_panel_copy(b, heads[slot], ld, self.sk, width, target)
-                self.clock.count(b, "blas", started)
-            else:
-                copy = functools.partial(emit_transposed_copy, b, heads[slot], ld, self.sk, width, target)
-                self.clock.timed(b, "blas", copy)
+        self.panels = emit_head_copies(
+            b, self.clock, packed, heads.__getitem__, lambda slot: (self._ld(slot), self._geometry(slot)[2]), self.sk
+        )
 
     def _head_pointers(
         self, b: ir.IRBuilder, base: dict[str, ir.Value], batch: ir.Value, head: ir.Value, group: ir.Value
@@ -1283,7 +1305,7 @@ class AttentionLowering:
         v_vis = gep_f32(b, heads["v"], b.mul(ks, i64(ldv)), name="v.vis")
         out = gep_f32(b, heads["out"], b.mul(i0, i64(ldo)), name="out.strip")
         staged = self.staged.get("out")
-        packed = self.panels["v"].rows_from(b, ks) if "v" in self.panels else None
+        packed = panels_from(b, self.panels, "v", ks)
         upper = band.mode(b, Band.K_UPPER), band.diagonal, packed
 
         def in_place() -> None:
@@ -1353,7 +1375,7 @@ class AttentionLowering:
         if grads & Wrt.QUERY:  # dQ_strip = scale · dS K_vis
             ld_dq = self._ld("dq")
             dq = gep_f32(b, heads["dq"], b.mul(i0, i64(ld_dq)), name="dq.strip")
-            k_panels = self.panels["k"].rows_from(b, ks) if "k" in self.panels else None
+            k_panels = panels_from(b, self.panels, "k", ks)
 
             def in_place() -> None:
                 self._sgemm(

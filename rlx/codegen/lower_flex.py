@@ -52,15 +52,14 @@ from rlx.codegen.kernel_clock import COUNTERS_BYTES, KernelClock
 from rlx.codegen.lower_attention import (
     KEY_SIDE,
     OperandStrides,
-    PackedPanels,
     declare_sgemm,
-    emit_panel_copy,
+    emit_head_copies,
     emit_sgemm,
     emit_strip_floats,
-    emit_transposed_copy,
     emit_view_head_offset,
     keys_operand,
     panel_operands,
+    panels_from,
     scale_row,
     scale_rows,
     strips_and_copies_bytes,
@@ -333,22 +332,13 @@ class FlexLowering:
         """Copy kv head ``group``'s K (and V) transposed into this call's buffers, and pack those
         of ``spec.panel_widths()`` in column panels (:attr:`panels`)."""
         d = self.spec.dims
-        self.panels: dict[str, PackedPanels] = {}
-        for name, target in self.packed.items():
-            slot = name.removesuffix(".panels")
-            width = d.head_dim if slot == "k" else d.value_dim
-            head = self._head(b, slot, batch, group)
-            if name.endswith(".panels"):
-                started = self.clock.start(b)
-                self.panels[slot] = emit_panel_copy(b, head, self._row_stride(slot), self.sk, width, target)
-                self.clock.count(b, "blas", started)
-            else:
-                copy = functools.partial(emit_transposed_copy, b, head, self._row_stride(slot), self.sk, width, target)
-                self.clock.timed(b, "blas", copy)
 
-    def _panels_from(self, b: ir.IRBuilder, slot: str, row: ir.Value) -> PackedPanels | None:
-        """``slot``'s packed panels from key ``row`` on, if this kernel packs it."""
-        return self.panels[slot].rows_from(b, row) if slot in self.panels else None
+        def geometry(slot: str) -> tuple[int, int]:
+            return self._row_stride(slot), d.head_dim if slot == "k" else d.value_dim
+
+        self.panels = emit_head_copies(
+            b, self.clock, self.packed, lambda slot: self._head(b, slot, batch, group), geometry, self.sk
+        )
 
     # ------------------------------------------------------------------ tiles
 
@@ -696,7 +686,7 @@ class FlexLowering:
                 ldo,
                 Band.NONE,
                 0,
-                self._panels_from(b, "v", c0),
+                panels_from(b, self.panels, "v", c0),
             )
 
         self._for_runs(b, map_row, first, last, pv)
@@ -1096,7 +1086,7 @@ class FlexLowering:
                                             ld_dq,
                                             Band.NONE,
                                             0,
-                                            self._panels_from(b, "k", c0),
+                                            panels_from(b, self.panels, "k", c0),
                                         )
 
                                     self._for_runs(b, map_row, first, last, dq_gemm)
