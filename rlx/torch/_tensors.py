@@ -56,6 +56,13 @@ def _dense(*tensors: torch.Tensor) -> list[torch.Tensor] | None:
     return dense if _direct(*dense) else None
 
 
+def _written(shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+    """A new tensor for native code to write: float32 and on the CPU whatever torch's default
+    dtype and device (under ``torch.set_default_dtype(torch.float64)`` a default ``torch.empty``
+    held float32 bit patterns as float64; under ``set_default_device("meta")`` it had no memory)."""
+    return torch.empty(shape, dtype=torch.float32, device="cpu")
+
+
 def _tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     out = torch.from_numpy(array)
     return out if dtype == torch.float32 else out.to(dtype)

@@ -24,7 +24,7 @@ from rlx.torch._autograd import _eager_under_torch_compile, _once_differentiable
 from rlx.torch._capture import _Capture, _capturing
 from rlx.torch._fingerprint import mod_key
 from rlx.torch._layouts import _layout_inputs, _layout_names, _layout_tensors, _strided_layout
-from rlx.torch._tensors import _array, _check_tensor, _direct, _tensor
+from rlx.torch._tensors import _array, _check_tensor, _direct, _tensor, _written
 from rlx.torch.threads import _attention_flops, _threads_for
 
 
@@ -270,12 +270,8 @@ def _run_by_address(
     runner: DirectRunner, layout: CallLayout, tensors: Sequence[torch.Tensor], threads: int | None
 ) -> dict[str, torch.Tensor]:
     """Run ``runner`` on the memory of its input ``tensors`` (checked by the caller) into new
-    float32 CPU tensors, one per output: CPU and float32 whatever torch's default device and
-    dtype, as native code writes them."""
-    outputs = {
-        name: torch.empty(shape, dtype=torch.float32, device="cpu")
-        for name, shape in zip(runner.outputs, runner.output_shapes(layout), strict=True)
-    }
+    tensors, one per output (:func:`_written`)."""
+    outputs = {name: _written(shape) for name, shape in zip(runner.outputs, runner.output_shapes(layout), strict=True)}
     runner(layout, [t.data_ptr() for t in tensors] + [outputs[name].data_ptr() for name in runner.outputs], threads)
     return outputs
 

@@ -19,7 +19,7 @@ from rlx.ir.graph import Graph
 from rlx.ir.types import Layout
 from rlx.torch._autograd import _eager_under_torch_compile, _once_differentiable
 from rlx.torch._layouts import _layout_inputs, _layout_names, _layout_tensors, _strided_layout
-from rlx.torch._tensors import _COMPUTED, _array, _check_tensor, _dense, _direct, _tensor
+from rlx.torch._tensors import _COMPUTED, _array, _check_tensor, _dense, _direct, _tensor, _written
 from rlx.torch.flex import _TORCH_DTYPES, _check_scale, _flex_forward, _Plan, _plan, _plans_lock, _run_by_address
 from rlx.torch.threads import _attention_flops, _threads_for
 
@@ -100,7 +100,7 @@ def _inference_call(
             qs, ks, vs = q.shape, k.shape, v.shape
             layout = runner.layout((qs, ks, vs))
             if layout is not None:
-                out = torch.empty(layout.buffers[0][1], dtype=torch.float32, device="cpu")
+                out = _written(layout.buffers[0][1])
                 flops = 2.0 * qs[0] * qs[1] * qs[2] * ks[2] * (qs[3] + vs[3])  # _attention_flops, inlined
                 runner(layout, [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()], _threads_for(flops))
                 return out
@@ -594,7 +594,7 @@ def _fixed_out(
         return _strided_out(plan, exe, q, k, v, threads)
     dense = [q, k, v] if direct else _dense(q, k, v)
     if dense is not None:
-        out = torch.empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]), dtype=torch.float32, device="cpu")
+        out = _written((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
         inputs = [(t.data_ptr(), t.shape) for t in dense]  # torch.Size: tuples
         if exe.run_direct(inputs, {"out": (out.data_ptr(), out.shape)}, threads):
             return out
@@ -609,7 +609,7 @@ def _strided_out(
     """``out`` of a ``"bshd"`` or ``"qkv"`` plan: written as ``[B, S, H, Dv]``, returned as its
     ``[B, H, S, Dv]`` transpose (as torch's kernel returns it for such inputs)."""
     inputs = _layout_tensors(plan.layout, q, k, v)
-    out = torch.empty((q.shape[0], q.shape[2], q.shape[1], v.shape[3]), dtype=torch.float32, device="cpu")
+    out = _written((q.shape[0], q.shape[2], q.shape[1], v.shape[3]))
     if not exe.run_direct([(t.data_ptr(), t.shape) for t in inputs], {"out": (out.data_ptr(), out.shape)}, threads):
         out = torch.from_numpy(exe.run(_named_arrays(plan, inputs), threads)["out"])
     return out.transpose(1, 2)
@@ -652,10 +652,7 @@ def _fixed_grads(
         # The gradient of a transposed out: [B, S, H, Dv] again (each step a no-op where it is).
         dy = d_out.transpose(1, 2).float().resolve_neg().contiguous()
         tensors = [*_layout_tensors(plan.layout, q, k, v), dy]
-        rows = [
-            torch.empty((t.shape[0], t.shape[2], t.shape[1], t.shape[3]), dtype=torch.float32, device="cpu")
-            for t in (q, k, v)
-        ]
+        rows = [_written((t.shape[0], t.shape[2], t.shape[1], t.shape[3])) for t in (q, k, v)]
         outputs = {f"d{n}": (g.data_ptr(), g.shape) for n, g in zip("qkv", rows, strict=True)}
         if not exe.run_direct([(t.data_ptr(), t.shape) for t in tensors], outputs, threads):
             grads = exe.run(_named_arrays(plan, tensors), threads)
@@ -663,7 +660,7 @@ def _fixed_grads(
         return rows[0].transpose(1, 2), rows[1].transpose(1, 2), rows[2].transpose(1, 2)
     dense = _dense(q, k, v, d_out)  # strided views (a split projection, a transpose's gradient) copied
     if dense is not None:
-        written = [torch.empty(t.shape, dtype=torch.float32, device="cpu") for t in (q, k, v)]
+        written = [_written(t.shape) for t in (q, k, v)]
         inputs = [(t.data_ptr(), t.shape) for t in dense]
         outputs = {f"d{n}": (g.data_ptr(), g.shape) for n, g in zip("qkv", written, strict=True)}
         if exe.run_direct(inputs, outputs, threads):
