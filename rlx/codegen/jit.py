@@ -191,7 +191,7 @@ def compile_ir(llvm_ir: str, prebuilt: Mapping[str, bytes] | None = None) -> Com
         times["llvm_optimize"] = time.perf_counter() - start
         optimized_ir = str(module)  # before code generation, which rewrites the module in place
         start = time.perf_counter()
-        with _llvm_flags(LLVM_FLAGS):
+        with _llvm_flags():
             object_code = jit_state().target_machine.emit_object(module)
         times["machine_code"] = time.perf_counter() - start
     library = _load(object_code, llvm_ir, optimized_ir, times)
@@ -251,7 +251,7 @@ def link_runtime(llvm_ir: str, libc: tuple[str, ...], exports: tuple[str, ...], 
             with contextlib.suppress(RlxError):
                 tracker = _link(cached, imports, exports)
         if tracker is None:
-            with _llvm_flags(LLVM_FLAGS):
+            with _llvm_flags():
                 state = jit_state()
                 machine = state.quick_machine if quick else state.target_machine
                 object_code = machine.emit_object(_optimized_module(llvm_ir))
@@ -262,15 +262,15 @@ def link_runtime(llvm_ir: str, libc: tuple[str, ...], exports: tuple[str, ...], 
 
 
 @contextlib.contextmanager
-def _llvm_flags(flags: tuple[str, ...]) -> Iterator[None]:
-    """LLVM's boolean command-line options ``flags`` on, then off again; the caller holds
-    ``_lock``, under which every rlx compile runs, so no other module is compiled with them."""
-    for flag in flags:
+def _llvm_flags() -> Iterator[None]:
+    """:data:`LLVM_FLAGS` on, then off again; the caller holds ``_lock``, under which every rlx
+    compile runs, so no other module is compiled with them."""
+    for flag in LLVM_FLAGS:
         llvm.set_option("rlx", f"-{flag}")
     try:
         yield
     finally:
-        for flag in flags:
+        for flag in LLVM_FLAGS:
             llvm.set_option("rlx", f"-{flag}=false")
 
 
