@@ -55,21 +55,24 @@ def arrays_for(layout: Layout, b: int, sq: int, sk: int, h: int, hkv: int, d: in
 
 
 @pytest.fixture
-def bands() -> Iterator[None]:
-    """Restore BANDS and drop executables compiled with it flipped."""
-    saved = lower_attention.BANDS
+def flags() -> Iterator[None]:
+    """Restore BANDS and PANELS and drop executables compiled with them flipped."""
+    saved = lower_attention.BANDS, lower_attention.PANELS
     yield
-    lower_attention.BANDS = saved
+    lower_attention.BANDS, lower_attention.PANELS = saved
     executable._cache.clear()
 
 
-def both(graph: Graph, block_q: int, config: RuntimeConfig | None = None) -> dict[bool, executable.Executable]:
-    """The graph compiled with whole products and banded, with strips of ``block_q`` rows."""
+def both(
+    graph: Graph, block_q: int | None = None, config: RuntimeConfig | None = None, flag: str = "BANDS"
+) -> dict[bool, executable.Executable]:
+    """The graph compiled with ``lower_attention``'s ``flag`` off and on (whole products and
+    banded, or heads read in place and packed), with strips of ``block_q`` rows if given."""
     compiled = {}
-    for banded in (False, True):
-        lower_attention.BANDS = banded
+    for on in (False, True):
+        setattr(lower_attention, flag, on)
         executable._cache.clear()
-        compiled[banded] = compile_graph(graph, config=config, options=CodegenOptions(block_q=block_q))
+        compiled[on] = compile_graph(graph, config=config, options=CodegenOptions(block_q=block_q))
     return compiled
 
 
@@ -89,7 +92,7 @@ SHAPES = [
 ]
 
 
-@pytest.mark.usefixtures("bands")
+@pytest.mark.usefixtures("flags")
 @pytest.mark.parametrize("mask", MASKS, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}-{s[2]}x{s[3]}-h{s[4]}/{s[5]}-d{s[6]}/{s[7]}-q{s[8]}")
 def test_banded_is_bitwise_the_whole_product(mask: MaskKind, shape: tuple) -> None:
@@ -104,7 +107,7 @@ def test_banded_is_bitwise_the_whole_product(mask: MaskKind, shape: tuple) -> No
         np.testing.assert_allclose(banded[name], want, rtol=2e-4, atol=2e-4, err_msg=name)
 
 
-@pytest.mark.usefixtures("bands")
+@pytest.mark.usefixtures("flags")
 @pytest.mark.parametrize("where", ["q", "k", "v", "dy"])
 @pytest.mark.parametrize("value", [np.nan, np.inf])
 def test_non_finite_operands_take_the_whole_products(where: str, value: float) -> None:
@@ -120,7 +123,7 @@ def test_non_finite_operands_take_the_whole_products(where: str, value: float) -
     assert_same_bits(whole, banded)
 
 
-@pytest.mark.usefixtures("bands")
+@pytest.mark.usefixtures("flags")
 def test_rows_whose_hidden_keys_weigh_take_the_whole_products() -> None:
     """With ``neg`` within reach of the scores, hidden keys weigh exp(neg - max) > 0: P is not 0
     above the diagonal, and the strip's products must not skip it."""
@@ -136,7 +139,7 @@ def test_rows_whose_hidden_keys_weigh_take_the_whole_products() -> None:
         np.testing.assert_allclose(banded[name], want, rtol=2e-4, atol=2e-4, err_msg=name)
 
 
-@pytest.mark.usefixtures("bands")
+@pytest.mark.usefixtures("flags")
 def test_symbolic_lengths_band_per_call() -> None:
     """A kernel of symbolic lengths decides per call; a short call (fewer rows than the check
     pays for) takes the whole products."""
@@ -157,16 +160,7 @@ def test_banded_causal_strips_are_tall_without_a_small_path() -> None:
     assert choose_block_q(512, 512, True, True, True, 64, small_path=True, banded=True) == 32
 
 
-@pytest.fixture
-def panels() -> Iterator[None]:
-    """Restore PANELS and drop executables compiled with it flipped."""
-    saved = lower_attention.PANELS
-    yield
-    lower_attention.PANELS = saved
-    executable._cache.clear()
-
-
-@pytest.mark.usefixtures("panels")
+@pytest.mark.usefixtures("flags")
 @pytest.mark.parametrize("mask", [MaskKind.NONE, MaskKind.CAUSAL, MaskKind.sliding_window(3)], ids=str)
 @pytest.mark.parametrize(
     "shape",
@@ -183,18 +177,14 @@ def test_packed_panels_give_the_bits_of_the_heads_as_stored(mask: MaskKind, shap
     the same numbers in the same order as when they read the heads in place."""
     layout, b, sq, sk, h, hkv, d, dv, block_q = shape
     graph = build(mask, layout, b, sq, sk, h, hkv, d, dv)
-    compiled = {}
-    for packed in (False, True):
-        lower_attention.PANELS = packed
-        executable._cache.clear()
-        compiled[packed] = compile_graph(graph, options=CodegenOptions(block_q=block_q))
+    compiled = both(graph, block_q, flag="PANELS")
     lengths = [(sq, sk)] if isinstance(sq, int) else [(5, 5), (40, 40), (130, 130)]
     for length_q, length_k in lengths:
         arrays = arrays_for(layout, b, length_q, length_k, h, hkv, d, dv)
         assert_same_bits(compiled[False](**arrays), compiled[True](**arrays))
 
 
-@pytest.mark.usefixtures("panels")
+@pytest.mark.usefixtures("flags")
 @pytest.mark.parametrize("mods", ["causal", "softcap+window", "none"])
 def test_flex_kernels_packed_panels_give_the_same_bits(mods: str) -> None:
     """The programmable kernels pack V and K in column panels too: forward with LSE, and the
@@ -216,9 +206,5 @@ def test_flex_kernels_packed_panels_give_the_same_bits(mods: str) -> None:
     g.output(out=out, lse=lse, dq=dq, dk=dk, dv=dvv)
     rng = np.random.default_rng(3)
     arrays = {name: rng.standard_normal(x.shape).astype(np.float32) for name, x in g.inputs.items()}
-    compiled = {}
-    for packed in (False, True):
-        lower_attention.PANELS = packed
-        executable._cache.clear()
-        compiled[packed] = rlx.compile(g)
+    compiled = both(g, flag="PANELS")
     assert_same_bits(compiled[False](**arrays), compiled[True](**arrays))
