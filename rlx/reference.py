@@ -14,7 +14,7 @@ import numpy as np
 
 from rlx.bind import bind_inputs, check_index_inputs, symbol_sizes
 from rlx.config import RuntimeConfig, resolve_config
-from rlx.errors import RlxValueError
+from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.graph import Graph, Node, Value
 from rlx.ir.opdef import EvalContext
 from rlx.ir.printer import format_node, value_names
@@ -38,6 +38,11 @@ __all__ = [
 
 def run(graph: Graph, /, config: RuntimeConfig | None = None, **arrays: object) -> dict[str, np.ndarray]:
     """Evaluate ``graph`` on keyword arrays; returns ``{output name: new float32 array}``."""
+    if isinstance(config, Mapping):  # run(g, arrays) puts the arrays in the config's place
+        raise RlxTypeError(
+            f"config must be an rlx.RuntimeConfig, got {type(config).__name__}; rlx.reference.run takes the "
+            "arrays by name: run(g, **arrays) (or rlx.reference.evaluate(g, arrays))"
+        )
     return evaluate(graph, arrays, config=config)
 
 

@@ -346,6 +346,8 @@ def test_run_checks_config_and_inputs(rng: np.random.Generator) -> None:
     arrays = make_inputs(case, rng)
     with pytest.raises(rlx.RlxTypeError, match="RuntimeConfig"):
         run(build_graph(case), config={"attn_mask_neg_inf": 0.0}, **arrays)
+    with pytest.raises(rlx.RlxTypeError, match=r"RuntimeConfig.*run\(g, \*\*arrays\)"):
+        run(build_graph(case), arrays)  # type: ignore[arg-type]  # the arrays given positionally
     del arrays["dy"]
     with pytest.raises(rlx.RlxKeyError, match="'dy'"):
         run(build_graph(case), **arrays)

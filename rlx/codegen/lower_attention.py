@@ -130,10 +130,16 @@ BAND_MIN_ROWS = 32
 PANELS = True
 
 
+def bands_products() -> bool:
+    """Whether attention kernels band their strip products on this machine (:data:`BANDS`): the
+    CPU has the register tiles that skip the band. The programmable kernels ask too, for masks
+    with a diagonal (``Region.key_bounds``)."""
+    return BANDS and host_tile_shape() is not None
+
+
 def bands_strips(mask: MaskKind) -> bool:
-    """Whether a kernel of this mask bands its strip products (:data:`BANDS`): causal-like
-    masks, where the CPU has the register tiles that skip the band."""
-    return BANDS and mask.is_causal_like and host_tile_shape() is not None
+    """Whether a kernel of this fixed mask bands its strip products: causal-like masks."""
+    return mask.is_causal_like and bands_products()
 
 
 @dataclass(frozen=True)

@@ -50,13 +50,16 @@ from rlx.codegen.irutil import (
 )
 from rlx.codegen.kernel_clock import COUNTERS_BYTES, KernelClock
 from rlx.codegen.lower_attention import (
+    BAND_MIN_ROWS,
     KEY_SIDE,
     OperandStrides,
+    bands_products,
     declare_sgemm,
     emit_head_copies,
     emit_sgemm,
     emit_strip_floats,
     emit_view_head_offset,
+    finite_rows,
     keys_operand,
     panel_operands,
     panels_from,
@@ -73,7 +76,7 @@ from rlx.codegen.sizes import SizeLike, ceil_div, emit_size, load_symbols, size_
 from rlx.codegen.tile_gemm import Band
 from rlx.codegen.vector import Lanes, sum_lanes, vector_fill, vector_loop, vector_reduce
 from rlx.codegen.views import dense_strides
-from rlx.ir.region import GradientRegion, Region
+from rlx.ir.region import GradientRegion, KeyBound, Region
 from rlx.ir.types import Dim, Layout, TensorType, Wrt
 from rlx.ops.flex_attention import FlexDims
 
@@ -110,6 +113,15 @@ class FlexKernelSpec:
         Cached: the emitters ask for every tile and lane width they generate."""
         mod = self.score_mod
         return mod is not None and mod.replaced_where() is not None and ("s", "score") in mod.steps[-1].args[1:]
+
+    @functools.cached_property
+    def key_bounds(self) -> tuple[KeyBound, ...]:
+        """The diagonals above which the mask_mod hides every key (:meth:`Region.key_bounds`),
+        where the forward bands its products (``lower_attention.BANDS``); empty where it does
+        not: no mask_mod, hidden scores that stand for a finite value, or no register tiles."""
+        if self.backward or self.mask_mod is None or self.masked_value != NEG_INF or not bands_products():
+            return ()
+        return self.mask_mod.key_bounds()
 
     @property
     def retries(self) -> bool:
@@ -207,6 +219,8 @@ class FlexLowering:
         self.written: ir.Value = ir.Constant(PTR, None)  # backward: one i8 per key tile (_first_touch)
         self.gradient: GradientRegion | None = None
         self.gradient_kinds: list[str] = []
+        # forward with a banded mask (FlexKernelSpec.key_bounds): per item, whether V is finite
+        self.values_finite: ir.Value = ir.Constant(I1, 0)
         if score is not None and spec.needs_dp:
             gradient = score.gradient(self.score_kinds)
             self.gradient_kinds = gradient.check([(t.shape, _kind(t)) for t in spec.captured])
@@ -309,7 +323,9 @@ class FlexLowering:
         if not self.spec.backward:
             batch = b.sdiv(item, i64(dims.heads), name="b")
             head = b.srem(item, i64(dims.heads), name="h")
-            self._pack(b, batch, b.sdiv(head, i64(dims.group), name="g"))
+            group = b.sdiv(head, i64(dims.group), name="g")
+            self._pack(b, batch, group)
+            self.values_finite = self._values_finite(b, batch, group)
             self._forward_head(b, batch, head, strip, second)
         else:
             batch = b.sdiv(item, i64(dims.kv_heads), name="b")
@@ -339,6 +355,40 @@ class FlexLowering:
         self.panels = emit_head_copies(
             b, self.clock, self.packed, lambda slot: self._head(b, slot, batch, group), geometry, self.sk
         )
+
+    # ------------------------------------------------------------------ bands
+
+    def _values_finite(self, b: ir.IRBuilder, batch: ir.Value, group: ir.Value) -> ir.Value:
+        """Whether kv head ``group``'s V holds only finite numbers, so that ``P V`` may skip the
+        terms of keys above a strip's diagonal: they are ``0 · v``, which is 0 only for a finite
+        ``v``. False where the forward does not band (short calls: the check would cost more)."""
+        if not self.spec.key_bounds:
+            return ir.Constant(I1, 0)
+        flag = alloca_entry(b, I1, "values.finite")
+        b.store(ir.Constant(I1, 0), flag)
+        with b.if_then(b.icmp_signed(">=", self.sq, i64(BAND_MIN_ROWS), name="bands.pay")):
+            v_head = self._head(b, "v", batch, group)
+            b.store(finite_rows(b, v_head, self.sk, self._row_stride("v"), self.spec.dims.value_dim), flag)
+        return b.load(flag, typ=I1, name="values.finite")
+
+    def _key_diagonal(self, b: ir.IRBuilder) -> ir.Value:
+        """``d``: the mask hides every key ``kv_idx > q_idx + d`` (the least of its key bounds)."""
+        diagonals = []
+        for bound in self.spec.key_bounds:
+            d: ir.Value = i64(bound.constant)
+            for coefficient, length in ((bound.q_len, self.sq), (bound.kv_len, self.sk)):
+                if coefficient:
+                    d = b.add(d, b.mul(length, i64(coefficient)))
+            diagonals.append(d)
+        return functools.reduce(lambda x, y: smin(b, x, y), diagonals)
+
+    def _run_band(self, b: ir.IRBuilder, mode: int, i0: ir.Value, c0: ir.Value) -> tuple[int | ir.Value, ir.Value]:
+        """``(band, diagonal)`` of a strip product over the keys from ``c0`` (:class:`Band`): row
+        r of the strip (query ``i0 + r``) sees its keys ``j <= r + diagonal``. ``Band.NONE``
+        without key bounds."""
+        if not self.spec.key_bounds:
+            return Band.NONE, i64(0)
+        return mode, b.sub(b.add(i0, self.key_diagonal), c0, name="run.diagonal")
 
     # ------------------------------------------------------------------ tiles
 
@@ -573,14 +623,19 @@ class FlexLowering:
         k_head: ir.Value,
         rows: ir.Value,
         out: ir.Value,
+        i0: ir.Value,
     ) -> None:
-        """``out[:, run] = scale · Q_strip K_run^T`` for every visible run (``ld = nk``)."""
+        """``out[:, run] = scale · Q_strip K_run^T`` for every visible run (``ld = nk``).
+
+        With key bounds, the scores above a strip's diagonal are left unwritten: the mask hides
+        them, and the mods write ``-inf`` there without reading them."""
         d = self.spec.dims
         ldq, ldk = self._row_stride("q"), self._row_stride("k")
 
         def gemm(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, is_first: ir.Value) -> None:
             k_run, ld_run, trans = keys_operand(b, k_head, ldk, self.packed["k"], c0, self.sk)
             target = gep_f32(b, out, b.sub(c0, ks))
+            band, diagonal = self._run_band(b, Band.OUT_LOWER, i0, c0)
             self._sgemm(
                 b,
                 NO_TRANS,
@@ -596,6 +651,8 @@ class FlexLowering:
                 0.0,
                 target,
                 nk,
+                band,
+                diagonal,
             )
 
         self._for_runs(b, map_row, first, last, gemm)
@@ -614,6 +671,7 @@ class FlexLowering:
         lse_row = gep_f32(b, self.base["lse"], b.mul(b.add(b.mul(batch, i64(d.heads)), head), self.sq))
         ldq = self._row_stride("q")
         ldo = self._row_stride("out")
+        self.key_diagonal = self._key_diagonal(b) if self.spec.key_bounds else i64(0)
         with for_range(b, 0, self.strips, "strip") as strip:
             i0, rows = self._strip_bounds(b, strip)
             map_row = self._map_row(b, batch, head, strip)
@@ -631,7 +689,7 @@ class FlexLowering:
                         ke = smin(b, b.mul(b.add(last, i64(1)), i64(grid.block_k)), self.sk)
                         nk = b.sub(ke, ks, name="nk")
                         q_strip = gep_f32(b, q_head, b.mul(i0, i64(ldq)))
-                        self._scores(b, map_row, first, last, ks, nk, q_strip, k_head, rows, strip_buf)
+                        self._scores(b, map_row, first, last, ks, nk, q_strip, k_head, rows, strip_buf, i0)
                         mod_first, mod_last = self._mod_tiles(b, map_row, first, last)
                         started = self.clock.start(b)
                         with for_range(b, 0, rows, "r") as r:
@@ -643,7 +701,9 @@ class FlexLowering:
                             b.store(lse, gep_f32(b, lse_row, gi))
                         self.clock.count(b, "softmax", started)
                         with b.if_then(self._exact(b)):
-                            self._weighted_values(b, map_row, first, last, ks, nk, rows, v_head, strip_buf, out_strip)
+                            self._weighted_values(
+                                b, map_row, first, last, ks, nk, rows, v_head, strip_buf, out_strip, i0
+                            )
                             scale_rows(b, out_strip, rows, ldo, d.value_dim, inverse_sums)
 
             self._attempts(b, attempt)
@@ -660,8 +720,11 @@ class FlexLowering:
         v_head: ir.Value,
         strip_buf: ir.Value,
         out_strip: ir.Value,
+        i0: ir.Value,
     ) -> None:
-        """``out_strip = Σ_run P[:, run] V_run`` (unnormalised P)."""
+        """``out_strip = Σ_run P[:, run] V_run`` (unnormalised P). With key bounds and a finite V,
+        each row skips the keys above its diagonal, whose P is exactly 0 (``exp(-inf - m)``, or
+        a row of zeros where every key is hidden)."""
         d = self.spec.dims
         ldv, ldo = self._row_stride("v"), self._row_stride("out")
 
@@ -669,6 +732,8 @@ class FlexLowering:
             beta = b.select(is_first, f32(0.0), f32(1.0))
             p_run = gep_f32(b, strip_buf, b.sub(c0, ks))
             v_run = gep_f32(b, v_head, b.mul(c0, i64(ldv)))
+            mode, diagonal = self._run_band(b, Band.K_UPPER, i0, c0)
+            band = b.select(self.values_finite, i64(mode), i64(Band.NONE), name="pv.band")
             self._sgemm(
                 b,
                 NO_TRANS,
@@ -684,8 +749,8 @@ class FlexLowering:
                 beta,
                 out_strip,
                 ldo,
-                Band.NONE,
-                0,
+                band,
+                diagonal,
                 panels_from(b, self.panels, "v", c0),
             )
 
@@ -954,7 +1019,7 @@ class FlexLowering:
                         ks = b.mul(first, i64(grid.block_k), name="ks")
                         ke = smin(b, b.mul(b.add(last, i64(1)), i64(grid.block_k)), self.sk)
                         nk = b.sub(ke, ks, name="nk")
-                        self._scores(b, map_row, first, last, ks, nk, q_strip, k_head, rows, p_buf)
+                        self._scores(b, map_row, first, last, ks, nk, q_strip, k_head, rows, p_buf, i0)
                         mod_first, mod_last = (
                             self._mod_tiles(b, map_row, first, last) if spec.recompute else (first, last)
                         )

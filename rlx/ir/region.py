@@ -98,6 +98,23 @@ def parse_ref(text: str) -> Ref:
 
 
 @dataclass(frozen=True)
+class KeyBound:
+    """``kv_idx - q_idx <= constant + q_len·Sq + kv_len·Sk`` wherever a mask attends (``Sq``, ``Sk``
+    the attention's lengths): a diagonal above which it hides every key (:meth:`Region.key_bounds`)."""
+
+    constant: int
+    q_len: int = 0
+    kv_len: int = 0
+
+
+# Comparisons as ``a - b <= offset`` (or ``b - a``, ``swap``), and what ``not`` makes of each.
+_AT_MOST = {"less": (False, -1), "less_equal": (False, 0), "greater": (True, -1), "greater_equal": (True, 0)}
+_NEGATION = {"less": "greater_equal", "less_equal": "greater", "greater": "less_equal", "greater_equal": "less"}
+_LINEAR_SYMBOLS = ("q_idx", "kv_idx", "q_len", "kv_len")
+Linear = dict[str, int]  # integer coefficients of _LINEAR_SYMBOLS and "1" (the constant)
+
+
+@dataclass(frozen=True)
 class Region:
     """The steps of one traced mod; the last step's value is the mod's result."""
 
@@ -319,6 +336,74 @@ class Region:
                     steps = (*visible.steps, RegionStep("logical_not", (("t", len(visible.steps) - 1),)))
                     visible = Region(steps)
                 return visible, float(value)
+        return None
+
+    def key_bounds(self) -> tuple[KeyBound, ...]:
+        """Diagonals a mask_mod never attends above: each term of the conjunction its result is
+        (through ``&``, ``~`` and De Morgan's ``~(a | b)``) that compares integer-linear forms of
+        ``kv_idx - q_idx`` with the lengths and literals, as ``q_idx >= kv_idx`` (causal),
+        ``q_idx + (kv_len - q_len) >= kv_idx`` and ``kv_idx <= q_idx + right`` (a sliding
+        window) do. Empty where no term bounds the keys so: the mask is still exact, it just
+        gives the attention kernels no band to skip (``tile_gemm.Band``)."""
+        forms: dict[int, Linear | None] = {}
+
+        def linear(ref: Ref) -> Linear | None:
+            kind, value = ref
+            if kind == "s":
+                return {str(value): 1} if value in _LINEAR_SYMBOLS else None
+            if kind == "k":
+                return {"1": value} if isinstance(value, int) and not isinstance(value, bool) else None
+            if kind != "t":
+                return None
+            index = int(value)
+            if index not in forms:
+                forms[index] = self._linear_step(index, linear)
+            return forms[index]
+
+        def implied(ref: Ref, negated: bool) -> list[KeyBound]:
+            if ref[0] != "t":
+                return []
+            step = self.steps[int(ref[1])]
+            if step.op in ("logical_not", "id"):
+                return implied(step.args[0], negated != (step.op == "logical_not"))
+            if step.op == ("logical_or" if negated else "logical_and"):
+                return implied(step.args[0], negated) + implied(step.args[1], negated)
+            op = _NEGATION.get(step.op) if negated else step.op
+            if op not in _AT_MOST:
+                return []
+            swap, offset = _AT_MOST[op]
+            a, c = (linear(arg) for arg in (step.args[::-1] if swap else step.args))
+            if a is None or c is None:
+                return []
+            form = {key: a.get(key, 0) - c.get(key, 0) for key in {*a, *c}}  # form <= offset
+            if form.get("kv_idx", 0) != 1 or form.get("q_idx", 0) != -1:
+                return []
+            return [KeyBound(offset - form.get("1", 0), -form.get("q_len", 0), -form.get("kv_len", 0))]
+
+        return tuple(implied(("t", len(self.steps) - 1), False))
+
+    def _linear_step(self, index: int, linear: Callable[[Ref], Linear | None]) -> Linear | None:
+        """Step ``index`` as an integer-linear form of :data:`_LINEAR_SYMBOLS`, or None."""
+        step = self.steps[index]
+        forms = [linear(arg) for arg in step.args]
+        if any(form is None for form in forms):
+            return None
+        known = [form for form in forms if form is not None]
+        if step.op == "id":
+            return known[0]
+        if step.op == "neg":
+            return {key: -value for key, value in known[0].items()}
+        if step.op in ("add", "sub"):
+            sign = 1 if step.op == "add" else -1
+            a, c = known
+            return {key: a.get(key, 0) + sign * c.get(key, 0) for key in {*a, *c}}
+        if step.op == "mul":
+            a, c = known
+            if set(c) <= {"1"}:
+                a, c = c, a
+            if set(a) <= {"1"}:
+                factor = a.get("1", 0)
+                return {key: factor * value for key, value in c.items()}
         return None
 
     def conjoin(self, other: Region) -> Region:

@@ -208,3 +208,94 @@ def test_flex_kernels_packed_panels_give_the_same_bits(mods: str) -> None:
     arrays = {name: rng.standard_normal(x.shape).astype(np.float32) for name, x in g.inputs.items()}
     compiled = both(g, flag="PANELS")
     assert_same_bits(compiled[False](**arrays), compiled[True](**arrays))
+
+
+# ---------------------------------------------------------------------------- programmable kernels
+
+
+def flex_graph(mods: str, b: int, h: int, hkv: int, sq: int | str, sk: int | str, d: int, dv: int) -> Graph:
+    """Forward with LSE and the backward (which reads them) of a flex attention with ``mods``."""
+    g = Graph("flex_banded")
+    q = g.input("q", (b, h, sq, d))
+    k = g.input("k", (b, hkv, sk, d))
+    v = g.input("v", (b, hkv, sk, dv))
+    doc = g.input("doc", (b, max(sq, sk) if isinstance(sq, int) and isinstance(sk, int) else sk), dtype="int32")
+    masks = {
+        "causal": rlx.mods.causal,
+        "lower_right": rlx.mods.causal_lower_right,
+        "window": rlx.mods.sliding_window(20, 5),
+        "causal&document": rlx.mods.and_(rlx.mods.causal, rlx.mods.document(doc)),
+        "softcap+causal": rlx.mods.causal,
+    }
+    score_mod = rlx.mods.softcap(5.0) if mods.startswith("softcap") else None
+    out, lse = g.attention(q, k, v, layout=Layout.BHSD, mask_mod=masks[mods], score_mod=score_mod, return_lse=True)
+    dy = g.input("dy", out.shape)
+    dq, dk, dvv = rlx.grad(g, out, [q, k, v], dy)
+    g.output(out=out, lse=lse, dq=dq, dk=dk, dv=dvv)
+    return g
+
+
+def flex_arrays(graph: Graph, sq: int, sk: int, seed: int = 5) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    arrays = {}
+    for name, x in graph.inputs.items():
+        shape = tuple(sq if dim == "Sq" else sk if dim == "Sk" else dim for dim in x.shape)
+        if name == "doc":
+            arrays[name] = np.sort(rng.integers(0, 3, shape), axis=-1).astype(np.int32)  # documents in runs
+        else:
+            arrays[name] = rng.standard_normal(shape).astype(np.float32)
+    return arrays
+
+
+FLEX_SHAPES = [
+    # (b, h, hkv, sq, sk, d, dv, block_q)
+    (2, 4, 2, 150, 150, 16, 24, None),  # GQA, Dv != D, the kernel's own strips
+    (1, 2, 1, 70, 130, 8, 8, 32),  # Sq < Sk: a lower-right diagonal is offset; MQA
+    (1, 2, 2, 130, 60, 16, 16, 64),  # Sq > Sk: a lower-right mask's first rows see no key
+]
+
+
+@pytest.mark.usefixtures("flags")
+@pytest.mark.parametrize("mods", ["causal", "lower_right", "window", "causal&document", "softcap+causal"])
+@pytest.mark.parametrize("shape", FLEX_SHAPES, ids=lambda s: f"{s[3]}x{s[4]}-h{s[1]}/{s[2]}-d{s[5]}/{s[6]}")
+def test_flex_forward_bands_its_mask_diagonal(mods: str, shape: tuple) -> None:
+    """A mask_mod with a diagonal (``Region.key_bounds``): the forward's ``Q K^T`` leaves the
+    scores above each strip's diagonal unwritten and ``P V`` skips their keys, bitwise as the
+    whole products give, LSE and the backward that reads them included."""
+    b, h, hkv, sq, sk, d, dv, block_q = shape
+    graph = flex_graph(mods, b, h, hkv, sq, sk, d, dv)
+    arrays = flex_arrays(graph, sq, sk)
+    compiled = both(graph, block_q)
+    whole, banded = compiled[False](**arrays), compiled[True](**arrays)
+    assert "run.diagonal" in compiled[True].llvm_ir and "run.diagonal" not in compiled[False].llvm_ir
+    assert_same_bits(whole, banded)
+    expected = rlx.reference.run(graph, **arrays)
+    for name, want in expected.items():
+        np.testing.assert_allclose(banded[name], want, rtol=2e-4, atol=2e-4, err_msg=name)
+
+
+@pytest.mark.usefixtures("flags")
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_flex_forward_with_non_finite_operands_keeps_the_bits(where: str, value: float) -> None:
+    """A NaN or Inf in V reaches the rows that do not see its key through ``0 · v`` in the whole
+    product: the kernel checks V and takes the whole ``P V``. In Q or K it only touches scores,
+    whose hidden ones the mask replaces whether computed or not."""
+    graph = flex_graph("causal", 1, 2, 2, 128, 128, 16, 16)
+    arrays = flex_arrays(graph, 128, 128)
+    arrays[where][0, 1, 100, 3] = value  # key (or query) 100 of head 1
+    compiled = both(graph, 64)
+    whole, banded = compiled[False](**arrays), compiled[True](**arrays)
+    assert np.isnan(whole["out"]).any() or np.isinf(whole["out"]).any() or where != "v"
+    assert_same_bits(whole, banded)
+
+
+@pytest.mark.usefixtures("flags")
+def test_flex_forward_bands_per_call_with_symbolic_lengths() -> None:
+    """Lengths known per call: the diagonal of a lower-right mask moves with them; calls too
+    short for the check of V take the whole ``P V`` (the scores are banded all the same)."""
+    graph = flex_graph("lower_right", 1, 2, 1, "Sq", "Sk", 16, 16)
+    compiled = both(graph)
+    for sq, sk in ((5, 9), (31, 31), (40, 100), (130, 70), (200, 200)):
+        arrays = flex_arrays(graph, sq, sk, seed=sq + sk)
+        assert_same_bits(compiled[False](**arrays), compiled[True](**arrays))
