@@ -14,6 +14,14 @@ no GEMM columns, no exp), shows it all (the mask is not evaluated) or is partial
    differentiated region, and into the score_mod's tensors' partial gradients;
    ``dQ_strip = scale Σ dS K_run``; ``dK_run += scale dS^T Q_strip`` (GEMMs)
 
+A mask_mod with a diagonal above which it hides every key (``Region.key_bounds``: causal,
+lower-right causal, sliding windows, and any conjunction with one of them) bands the strip
+products, as the fixed kernels band theirs (``tile_gemm.Band``): a strip's diagonal tile is
+computed whole and masked per element otherwise. ``Q K^T`` and ``dY V^T`` leave the entries
+above it unwritten (the mods write -inf there, and dS is 0 wherever P is, without reading
+them); ``P V``, dV, dQ and dK skip the terms of the keys there, which are ``0 · x``, where the
+operands they multiply are finite (checked once per head). Bitwise the whole products' results.
+
 Scratch per thread: the score strip (``block_q × Sk``), plus in the backward the dP/dS strip
 and, with a score_mod, the raw scores its derivative needs; then, from 16 query rows on, K (and
 for dP, V) copied transposed once per item, so that each run's ``Q K^T`` and ``dY V^T`` are NN
@@ -117,9 +125,10 @@ class FlexKernelSpec:
     @functools.cached_property
     def key_bounds(self) -> tuple[KeyBound, ...]:
         """The diagonals above which the mask_mod hides every key (:meth:`Region.key_bounds`),
-        where the forward bands its products (``lower_attention.BANDS``); empty where it does
-        not: no mask_mod, hidden scores that stand for a finite value, or no register tiles."""
-        if self.backward or self.mask_mod is None or self.masked_value != NEG_INF or not bands_products():
+        where the kernels band their strip products (``lower_attention.BANDS``); empty where
+        they do not: no mask_mod, hidden scores that stand for a finite value, or no register
+        tiles."""
+        if self.mask_mod is None or self.masked_value != NEG_INF or not bands_products():
             return ()
         return self.mask_mod.key_bounds()
 
@@ -219,8 +228,12 @@ class FlexLowering:
         self.written: ir.Value = ir.Constant(PTR, None)  # backward: one i8 per key tile (_first_touch)
         self.gradient: GradientRegion | None = None
         self.gradient_kinds: list[str] = []
-        # forward with a banded mask (FlexKernelSpec.key_bounds): per item, whether V is finite
+        # With a banded mask (FlexKernelSpec.key_bounds), whether the products that skip terms
+        # above a strip's diagonal may: the forward's V, the backward's K (per item) and Q and dY
+        # (per query head) hold finite numbers only.
         self.values_finite: ir.Value = ir.Constant(I1, 0)
+        self.keys_finite: ir.Value = ir.Constant(I1, 0)
+        self.queries_finite: ir.Value = ir.Constant(I1, 0)
         if score is not None and spec.needs_dp:
             gradient = score.gradient(self.score_kinds)
             self.gradient_kinds = gradient.check([(t.shape, _kind(t)) for t in spec.captured])
@@ -325,7 +338,7 @@ class FlexLowering:
             head = b.srem(item, i64(dims.heads), name="h")
             group = b.sdiv(head, i64(dims.group), name="g")
             self._pack(b, batch, group)
-            self.values_finite = self._values_finite(b, batch, group)
+            self.values_finite = self._heads_finite(b, [("v", batch, group)])
             self._forward_head(b, batch, head, strip, second)
         else:
             batch = b.sdiv(item, i64(dims.kv_heads), name="b")
@@ -334,8 +347,10 @@ class FlexLowering:
             self.written = b.alloca(I8, size=self.tiles, name="written")
             b.call(self.memset, [self.written, ir.Constant(I8, 0), self.tiles, ir.Constant(I1, 0)])
             self._pack(b, batch, group)
+            self.keys_finite = self._heads_finite(b, [("k", batch, group)])
             with for_range(b, 0, dims.group, "member") as member:
                 head = b.add(b.mul(group, i64(dims.group)), member, name="h")
+                self.queries_finite = self._heads_finite(b, [("q", batch, head), ("dy", batch, head)])
                 self._backward_head(b, batch, head, group, strip, second, third)
             self._zero_untouched(b, batch, group)
         self.clock.count(b, "kernel", started)
@@ -358,18 +373,25 @@ class FlexLowering:
 
     # ------------------------------------------------------------------ bands
 
-    def _values_finite(self, b: ir.IRBuilder, batch: ir.Value, group: ir.Value) -> ir.Value:
-        """Whether kv head ``group``'s V holds only finite numbers, so that ``P V`` may skip the
-        terms of keys above a strip's diagonal: they are ``0 · v``, which is 0 only for a finite
-        ``v``. False where the forward does not band (short calls: the check would cost more)."""
+    def _heads_finite(self, b: ir.IRBuilder, heads: list[tuple[str, ir.Value, ir.Value]]) -> ir.Value:
+        """Whether the ``(slot, batch, head)`` heads hold only finite numbers, so that a product
+        may skip the terms of keys above a strip's diagonal: they are ``0 · x``, which is 0 only
+        for a finite ``x``. False where the kernel does not band, and on calls too short for
+        the check to pay (``lower_attention.BAND_MIN_ROWS``)."""
         if not self.spec.key_bounds:
             return ir.Constant(I1, 0)
-        flag = alloca_entry(b, I1, "values.finite")
+        flag = alloca_entry(b, I1, "heads.finite")
         b.store(ir.Constant(I1, 0), flag)
         with b.if_then(b.icmp_signed(">=", self.sq, i64(BAND_MIN_ROWS), name="bands.pay")):
-            v_head = self._head(b, "v", batch, group)
-            b.store(finite_rows(b, v_head, self.sk, self._row_stride("v"), self.spec.dims.value_dim), flag)
-        return b.load(flag, typ=I1, name="values.finite")
+            finite: ir.Value = ir.Constant(I1, 1)
+            for slot, batch, head in heads:
+                rows = self.sk if slot in KEY_SIDE else self.sq
+                width = self.spec.dims.head_dim if slot in ("q", "k") else self.spec.dims.value_dim
+                finite = b.and_(
+                    finite, finite_rows(b, self._head(b, slot, batch, head), rows, self._row_stride(slot), width)
+                )
+            b.store(finite, flag)
+        return b.load(flag, typ=I1, name="heads.finite")
 
     def _key_diagonal(self, b: ir.IRBuilder) -> ir.Value:
         """``d``: the mask hides every key ``kv_idx > q_idx + d`` (the least of its key bounds)."""
@@ -382,13 +404,18 @@ class FlexLowering:
             diagonals.append(d)
         return functools.reduce(lambda x, y: smin(b, x, y), diagonals)
 
-    def _run_band(self, b: ir.IRBuilder, mode: int, i0: ir.Value, c0: ir.Value) -> tuple[int | ir.Value, ir.Value]:
+    def _run_band(
+        self, b: ir.IRBuilder, mode: int, i0: ir.Value, c0: ir.Value, exact: ir.Value | None = None
+    ) -> tuple[int | ir.Value, ir.Value]:
         """``(band, diagonal)`` of a strip product over the keys from ``c0`` (:class:`Band`): row
         r of the strip (query ``i0 + r``) sees its keys ``j <= r + diagonal``. ``Band.NONE``
-        without key bounds."""
+        without key bounds, or where ``exact`` (an i1 of the call) is false."""
         if not self.spec.key_bounds:
             return Band.NONE, i64(0)
-        return mode, b.sub(b.add(i0, self.key_diagonal), c0, name="run.diagonal")
+        band: int | ir.Value = mode
+        if exact is not None:
+            band = b.select(exact, i64(mode), i64(Band.NONE), name="run.band")
+        return band, b.sub(b.add(i0, self.key_diagonal), c0, name="run.diagonal")
 
     # ------------------------------------------------------------------ tiles
 
@@ -732,8 +759,7 @@ class FlexLowering:
             beta = b.select(is_first, f32(0.0), f32(1.0))
             p_run = gep_f32(b, strip_buf, b.sub(c0, ks))
             v_run = gep_f32(b, v_head, b.mul(c0, i64(ldv)))
-            mode, diagonal = self._run_band(b, Band.K_UPPER, i0, c0)
-            band = b.select(self.values_finite, i64(mode), i64(Band.NONE), name="pv.band")
+            band, diagonal = self._run_band(b, Band.K_UPPER, i0, c0, self.values_finite)
             self._sgemm(
                 b,
                 NO_TRANS,
@@ -999,6 +1025,8 @@ class FlexLowering:
         ldq, ldk, ldv, ld_dy, ld_out = (self._row_stride(slot) for slot in ("q", "k", "v", "dy", "out"))
         ld_dq, ld_dk, ld_dv = (self._row_stride(slot) for slot in ("dq", "dk", "dv"))
         partials = self._partial_base(b, batch, group)
+        self.key_diagonal = self._key_diagonal(b) if self.spec.key_bounds else i64(0)
+        nan_rows = alloca_entry(b, I1, "nan.rows")  # recomputing: a strip row whose max is NaN
         with for_range(b, 0, self.strips, "step") as step:
             strip = b.sub(b.sub(self.strips, i64(1)), step, name="strip")  # last first: see _first_touch
             i0, rows = self._strip_bounds(b, strip)
@@ -1024,6 +1052,7 @@ class FlexLowering:
                             self._mod_tiles(b, map_row, first, last) if spec.recompute else (first, last)
                         )
                         started = self.clock.start(b)
+                        b.store(ir.Constant(I1, 0), nan_rows)
                         with for_range(b, 0, rows, "r") as r:
                             gi = b.add(i0, r, name="gi")
                             row = gep_f32(b, p_buf, b.mul(r, nk))
@@ -1033,6 +1062,8 @@ class FlexLowering:
                                     b, row, raw_row, batch, head, gi, map_row, mod_first, mod_last, ks, nk
                                 )
                                 self._needs_dense(b, m)
+                                nan = b.fcmp_unordered("uno", m, m, name="nan.row")
+                                b.store(b.or_(b.load(nan_rows, typ=I1), nan), nan_rows)
                             else:
                                 lse = b.load(gep_f32(b, lse_row, gi), typ=F32, name="lse.i")
                                 self._needs_dense(b, lse)
@@ -1040,6 +1071,12 @@ class FlexLowering:
                                     b, row, raw_row, batch, head, gi, lse, map_row, first, last, ks, nk
                                 )
                         self.clock.count(b, "softmax", started)
+                        # The products that skip the terms above the diagonal need P and dS
+                        # exactly 0 there (dS is 0 wherever P is), and finite factors for them
+                        # (_heads_finite). P is, from an LSE even when NaN (_probability_row
+                        # shifts it by +inf); not from a recomputed row max that is NaN.
+                        finite = b.and_(self.keys_finite, self.queries_finite)
+                        exact = b.and_(finite, b.not_(b.load(nan_rows, typ=I1)), name="strip.exact")
                         with b.if_then(self._exact(b)):
                             if grads & Wrt.VALUE:  # dV_run += P_run^T dY_strip
                                 dv_head = self._head(b, "dv", batch, group)
@@ -1061,6 +1098,7 @@ class FlexLowering:
                                         beta,
                                         gep_f32(b, dv_head, b.mul(c0, i64(ld_dv))),
                                         ld_dv,
+                                        *self._run_band(b, Band.K_LOWER, i0, c0, exact),
                                     )
 
                                 self._for_runs(b, map_row, first, last, dv_gemm)
@@ -1083,6 +1121,9 @@ class FlexLowering:
                                         0.0,
                                         gep_f32(b, dp_buf, b.sub(c0, ks)),
                                         nk,
+                                        # dS is 0 wherever P is, whatever dP holds; but the
+                                        # recomputing kernel's D sums P·dP over the whole row
+                                        *self._run_band(b, Band.OUT_LOWER if not spec.recompute else Band.NONE, i0, c0),
                                     )
 
                                 self._for_runs(b, map_row, first, last, dp_gemm)
@@ -1149,8 +1190,7 @@ class FlexLowering:
                                             beta,
                                             dq_strip,
                                             ld_dq,
-                                            Band.NONE,
-                                            0,
+                                            *self._run_band(b, Band.K_UPPER, i0, c0, exact),
                                             panels_from(b, self.panels, "k", c0),
                                         )
 
@@ -1177,6 +1217,7 @@ class FlexLowering:
                                             beta,
                                             gep_f32(b, dk_head, b.mul(c0, i64(ld_dk))),
                                             ld_dk,
+                                            *self._run_band(b, Band.K_LOWER, i0, c0, exact),
                                         )
 
                                     self._for_runs(b, map_row, first, last, dk_gemm)

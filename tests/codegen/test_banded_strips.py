@@ -258,10 +258,10 @@ FLEX_SHAPES = [
 @pytest.mark.usefixtures("flags")
 @pytest.mark.parametrize("mods", ["causal", "lower_right", "window", "causal&document", "softcap+causal"])
 @pytest.mark.parametrize("shape", FLEX_SHAPES, ids=lambda s: f"{s[3]}x{s[4]}-h{s[1]}/{s[2]}-d{s[5]}/{s[6]}")
-def test_flex_forward_bands_its_mask_diagonal(mods: str, shape: tuple) -> None:
-    """A mask_mod with a diagonal (``Region.key_bounds``): the forward's ``Q K^T`` leaves the
-    scores above each strip's diagonal unwritten and ``P V`` skips their keys, bitwise as the
-    whole products give, LSE and the backward that reads them included."""
+def test_flex_kernels_band_their_mask_diagonal(mods: str, shape: tuple) -> None:
+    """A mask_mod with a diagonal (``Region.key_bounds``): ``Q K^T`` (and the backward's ``dY
+    V^T``) leave the entries above each strip's diagonal unwritten, and ``P V``, dV, dQ and dK
+    skip the terms of the keys there, bitwise as the whole products give, LSE included."""
     b, h, hkv, sq, sk, d, dv, block_q = shape
     graph = flex_graph(mods, b, h, hkv, sq, sk, d, dv)
     arrays = flex_arrays(graph, sq, sk)
@@ -275,27 +275,58 @@ def test_flex_forward_bands_its_mask_diagonal(mods: str, shape: tuple) -> None:
 
 
 @pytest.mark.usefixtures("flags")
-@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("where", ["q", "k", "v", "dy"])
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
-def test_flex_forward_with_non_finite_operands_keeps_the_bits(where: str, value: float) -> None:
-    """A NaN or Inf in V reaches the rows that do not see its key through ``0 · v`` in the whole
-    product: the kernel checks V and takes the whole ``P V``. In Q or K it only touches scores,
-    whose hidden ones the mask replaces whether computed or not."""
+def test_flex_with_non_finite_operands_keeps_the_bits(where: str, value: float) -> None:
+    """A NaN or Inf reaches the rows that do not see its key through ``0 · x`` in the whole
+    products (V in ``P V``; dY, Q and K in dV, dK and dQ; a NaN statistic makes P NaN above
+    the diagonal): the kernels check their operands and take the whole products."""
     graph = flex_graph("causal", 1, 2, 2, 128, 128, 16, 16)
     arrays = flex_arrays(graph, 128, 128)
     arrays[where][0, 1, 100, 3] = value  # key (or query) 100 of head 1
     compiled = both(graph, 64)
     whole, banded = compiled[False](**arrays), compiled[True](**arrays)
-    assert np.isnan(whole["out"]).any() or np.isinf(whole["out"]).any() or where != "v"
+    assert any(np.isnan(x).any() for x in whole.values())
     assert_same_bits(whole, banded)
 
 
 @pytest.mark.usefixtures("flags")
-def test_flex_forward_bands_per_call_with_symbolic_lengths() -> None:
+def test_flex_kernels_band_per_call_with_symbolic_lengths() -> None:
     """Lengths known per call: the diagonal of a lower-right mask moves with them; calls too
-    short for the check of V take the whole ``P V`` (the scores are banded all the same)."""
+    short for the checks of the operands take the whole products that need them (the scores
+    are banded all the same)."""
     graph = flex_graph("lower_right", 1, 2, 1, "Sq", "Sk", 16, 16)
     compiled = both(graph)
     for sq, sk in ((5, 9), (31, 31), (40, 100), (130, 70), (200, 200)):
         arrays = flex_arrays(graph, sq, sk, seed=sq + sk)
         assert_same_bits(compiled[False](**arrays), compiled[True](**arrays))
+
+
+@pytest.mark.usefixtures("flags")
+def test_flex_rows_whose_lse_is_nan_keep_the_bits() -> None:
+    """A score_mod that makes NaN from finite operands (a log of -1 on one row) makes that row's
+    LSE NaN; P stays 0 above its diagonal (the backward shifts a NaN LSE by +inf), so the
+    banded products still give the bits of the whole ones."""
+    b, h, s, d = 1, 2, 96, 8
+    g = Graph("flex_nan_rows")
+    q = g.input("q", (b, h, s, d))
+    k = g.input("k", (b, h, s, d))
+    v = g.input("v", (b, h, s, d))
+    out, lse = g.attention(
+        q,
+        k,
+        v,
+        layout=Layout.BHSD,
+        mask_mod=rlx.mods.causal,
+        score_mod=lambda x, b, h, i, j: x + rlx.log(rlx.where(i == 70, -1.0, 1.0)),
+        return_lse=True,
+    )
+    dy = g.input("dy", out.shape)
+    dq, dk, dvv = rlx.grad(g, out, [q, k, v], dy)
+    g.output(out=out, lse=lse, dq=dq, dk=dk, dv=dvv)
+    rng = np.random.default_rng(11)
+    arrays = {name: rng.standard_normal(x.shape).astype(np.float32) for name, x in g.inputs.items()}
+    compiled = both(g, 32)
+    whole, banded = compiled[False](**arrays), compiled[True](**arrays)
+    assert np.isnan(whole["lse"][:, :, 70]).all() and not np.isnan(whole["lse"][:, :, :70]).any()
+    assert_same_bits(whole, banded)
