@@ -234,6 +234,7 @@ class FlexLowering:
         self.values_finite: ir.Value = ir.Constant(I1, 0)
         self.keys_finite: ir.Value = ir.Constant(I1, 0)
         self.queries_finite: ir.Value = ir.Constant(I1, 0)
+        self.key_diagonal: ir.Value = i64(0)  # per item: see _key_diagonal
         if score is not None and spec.needs_dp:
             gradient = score.gradient(self.score_kinds)
             self.gradient_kinds = gradient.check([(t.shape, _kind(t)) for t in spec.captured])
@@ -1121,9 +1122,9 @@ class FlexLowering:
                                         0.0,
                                         gep_f32(b, dp_buf, b.sub(c0, ks)),
                                         nk,
-                                        # dS is 0 wherever P is, whatever dP holds; but the
-                                        # recomputing kernel's D sums P·dP over the whole row
-                                        *self._run_band(b, Band.OUT_LOWER if not spec.recompute else Band.NONE, i0, c0),
+                                        # dS (and a recomputing kernel's D, _row_dot) reads dP
+                                        # only where P is not 0
+                                        *self._run_band(b, Band.OUT_LOWER, i0, c0),
                                     )
 
                                 self._for_runs(b, map_row, first, last, dp_gemm)
