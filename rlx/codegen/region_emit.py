@@ -17,7 +17,7 @@ from typing import cast
 from llvmlite import ir
 
 from rlx.codegen.fused import LaneMath
-from rlx.codegen.irutil import F32, I1, I8, I32, I64, gep
+from rlx.codegen.irutil import F32, I1, I8, I32, I64, gep, intrinsic
 from rlx.codegen.vector import splat
 from rlx.codegen.views import dense_strides
 from rlx.ir.opdef import REGISTRY
@@ -111,8 +111,9 @@ class RegionEmitter:
         if have == kind:
             return lane
         if have == "i" and kind == "f":
-            width = 1 if lane.uniform else self.width
-            return LaneValue(self.b.sitofp(lane.value, self._ty("f", width)), lane.uniform)
+            if lane.uniform or self.width == 1:
+                return LaneValue(self.b.sitofp(lane.value, F32), lane.uniform)
+            return LaneValue(ints_to_floats(self.b, lane.value, self.width), False)
         raise AssertionError(f"region value of kind {have} used as {kind}")
 
     def _widen(self, lane: LaneValue) -> ir.Value:
@@ -276,6 +277,33 @@ def _widen_loaded(b: ir.IRBuilder, loaded: ir.Value, kind: str, width: int) -> i
     return loaded if loaded.type == target else b.sext(loaded, target)
 
 
+def ints_to_floats(b: ir.IRBuilder, value: ir.Value, width: int) -> ir.Value:
+    """``sitofp`` of a ``<width x i64>``, through 32-bit ints where every lane fits in them.
+
+    Without AVX-512 the CPU has no vector conversion from 64-bit ints, and LLVM converts such a
+    vector lane by lane: an ALiBi mod (``slope · (kv_idx - q_idx)``) spent most of a causal
+    forward's mod loop there (a quarter of the kernel, B4 H8 S1024). Region ints are i64, but
+    those of a mod (indices, their differences) fit in 32 bits, where the conversion is one
+    instruction; a vector with a lane outside takes the lane-by-lane path, so the result is
+    always ``sitofp``'s."""
+    vector = ir.VectorType(I64, width)
+    low = b.icmp_signed(">=", value, ir.Constant(vector, [-(1 << 31)] * width))
+    high = b.icmp_signed("<=", value, ir.Constant(vector, [(1 << 31) - 1] * width))
+    reduce_and = intrinsic(b.module, f"llvm.vector.reduce.and.v{width}i1", I1, [ir.VectorType(I1, width)])
+    floats = ir.VectorType(F32, width)
+    with b.if_else(b.call(reduce_and, [b.and_(low, high)], name="ints.fit")) as (narrow, wide):
+        with narrow:
+            quick = b.sitofp(b.trunc(value, ir.VectorType(I32, width)), floats)
+            quick_block = b.block
+        with wide:
+            exact = b.sitofp(value, floats)
+            exact_block = b.block
+    result = b.phi(floats, name="ints.float")
+    result.add_incoming(quick, quick_block)
+    result.add_incoming(exact, exact_block)
+    return result
+
+
 def lane_indices(b: ir.IRBuilder, start: ir.Value, width: int) -> ir.Value:
     """``start + [0, 1, ..., width-1]`` as an i64 vector (or ``start`` itself at width 1)."""
     if width == 1:
@@ -284,4 +312,4 @@ def lane_indices(b: ir.IRBuilder, start: ir.Value, width: int) -> ir.Value:
     return b.add(splat(b, start, width), steps)
 
 
-__all__ = ["LaneValue", "RegionEmitter", "Tensor", "lane_indices"]
+__all__ = ["LaneValue", "RegionEmitter", "Tensor", "ints_to_floats", "lane_indices"]

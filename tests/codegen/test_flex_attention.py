@@ -161,6 +161,11 @@ CASES = [
         ),
         mask_mod=lambda e: lambda b, h, q, kv: -q <= -kv + (q % 2) ** 2,
     ),
+    Case(  # (kv - q) · 2^28 leaves 32-bit ints from |kv - q| = 8 on: vectors of both kinds of lanes
+        "ints-beyond-32-bits",
+        score_mod=lambda e: lambda s, b, h, q, kv: s + (kv * 268435456 - q * 268435456) * 2e-9,
+        mask_mod=lambda e: mods.causal,
+    ),
     Case(
         "gathered-bias",
         score_mod=lambda e: lambda s, b, h, q, kv: s + e["table"][h, (q - kv) % 5] * 2.0,
