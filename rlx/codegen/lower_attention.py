@@ -1124,7 +1124,8 @@ class AttentionLowering:
     ) -> tuple[ir.Value, ir.Value]:
         """Mask and softmax every row of the strip (rows ``ldp`` apart) in place; returns whether
         a skipped key could matter, and whether some row's hidden keys weigh (a NaN row maximum,
-        or ``neg`` within reach of it), so that P is not exactly 0 above the diagonal.
+        ``neg`` within reach of it, or a ``1/sum`` that is NaN or infinite: an overflowing score,
+        ``inf - inf`` from finite q and k), so that P is not exactly 0 above the diagonal.
 
         With a non-null ``inverse`` (the forward), rows stay ``exp(s - m)`` and ``inverse[r]`` gets
         ``1/sum``; a null one (the backward, which needs P) normalises. One function serves both,
@@ -1177,7 +1178,11 @@ class AttentionLowering:
                     "max",
                     lambda b, j, lanes: self._masked_score(b, row, gi, ks, j, lanes, mask_base),
                 )
-            self._exp_normalise(b, row, (start, stop, nk), m, inverse, r)
+            inv = self._exp_normalise(b, row, (start, stop, nk), m, inverse, r)
+            if mask.is_causal_like:  # a 1/sum that is not finite makes the zeros above the diagonal NaN
+                magnitude = b.call(intrinsic(self.module, "llvm.fabs.f32", F32, [F32]), [inv])
+                infinite = b.fcmp_unordered("==", magnitude, f32(math.inf), name="inv.infinite")
+                b.store(b.or_(b.load(weighty_rows, typ=I1), infinite), weighty_rows)
         return b.load(flag, typ=I1, name="needs.all"), b.load(weighty_rows, typ=I1, name="weighty.any")
 
     def _masked_score(
@@ -1206,12 +1211,15 @@ class AttentionLowering:
         m: ir.Value,
         inverse: ir.Value | None,
         r: ir.Value,
-    ) -> None:
+    ) -> ir.Value:
         """``row[start:stop] = exp(row - m)`` for ``span = (start, stop, nk)``, then divided by its
         sum over the whole row (``row[:nk]``: zeros outside the span times a NaN ``1/sum`` are NaN,
         as in the reference), or with a non-null ``inverse`` kept and ``inverse[r] = 1/sum``; a
-        row whose max is -inf (all hidden by -inf) becomes 0."""
+        row whose max is -inf (all hidden by -inf) becomes 0. Returns the row's ``1/sum`` (0 for
+        that row)."""
         start, stop, nk = span
+        row_inverse = alloca_entry(b, F32, "row.inverse")
+        b.store(f32(0.0), row_inverse)
         deferred = (
             ir.Constant(I1, 0)
             if inverse is None
@@ -1233,12 +1241,14 @@ class AttentionLowering:
 
                 total = vector_reduce(b, start, stop, "row.sum", "add", exp_term)
                 inv = b.fdiv(f32(1.0), total, name="inv.sum")
+                b.store(inv, row_inverse)
                 with b.if_else(deferred) as (later, now):
                     with later:
                         if slot is not None:
                             b.store(inv, slot)
                     with now:
                         scale_row(b, row, nk, inv)
+        return b.load(row_inverse, typ=F32, name="row.inv")
 
     def _softmax_backward_rows(
         self,

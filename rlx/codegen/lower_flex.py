@@ -219,6 +219,7 @@ class FlexLowering:
         self.clock = KernelClock(module, spec.profile and spec.is_static, spec.counters_at)
         self.memset = intrinsic(module, "llvm.memset.p0.i64", VOID, [PTR, I8, I64, I1])
         self.logf = intrinsic(module, "llvm.log.f32", F32, [F32])
+        self.fabs = intrinsic(module, "llvm.fabs.f32", F32, [F32])
         score = spec.score_mod
         self.score_kinds = score.check([(t.shape, _kind(t)) for t in spec.captured]) if score is not None else []
         mask = spec.mask_mod
@@ -395,13 +396,21 @@ class FlexLowering:
         return b.load(flag, typ=I1, name="heads.finite")
 
     def _key_diagonal(self, b: ir.IRBuilder) -> ir.Value:
-        """``d``: the mask hides every key ``kv_idx > q_idx + d`` (the least of its key bounds)."""
+        """``d``: the mask hides every key ``kv_idx > q_idx + d`` (the least of its key bounds),
+        the mask's steps of the lengths alone (``max(Sk - Sq, 0)``) computed for this call."""
+        mask = self.spec.mask_mod
+        assert mask is not None
+        lengths = {"q_len": LaneValue(self.sq, True), "kv_len": LaneValue(self.sk, True)}
+        emitter = RegionEmitter(b, mask, self.mask_kinds, 1, lengths, self.tensors)
         diagonals = []
         for bound in self.spec.key_bounds:
             d: ir.Value = i64(bound.constant)
             for coefficient, length in ((bound.q_len, self.sq), (bound.kv_len, self.sk)):
                 if coefficient:
                     d = b.add(d, b.mul(length, i64(coefficient)))
+            for coefficient, index in bound.steps:
+                emitter.emit(sorted(mask.needed_steps(index)))
+                d = b.add(d, b.mul(emitter.get(("t", index), "i"), i64(coefficient)))
             diagonals.append(d)
         return functools.reduce(lambda x, y: smin(b, x, y), diagonals)
 
@@ -1027,7 +1036,7 @@ class FlexLowering:
         ld_dq, ld_dk, ld_dv = (self._row_stride(slot) for slot in ("dq", "dk", "dv"))
         partials = self._partial_base(b, batch, group)
         self.key_diagonal = self._key_diagonal(b) if self.spec.key_bounds else i64(0)
-        nan_rows = alloca_entry(b, I1, "nan.rows")  # recomputing: a strip row whose max is NaN
+        nan_rows = alloca_entry(b, I1, "nan.rows")  # recomputing: a strip row P is NaN in (below)
         with for_range(b, 0, self.strips, "step") as step:
             strip = b.sub(b.sub(self.strips, i64(1)), step, name="strip")  # last first: see _first_touch
             i0, rows = self._strip_bounds(b, strip)
@@ -1059,11 +1068,14 @@ class FlexLowering:
                             row = gep_f32(b, p_buf, b.mul(r, nk))
                             raw_row = gep_f32(b, raw_buf, b.mul(r, nk)) if spec.keeps_raw else None
                             if spec.recompute:
-                                m = self._softmax_row(
+                                m, inv = self._softmax_row(
                                     b, row, raw_row, batch, head, gi, map_row, mod_first, mod_last, ks, nk
                                 )
                                 self._needs_dense(b, m)
-                                nan = b.fcmp_unordered("uno", m, m, name="nan.row")
+                                # P is not 0 above the diagonal where m is NaN, or 1/sum is
+                                # not finite (0 · inf is NaN too)
+                                infinite = b.fcmp_unordered("==", b.call(self.fabs, [inv]), f32(math.inf))
+                                nan = b.or_(b.fcmp_unordered("uno", m, m), infinite, name="nan.row")
                                 b.store(b.or_(b.load(nan_rows, typ=I1), nan), nan_rows)
                             else:
                                 lse = b.load(gep_f32(b, lse_row, gi), typ=F32, name="lse.i")
@@ -1075,7 +1087,7 @@ class FlexLowering:
                         # The products that skip the terms above the diagonal need P and dS
                         # exactly 0 there (dS is 0 wherever P is), and finite factors for them
                         # (_heads_finite). P is, from an LSE even when NaN (_probability_row
-                        # shifts it by +inf); not from a recomputed row max that is NaN.
+                        # shifts it by +inf); not from recomputed statistics that are not finite.
                         finite = b.and_(self.keys_finite, self.queries_finite)
                         exact = b.and_(finite, b.not_(b.load(nan_rows, typ=I1)), name="strip.exact")
                         with b.if_then(self._exact(b)):
@@ -1240,17 +1252,18 @@ class FlexLowering:
         last: ir.Value,
         ks: ir.Value,
         nk: ir.Value,
-    ) -> ir.Value:
+    ) -> tuple[ir.Value, ir.Value]:
         """``row = softmax(mods(row))`` in place, its statistics from the row itself (recompute mode);
         raw scores kept if asked. Hidden keys get 0; a row with none visible is all 0. Returns the
-        row max."""
+        row max and the 1/sum that scaled the row."""
         if raw_row is not None:
             vector_loop(b, i64(0), nk, "raw", lambda b, j, lanes: lanes.store(b, lanes.load(b, row, j), raw_row, j))
         m = self._mod_rows(b, row, batch, head, gi, map_row, first, last, ks, nk)
         inverse = alloca_entry(b, F32, "inv.sum")
         self._exp_row(b, row, nk, m, inverse)
-        scale_row(b, row, nk, b.load(inverse, typ=F32, name="inv"))
-        return m
+        inv = b.load(inverse, typ=F32, name="inv")
+        scale_row(b, row, nk, inv)
+        return m, inv
 
     def _row_dot(self, b: ir.IRBuilder, p_row: ir.Value, dp_row: ir.Value, nk: ir.Value) -> ir.Value:
         """``sum(P * dP)`` over a row; where P is 0 (hidden, or a skipped tile whose dP was never

@@ -99,19 +99,24 @@ def parse_ref(text: str) -> Ref:
 
 @dataclass(frozen=True)
 class KeyBound:
-    """``kv_idx - q_idx <= constant + q_len·Sq + kv_len·Sk`` wherever a mask attends (``Sq``, ``Sk``
-    the attention's lengths): a diagonal above which it hides every key (:meth:`Region.key_bounds`)."""
+    """``kv_idx - q_idx <= constant + q_len·Sq + kv_len·Sk + Σ c·step`` wherever a mask attends
+    (``Sq``, ``Sk`` the attention's lengths; ``steps``: ``(c, index)`` of the region's int steps
+    that depend on the lengths alone, as ``max(Sk - Sq, 0)``): a diagonal above which it hides
+    every key (:meth:`Region.key_bounds`)."""
 
     constant: int
     q_len: int = 0
     kv_len: int = 0
+    steps: tuple[tuple[int, int], ...] = ()
 
 
 # Comparisons as ``a - b <= offset`` (or ``b - a``, ``swap``), and what ``not`` makes of each.
 _AT_MOST = {"less": (False, -1), "less_equal": (False, 0), "greater": (True, -1), "greater_equal": (True, 0)}
 _NEGATION = {"less": "greater_equal", "less_equal": "greater", "greater": "less_equal", "greater_equal": "less"}
 _LINEAR_SYMBOLS = ("q_idx", "kv_idx", "q_len", "kv_len")
-Linear = dict[str, int]  # integer coefficients of _LINEAR_SYMBOLS and "1" (the constant)
+# Integer coefficients of _LINEAR_SYMBOLS, "1" (the constant) and "t<n>": step n, an int of the
+# lengths alone that is not linear in them (a constant of the call all the same).
+Linear = dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -300,7 +305,7 @@ class Region:
         """A region of the steps that ``ref`` (a step of this one) depends on, ending in it."""
         if ref[0] != "t":
             return Region((RegionStep("id", (ref,)),))
-        keep = sorted(self._needed(int(ref[1])))
+        keep = sorted(self.needed_steps(int(ref[1])))
         renumber = {old: new for new, old in enumerate(keep)}
 
         def moved(arg: Ref) -> Ref:
@@ -308,7 +313,8 @@ class Region:
 
         return Region(tuple(RegionStep(self.steps[i].op, tuple(moved(a) for a in self.steps[i].args)) for i in keep))
 
-    def _needed(self, index: int) -> set[int]:
+    def needed_steps(self, index: int) -> set[int]:
+        """Step ``index`` and every step its value depends on."""
         needed, pending = set(), [index]
         while pending:
             step = pending.pop()
@@ -346,6 +352,13 @@ class Region:
         window) do. Empty where no term bounds the keys so: the mask is still exact, it just
         gives the attention kernels no band to skip (``tile_gemm.Band``)."""
         forms: dict[int, Linear | None] = {}
+        lengths = {"q_len", "kv_len"}
+
+        def of_lengths(index: int, deps: frozenset[str]) -> bool:
+            """An int step of the lengths alone (its cone reads no tensor: no shapes needed)."""
+            return bool(deps) and deps <= lengths and self.cone(("t", index)).result_kind() == "i"
+
+        per_call = [of_lengths(index, deps) for index, deps in enumerate(self.dependences())]
 
         def linear(ref: Ref) -> Linear | None:
             kind, value = ref
@@ -357,7 +370,8 @@ class Region:
                 return None
             index = int(value)
             if index not in forms:
-                forms[index] = self._linear_step(index, linear)
+                form = self._linear_step(index, linear)
+                forms[index] = {f"t{index}": 1} if form is None and per_call[index] else form
             return forms[index]
 
         def implied(ref: Ref, negated: bool) -> list[KeyBound]:
@@ -378,7 +392,8 @@ class Region:
             form = {key: a.get(key, 0) - c.get(key, 0) for key in {*a, *c}}  # form <= offset
             if form.get("kv_idx", 0) != 1 or form.get("q_idx", 0) != -1:
                 return []
-            return [KeyBound(offset - form.get("1", 0), -form.get("q_len", 0), -form.get("kv_len", 0))]
+            steps = tuple(sorted((-c, int(key[1:])) for key, c in form.items() if key.startswith("t") and c))
+            return [KeyBound(offset - form.get("1", 0), -form.get("q_len", 0), -form.get("kv_len", 0), steps)]
 
         return tuple(implied(("t", len(self.steps) - 1), False))
 

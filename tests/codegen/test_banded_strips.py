@@ -124,6 +124,23 @@ def test_non_finite_operands_take_the_whole_products(where: str, value: float) -
 
 
 @pytest.mark.usefixtures("flags")
+@pytest.mark.parametrize("layout", [Layout.BSHD, Layout.BHSD], ids=str)
+def test_overflowing_scores_take_the_whole_products(layout: Layout) -> None:
+    """Finite q and k whose score overflows (inf - inf: NaN) make a row's 1/sum NaN, and the
+    zeros above its diagonal NaN once normalised, as in the whole products: not skipped."""
+    b, sq, sk, h, d = 1, 100, 130, 2, 8
+    graph = build(MaskKind.CAUSAL, layout, b, sq, sk, h, h, d, d)
+    arrays = arrays_for(layout, b, sq, sk, h, h, d, d)
+    query, key = ((0, 1, 70), (0, 1, 10)) if layout == Layout.BHSD else ((0, 70, 1), (0, 10, 1))
+    arrays["q"][query][:2] = [1e30, 1e30]
+    arrays["k"][key][:2] = [1e30, -1e30]
+    compiled = both(graph, 32)
+    whole, banded = compiled[False](**arrays), compiled[True](**arrays)
+    assert np.isnan(whole["dv"]).any()
+    assert_same_bits(whole, banded)
+
+
+@pytest.mark.usefixtures("flags")
 def test_rows_whose_hidden_keys_weigh_take_the_whole_products() -> None:
     """With ``neg`` within reach of the scores, hidden keys weigh exp(neg - max) > 0: P is not 0
     above the diagonal, and the strip's products must not skip it."""
@@ -329,4 +346,31 @@ def test_flex_rows_whose_lse_is_nan_keep_the_bits() -> None:
     compiled = both(g, 32)
     whole, banded = compiled[False](**arrays), compiled[True](**arrays)
     assert np.isnan(whole["lse"][:, :, 70]).all() and not np.isnan(whole["lse"][:, :, :70]).any()
+    assert_same_bits(whole, banded)
+
+
+@pytest.mark.usefixtures("flags")
+@pytest.mark.parametrize("mask", [MaskKind.CAUSAL, MaskKind.sliding_window(20)], ids=str)
+def test_fixed_masks_as_mods_band_in_the_recomputing_kernels(mask: MaskKind) -> None:
+    """Fixed masks compiled through the programmable kernels (``masks_as_mods``, ``neg = -inf``)
+    are mask_mods whose diagonal reads ``max(Sk - Sq, 0)``: a step of the lengths alone, which
+    the kernels compute per call. Their backward recomputes the row statistics, where a NaN row
+    max (an overflowing score, inf - inf, from finite q and k) makes P NaN above the diagonal:
+    that strip takes the whole products."""
+    b, h, sq, sk, d = 1, 2, 100, 130, 8
+    graph = build(mask, Layout.BHSD, b, sq, sk, h, h, d, d)
+    config = RuntimeConfig(attn_mask_neg_inf=-np.inf)
+    arrays = arrays_for(Layout.BHSD, b, sq, sk, h, h, d, d)
+    compiled = {}
+    for on in (False, True):
+        lower_attention.BANDS = on
+        executable._cache.clear()
+        options = CodegenOptions(masks_as_mods=True, block_q=32)
+        compiled[on] = compile_graph(graph, config=config, options=options)
+    assert "run.diagonal" in compiled[True].llvm_ir
+    assert_same_bits(compiled[False](**arrays), compiled[True](**arrays))
+    arrays["q"][0, 1, 70, :2] = [1e30, 1e30]  # query 70 ...
+    arrays["k"][0, 1, 90, :2] = [1e30, -1e30]  # ... and key 90, which it sees: a NaN score
+    whole, banded = compiled[False](**arrays), compiled[True](**arrays)
+    assert np.isnan(whole["dq"]).any()
     assert_same_bits(whole, banded)

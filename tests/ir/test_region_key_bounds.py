@@ -38,7 +38,10 @@ def attends(region: Region, sq: int, sk: int) -> np.ndarray:
 
 def holds(bound: KeyBound, region: Region, sq: int, sk: int) -> bool:
     """Whether every key the mask attends lies at or below the bound's diagonal."""
+    lengths = {"q_len": np.int64(sq), "kv_len": np.int64(sk)}
+    values = region.evaluate_all(lengths | {name: np.int64(0) for name in ("b", "h", "q_idx", "kv_idx", "score")}, [])
     diagonal = bound.constant + bound.q_len * sq + bound.kv_len * sk
+    diagonal += sum(c * int(values[index]) for c, index in bound.steps)
     i, j = np.nonzero(attends(region, sq, sk))
     return bool(np.all(j - i <= diagonal))
 
@@ -60,6 +63,16 @@ def test_masks_without_a_diagonal_have_no_bound() -> None:
     assert traced(lambda b, h, q, kv: q + kv >= 3).key_bounds() == ()
 
 
+def test_steps_of_the_lengths_alone_are_constants_of_the_call() -> None:
+    """The fixed causal mask as a mod (``rlx.mods.from_mask_kind``): ``q + max(Sk - Sq, 0) >= kv``."""
+    region = Region.parse(
+        "sub(%kv_len, %q_len); maximum(%t0, 0); add(%q_idx, %t1); greater(%kv_idx, %t2); logical_not(%t3)"
+    )
+    assert region.key_bounds() == (KeyBound(0, steps=((1, 1),)),)
+    for sq, sk in ((5, 9), (9, 5), (7, 7)):
+        assert holds(region.key_bounds()[0], region, sq, sk)
+
+
 def test_negations_and_offsets_are_read() -> None:
     assert traced(lambda b, h, q, kv: ~(kv > q + 1)).key_bounds() == (KeyBound(1),)
     assert traced(lambda b, h, q, kv: q - kv >= -5).key_bounds() == (KeyBound(5),)
@@ -72,13 +85,21 @@ def test_negations_and_offsets_are_read() -> None:
 def test_random_linear_masks_hold_their_bounds(data: st.DataObject) -> None:
     """Conjunctions, disjunctions and negations of comparisons of random linear forms: every
     bound found holds on the grid, for several lengths (the lengths enter the forms)."""
-    constants = ["%q_len", "%kv_len", "3", "-2", "1"]
+    constants = ["%q_len", "%kv_len", "3", "-2", "1", "gap"]
     steps: list[str] = []
+
+    def constant(term: str) -> str:
+        """A literal, a length, or ``max(Sk - Sq, 0)``: a step of the lengths alone."""
+        if term != "gap":
+            return term
+        steps.append("sub(%kv_len, %q_len)")
+        steps.append(f"maximum(%t{len(steps) - 1}, 0)")
+        return f"%t{len(steps) - 1}"
 
     def form(base: str) -> str:
         """``base`` plus or minus a few constant terms, times a small factor at times."""
         value = base
-        for term in data.draw(st.lists(st.sampled_from(constants), max_size=2)):
+        for term in map(constant, data.draw(st.lists(st.sampled_from(constants), max_size=2))):
             op = data.draw(st.sampled_from(["add", "sub"]))
             first, second = (value, term) if data.draw(st.booleans()) or op == "sub" else (term, value)
             steps.append(f"{op}({first}, {second})")
