@@ -347,10 +347,11 @@ class Region:
     def key_bounds(self) -> tuple[KeyBound, ...]:
         """Diagonals a mask_mod never attends above: each term of the conjunction its result is
         (through ``&``, ``~`` and De Morgan's ``~(a | b)``) that compares integer-linear forms of
-        ``kv_idx - q_idx`` with the lengths and literals, as ``q_idx >= kv_idx`` (causal),
-        ``q_idx + (kv_len - q_len) >= kv_idx`` and ``kv_idx <= q_idx + right`` (a sliding
-        window) do. Empty where no term bounds the keys so: the mask is still exact, it just
-        gives the attention kernels no band to skip (``tile_gemm.Band``)."""
+        ``kv_idx - q_idx`` with literals, the lengths and int steps of the lengths alone, as
+        ``q_idx >= kv_idx`` (causal), ``q_idx + (kv_len - q_len) >= kv_idx``, ``kv_idx <= q_idx
+        + right`` (a sliding window) and ``q_idx + max(kv_len - q_len, 0) >= kv_idx`` (the fixed
+        causal mask as a mod) do. Empty where no term bounds the keys so: the mask is still
+        exact, it just gives the attention kernels no band to skip (``tile_gemm.Band``)."""
         forms: dict[int, Linear | None] = {}
         lengths = {"q_len", "kv_len"}
 
