@@ -899,15 +899,7 @@ class AttentionLowering:
         does not band its products: see :data:`BANDS`)."""
         if not self.banded:
             return ir.Constant(I1, 0)
-        flag = alloca_entry(b, I1, "heads.finite")
-        b.store(ir.Constant(I1, 0), flag)
-        with b.if_then(b.icmp_signed(">=", self.sq, i64(BAND_MIN_ROWS), name="bands.pay")):
-            finite = ir.Constant(I1, 1)
-            for slot in slots:
-                width = self._geometry(slot)[2]
-                finite = b.and_(finite, finite_rows(b, heads[slot], self.sk, self._ld(slot), width))
-            b.store(finite, flag)
-        return b.load(flag, typ=I1, name="heads.finite")
+        return heads_finite(b, self.sq, [(heads[s], self.sk, self._ld(s), self._geometry(s)[2]) for s in slots])
 
     def _strip_band(
         self,
@@ -1180,9 +1172,7 @@ class AttentionLowering:
                 )
             inv = self._exp_normalise(b, row, (start, stop, nk), m, inverse, r)
             if mask.is_causal_like:  # a 1/sum that is not finite makes the zeros above the diagonal NaN
-                magnitude = b.call(intrinsic(self.module, "llvm.fabs.f32", F32, [F32]), [inv])
-                infinite = b.fcmp_unordered("==", magnitude, f32(math.inf), name="inv.infinite")
-                b.store(b.or_(b.load(weighty_rows, typ=I1), infinite), weighty_rows)
+                b.store(b.or_(b.load(weighty_rows, typ=I1), not_finite(b, inv)), weighty_rows)
         return b.load(flag, typ=I1, name="needs.all"), b.load(weighty_rows, typ=I1, name="weighty.any")
 
     def _masked_score(
@@ -1503,6 +1493,27 @@ def scale_rows(b: ir.IRBuilder, base: ir.Value, rows: ir.Value, stride: int, wid
     with for_range(b, 0, rows, "scale") as r:
         row = gep_f32(b, base, b.mul(r, i64(stride)))
         scale_row(b, row, i64(width), b.load(gep_f32(b, factors, r), typ=F32, name="inv"))
+
+
+def heads_finite(b: ir.IRBuilder, seq_q: ir.Value, heads: list[tuple[ir.Value, ir.Value, int, int]]) -> ir.Value:
+    """Whether the heads ``(row 0, rows, ld, width)`` hold only finite numbers, so that a banded
+    product may skip their terms above a strip's diagonal (``0 · x`` is 0 only for a finite
+    ``x``); false on calls of fewer than :data:`BAND_MIN_ROWS` query rows, where the check
+    would cost more than the band saves. Both kinds of attention kernel check this way."""
+    flag = alloca_entry(b, I1, "heads.finite")
+    b.store(ir.Constant(I1, 0), flag)
+    with b.if_then(b.icmp_signed(">=", seq_q, i64(BAND_MIN_ROWS), name="bands.pay")):
+        finite: ir.Value = ir.Constant(I1, 1)
+        for base, rows, ld, width in heads:
+            finite = b.and_(finite, finite_rows(b, base, rows, ld, width))
+        b.store(finite, flag)
+    return b.load(flag, typ=I1, name="heads.finite")
+
+
+def not_finite(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """Whether the float ``x`` is infinite or NaN (an i1)."""
+    magnitude = b.call(intrinsic(b.module, "llvm.fabs.f32", F32, [F32]), [x])
+    return b.fcmp_unordered("==", magnitude, f32(math.inf), name="not.finite")
 
 
 def finite_rows(b: ir.IRBuilder, base: ir.Value, rows: ir.Value, ld: int, width: int) -> ir.Value:

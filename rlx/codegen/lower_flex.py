@@ -58,7 +58,6 @@ from rlx.codegen.irutil import (
 )
 from rlx.codegen.kernel_clock import COUNTERS_BYTES, KernelClock
 from rlx.codegen.lower_attention import (
-    BAND_MIN_ROWS,
     KEY_SIDE,
     OperandStrides,
     bands_products,
@@ -67,8 +66,9 @@ from rlx.codegen.lower_attention import (
     emit_sgemm,
     emit_strip_floats,
     emit_view_head_offset,
-    finite_rows,
+    heads_finite,
     keys_operand,
+    not_finite,
     panel_operands,
     panels_from,
     scale_row,
@@ -219,7 +219,6 @@ class FlexLowering:
         self.clock = KernelClock(module, spec.profile and spec.is_static, spec.counters_at)
         self.memset = intrinsic(module, "llvm.memset.p0.i64", VOID, [PTR, I8, I64, I1])
         self.logf = intrinsic(module, "llvm.log.f32", F32, [F32])
-        self.fabs = intrinsic(module, "llvm.fabs.f32", F32, [F32])
         score = spec.score_mod
         self.score_kinds = score.check([(t.shape, _kind(t)) for t in spec.captured]) if score is not None else []
         mask = spec.mask_mod
@@ -377,23 +376,21 @@ class FlexLowering:
 
     def _heads_finite(self, b: ir.IRBuilder, heads: list[tuple[str, ir.Value, ir.Value]]) -> ir.Value:
         """Whether the ``(slot, batch, head)`` heads hold only finite numbers, so that a product
-        may skip the terms of keys above a strip's diagonal: they are ``0 · x``, which is 0 only
-        for a finite ``x``. False where the kernel does not band, and on calls too short for
-        the check to pay (``lower_attention.BAND_MIN_ROWS``)."""
+        may skip their terms above a strip's diagonal (``lower_attention.heads_finite``); false
+        where the kernel does not band."""
         if not self.spec.key_bounds:
             return ir.Constant(I1, 0)
-        flag = alloca_entry(b, I1, "heads.finite")
-        b.store(ir.Constant(I1, 0), flag)
-        with b.if_then(b.icmp_signed(">=", self.sq, i64(BAND_MIN_ROWS), name="bands.pay")):
-            finite: ir.Value = ir.Constant(I1, 1)
-            for slot, batch, head in heads:
-                rows = self.sk if slot in KEY_SIDE else self.sq
-                width = self.spec.dims.head_dim if slot in ("q", "k") else self.spec.dims.value_dim
-                finite = b.and_(
-                    finite, finite_rows(b, self._head(b, slot, batch, head), rows, self._row_stride(slot), width)
-                )
-            b.store(finite, flag)
-        return b.load(flag, typ=I1, name="heads.finite")
+        dims = self.spec.dims
+        checked = [
+            (
+                self._head(b, slot, batch, head),
+                self.sk if slot in KEY_SIDE else self.sq,
+                self._row_stride(slot),
+                dims.head_dim if slot in ("q", "k") else dims.value_dim,
+            )
+            for slot, batch, head in heads
+        ]
+        return heads_finite(b, self.sq, checked)
 
     def _key_diagonal(self, b: ir.IRBuilder) -> ir.Value:
         """``d``: the mask hides every key ``kv_idx > q_idx + d`` (the least of its key bounds),
@@ -1074,8 +1071,7 @@ class FlexLowering:
                                 self._needs_dense(b, m)
                                 # P is not 0 above the diagonal where m is NaN, or 1/sum is
                                 # not finite (0 · inf is NaN too)
-                                infinite = b.fcmp_unordered("==", b.call(self.fabs, [inv]), f32(math.inf))
-                                nan = b.or_(b.fcmp_unordered("uno", m, m), infinite, name="nan.row")
+                                nan = b.or_(b.fcmp_unordered("uno", m, m), not_finite(b, inv), name="nan.row")
                                 b.store(b.or_(b.load(nan_rows, typ=I1), nan), nan_rows)
                             else:
                                 lse = b.load(gep_f32(b, lse_row, gi), typ=F32, name="lse.i")

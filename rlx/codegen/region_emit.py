@@ -17,8 +17,8 @@ from typing import cast
 from llvmlite import ir
 
 from rlx.codegen.fused import LaneMath
-from rlx.codegen.irutil import F32, I1, I8, I32, I64, gep, intrinsic
-from rlx.codegen.vector import splat
+from rlx.codegen.irutil import F32, I1, I8, I32, I64, gep
+from rlx.codegen.vector import any_lane, splat
 from rlx.codegen.views import dense_strides
 from rlx.ir.opdef import REGISTRY
 from rlx.ir.region import Ref, Region
@@ -287,11 +287,10 @@ def ints_to_floats(b: ir.IRBuilder, value: ir.Value, width: int) -> ir.Value:
     instruction; a vector with a lane outside takes the lane-by-lane path, so the result is
     always ``sitofp``'s."""
     vector = ir.VectorType(I64, width)
-    low = b.icmp_signed(">=", value, ir.Constant(vector, [-(1 << 31)] * width))
-    high = b.icmp_signed("<=", value, ir.Constant(vector, [(1 << 31) - 1] * width))
-    reduce_and = intrinsic(b.module, f"llvm.vector.reduce.and.v{width}i1", I1, [ir.VectorType(I1, width)])
+    below = b.icmp_signed("<", value, ir.Constant(vector, [-(1 << 31)] * width))
+    above = b.icmp_signed(">", value, ir.Constant(vector, [(1 << 31) - 1] * width))
     floats = ir.VectorType(F32, width)
-    with b.if_else(b.call(reduce_and, [b.and_(low, high)], name="ints.fit")) as (narrow, wide):
+    with b.if_else(b.not_(any_lane(b, b.or_(below, above)), name="ints.fit")) as (narrow, wide):
         with narrow:
             quick = b.sitofp(b.trunc(value, ir.VectorType(I32, width)), floats)
             quick_block = b.block
