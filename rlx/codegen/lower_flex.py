@@ -54,6 +54,7 @@ from rlx.codegen.irutil import (
     gep_f32,
     i64,
     intrinsic,
+    smax,
     smin,
 )
 from rlx.codegen.kernel_clock import COUNTERS_BYTES, KernelClock
@@ -82,7 +83,7 @@ from rlx.codegen.lower_attention import (
 from rlx.codegen.region_emit import LaneValue, RegionEmitter, Tensor, lane_indices
 from rlx.codegen.sizes import SizeLike, ceil_div, emit_size, load_symbols, size_of
 from rlx.codegen.tile_gemm import Band
-from rlx.codegen.vector import Lanes, sum_lanes, vector_fill, vector_loop, vector_reduce
+from rlx.codegen.vector import WIDTH, Lanes, sum_lanes, vector_fill, vector_loop, vector_reduce
 from rlx.codegen.views import dense_strides
 from rlx.ir.region import GradientRegion, KeyBound, Region
 from rlx.ir.types import Dim, Layout, TensorType, Wrt
@@ -411,6 +412,18 @@ class FlexLowering:
             diagonals.append(d)
         return functools.reduce(lambda x, y: smin(b, x, y), diagonals)
 
+    def _row_limit(self, b: ir.IRBuilder, gi: ir.Value, ks: ir.Value, nk: ir.Value) -> ir.Value | None:
+        """Where query ``gi``'s keys end for good (strip-relative, in ``[0, nk]``): its mask hides
+        every key from ``gi + d + 1`` on (:meth:`_key_diagonal`); None without key bounds.
+
+        A row's mods, exp and dS stop there, and what lies past it is filled in (``-inf`` scores,
+        zero P and dS) instead of computed: a causal strip's diagonal tile is half hidden on
+        average, and a 64-row strip over 512 keys spent a tenth of its softmax on it."""
+        if not self.spec.key_bounds:
+            return None
+        limit = b.sub(b.add(b.add(gi, self.key_diagonal), i64(1)), ks)
+        return smin(b, smax(b, limit, i64(0)), nk, name="row.limit")
+
     def _run_band(
         self, b: ir.IRBuilder, mode: int, i0: ir.Value, c0: ir.Value, exact: ir.Value | None = None
     ) -> tuple[int | ir.Value, ir.Value]:
@@ -729,9 +742,10 @@ class FlexLowering:
                         with for_range(b, 0, rows, "r") as r:
                             gi = b.add(i0, r, name="gi")
                             row = gep_f32(b, strip_buf, b.mul(r, nk), name="row")
-                            m = self._mod_rows(b, row, batch, head, gi, map_row, mod_first, mod_last, ks, nk)
+                            limit = self._row_limit(b, gi, ks, nk)
+                            m = self._mod_rows(b, row, batch, head, gi, map_row, mod_first, mod_last, ks, nk, limit)
                             self._needs_dense(b, m)
-                            lse = self._exp_row(b, row, nk, m, gep_f32(b, inverse_sums, r))
+                            lse = self._exp_row(b, row, nk, m, gep_f32(b, inverse_sums, r), limit)
                             b.store(lse, gep_f32(b, lse_row, gi))
                         self.clock.count(b, "softmax", started)
                         with b.if_then(self._exact(b)):
@@ -865,12 +879,15 @@ class FlexLowering:
         last: ir.Value,
         ks: ir.Value,
         nk: ir.Value,
+        limit: ir.Value | None = None,
     ) -> ir.Value:
         """Apply the mods to one score row in place (``-inf`` where hidden); returns the row max.
 
         Tiles the map shows wholly visible need no mod (no score_mod, or one that is the identity
         there) and are left as they are, so the max is one loop over the row rather than one per
         tile: a row crosses up to Sk/64 tiles, and each loop ends in a horizontal reduction.
+        With a ``limit`` (:meth:`_row_limit`) the keys from it on are ``-inf`` without a mod, and
+        the max runs over the whole vectors up to it (:func:`vector_span_end`).
         """
         spec = self.spec
         row_symbols = self._symbols(b, batch, head, gi)
@@ -884,7 +901,10 @@ class FlexLowering:
 
             def visible(with_mask: bool) -> None:
                 if not with_mask and untouched:
-                    return
+                    return  # wholly visible: before any row's limit
+                end = c1 if limit is None else clip_end(b, c0, c1, limit)
+                if limit is not None:
+                    vector_fill(b, row, end, c1, NEG_INF, "past.limit")
 
                 def apply(b: ir.IRBuilder, j: ir.Value, lanes: Lanes) -> None:
                     raw = lanes.load(b, row, j)
@@ -893,18 +913,24 @@ class FlexLowering:
                     )
                     lanes.store(b, value, row, j)
 
-                vector_loop(b, c0, c1, "mods", apply)
+                vector_loop(b, c0, end, "mods", apply)
 
             self._by_state(b, state, lambda: self._state(b, map_row, t), empty, visible)
 
         if not (self.spec.map_kind == "none" and untouched):
             self._for_tiles(b, map_row, first, last, ks, nk, on_tile)
-        return vector_reduce(b, i64(0), nk, "row.max", "max", lambda b, j, lanes: lanes.load(b, row, j))
+        span = nk if limit is None else vector_span_end(b, limit, nk)
+        return vector_reduce(b, i64(0), span, "row.max", "max", lambda b, j, lanes: lanes.load(b, row, j))
 
-    def _exp_row(self, b: ir.IRBuilder, row: ir.Value, nk: ir.Value, m: ir.Value, inverse: ir.Value) -> ir.Value:
+    def _exp_row(
+        self, b: ir.IRBuilder, row: ir.Value, nk: ir.Value, m: ir.Value, inverse: ir.Value, limit: ir.Value | None
+    ) -> ir.Value:
         """``row = exp(row - m)`` in place and ``*inverse = 1/sum``; returns ``lse = m + log(sum)``.
 
-        A row with every key hidden (``m = -inf``) becomes 0 with ``lse = -inf``.
+        A row with every key hidden (``m = -inf``) becomes 0 with ``lse = -inf``. With a ``limit``
+        (:meth:`_row_limit`) the exp runs over the whole vectors up to it and the rest of the row
+        is 0, what ``exp(-inf - m)`` gives (the sum adds the same terms in the same lanes), except
+        in a row whose max is NaN, where it runs over the whole row as the reference does.
         """
         result = alloca_entry(b, F32, "lse.value")
         with b.if_else(b.fcmp_ordered("==", m, f32(NEG_INF))) as (empty, normal):
@@ -919,7 +945,12 @@ class FlexLowering:
                     lanes.store(b, e, row, j)
                     return e
 
-                total = vector_reduce(b, i64(0), nk, "row.sum", "add", exp_term)
+                span = nk
+                if limit is not None:
+                    nan_max = b.fcmp_unordered("uno", m, m, name="nan.max")
+                    span = b.select(nan_max, nk, vector_span_end(b, limit, nk), name="exp.span")
+                    vector_fill(b, row, span, nk, 0.0, "p.past.limit")
+                total = vector_reduce(b, i64(0), span, "row.sum", "add", exp_term)
                 b.store(b.fdiv(f32(1.0), total), inverse)
                 b.store(b.fadd(m, b.call(self.logf, [total])), result)
         return b.load(result, typ=F32, name="lse")
@@ -1176,6 +1207,7 @@ class FlexLowering:
                                         ks,
                                         nk,
                                         partials,
+                                        exact,
                                     )
                                 self.clock.count(b, "softmax_backward", started)
                                 if dq_strip is not None:
@@ -1254,9 +1286,10 @@ class FlexLowering:
         row max and the 1/sum that scaled the row."""
         if raw_row is not None:
             vector_loop(b, i64(0), nk, "raw", lambda b, j, lanes: lanes.store(b, lanes.load(b, row, j), raw_row, j))
-        m = self._mod_rows(b, row, batch, head, gi, map_row, first, last, ks, nk)
+        limit = self._row_limit(b, gi, ks, nk)
+        m = self._mod_rows(b, row, batch, head, gi, map_row, first, last, ks, nk, limit)
         inverse = alloca_entry(b, F32, "inv.sum")
-        self._exp_row(b, row, nk, m, inverse)
+        self._exp_row(b, row, nk, m, inverse, limit)
         inv = b.load(inverse, typ=F32, name="inv")
         scale_row(b, row, nk, inv)
         return m, inv
@@ -1287,8 +1320,11 @@ class FlexLowering:
         ks: ir.Value,
         nk: ir.Value,
     ) -> None:
-        """``row = exp(mods(row) - lse)`` in place (0 where hidden or lse = -inf); raw scores kept if asked."""
+        """``row = exp(mods(row) - lse)`` in place (0 where hidden or lse = -inf); raw scores kept if
+        asked. Past the row's limit (:meth:`_row_limit`) P is 0 without a mod or an exp: the mask
+        hides those keys, and ``exp(-inf - shift)`` is 0 for every shift."""
         spec = self.spec
+        limit = self._row_limit(b, gi, ks, nk)
         row_symbols = self._symbols(b, batch, head, gi)
         score_hoisted = self._hoisted(b, spec.score_mod, self.score_kinds, row_symbols) if spec.score_mod else {}
         mask_hoisted = self._hoisted(b, spec.mask_mod, self.mask_kinds, row_symbols) if spec.mask_mod else {}
@@ -1301,6 +1337,10 @@ class FlexLowering:
                 vector_fill(b, row, c0, c1, 0.0, "p.hidden")
 
             def visible(with_mask: bool) -> None:
+                end = c1 if limit is None else clip_end(b, c0, c1, limit)
+                if limit is not None:
+                    vector_fill(b, row, end, c1, 0.0, "p.past.limit")
+
                 def body(b: ir.IRBuilder, j: ir.Value, lanes: Lanes) -> None:
                     raw = lanes.load(b, row, j)
                     if raw_row is not None:
@@ -1310,7 +1350,7 @@ class FlexLowering:
                     )
                     lanes.store(b, lanes.exp(b, b.fsub(s, lanes.splat(b, shift))), row, j)
 
-                vector_loop(b, c0, c1, "p", body)
+                vector_loop(b, c0, end, "p", body)
 
             self._by_state(b, state, lambda: self._state(b, map_row, t), empty, visible)
 
@@ -1332,17 +1372,28 @@ class FlexLowering:
         ks: ir.Value,
         nk: ir.Value,
         partials: dict[int, ir.Value],
+        exact: ir.Value,
     ) -> None:
-        """``dp_row = P ∘ (dP - delta) ∘ ds/dscore`` (0 where P is 0); score-mod tensor grads accumulated."""
+        """``dp_row = P ∘ (dP - delta) ∘ ds/dscore`` (0 where P is 0); score-mod tensor grads
+        accumulated. ``exact``: the strip's P is 0 past each row's limit (:meth:`_row_limit`)."""
         gradient = self.gradient
         row_symbols = self._symbols(b, batch, head, gi)
         hoisted = self._hoisted(b, gradient, self.gradient_kinds, row_symbols) if gradient is not None else {}
+        # past the row's limit P is 0, and so is dS, where the strip is exact: a recomputed row
+        # whose max is NaN has NaN there (as in the reference), which dK must see
+        limit = self._row_limit(b, gi, ks, nk)
+        if limit is not None:
+            limit = b.select(exact, limit, nk, name="ds.limit")
 
         def on_tile(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, state: int | None, t: ir.Value) -> None:
             def empty() -> None:
                 vector_fill(b, dp_row, c0, c1, 0.0, "ds.hidden")
 
             def visible(with_mask: bool) -> None:
+                end = c1 if limit is None else clip_end(b, c0, c1, limit)
+                if limit is not None:
+                    vector_fill(b, dp_row, end, c1, 0.0, "ds.past.limit")
+
                 def body(b: ir.IRBuilder, j: ir.Value, lanes: Lanes) -> None:
                     p = lanes.load(b, p_row, j)
                     ds = b.fmul(p, b.fsub(lanes.load(b, dp_row, j), lanes.splat(b, delta)))
@@ -1363,7 +1414,7 @@ class FlexLowering:
                         zero = b.or_(zero, b.fcmp_ordered("==", g_score, lanes.const(0.0)))
                     lanes.store(b, b.select(zero, lanes.const(0.0), ds), dp_row, j)
 
-                vector_loop(b, c0, c1, "ds", body)
+                vector_loop(b, c0, end, "ds", body)
 
             self._by_state(b, state, lambda: self._state(b, map_row, t), empty, visible)
 
@@ -1405,6 +1456,24 @@ class FlexLowering:
                 ptr = gep_f32(b, base, position)
                 value = b.extract_element(contribution, ir.Constant(ir.IntType(32), lane))
                 b.store(b.fadd(b.load(ptr, typ=F32), value), ptr)
+
+
+def clip_end(b: ir.IRBuilder, c0: ir.Value, c1: ir.Value, limit: ir.Value) -> ir.Value:
+    """The end of a tile's keys ``[c0, c1)`` that a row computes, given its limit: ``limit``
+    rounded up to whole vectors from ``c0`` (a tile starts on one), within ``[c0, c1]``. A row
+    computed to its limit exactly ran up to 15 keys a tile one lane at a time, which cost a
+    softcap forward more than the keys it saved (a scalar tanh each)."""
+    past = smax(b, b.sub(limit, c0), i64(0))
+    whole = b.and_(b.add(past, i64(WIDTH - 1)), i64(-WIDTH))
+    return smin(b, c1, b.add(c0, whole), name="tile.end")
+
+
+def vector_span_end(b: ir.IRBuilder, limit: ir.Value, nk: ir.Value) -> ir.Value:
+    """``limit`` rounded up to whole vectors of the row loops, at most ``nk``: a reduction over
+    ``[0, span)`` adds the same terms in the same lanes as one over ``[0, nk)`` whose terms past
+    ``limit`` are zeros (or -inf for a max), so its result is bitwise the same."""
+    rounded = b.and_(b.add(limit, i64(WIDTH - 1)), i64(-WIDTH))
+    return smin(b, rounded, nk, name="span.end")
 
 
 def _kind(ty: TensorType) -> str:

@@ -19,6 +19,7 @@ import pytest
 import rlx
 import rlx.codegen.executable as executable
 import rlx.codegen.lower_attention as lower_attention
+import rlx.codegen.lower_flex as lower_flex
 from rlx import Graph, Layout, MaskKind, RuntimeConfig
 from rlx.codegen import CodegenOptions, compile_graph
 from rlx.codegen.strip_heights import choose_block_q
@@ -374,3 +375,57 @@ def test_fixed_masks_as_mods_band_in_the_recomputing_kernels(mask: MaskKind) -> 
     whole, banded = compiled[False](**arrays), compiled[True](**arrays)
     assert np.isnan(whole["dq"]).any()
     assert_same_bits(whole, banded)
+
+
+def compile_limited(
+    graph: Graph, monkeypatch: pytest.MonkeyPatch, options: CodegenOptions, config: RuntimeConfig | None = None
+) -> dict[bool, executable.Executable]:
+    """The graph compiled with the programmable kernels' row limits off and on."""
+    compiled = {}
+    for limited in (False, True):
+        if limited:
+            monkeypatch.undo()
+        else:
+            monkeypatch.setattr(lower_flex.FlexLowering, "_row_limit", lambda self, b, gi, ks, nk: None)
+        executable._cache.clear()
+        compiled[limited] = compile_graph(graph, config=config, options=options)
+    assert "row.limit" in compiled[True].llvm_ir and "row.limit" not in compiled[False].llvm_ir
+    return compiled
+
+
+@pytest.mark.usefixtures("flags")
+@pytest.mark.parametrize("mods", ["causal", "lower_right", "causal&document", "softcap+causal"])
+@pytest.mark.parametrize("lengths", [(150, 150), (130, 60)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("poison", [None, ("q", np.nan), ("k", np.nan), ("v", np.inf)], ids=str)
+def test_flex_rows_stop_at_their_limit_with_the_same_bits(
+    mods: str, lengths: tuple[int, int], poison: tuple[str, float] | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past a row's limit (the mask's diagonal, ``FlexLowering._row_limit``) the programmable
+    kernels fill in ``-inf`` scores and zero P and dS instead of running the mods, the exp and
+    dS there: bitwise what computing them gives, rows that see no key (a lower-right mask with
+    Sq > Sk) and non-finite operands (the whole products read P past the limit) included."""
+    sq, sk = lengths
+    graph = flex_graph(mods, 1, 2, 1, sq, sk, 16, 16)
+    arrays = flex_arrays(graph, sq, sk)
+    if poison is not None:
+        where, value = poison
+        arrays[where][0, 0, 50, 2] = value
+    compiled = compile_limited(graph, monkeypatch, CodegenOptions(block_q=64))
+    assert_same_bits(compiled[False](**arrays), compiled[True](**arrays))
+
+
+@pytest.mark.usefixtures("flags")
+def test_recomputed_rows_stop_at_their_limit_with_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recomputing backward (fixed masks through the programmable kernels) takes a row's
+    limit for dS only where the strip is exact: a row whose max is NaN (an overflowing score)
+    has NaN P past its limit, which dK must see, as the whole products give."""
+    b, h, sq, sk, d = 1, 2, 100, 130, 8
+    graph = build(MaskKind.CAUSAL, Layout.BHSD, b, sq, sk, h, h, d, d)
+    arrays = arrays_for(Layout.BHSD, b, sq, sk, h, h, d, d)
+    arrays["q"][0, 1, 70, :2] = [1e30, 1e30]
+    arrays["k"][0, 1, 90, :2] = [1e30, -1e30]
+    options, config = CodegenOptions(masks_as_mods=True, block_q=32), RuntimeConfig(attn_mask_neg_inf=-np.inf)
+    compiled = compile_limited(graph, monkeypatch, options, config)
+    whole, limited = compiled[False](**arrays), compiled[True](**arrays)
+    assert np.isnan(whole["dk"]).any()
+    assert_same_bits(whole, limited)
