@@ -416,9 +416,9 @@ def test_flex_rows_stop_at_their_limit_with_the_same_bits(
 
 @pytest.mark.usefixtures("flags")
 def test_recomputed_rows_stop_at_their_limit_with_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The recomputing backward (fixed masks through the programmable kernels) takes a row's
-    limit for dS only where the strip is exact: a row whose max is NaN (an overflowing score)
-    has NaN P past its limit, which dK must see, as the whole products give."""
+    """The recomputing backward (fixed masks through the programmable kernels) stops its rows'
+    mods and exp at their limits too: a row whose max is NaN (an overflowing score) keeps NaN P
+    past its limit, which dK must see, as the whole products give."""
     b, h, sq, sk, d = 1, 2, 100, 130, 8
     graph = build(MaskKind.CAUSAL, Layout.BHSD, b, sq, sk, h, h, d, d)
     arrays = arrays_for(Layout.BHSD, b, sq, sk, h, h, d, d)
