@@ -75,7 +75,16 @@ from rlx.codegen.kernel_clock import COUNTERS_BYTES, KernelClock
 from rlx.codegen.sizes import SizeLike, ceil_div, emit_size, load_symbols, size_of
 from rlx.codegen.strip_heights import SMALL_PATH_MACS, StripHeights
 from rlx.codegen.tile_gemm import Band, declare_tile_gemm, host_tile_shape
-from rlx.codegen.vector import WIDTH, Lanes, splat, sum_lanes, vector_fill, vector_loop, vector_reduce
+from rlx.codegen.vector import (
+    WIDTH,
+    Lanes,
+    splat,
+    sum_lanes,
+    vector_fill,
+    vector_loop,
+    vector_reduce,
+    whole_vectors_end,
+)
 from rlx.ir.ops import AttentionDims
 from rlx.ir.types import Dim, Layout, MaskKind, Wrt
 
@@ -1154,8 +1163,7 @@ class AttentionLowering:
                 # it are -inf (weight 0), those outside it 0. Scalar tails of up to 15 exps a row
                 # cost more than the hidden keys' vectors saved.
                 start = b.select(whole, i64(0), b.and_(lo, i64(-WIDTH)), name="exp.start")
-                rounded = b.add(start, b.and_(b.add(b.sub(hi, start), i64(WIDTH - 1)), i64(-WIDTH)))
-                stop = b.select(whole, nk, smin(b, rounded, nk), name="exp.stop")
+                stop = b.select(whole, nk, whole_vectors_end(b, start, hi, nk), name="exp.stop")
                 fill = b.select(whole, self.neg, f32(-math.inf), name="hidden.fill")
                 vector_fill(b, row, i64(0), start, 0.0, "zero.lo")
                 vector_fill(b, row, start, lo, fill, "fill.lo")
@@ -1266,8 +1274,7 @@ class AttentionLowering:
             dot_end = nk
             if mask.is_causal_like:
                 lo, hi = self._row_keys(b, b.add(i0, r), ks, nk)
-                vector_end = smin(b, b.and_(b.add(hi, i64(WIDTH - 1)), i64(-WIDTH)), nk)
-                dot_end = b.select(exact, vector_end, nk, name="dot.end")
+                dot_end = b.select(exact, whole_vectors_end(b, i64(0), hi, nk), nk, name="dot.end")
             dot = vector_reduce(
                 b,
                 i64(0),

@@ -74,6 +74,7 @@ from rlx.codegen.lower_attention import (
     panels_from,
     scale_row,
     scale_rows,
+    slot_heads_and_width,
     strips_and_copies_bytes,
     transposed_buffers,
     view_row_stride,
@@ -83,7 +84,7 @@ from rlx.codegen.lower_attention import (
 from rlx.codegen.region_emit import LaneValue, RegionEmitter, Tensor, lane_indices
 from rlx.codegen.sizes import SizeLike, ceil_div, emit_size, load_symbols, size_of
 from rlx.codegen.tile_gemm import Band
-from rlx.codegen.vector import WIDTH, Lanes, sum_lanes, vector_fill, vector_loop, vector_reduce
+from rlx.codegen.vector import Lanes, sum_lanes, vector_fill, vector_loop, vector_reduce, whole_vectors_end
 from rlx.codegen.views import dense_strides
 from rlx.ir.region import GradientRegion, KeyBound, Region
 from rlx.ir.types import Dim, Layout, TensorType, Wrt
@@ -381,13 +382,12 @@ class FlexLowering:
         where the kernel does not band."""
         if not self.spec.key_bounds:
             return ir.Constant(I1, 0)
-        dims = self.spec.dims
         checked = [
             (
                 self._head(b, slot, batch, head),
                 self.sk if slot in KEY_SIDE else self.sq,
                 self._row_stride(slot),
-                dims.head_dim if slot in ("q", "k") else dims.value_dim,
+                slot_heads_and_width(self.spec.dims, slot)[1],
             )
             for slot, batch, head in heads
         ]
@@ -1464,9 +1464,7 @@ def computed_part(
     a tile to scalar code, which made a softcap forward 3-9% slower (a scalar tanh each)."""
     if limit is None:
         return c1
-    beyond = smax(b, b.sub(limit, c0), i64(0))
-    whole = b.and_(b.add(beyond, i64(WIDTH - 1)), i64(-WIDTH))
-    end = smin(b, c1, b.add(c0, whole), name="tile.end")
+    end = whole_vectors_end(b, c0, smax(b, limit, c0), c1, name="tile.end")
     vector_fill(b, row, end, c1, past, name)
     return end
 
@@ -1476,8 +1474,7 @@ def vector_span_end(b: ir.IRBuilder, limit: ir.Value, nk: ir.Value) -> ir.Value:
     span)`` adds the same terms in the same lanes as one over ``[0, nk)`` whose terms past
     ``limit`` are zeros, and a max over it is the max of a row that is ``-inf`` past ``limit``
     (the same in any grouping), so their results are bitwise the same."""
-    rounded = b.and_(b.add(limit, i64(WIDTH - 1)), i64(-WIDTH))
-    return smin(b, rounded, nk, name="span.end")
+    return whole_vectors_end(b, i64(0), limit, nk, name="span.end")
 
 
 def _kind(ty: TensorType) -> str:

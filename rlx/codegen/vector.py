@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from rlx.codegen.expf import define_expf, define_softmax_expf
-from rlx.codegen.irutil import F32, I1, REDUCE, alloca_entry, for_range, gep_f32, i64, intrinsic
+from rlx.codegen.irutil import F32, I1, REDUCE, alloca_entry, for_range, gep_f32, i64, intrinsic, smin
 
 WIDTH = 16  # floats per vector: one AVX-512 register, two AVX2 registers
 
@@ -142,6 +142,14 @@ def _split(b: ir.IRBuilder, start: ir.Value, stop: ir.Value, step: int = WIDTH) 
     count = b.sub(stop, start)
     whole = b.mul(b.sdiv(count, i64(step)), i64(step))
     return b.add(start, whole, name="vec.end")
+
+
+def whole_vectors_end(b: ir.IRBuilder, start: ir.Value, stop: ir.Value, cap: ir.Value, name: str = "") -> ir.Value:
+    """``stop`` rounded up to whole vectors of a loop from ``start`` (``start + k·WIDTH``), at most
+    ``cap``: a row loop that ends there has no scalar tail, which costs more than the lanes it
+    would save when they hold hidden keys (``-inf`` scores, zero P or dS)."""
+    whole = b.and_(b.add(b.sub(stop, start), i64(WIDTH - 1)), i64(-WIDTH))
+    return smin(b, b.add(start, whole), cap, name=name)
 
 
 def vector_loop(b: ir.IRBuilder, start: ir.Value, stop: ir.Value, name: str, body: Body) -> None:
