@@ -223,8 +223,6 @@ def _shape_matches(
             if dim != size:
                 return False
             continue
-        if size < 1:
-            raise RlxValueError(f"input {name!r}: symbolic dimension {dim!r} (axis {axis}) must be >= 1, got {size}")
         first = binders.setdefault(dim, (name, size))
         if first[1] != size:
             raise RlxValueError(

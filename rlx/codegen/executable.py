@@ -524,6 +524,8 @@ class Executable:
         assert program.binder is not None
         bound, sizes = program.binder(arrays)
         check_index_inputs(program.graph, bound, program.index_bounds)  # before native code reads with ids
+        if 0 in sizes.values():
+            return self._run_empty(bound, sizes)
         layout = program.layouts.get(tuple(sizes.items()))
         if layout is None:
             layout = program.layout_for(sizes)  # the size checks run here, before native code
@@ -538,6 +540,26 @@ class Executable:
                 buffers.append(outputs.take(name, shape, dtype))
         self._enter(layout, list(map(data_address, buffers)), threads, bound)
         return {name: buffers[slot] if owned else buffers[slot].copy() for name, slot, owned in layout.results}
+
+    def _run_empty(self, bound: Mapping[str, np.ndarray], sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
+        """A call in which a symbolic dimension is 0 (an empty batch, a KV cache with no keys yet).
+
+        Its values are what NumPy gives, and JAX and torch agree on: empty arrays, sums of
+        nothing 0, means NaN, maxima -inf, attention over no keys 0 (its LSE -inf), products over
+        an empty inner dimension 0. There is no arithmetic worth native code in it, so the float64
+        reference interpreter evaluates the graph and its results are rounded to the declared
+        dtypes, as every compiled result is checked against; the kernels, whose loop nests and
+        strip plans are written for sizes >= 1, never see a zero size.
+        """
+        from rlx.reference import evaluate
+
+        program = self._program
+        inputs = dict(bound)
+        for name, value in program.graph.inputs.items():
+            if name not in inputs:  # optional (no output reads it): any array of its type serves
+                known = {dim: sizes.get(dim, 1) for dim in value.type.symbols}
+                inputs[name] = np.zeros(resolve_dims(value.type.shape, known), value.type.dtype)
+        return evaluate(program.graph, inputs, config=program.config)
 
     def run_direct(
         self,

@@ -193,10 +193,12 @@ def attention_forward(
     The mask runs as the mods it stands for (:func:`mask_regions`), through programmable
     attention's reference: one definition of what attention computes.
     """
-    from rlx.ops.flex_attention import FlexAttentionAttrs, flex_attention_forward
+    from rlx.ops.flex_attention import FlexAttentionAttrs, flex_attention_forward, no_pairs
 
     config = resolve_config(config)
     _check_shapes("attention_forward", q, k, v, None, mask, layout, mask_tensor)
+    if no_pairs(q, k):
+        return np.zeros((*np.shape(q)[:-1], np.shape(v)[-1]))
     score_mod, mask_mod, captured = _as_mods(mask, mask_tensor, config)
     out, _ = flex_attention_forward(q, k, v, captured, FlexAttentionAttrs(score_mod, mask_mod, None, layout))
     return out
@@ -225,10 +227,14 @@ def attention_backward(
         FlexAttentionBwdAttrs,
         flex_attention_backward,
         flex_attention_forward,
+        no_pair_grads,
+        no_pairs,
     )
 
     config = resolve_config(config)
     _check_shapes("attention_backward", q, k, v, dy, mask, layout, mask_tensor)
+    if no_pairs(q, k):
+        return no_pair_grads(q, k, v, wrt)
     score_mod, mask_mod, captured = _as_mods(mask, mask_tensor, config)
     # D = rowsum(dY * out), not rowsum(P * dP) over the visible keys alone: a NaN in the value
     # row of a hidden key reaches out (0 * NaN) and so every gradient of that row, as SPEC 1's
@@ -291,7 +297,7 @@ def masked_positions(
 
 def safe_softmax(scores: np.ndarray) -> np.ndarray:
     """Max-subtracted softmax over the last axis; a row that is entirely ``-inf`` gives zeros, not NaN."""
-    row_max = np.max(scores, axis=-1, keepdims=True)
+    row_max = np.max(scores, axis=-1, keepdims=True, initial=-np.inf)  # no keys: -inf
     row_max = np.where(np.isneginf(row_max), 0.0, row_max)
     exps = np.exp(scores - row_max)
     total = np.sum(exps, axis=-1, keepdims=True)
@@ -321,8 +327,8 @@ def _check_shapes(
 ) -> None:
     """Reuse the IR's shape rule so direct callers get the same messages as graph builders."""
 
-    def shape_of(x: np.ndarray) -> TensorType:
-        return TensorType(tuple(np.shape(x)))
+    def shape_of(x: np.ndarray) -> TensorType:  # a type has no size 0: an empty axis reads as one symbol
+        return TensorType(tuple(size or "empty" for size in np.shape(x)))
 
     attention_dims(
         what,

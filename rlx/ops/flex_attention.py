@@ -318,7 +318,7 @@ def _visible(mask_mod: Region | None, dims: FlexDims, tensors: Sequence[np.ndarr
 
 def _softmax_and_lse(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Row softmax of ``s`` (``-inf`` hides) and its log-sum-exp; an all-hidden row gives 0 and -inf."""
-    m = np.max(s, axis=-1, keepdims=True)
+    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)  # no keys: -inf
     m = np.where(np.isneginf(m), 0.0, m)
     e = np.exp(s - m)
     total = np.sum(e, axis=-1, keepdims=True)
@@ -333,6 +333,8 @@ def flex_attention_forward(
     attrs: FlexAttentionAttrs,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(out, lse)`` in float64, materialising the scores: the oracle of the compiled kernels."""
+    if no_pairs(q, k):
+        return np.zeros((*np.shape(q)[:-1], np.shape(v)[-1])), np.full(_lse_shape(q, attrs.layout), -np.inf)
     qh, kh, vh = (to_heads(x, attrs.layout) for x in (q, k, v))
     dims = FlexDims(qh.shape[0], qh.shape[1], kh.shape[1], qh.shape[2], kh.shape[2], qh.shape[3], vh.shape[3])
     check_index_ranges_per_call("flex_attention", attrs.score_mod, attrs.mask_mod, dims, _types(captured))
@@ -366,9 +368,12 @@ def flex_attention_backward(
     cancellation.
     """
     layout = attrs.layout
+    if no_pairs(q, k) and not attrs.tensor_grads:
+        return no_pair_grads(q, k, v, attrs.wrt)
     qh, kh, vh, dyh = (to_heads(x, layout) for x in (q, k, v, dy))
     dims = FlexDims(qh.shape[0], qh.shape[1], kh.shape[1], qh.shape[2], kh.shape[2], qh.shape[3], vh.shape[3])
-    check_index_ranges_per_call("flex_attention_bwd", attrs.score_mod, attrs.mask_mod, dims, _types(captured))
+    if not no_pairs(q, k):  # no pairs: nothing is indexed (and an empty axis has no static size)
+        check_index_ranges_per_call("flex_attention_bwd", attrs.score_mod, attrs.mask_mod, dims, _types(captured))
     scale = 1.0 / math.sqrt(dims.head_dim) if attrs.scale is None else attrs.scale
     grid = _symbols(dims, None)
     full = (int(dims.batch), dims.heads, int(dims.seq_q), int(dims.seq_k))
@@ -461,8 +466,31 @@ def _symbol_or_literal(ref: Any, grid: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def _types(arrays: Sequence[np.ndarray]) -> list[TensorType]:
-    """The types of captured arrays as a node declares them (floats are f32)."""
-    return [TensorType(np.shape(a), F32 if np.asarray(a).dtype.kind == "f" else np.asarray(a).dtype) for a in arrays]
+    """The types of captured arrays as a node declares them (floats are f32); an empty axis (a
+    call's zero-size dimension, which no type has) reads as the symbol ``empty``."""
+    types = []
+    for array in arrays:
+        dtype = np.asarray(array).dtype
+        shape = tuple(size or "empty" for size in np.shape(array))
+        types.append(TensorType(shape, F32 if dtype.kind == "f" else dtype))
+    return types
+
+
+def no_pairs(q: np.ndarray, k: np.ndarray) -> bool:
+    """Whether a call has no (query, key) pair: no batch, no heads, no queries or no keys (every
+    axis but the head dim, in either layout). Nothing is scored, masked or indexed then: the
+    output is 0 (no keys), the LSE -inf, every gradient 0."""
+    return 0 in np.shape(q)[:-1] or 0 in np.shape(k)[:-1]
+
+
+def no_pair_grads(q: np.ndarray, k: np.ndarray, v: np.ndarray, wrt: Wrt) -> tuple[np.ndarray, ...]:
+    """The gradients ``wrt`` asks for of a call with :func:`no_pairs`: zeros, in Q, K, V order."""
+    return tuple(np.zeros(np.shape(x)) for x, flag in ((q, Wrt.QUERY), (k, Wrt.KEY), (v, Wrt.VALUE)) if flag in wrt)
+
+
+def _lse_shape(q: np.ndarray, layout: Layout) -> tuple[int, ...]:
+    batch, first, second = np.shape(q)[:3]
+    return (batch, first, second) if layout is Layout.BHSD else (batch, second, first)
 
 
 def _flex_reference(args: Sequence[np.ndarray], attrs: FlexAttentionAttrs, ctx: EvalContext) -> tuple[np.ndarray, ...]:
@@ -474,9 +502,7 @@ def _flex_bwd_reference(
 ) -> tuple[np.ndarray, ...]:
     slots = bwd_slots(attrs)
     captured = list(args[len(slots) :])
-    shapes = [
-        TensorType(np.shape(a), np.asarray(a).dtype if np.asarray(a).dtype.kind != "f" else F32) for a in captured
-    ]
+    shapes = _types(captured)
     named: dict[str, np.ndarray | None] = {"out": None, "lse": None, "dlse": None}
     named.update(zip(slots, args, strict=False))
     q, k, v, dy = (np.asarray(named[slot]) for slot in ("q", "k", "v", "dy"))

@@ -142,7 +142,7 @@ def _cross_entropy_infer(what: str, inputs: Sequence[TensorType], attrs: NoAttrs
 def _cross_entropy_reference(args: Sequence[np.ndarray], attrs: NoAttrs, ctx: EvalContext) -> np.ndarray:
     logits, targets = args
     check_indices("cross_entropy", targets, logits.shape[-1], "class index")
-    shifted = logits - np.max(logits, axis=-1, keepdims=True)
+    shifted = logits - np.max(logits, axis=-1, keepdims=True, initial=-np.inf)
     log_probs = shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
     picked = np.take_along_axis(log_probs, targets[..., None].astype(np.int64), axis=-1)
     return np.asarray(-np.mean(picked))

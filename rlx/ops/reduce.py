@@ -88,7 +88,7 @@ def _reference(fn):  # type: ignore[no-untyped-def]
 
 
 def _max_reference(args: Sequence[np.ndarray], attrs: ReduceAttrs, ctx: EvalContext) -> np.ndarray:
-    return np.max(args[0], axis=attrs.axes, keepdims=attrs.keepdims)
+    return np.max(args[0], axis=attrs.axes, keepdims=attrs.keepdims, initial=-np.inf)  # empty: -inf, as JAX
 
 
 def _decompose_mean(graph: Graph, node: Node) -> tuple[Value, ...]:

@@ -37,13 +37,13 @@ def _softmax_infer(what: str, inputs: Sequence[TensorType], attrs: AxisAttrs) ->
 
 def _softmax_reference(args: Sequence[np.ndarray], attrs: AxisAttrs, ctx: EvalContext) -> np.ndarray:
     x = args[0]
-    e = np.exp(x - np.max(x, axis=attrs.axis, keepdims=True))
+    e = np.exp(x - np.max(x, axis=attrs.axis, keepdims=True, initial=-np.inf))
     return e / np.sum(e, axis=attrs.axis, keepdims=True)
 
 
 def _log_softmax_reference(args: Sequence[np.ndarray], attrs: AxisAttrs, ctx: EvalContext) -> np.ndarray:
     x = args[0]
-    shifted = x - np.max(x, axis=attrs.axis, keepdims=True)
+    shifted = x - np.max(x, axis=attrs.axis, keepdims=True, initial=-np.inf)
     return shifted - np.log(np.sum(np.exp(shifted), axis=attrs.axis, keepdims=True))
 
 
