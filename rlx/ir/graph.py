@@ -74,6 +74,29 @@ class Value:
     def graph(self) -> Graph:
         return self.node.graph
 
+    # NumPy's array methods, as an ndarray (or a jax.Array) has them: each calls the Graph method.
+    def sum(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Value:
+        return self.graph.sum(self, axis=axis, keepdims=keepdims)
+
+    def mean(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Value:
+        return self.graph.mean(self, axis=axis, keepdims=keepdims)
+
+    def max(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Value:
+        return self.graph.max(self, axis=axis, keepdims=keepdims)
+
+    def reshape(self, *shape: Any) -> Value:
+        """``x.reshape(2, -1)`` or ``x.reshape((2, -1))``, as ``ndarray.reshape``."""
+        one = len(shape) == 1 and isinstance(shape[0], (tuple, list))
+        return self.graph.reshape(self, tuple(shape[0]) if one else shape)
+
+    def transpose(self, *axes: Any) -> Value:
+        """``x.transpose(1, 0, 2)``, ``x.transpose((1, 0, 2))`` or ``x.transpose()`` (axes
+        reversed), as ``ndarray.transpose``."""
+        if not axes or (len(axes) == 1 and axes[0] is None):
+            return self.graph.transpose(self)
+        one = len(axes) == 1 and isinstance(axes[0], (tuple, list))
+        return self.graph.transpose(self, tuple(axes[0]) if one else axes)
+
     # Operators build nodes in the Value's graph; Python numbers and NumPy arrays on either side
     # become constants. Without this, ``np_array + value`` would let NumPy broadcast the Value as
     # an opaque object into an object array of one node per element; ``None`` makes NumPy defer

@@ -510,6 +510,39 @@ def test_value_attributes_and_operators_a_numpy_user_reaches_for() -> None:
     np.testing.assert_allclose(got["m"], arrays["x"].reshape(6, 4).T @ arrays["x"].reshape(6, 4), rtol=1e-5, atol=1e-5)
 
 
+def test_value_methods_as_an_ndarray_has_them() -> None:
+    g = Graph("t")
+    x = g.input("x", (2, 3, 4))
+    built = {
+        "sum": x.sum(),
+        "sum_axes": x.sum(axis=(0, 2), keepdims=True),
+        "mean": x.mean(-1),
+        "max": x.max(axis=1),
+        "flat": x.reshape(6, -1),
+        "flat_tuple": x.reshape((4, 6)),
+        "moved": x.transpose(1, 0, 2),
+        "moved_tuple": x.transpose((2, 0, 1)),
+        "reversed": x.transpose(),
+    }
+    g.output(**built)
+    xa = np.random.default_rng(3).standard_normal((2, 3, 4)).astype(np.float32)
+    got = rlx.compile(g)(x=xa)
+    want = {
+        "sum": xa.sum(),
+        "sum_axes": xa.sum(axis=(0, 2), keepdims=True),
+        "mean": xa.mean(-1),
+        "max": xa.max(axis=1),
+        "flat": xa.reshape(6, -1),
+        "flat_tuple": xa.reshape((4, 6)),
+        "moved": xa.transpose(1, 0, 2),
+        "moved_tuple": xa.transpose((2, 0, 1)),
+        "reversed": xa.transpose(),
+    }
+    for name, expected in want.items():
+        assert got[name].shape == expected.shape, name
+        np.testing.assert_allclose(got[name], expected, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 def test_numpy_arrays_on_either_side_of_an_operator_become_constants() -> None:
     """As JAX treats a NumPy array met while tracing; NumPy on the left once built an object array."""
     g = Graph("t")
