@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import rlx
 from rlx import Graph, Value
-from rlx.ir.types import dim_factors
+from rlx.ir.types import dim_factors, resolve_dims
 
 
 def _elements(shape: tuple[int | str, ...]) -> tuple[int, list[str]]:
@@ -66,4 +66,10 @@ def test_symbolic_chains_compile_once_and_match_the_reference(g: Graph, sizes: l
         expected = rlx.reference.run(g, **arrays)
         for name, want in expected.items():
             assert_close(got[name], want, f"{name} at S={s}", rtol=2e-4, atol=2e-5)
+    # S = 0: every output has its declared shape at that size; w only meets x's rows (products
+    # whose inner dimension or summed axis is empty), so its gradient is 0.
+    empty = exe(x=np.zeros((lead, 0, tail), np.float32), w=np.ones((tail, tail), np.float32))
+    for name, value in g.outputs.items():
+        assert empty[name].shape == resolve_dims(value.type.shape, {"S": 0}), name
+    assert not empty["dw"].any() and np.isfinite(empty["loss"])
     assert exe.compile_count == 1
