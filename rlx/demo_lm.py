@@ -105,6 +105,9 @@ def train(
     rng = np.random.default_rng(seed)
     optimizer = AdamW(lr=lr)
     losses: list[float] = []
+    # A terminal gets one progress line redrawn in place; a log or a pipe gets a line per tenth.
+    live = bool(getattr(out, "isatty", lambda: False)())
+    every = 5 if live else max(1, steps // 10)
     begin = time.perf_counter()
     for step in range(1, steps + 1):
         starts = rng.integers(0, len(data) - seq - 1, batch)
@@ -115,17 +118,18 @@ def train(
         warm = min(1.0, step / 20)
         decay = 0.5 * (1 + math.cos(math.pi * step / steps))
         optimizer.step(values, {name: result[f"d.{name}"] for name in values}, lr * warm * (0.1 + 0.9 * decay))
-        if step % 5 == 0 or step == steps:
+        if step % every == 0 or step == steps:
             elapsed = time.perf_counter() - begin
             done = int(30 * step / steps)
             print(
-                f"\r   [{'#' * done}{'.' * (30 - done)}] step {step}/{steps}  loss {np.mean(losses[-5:]):.3f}  "
-                f"{step * batch * seq / elapsed:,.0f} tokens/s",
-                end="",
+                ("\r" if live else "") + f"   [{'#' * done}{'.' * (30 - done)}] step {step}/{steps}  "
+                f"loss {np.mean(losses[-5:]):.3f}  {step * batch * seq / elapsed:,.0f} tokens/s",
+                end="" if live else "\n",
                 file=out,
                 flush=True,
             )
-    print(file=out)
+    if live:
+        print(file=out)
     print(
         f"   loss {losses[0]:.3f} -> {np.mean(losses[-10:]):.3f} (uniform guess: {math.log(len(chars)):.3f})", file=out
     )

@@ -214,6 +214,9 @@ def test_lm_demo_trains_and_samples(tmp_path, capsys: pytest.CaptureFixture[str]
     assert "tiny char LM on" in out and "tokens/s" in out and "== sample" in out
     first, last = (float(x) for x in out.split("   loss ")[-1].split(" (")[0].split(" -> "))
     assert last < first
+    # Not a terminal: a progress line per tenth of the steps, no carriage returns.
+    progress = [line for line in out.splitlines() if "tokens/s" in line]
+    assert "\r" not in out and len(progress) == 10 and progress[-1].lstrip().startswith("[" + "#" * 30 + "]")
 
 
 def test_lm_demo_defaults_to_the_readme(capsys: pytest.CaptureFixture[str]) -> None:
@@ -252,3 +255,20 @@ def test_the_lms_own_options_imply_lm(tmp_path, capsys: pytest.CaptureFixture[st
     assert "tiny char LM on" in out and str(text) in out
     assert cli.main(["demo", "--data", "/no/such/file.txt"]) == 1
     assert "cannot read /no/such/file.txt" in capsys.readouterr().err
+
+
+def test_lm_demo_redraws_one_progress_line_on_a_terminal() -> None:
+    import io
+
+    from rlx.demo_lm import train
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    out = Terminal()
+    train("the cat sat on the mat. " * 40, "text", 20, 2, 16, 16, 2, 1, 3e-3, 0, out, sample_chars=10)
+    text = out.getvalue()
+    assert text.count("\r   [") == 4  # every 5 steps, each drawn over the one before
+    drawn = text.split("\r")[1:]
+    assert all("\n" not in line for line in drawn[:-1]) and drawn[-1].split("\n")[0].endswith("tokens/s")
