@@ -1,10 +1,11 @@
 """Calls in which a symbolic dimension is 0: an empty batch, a KV cache with no keys yet.
 
-What NumPy, JAX and torch agree on, checked against expectations written out here (not the
-reference interpreter, which such calls run on): empty arrays stay empty, a sum of nothing is 0,
-a mean NaN, a maximum -inf (JAX's choice: torch refuses), a product over an empty inner
-dimension 0, attention over no keys 0 with LSE -inf and zero gradients; the weights' gradients
-over an empty batch are 0. The same executable then serves non-empty calls without compiling.
+What JAX gives (NumPy and torch agree where they compute it), checked against expectations
+written out here (not the reference interpreter, which such calls run on): empty arrays stay
+empty, a sum of nothing is 0, a mean NaN, a maximum -inf (NumPy and torch refuse), a product
+over an empty inner dimension 0, attention over no keys 0 with LSE -inf and zero gradients; the
+weights' gradients over an empty batch are 0. The same executable then serves non-empty calls
+without compiling.
 """
 
 from __future__ import annotations

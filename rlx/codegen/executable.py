@@ -544,9 +544,10 @@ class Executable:
     def _run_empty(self, bound: Mapping[str, np.ndarray], sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
         """A call in which a symbolic dimension is 0 (an empty batch, a KV cache with no keys yet).
 
-        Its values are what NumPy gives, and JAX and torch agree on: empty arrays, sums of
-        nothing 0, means NaN, maxima -inf, attention over no keys 0 (its LSE -inf), products over
-        an empty inner dimension 0. There is no arithmetic worth native code in it, so the float64
+        Its values are JAX's (NumPy's and torch's where they compute them: both refuse a maximum
+        of nothing): empty arrays, sums of nothing 0, means NaN, maxima -inf, attention over no
+        keys 0 (its LSE -inf), products over an empty inner dimension 0. There is no arithmetic
+        worth native code in it, so the float64
         reference interpreter evaluates the graph and its results are rounded to the declared
         dtypes, as every compiled result is checked against; the kernels, whose loop nests and
         strip plans are written for sizes >= 1, never see a zero size.
