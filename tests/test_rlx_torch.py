@@ -434,6 +434,23 @@ def test_a_models_own_default_scale_is_the_default(dim: int) -> None:
     assert sdpa._fixed_plan(q, k, v, False, 0.5 * dim**-0.5) is not sdpa._fixed_plan(q, k, v, False, None)
 
 
+def test_repeated_inference_calls_return_dense_outputs_whatever_the_querys_unit_strides() -> None:
+    """A decode step's query may be contiguous with odd strides on its axes of size 1 (a
+    permuted view); the output of the short path (made like the query when it has its shape)
+    still has the standard strides, and torch's values."""
+    _, k, v = (t.detach() for t in qkv(b=1, h=8, sq=1, sk=21, d=16, seed=11))
+    q = torch.randn(8, 1, 1, 16).permute(1, 0, 2, 3)  # [1, 8, 1, 16], strides (16, 16, 16, 1)
+    assert q.is_contiguous() and q.stride() != (128, 16, 16, 1)
+    with torch.no_grad():
+        for _ in range(2):  # the first call keeps the runner, the second takes it
+            out = rt.scaled_dot_product_attention(q, k, v)
+            assert out.stride() == (128, 16, 16, 1)
+            assert_close(out, F.scaled_dot_product_attention(q, k, v))
+        wide = torch.randn(1, 8, 21, 24)  # Dv != D: out is not shaped like q
+        assert_close(rt.scaled_dot_product_attention(q, k, wide), F.scaled_dot_product_attention(q, k, wide))
+        assert_close(rt.scaled_dot_product_attention(q, k, wide), F.scaled_dot_product_attention(q, k, wide))
+
+
 def test_repeated_inference_calls_check_what_their_shapes_do_not_say() -> None:
     """An inference call whose heads, head dims and flags an earlier one had reuses its plan and
     runner; the rest is checked on every call: a call of the same shapes in another dtype,

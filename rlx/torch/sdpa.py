@@ -100,7 +100,11 @@ def _inference_call(
             qs, ks, vs = q.shape, k.shape, v.shape
             layout = runner.layout((qs, ks, vs))
             if layout is not None:
-                out = _written(layout.buffers[0][1])
+                shape = layout.buffers[0][1]
+                # q is a contiguous float32 CPU tensor (_direct): a new one like it, when out has
+                # its shape (Dv = D), takes 1.5 us where torch.empty's arguments take 2.3
+                same = shape == qs
+                out = torch.empty_like(q, memory_format=torch.contiguous_format) if same else _written(shape)
                 flops = 2.0 * qs[0] * qs[1] * qs[2] * ks[2] * (qs[3] + vs[3])  # _attention_flops, inlined
                 runner(layout, [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()], _threads_for(flops))
                 return out
