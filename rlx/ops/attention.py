@@ -193,7 +193,7 @@ def attention_forward(
     The mask runs as the mods it stands for (:func:`mask_regions`), through programmable
     attention's reference: one definition of what attention computes.
     """
-    from rlx.ops.flex_attention import FlexAttentionAttrs, flex_attention_forward, no_pairs
+    from rlx.ops.flex_attention import FlexAttentionAttrs, flex_attention_forward
 
     config = resolve_config(config)
     _check_shapes("attention_forward", q, k, v, None, mask, layout, mask_tensor)
@@ -227,8 +227,6 @@ def attention_backward(
         FlexAttentionBwdAttrs,
         flex_attention_backward,
         flex_attention_forward,
-        no_pair_grads,
-        no_pairs,
     )
 
     config = resolve_config(config)
@@ -304,6 +302,24 @@ def safe_softmax(scores: np.ndarray) -> np.ndarray:
     return exps / np.where(total == 0.0, 1.0, total)  # total is 0 only for all -inf rows
 
 
+def array_dims(x: np.ndarray) -> tuple[Dim, ...]:
+    """A call's array's shape as a type's dimensions: a type has no size 0, so an empty axis (a
+    call's zero-size dimension) reads as the symbol ``empty``."""
+    return tuple(size or "empty" for size in np.shape(x))
+
+
+def no_pairs(q: np.ndarray, k: np.ndarray) -> bool:
+    """Whether a call has no (query, key) pair: no batch, no heads, no queries or no keys (every
+    axis but the head dim, in either layout). Nothing is scored, masked or indexed then: the
+    output is 0 (no keys), the LSE -inf, every gradient 0."""
+    return 0 in np.shape(q)[:-1] or 0 in np.shape(k)[:-1]
+
+
+def no_pair_grads(q: np.ndarray, k: np.ndarray, v: np.ndarray, wrt: Wrt) -> tuple[np.ndarray, ...]:
+    """The gradients ``wrt`` asks for of a call with :func:`no_pairs`: zeros, in Q, K, V order."""
+    return tuple(np.zeros(np.shape(x)) for x, flag in ((q, Wrt.QUERY), (k, Wrt.KEY), (v, Wrt.VALUE)) if flag in wrt)
+
+
 def to_heads(x: np.ndarray, layout: Layout) -> np.ndarray:
     """float64 view in ``[B, H, S, D]`` so that each head is a trailing ``[S, D]`` matrix."""
     x = np.asarray(x, dtype=np.float64)
@@ -327,8 +343,8 @@ def _check_shapes(
 ) -> None:
     """Reuse the IR's shape rule so direct callers get the same messages as graph builders."""
 
-    def shape_of(x: np.ndarray) -> TensorType:  # a type has no size 0: an empty axis reads as one symbol
-        return TensorType(tuple(size or "empty" for size in np.shape(x)))
+    def shape_of(x: np.ndarray) -> TensorType:
+        return TensorType(array_dims(x))
 
     attention_dims(
         what,

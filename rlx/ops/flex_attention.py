@@ -29,7 +29,7 @@ from rlx.ir.opdef import EvalContext, OpDef, not_differentiable, register_op
 from rlx.ir.region import GradientRegion, Interval, Region
 from rlx.ir.types import Dim, Layout, TensorType, Wrt, dim_factors, make_dim
 from rlx.ops._common import F32, op_kind, zeros
-from rlx.ops.attention import from_heads, static_sizes, to_heads
+from rlx.ops.attention import array_dims, from_heads, no_pair_grads, no_pairs, static_sizes, to_heads
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Node, Value
@@ -368,11 +368,12 @@ def flex_attention_backward(
     cancellation.
     """
     layout = attrs.layout
-    if no_pairs(q, k) and not attrs.tensor_grads:
+    empty = no_pairs(q, k)
+    if empty and not attrs.tensor_grads:
         return no_pair_grads(q, k, v, attrs.wrt)
     qh, kh, vh, dyh = (to_heads(x, layout) for x in (q, k, v, dy))
     dims = FlexDims(qh.shape[0], qh.shape[1], kh.shape[1], qh.shape[2], kh.shape[2], qh.shape[3], vh.shape[3])
-    if not no_pairs(q, k):  # no pairs: nothing is indexed (and an empty axis has no static size)
+    if not empty:  # no pairs: nothing is indexed (and an empty axis has no static size)
         check_index_ranges_per_call("flex_attention_bwd", attrs.score_mod, attrs.mask_mod, dims, _types(captured))
     scale = 1.0 / math.sqrt(dims.head_dim) if attrs.scale is None else attrs.scale
     grid = _symbols(dims, None)
@@ -471,21 +472,8 @@ def _types(arrays: Sequence[np.ndarray]) -> list[TensorType]:
     types = []
     for array in arrays:
         dtype = np.asarray(array).dtype
-        shape = tuple(size or "empty" for size in np.shape(array))
-        types.append(TensorType(shape, F32 if dtype.kind == "f" else dtype))
+        types.append(TensorType(array_dims(array), F32 if dtype.kind == "f" else dtype))
     return types
-
-
-def no_pairs(q: np.ndarray, k: np.ndarray) -> bool:
-    """Whether a call has no (query, key) pair: no batch, no heads, no queries or no keys (every
-    axis but the head dim, in either layout). Nothing is scored, masked or indexed then: the
-    output is 0 (no keys), the LSE -inf, every gradient 0."""
-    return 0 in np.shape(q)[:-1] or 0 in np.shape(k)[:-1]
-
-
-def no_pair_grads(q: np.ndarray, k: np.ndarray, v: np.ndarray, wrt: Wrt) -> tuple[np.ndarray, ...]:
-    """The gradients ``wrt`` asks for of a call with :func:`no_pairs`: zeros, in Q, K, V order."""
-    return tuple(np.zeros(np.shape(x)) for x, flag in ((q, Wrt.QUERY), (k, Wrt.KEY), (v, Wrt.VALUE)) if flag in wrt)
 
 
 def _lse_shape(q: np.ndarray, layout: Layout) -> tuple[int, ...]:
