@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rlx.errors import RlxKeyError, RlxTypeError, RlxValueError, allocation_failed
+from rlx.ir.dims import dim_size, is_symbol
+from rlx.ir.types import dim_symbols
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Value
@@ -122,7 +124,10 @@ def _read_sizes(shape: tuple[Dim, ...], static: bool, got: tuple[int, ...], size
         if dim.__class__ is int:
             if dim != size:
                 return False
-        elif size < 1 or sizes.setdefault(dim, size) != size:  # type: ignore[arg-type]
+        elif dim in sizes or not ("+" in dim or "*" in dim):  # type: ignore[operator]
+            if size < 1 or sizes.setdefault(dim, size) != size:  # type: ignore[arg-type]
+                return False
+        elif dim_size(dim, sizes) != size:  # "P+1": its symbols are bound by earlier axes
             return False
     return True
 
@@ -146,10 +151,10 @@ def symbol_sizes(
 def symbol_positions(graph: Graph) -> list[tuple[str, int, str]]:
     """``(input name, axis, symbol)`` for every symbolic dimension of the graph's inputs."""
     return [
-        (name, axis, dim)
+        (name, axis, dim)  # type: ignore[misc]
         for name, value in graph.inputs.items()
         for axis, dim in enumerate(value.type.shape)
-        if isinstance(dim, str)
+        if is_symbol(dim)
     ]
 
 
@@ -215,13 +220,17 @@ def _check_array(
 def _shape_matches(
     name: str, shape: tuple[int, ...], expected: TensorType, binders: dict[str, tuple[str, int]]
 ) -> bool:
-    """Static dims must be equal; a symbolic one takes any size, the same in every input that names it."""
+    """Static dims must be equal; a symbolic one takes any size, the same in every input that names it;
+    an expression of symbols (``"P+1"``) the size it gives."""
     if expected.is_static or len(shape) != len(expected.shape):
         return shape == expected.shape
     for axis, (dim, size) in enumerate(zip(expected.shape, shape, strict=True)):
         if isinstance(dim, int):
             if dim != size:
                 return False
+            continue
+        if not is_symbol(dim):
+            _check_expression(name, axis, dim, size, binders)
             continue
         first = binders.setdefault(dim, (name, size))
         if first[1] != size:
@@ -231,6 +240,21 @@ def _shape_matches(
                 f"declared {expected})"
             )
     return True
+
+
+def _check_expression(name: str, axis: int, dim: str, size: int, binders: dict[str, tuple[str, int]]) -> None:
+    """An axis declared as an expression (``"P+1"``) must have the size its symbols give."""
+    unbound = [symbol for symbol in dim_symbols(dim) if symbol not in binders]
+    if unbound:
+        raise RlxValueError(
+            f"input {name!r}: axis {axis} is {dim}, but {unbound} is bound by no input given in this call"
+        )
+    want = dim_size(dim, {symbol: binders[symbol][1] for symbol in dim_symbols(dim)})
+    if want != size:
+        given = ", ".join(
+            f"{symbol}={binders[symbol][1]} from input {binders[symbol][0]!r}" for symbol in dim_symbols(dim)
+        )
+        raise RlxValueError(f"input {name!r}: axis {axis} is {dim} = {want} ({given}), got {size}")
 
 
 def _to_array(name: str, obj: object) -> np.ndarray:

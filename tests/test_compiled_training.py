@@ -76,7 +76,7 @@ def test_symbolic_rows_and_a_product_shape_that_is_recomputed() -> None:
     training = f.training
     assert training is not None
     shapes = [training.forward.graph.outputs[name].shape for name in training.saved]
-    assert all(isinstance(d, int) or rlx.ir.types.is_symbol(d) for shape in shapes for d in shape)
+    assert all(isinstance(d, int) or rlx.ir.dims.is_symbol(d) for shape in shapes for d in shape)
     assert rlx.codegen.executable.compile_count() >= 1
 
 

@@ -158,18 +158,20 @@ def test_shape_rules_carry_symbols() -> None:
     assert g.softmax(x, axis=1).shape == (2, "S", 8)
     assert g.transpose(x, (1, 0, 2)).shape == ("S", 2, 8)
     assert g.concat([x, x], axis=2).shape == (2, "S", 16)
+    assert g.concat([x, x], axis=1).shape == (2, "2*S", 8)  # lengths add up: "S+S"
+    assert g.concat([x, g.input("t", (2, 3, 8))], axis=1).shape == (2, "S+3", 8)
     assert g.matmul(x, g.transpose(x, (0, 2, 1))).shape == (2, "S", "S")
 
 
 @pytest.mark.parametrize(
     ("build", "fragment"),
     [
-        (lambda g, x: g.concat([x, x], axis=1), "symbolic"),
-        (lambda g, x: g.split(x, 2, axis=1), "symbolic dimension 'S'"),
+        (lambda g, x: g.split(x, 2, axis=1), "size S, which 2 parts cannot share equally"),
+        (lambda g, x: g.split(x, ["S", 1], axis=1), "add up to S"),
         (lambda g, x: g.reshape(x, (3, -1)), "cannot reshape"),
-        (lambda g, x: g.input("z", (2, "2*S")), "an input is one name"),
+        (lambda g, x: g.input("z", (2, "2*T")), "no input declared before it"),
         (lambda g, x: g.reshape(x, (2, "S S", 8)), "identifier"),  # two names are not a product
-        (lambda g, x: g.reshape(x, (2, " S", 8)), "identifier"),
+        (lambda g, x: g.reshape(x, (2, "S-1", 8)), "identifier"),
         (lambda g, x: g.reshape(x, (16, "S")), None),
         (lambda g, x: g.reshape(x, (2, "T", 8)), "cannot reshape"),
         (lambda g, x: x + g.input("y", (2, 3, 8)), "do not broadcast"),

@@ -26,11 +26,20 @@ from typing import Any
 import numpy as np
 
 from rlx.codegen.lower import STRIDE_BUCKET, CallMap, DynamicScratch
+from rlx.ir.dims import is_symbol, poly
 from rlx.ir.types import Dim
 
 LayoutFunction = Callable[[Sequence[tuple[int, ...]]], Any]
 """``f(shapes)``: the call layout for inputs of these shapes (declaration order), or None where
 they do not match the declarations; raises what ``layout_for`` raises for sizes it refuses."""
+
+
+def _expression(dim: str, names: Mapping[str, str]) -> str:
+    """A symbolic dimension as Python arithmetic on the locals holding its symbols' sizes."""
+    value = poly(dim)
+    assert not isinstance(value, int)
+    terms = ["*".join([str(c)] + [names[symbol] for symbol in monomial]) for monomial, c in value.terms]
+    return "(" + " + ".join(terms) + ")"
 
 
 def layout_function(
@@ -64,6 +73,8 @@ def layout_function(
                 wrong.append(f"{local} != {dim}")
             elif dim in names:
                 wrong.append(f"{local} != {names[dim]}")
+            elif not is_symbol(dim):  # "P+1": its symbols are named by earlier axes (Graph.input checks)
+                wrong.append(f"{local} != {_expression(dim, names)}")
             else:
                 names[dim] = f"s{len(names)}"
                 lines.append(f"    {names[dim]} = {local}")

@@ -30,7 +30,15 @@ from llvmlite import ir
 
 from rlx.codegen.expf import define_expf, define_softmax_expf
 from rlx.codegen.irutil import CONTRACT, F32, I1, I8, I32, I64, REDUCE, alloca_entry, declare, gep, i64, intrinsic, smin
-from rlx.codegen.schedule import Kernel, Schedule, inline_values, is_unit_reshape, reduces_last_axis, reduction_of
+from rlx.codegen.schedule import (
+    Kernel,
+    Schedule,
+    inline_values,
+    is_unit_reshape,
+    reduces_last_axis,
+    reduction_of,
+    split_start,
+)
 from rlx.codegen.sizes import Size, SizeLike, ceil_div, emit_size, nominal, product
 from rlx.codegen.vector import WIDTH, any_lane, fold_max_ignoring_nan, max_ignoring_nan, splat, sum_lanes
 from rlx.codegen.views import View
@@ -132,6 +140,15 @@ class FusedEmitter:
         """A size or stride as an i64 here: a constant, or computed from the call's symbols."""
         return emit_size(self.b, value, self.symbols)
 
+    def _shift_by(self, ix: Ix, amount: Size) -> Ix:
+        """``ix + amount`` for a symbolic ``amount`` (a split's part after a symbolic one)."""
+        shift = self.size(amount)
+        if isinstance(ix.add, _AddLater):
+            return Ix(ix.loop, _AddLater(self.b.add(ix.add.value, shift), ix.add.amount), ix.level)
+        if isinstance(ix.add, int):
+            return Ix(ix.loop, shift if ix.add == 0 else _AddLater(shift, ix.add), ix.level)
+        return Ix(ix.loop, self.b.add(ix.add, shift), ix.level)
+
     # ------------------------------------------------------------------ loops
 
     @contextmanager
@@ -223,9 +240,9 @@ class FusedEmitter:
                 inner[in_dim] = idx[out_dim]
             return self.eval(node.inputs[0], tuple(inner))
         if op == "split":
-            axis, start = node.attrs.axis, sum(node.attrs.sizes[: value.index])
+            axis, start = node.attrs.axis, split_start(node, value.index)
             shifted = list(idx)
-            shifted[axis] = _shift(idx[axis], start)
+            shifted[axis] = _shift(idx[axis], start) if isinstance(start, int) else self._shift_by(idx[axis], start)
             return self.eval(node.inputs[0], tuple(shifted))
         if op == "reshape":
             if is_unit_reshape(node):

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rlx.codegen.lower_gemm import blas_reads_in_place
-from rlx.codegen.sizes import size_of
+from rlx.codegen.sizes import SizeLike, size_of
 from rlx.codegen.views import View
 from rlx.errors import RlxValueError
 from rlx.ir.graph import Graph, Node, Value
@@ -96,11 +96,18 @@ def apply_view_op(node: Node, index: int, source: View) -> View | None:
     if op == "broadcast_to":
         return source.broadcast_to(attrs.shape)
     if op == "split":
-        start = sum(attrs.sizes[:index])
-        return source.slice(attrs.axis, start, attrs.sizes[index])
+        return source.slice(attrs.axis, split_start(node, index), attrs.sizes[index])
     if op == "reshape":
         return source.reshape(attrs.shape)
     raise AssertionError(op)
+
+
+def split_start(node: Node, index: int) -> SizeLike:
+    """Where part ``index`` of a split starts along its axis (symbolic after a symbolic part)."""
+    start: SizeLike = 0
+    for size in node.attrs.sizes[:index]:
+        start = start + size_of(size)
+    return start
 
 
 def is_unit_reshape(node: Node) -> bool:
@@ -160,10 +167,10 @@ def build_schedule(graph: Graph, order: Sequence[Node] | None = None) -> Schedul
             schedule.kernels.append(Kernel(node, None, None, reads))
         elif op == "concat" and node.outputs[0] in materialised:
             whole = View.dense(node.outputs[0])
-            start = 0
+            start: SizeLike = 0
             for part in node.inputs:
                 out = whole.slice(node.attrs.axis, start, part.shape[node.attrs.axis])
-                start += part.shape[node.attrs.axis]
+                start = start + size_of(part.shape[node.attrs.axis])
                 schedule.kernels.append(Kernel(node, part, out, inline_reads(schedule, part)))
         else:
             for value in node.outputs:

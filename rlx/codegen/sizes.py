@@ -12,80 +12,17 @@ call's sizes table (:func:`emit_size`).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
 from llvmlite import ir
 
 from rlx.codegen.irutil import I64, gep, i64
-from rlx.ir.types import dim_factors
-
-Monomial = tuple[str, ...]  # sorted symbol names, a name repeated for its power
-
-
-@dataclass(frozen=True)
-class Size:
-    """``sum(coefficient * product(symbols))`` in a canonical order; build with :func:`size_of`."""
-
-    terms: tuple[tuple[Monomial, int], ...]
-
-    @staticmethod
-    def make(terms: Mapping[Monomial, int]) -> int | Size:
-        """The canonical value of ``terms``: an int when no symbol is left."""
-        kept = tuple(sorted((m, c) for m, c in terms.items() if c != 0))
-        if not kept:
-            return 0
-        if len(kept) == 1 and kept[0][0] == ():
-            return kept[0][1]
-        return Size(kept)
-
-    def _terms(self) -> dict[Monomial, int]:
-        return dict(self.terms)
-
-    def __add__(self, other: int | Size) -> int | Size:
-        terms = self._terms()
-        for monomial, coefficient in _terms_of(other).items():
-            terms[monomial] = terms.get(monomial, 0) + coefficient
-        return Size.make(terms)
-
-    __radd__ = __add__
-
-    def __sub__(self, other: int | Size) -> int | Size:
-        return self + (-1) * other
-
-    def __rsub__(self, other: int | Size) -> int | Size:
-        return other + (-1) * self
-
-    def __mul__(self, other: int | Size) -> int | Size:
-        terms: dict[Monomial, int] = {}
-        for m1, c1 in self.terms:
-            for m2, c2 in _terms_of(other).items():
-                monomial = tuple(sorted(m1 + m2))
-                terms[monomial] = terms.get(monomial, 0) + c1 * c2
-        return Size.make(terms)
-
-    __rmul__ = __mul__
-
-    def __str__(self) -> str:
-        parts = []
-        for monomial, coefficient in self.terms:
-            factors = ([str(coefficient)] if coefficient != 1 or not monomial else []) + list(monomial)
-            parts.append("*".join(factors))
-        return " + ".join(parts)
-
-
-SizeLike = int | Size
-
-
-def _terms_of(value: SizeLike) -> dict[Monomial, int]:
-    return value._terms() if isinstance(value, Size) else {(): value}
+from rlx.ir.dims import Size, SizeLike, poly
 
 
 def size_of(dim: int | str | Size) -> SizeLike:
-    """A shape entry as a size: an int as is, a symbol name as the polynomial of that symbol."""
-    if isinstance(dim, str):
-        coefficient, symbols = dim_factors(dim)  # "N", or a product such as "2*N" from a reshape
-        return Size(((symbols, coefficient),))
-    return dim
+    """A shape entry as a size: an int as is, a symbolic dimension (``"N"``, ``"2*N"``, ``"P+1"``)
+    as its polynomial."""
+    return poly(dim)
 
 
 def product(dims: Iterable[int | str | Size]) -> SizeLike:

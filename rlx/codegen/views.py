@@ -57,7 +57,7 @@ class View:
         ]
         return replace(self, shape=tuple(shape), strides=tuple(strides))
 
-    def slice(self, axis: int, start: int, size: int) -> View:
+    def slice(self, axis: int, start: SizeLike, size: Dim) -> View:
         shape = list(self.shape)
         shape[axis] = size
         return replace(self, offset=self.offset + start * self.strides[axis], shape=tuple(shape))

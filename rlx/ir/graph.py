@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 import networkx as nx
 
 from rlx.errors import RlxKeyError, RlxTypeError, RlxValueError
+from rlx.ir.dims import canonical_dim, is_symbol
 from rlx.ir.opdef import REGISTRY
 from rlx.ir.ops import InputAttrs, OpKind
-from rlx.ir.types import Dim, TensorType, as_dtype, check_shape, is_symbol
+from rlx.ir.types import Dim, TensorType, as_dtype, check_shape, dim_symbols
 
 Attrs = Any
 
@@ -338,16 +339,30 @@ class Graph:
     # ----------------------------------------------------------------- builders
 
     def input(self, name: str, shape: Sequence[int | str], dtype: object = "float32") -> Value:
-        """Declare a graph input ``name`` of static ``shape`` and ``dtype`` (default float32)."""
+        """Declare a graph input ``name`` of ``shape`` and ``dtype`` (default float32).
+
+        A dimension is an int, or a name (``"Sk"``) whose size each call binds from the arrays it
+        is given, or an expression of names bound before it (``"P+1"`` after an input with an
+        axis ``"P"``): that axis is checked to have the size the expression gives.
+        """
         check_name(name, "input name")
         if name in self._inputs:
             raise RlxValueError(f"graph {self.name!r} already has an input named {name!r}")
-        ty = TensorType(check_shape(shape, f"input {name!r}"), as_dtype(dtype))
+        entries: object = shape
+        if isinstance(shape, Sequence) and not isinstance(shape, (str, bytes)):
+            entries = tuple(canonical_dim(d) for d in shape)
+        ty = TensorType(check_shape(entries, f"input {name!r}"), as_dtype(dtype))
+        bound = {
+            symbol for value in self._inputs.values() for symbol in value.outputs[0].type.shape if is_symbol(symbol)
+        }
         for dim in ty.shape:
-            if isinstance(dim, str) and not is_symbol(dim):
+            if is_symbol(dim):
+                bound.add(dim)  # type: ignore[arg-type]
+            elif isinstance(dim, str) and not set(dim_symbols(dim)) <= bound:
                 raise RlxValueError(
-                    f"input {name!r}: a symbolic dimension of an input is one name (its size is bound per call), "
-                    f"got {dim!r}; products like it arise inside the graph, from reshapes"
+                    f"input {name!r}: the dimension {dim!r} uses {sorted(set(dim_symbols(dim)) - bound)}, which no "
+                    "input declared before it (nor an earlier axis) names as a dimension of its own; a call binds a "
+                    "symbol from an axis that is just that name"
                 )
         node = self._add(OpKind.INPUT, InputAttrs(name), (), (ty,))
         self._inputs[name] = node

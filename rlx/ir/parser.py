@@ -31,9 +31,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rlx.errors import RlxError, RlxTypeError, RlxValueError
+from rlx.ir.dims import Size, SizeLike, dim_text, is_symbol, parse_dim
 from rlx.ir.graph import Graph, Value
 from rlx.ir.ops import OpKind
-from rlx.ir.types import DTYPE_NAMES, Layout, MaskKind, TensorType, Wrt, is_symbol, make_dim, parse_dim_product
+from rlx.ir.types import DTYPE_NAMES, Layout, MaskKind, TensorType, Wrt
 
 _PUNCTUATION = "=,:{}[]()|-+*"
 _OPENERS = {"(": ")", "[": "]", "{": "}"}
@@ -300,7 +301,7 @@ def _convert_int_tuple(tp: object, tokens: list[Token], text: str) -> tuple[int 
             continue
         # Sk, or a product such as 2*Sk (a product of ints alone is not a symbolic dimension); the
         # tokens are joined by spaces, so two names without a "*" between them are not one name
-        dim = parse_dim_product(" ".join(token.text for token in entry)) if shape else None
+        dim = parse_dim(" ".join(token.text for token in entry)) if shape else None
         if not isinstance(dim, str):
             raise ValueError("expected ints between the parentheses" + (" (or symbolic dimensions)" if shape else ""))
         parsed.append(dim)
@@ -516,22 +517,28 @@ class _Parser:
         cursor.expect("[", f" after dtype {dtype.text}")
         dims: list[int | str] = []
         while not cursor.at("]"):
-            # A dimension: a positive int, a symbol (f32[2,Sk,4,64]) or a product of them (f32[2*Sk,64]).
-            coefficient, symbols = 1, []
+            # A dimension: a positive int, a symbol (f32[2,Sk,4,64]), a product of them (f32[2*Sk,64])
+            # or a sum of products (f32[P+1,64]).
+            total: SizeLike = 0
             while True:
-                if cursor.at_kind("name"):
-                    symbol = cursor.expect_kind("name", "a symbolic dimension")
-                    if not is_symbol(symbol.text):
-                        raise cursor.error("a dimension (a positive int, or a symbol such as Sk)", symbol)
-                    symbols.append(symbol.text)
-                else:
-                    dim = cursor.expect_kind("number", "a dimension (a positive int or a symbol) or ']'")
-                    if not dim.text.isdigit() or int(dim.text) < 1:
-                        raise cursor.error("a dimension (a positive int)", dim)
-                    coefficient *= int(dim.text)
-                if not cursor.accept("*"):
+                term: SizeLike = 1
+                while True:
+                    if cursor.at_kind("name"):
+                        symbol = cursor.expect_kind("name", "a symbolic dimension")
+                        if not is_symbol(symbol.text):
+                            raise cursor.error("a dimension (a positive int, or a symbol such as Sk)", symbol)
+                        term = term * Size.symbol(symbol.text)
+                    else:
+                        dim = cursor.expect_kind("number", "a dimension (a positive int or a symbol) or ']'")
+                        if not dim.text.isdigit() or int(dim.text) < 1:
+                            raise cursor.error("a dimension (a positive int)", dim)
+                        term = term * int(dim.text)
+                    if not cursor.accept("*"):
+                        break
+                total = total + term
+                if not cursor.accept("+"):
                     break
-            dims.append(make_dim(coefficient, symbols))
+            dims.append(dim_text(total))
             if not cursor.accept(","):
                 break
         cursor.expect("]", " closing the shape")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import math
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, TypeVar
@@ -12,6 +11,7 @@ from typing import ClassVar, TypeVar
 import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
+from rlx.ir.dims import Size, dim_size, dim_text, is_dim_expression, poly
 
 # Short IR spelling <-> NumPy dtype. float32 is what every attention op computes in.
 DTYPE_NAMES: dict[str, np.dtype] = {
@@ -41,71 +41,19 @@ def as_dtype(dtype: object) -> np.dtype:
     return normalised
 
 
-Dim = int | str  # a size, or a symbolic dimension: a name each call binds, or a product of names
-_SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-
-
-def is_symbol(dim: object) -> bool:
-    """A symbolic dimension: an identifier like ``"Sk"`` (``g.input("k", (B, "Sk", H, D))``)."""
-    return isinstance(dim, str) and _SYMBOL.match(dim) is not None
+Dim = int | str  # a size, or a symbolic dimension in canonical text: "Sk", "2*N", "P+1" (see rlx.ir.dims)
 
 
 def make_dim(coefficient: int, symbols: Iterable[str]) -> Dim:
     """The canonical dimension ``coefficient * product(symbols)``: an int without symbols, else
-    ``"N"``, ``"2*N"``, ``"B*S"`` (symbols sorted, a coefficient of 1 left out).
-
-    Products arise where a reshape merges a symbolic axis with others (``(2, N, 4)`` to
-    ``(-1, 4)`` gives ``2*N``); inputs declare plain names only, whose sizes a call binds.
-    """
-    names = sorted(symbols)
-    if not names:
-        return coefficient
-    return "*".join(([str(coefficient)] if coefficient != 1 else []) + names)
-
-
-def dim_factors(dim: Dim) -> tuple[int, tuple[str, ...]]:
-    """``(coefficient, symbols)`` of a dimension: ``4`` is ``(4, ())``, ``"2*N*S"`` is ``(2, ("N", "S"))``."""
-    if isinstance(dim, int):
-        return dim, ()
-    coefficient, names = 1, []
-    for factor in dim.split("*"):
-        if factor.isdigit():
-            coefficient *= int(factor)
-        else:
-            names.append(factor)
-    return coefficient, tuple(sorted(names))
-
-
-def parse_dim_product(text: str) -> Dim | None:
-    """``"2*N"``, ``"N * B"``: positive ints and symbols joined by ``*`` (spaces allowed around it),
-    as the canonical dimension (:func:`make_dim`); a plain symbol as it is; None for anything else."""
-    if "*" not in text:
-        return text if is_symbol(text) else None
-    factors = [factor.strip() for factor in text.split("*")]
-    if not all(is_symbol(f) or (f.isdigit() and int(f) >= 1) for f in factors):
-        return None
-    return make_dim(*dim_factors("*".join(factors)))
-
-
-def is_dim_product(dim: object) -> bool:
-    """A canonical product of symbols (``"2*N"``, ``"B*S"``), as :func:`make_dim` writes it."""
-    return isinstance(dim, str) and "*" in dim and parse_dim_product(dim) == dim
+    ``"N"``, ``"2*N"``, ``"B*S"`` (symbols sorted, a coefficient of 1 left out)."""
+    return dim_text(Size.make({tuple(sorted(symbols)): coefficient}))
 
 
 def dim_symbols(dim: Dim) -> tuple[str, ...]:
-    """The symbol names a dimension is made of (repeated for a power)."""
-    return dim_factors(dim)[1]
-
-
-def dim_size(dim: Dim, sizes: Mapping[str, int]) -> int:
-    """A dimension's size in one call, from the sizes of its symbols."""
-    if isinstance(dim, int):
-        return dim
-    size = sizes.get(dim)  # a plain symbol (per call on every call: kept cheap)
-    if size is not None:
-        return size
-    coefficient, names = dim_factors(dim)
-    return coefficient * math.prod(sizes[name] for name in names)
+    """The symbol names a dimension is made of, each once."""
+    value = poly(dim)
+    return () if isinstance(value, int) else value.symbols
 
 
 @dataclass(frozen=True)
@@ -189,7 +137,7 @@ def check_shape(shape: object, what: str) -> tuple[Dim, ...]:
         raise RlxTypeError(f"{what}: shape must be a tuple of ints, got {type(shape).__name__}") from None
     for dim in entries:
         if isinstance(dim, str):
-            if not (is_symbol(dim) or is_dim_product(dim)):
+            if not is_dim_expression(dim):
                 raise RlxValueError(
                     f"{what}: a symbolic dimension must be an identifier like 'Sk', got {dim!r} in {entries}"
                 )

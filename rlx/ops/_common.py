@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
-from rlx.ir.types import Dim, TensorType, parse_dim_product
+from rlx.ir.dims import parse_dim
+from rlx.ir.types import Dim, TensorType
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Value
@@ -127,18 +128,19 @@ def int_tuple(what: str, label: str, values: object) -> tuple[int, ...]:
 
 
 def dim_tuple(what: str, label: str, values: object) -> tuple[int | str, ...]:
-    """Like :func:`int_tuple`, but an entry may also name a symbolic dimension (``"Sk"``) or a
-    product of them and an int (``"2*Sk"``, as a reshape that merges axes prints it)."""
+    """Like :func:`int_tuple`, but an entry may also be a symbolic dimension: a name (``"Sk"``), or
+    a polynomial of names and ints (``"2*Sk"`` as a reshape that merges axes prints it, ``"P+1"``
+    as a concat does); it is kept in canonical form."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise RlxTypeError(f"{what}: {label} must be a tuple of ints, got {type(values).__name__}")
     out: list[int | str] = []
     for v in values:
         if isinstance(v, str):
-            dim = parse_dim_product(v)
+            dim = parse_dim(v)
             if dim is None:
                 raise RlxValueError(
-                    f"{what}: {label}: a symbolic dimension must be an identifier (or a product such as "
-                    f"'2*Sk'), got {v!r}"
+                    f"{what}: {label}: a symbolic dimension must be an identifier (or a product or sum "
+                    f"such as '2*Sk' or 'P+1'), got {v!r}"
                 )
             out.append(dim)
         elif not is_int(v):

@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
+from rlx.ir.dims import dim_text, poly
 from rlx.ir.opdef import EvalContext, OpDef, not_differentiable, register_op
 from rlx.ir.region import GradientRegion, Interval, Region
-from rlx.ir.types import Dim, Layout, TensorType, Wrt, dim_factors, make_dim
+from rlx.ir.types import Dim, Layout, TensorType, Wrt
 from rlx.ops._common import F32, op_kind, zeros
 from rlx.ops.attention import array_dims, from_heads, no_pair_grads, no_pairs, static_sizes, to_heads
 
@@ -211,8 +212,8 @@ def tensor_grad_layout(
     for tensor, steps in reads.items():
         exact_b = all(("s", "b") in region.steps[s].args[1:] for s in steps)
         exact_h = all(("s", "h") in region.steps[s].args[1:] for s in steps)
-        coefficient, symbols = dim_factors(1 if exact_b else dims.batch)  # a symbolic batch: "B" partials
-        partials = make_dim(coefficient * (1 if exact_h else dims.kv_heads), symbols)
+        batches = 1 if exact_b else poly(dims.batch)  # a symbolic batch: "B" partials
+        partials = dim_text(batches * (1 if exact_h else dims.kv_heads))
         layout.append((tensor, partials, not exact_b, not exact_h))
     return layout
 

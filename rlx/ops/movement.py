@@ -5,7 +5,6 @@ They work on any dtype. In compiled code they are strided views wherever the str
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,8 +13,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
+from rlx.ir.dims import SizeLike, dim_text, exact_quotient, poly
 from rlx.ir.opdef import EvalContext, OpDef, register_op
-from rlx.ir.types import Dim, TensorType, dim_factors, make_dim
+from rlx.ir.types import Dim, TensorType
 from rlx.ops._common import as_value, dim_tuple, int_tuple, is_int, normalize_axis, op_kind, sum_to_shape, zeros
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ class PermAttrs:
 @dataclass(frozen=True)
 class SplitAttrs:
     axis: int  # non-negative
-    sizes: tuple[int, ...]
+    sizes: tuple[Dim, ...]  # symbolic where the axis is: ("P", 1) of an axis "P+1"
 
 
 @dataclass(frozen=True)
@@ -51,22 +51,41 @@ def _reshape_infer(what: str, inputs: Sequence[TensorType], attrs: ShapeAttrs) -
     shape = dim_tuple(what, "shape", attrs.shape)
     if any(isinstance(d, int) and d < 1 for d in shape):
         raise RlxValueError(f"{what}: every dimension must be >= 1, got shape {shape}")
-    if _elements(shape) != _elements(x.shape):
+    if _elements(shape) != _elements(x.shape):  # equal polynomials have one canonical form
         raise RlxValueError(
             f"{what}: cannot reshape {x} ({_count(x.shape)} elements) to {list(shape)} ({_count(shape)} elements)"
         )
     return (TensorType(shape, x.dtype),)
 
 
-def _elements(shape: Sequence[Dim]) -> tuple[int, Counter[str]]:
-    """A shape's element count as (product of the static factors, multiset of symbols)."""
-    factors = [dim_factors(d) for d in shape]
-    return math.prod(c for c, _ in factors), Counter(name for _, names in factors for name in names)
+def _elements(shape: Sequence[Dim]) -> SizeLike:
+    """A shape's element count: an int, or a polynomial in its symbols."""
+    total: SizeLike = 1
+    for dim in shape:
+        total = total * poly(dim)
+    return total
 
 
 def _count(shape: Sequence[Dim]) -> str:
-    static, symbols = _elements(shape)
-    return "*".join([str(static)] * (static != 1 or not symbols) + sorted(symbols.elements()))
+    total = _elements(shape)
+    return str(total) if isinstance(total, int) or len(total.terms) == 1 else f"({total})"
+
+
+def _missing_dim(old: Sequence[Dim], known: Sequence[Dim]) -> Dim | None:
+    """The dimension a reshape's -1 stands for: the element count of ``old`` over that of
+    ``known``, if it divides exactly. Dimensions the two shapes share cancel first, so a sum such
+    as ``P+1`` (which no monomial divides) carries through ``(B, P+1, 4, 64) -> (B, P+1, -1)``."""
+    rest = Counter(old)
+    unmatched = []
+    for dim in known:
+        if rest[dim] > 0:
+            rest[dim] -= 1
+        else:
+            unmatched.append(dim)
+    quotient = exact_quotient(_elements(list(rest.elements())), _elements(unmatched))
+    if quotient is None or (isinstance(quotient, int) and quotient < 1):
+        return None
+    return dim_text(quotient)
 
 
 def reshape(graph: Graph, x: object, shape: Sequence[int | str]) -> Value:
@@ -78,14 +97,12 @@ def reshape(graph: Graph, x: object, shape: Sequence[int | str]) -> Value:
     if dims.count(-1) > 1:
         raise RlxValueError(f"reshape: at most one -1 is allowed, got {tuple(dims)}")
     if -1 in dims:
-        total, symbols = _elements(value.shape)
-        known, named = _elements([d for d in dims if d != -1])
-        missing = symbols - named
-        if named - symbols or known <= 0 or total % known:
+        missing = _missing_dim(value.shape, [d for d in dims if d != -1])
+        if missing is None or any(isinstance(d, int) and d < 1 for d in dims if d != -1):
             raise RlxValueError(
                 f"reshape: cannot reshape {value.type} ({_count(value.shape)} elements) to {tuple(dims)}"
             )
-        dims[dims.index(-1)] = make_dim(total // known, missing.elements())
+        dims[dims.index(-1)] = missing
     return graph.add_node(op_kind("reshape"), [value], ShapeAttrs(tuple(dims))).outputs[0]
 
 
@@ -128,8 +145,11 @@ def _split_infer(what: str, inputs: Sequence[TensorType], attrs: SplitAttrs) -> 
     (x,) = inputs
     if x.rank == 0 or not 0 <= attrs.axis < x.rank:
         raise RlxValueError(f"{what}: axis {attrs.axis} is out of range for {x}")
-    sizes = int_tuple(what, "sizes", attrs.sizes)
-    if not sizes or any(s < 1 for s in sizes) or sum(sizes) != x.shape[attrs.axis]:
+    sizes = dim_tuple(what, "sizes", attrs.sizes)
+    total: SizeLike = 0
+    for size in sizes:
+        total = total + poly(size)
+    if not sizes or any(isinstance(s, int) and s < 1 for s in sizes) or total != poly(x.shape[attrs.axis]):
         raise RlxValueError(
             f"{what}: sizes {sizes} must be >= 1 and add up to {x.shape[attrs.axis]} (axis {attrs.axis} of {x})"
         )
@@ -141,32 +161,34 @@ def _split_infer(what: str, inputs: Sequence[TensorType], attrs: SplitAttrs) -> 
     return tuple(types)
 
 
-def split(graph: Graph, x: object, n: int | Sequence[int], axis: int = -1) -> tuple[Value, ...]:
-    """``n`` equal parts along ``axis`` (or parts of the given sizes); always a tuple."""
+def split(graph: Graph, x: object, n: int | Sequence[int | str], axis: int = -1) -> tuple[Value, ...]:
+    """``n`` equal parts along ``axis`` (or parts of the given sizes); always a tuple.
+
+    Along a symbolic axis the sizes are symbolic too: an axis ``P+1`` splits into ``("P", 1)``,
+    and ``n`` equal parts need a length that ``n`` divides for every size of its symbols
+    (``2*N`` in two parts of ``N``)."""
     value = as_value(graph, x, "split: x")
     if value.shape == ():
         raise RlxValueError("split: x must have at least one axis, got a scalar")
     ax = normalize_axis("split", axis, len(value.shape))
     length = value.shape[ax]
-    if isinstance(length, str):
-        raise RlxValueError(
-            f"split: axis {axis} of {value.type} is the symbolic dimension {length!r}; split along a static axis"
-        )
+    sizes: tuple[Dim, ...]
     if isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_)):
-        if n < 1 or length % n:
+        part = exact_quotient(poly(length), int(n)) if n >= 1 else None
+        if part is None or (isinstance(part, int) and part < 1):
             raise RlxValueError(
                 f"split: axis {axis} of {value.type} has size {length}, which {n} parts cannot share equally"
             )
-        sizes = (length // int(n),) * int(n)
+        sizes = (dim_text(part),) * int(n)
     elif isinstance(n, Sequence) and not isinstance(n, (str, bytes)):
-        sizes = int_tuple("split", "sizes", n)
+        sizes = dim_tuple("split", "sizes", n)
     else:
         raise RlxTypeError(f"split: n must be an int or a sequence of sizes, got {type(n).__name__}")
     return graph.add_node(op_kind("split"), [value], SplitAttrs(ax, sizes)).outputs
 
 
 def _split_reference(args: Sequence[np.ndarray], attrs: SplitAttrs, ctx: EvalContext) -> tuple[np.ndarray, ...]:
-    return tuple(np.split(args[0], np.cumsum(attrs.sizes)[:-1], axis=attrs.axis))
+    return tuple(np.split(args[0], np.cumsum(ctx.resolve(attrs.sizes))[:-1], axis=attrs.axis))
 
 
 def _split_grad(graph: Graph, node: Node, cts: Sequence[Value | None], needed: Sequence[bool]) -> list[Value | None]:
@@ -184,11 +206,11 @@ def _concat_infer(what: str, inputs: Sequence[TensorType], attrs: ConcatAttrs) -
         others = [d for a, d in enumerate(ty.shape) if a != attrs.axis]
         if ty.rank != first.rank or others != [d for a, d in enumerate(first.shape) if a != attrs.axis]:
             raise RlxValueError(f"{what}: part {i} {ty} does not match part 0 {first} except along axis {attrs.axis}")
-    lengths = [ty.shape[attrs.axis] for ty in inputs]
-    if not all(isinstance(n, int) for n in lengths):
-        raise RlxValueError(f"{what}: cannot concatenate along the symbolic dimension of {lengths} (axis {attrs.axis})")
+    total: SizeLike = 0
+    for ty in inputs:  # symbolic lengths add up: a cache of "P" and one new row make "P+1"
+        total = total + poly(ty.shape[attrs.axis])
     shape = list(first.shape)
-    shape[attrs.axis] = sum(n for n in lengths if isinstance(n, int))
+    shape[attrs.axis] = dim_text(total)
     return (TensorType(tuple(shape), first.dtype),)
 
 

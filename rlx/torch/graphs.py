@@ -13,9 +13,9 @@ import torch
 import rlx
 from rlx.codegen.executable import Executable
 from rlx.errors import RlxError, RlxTypeError, RlxValueError
+from rlx.ir.dims import is_symbol
 from rlx.ir.graph import Graph, Value
 from rlx.ir.ops import OpKind
-from rlx.ir.types import is_symbol
 from rlx.torch._autograd import _eager_under_torch_compile
 from rlx.torch._tensors import _array, _check_tensor, _tensor
 

@@ -1,6 +1,7 @@
 """Property: random chains of ops over a symbolic axis, including reshapes that merge it with
-static axes and split it out again, compile once and match the reference at several sizes,
-forward and gradients."""
+static axes and split it out again, and concats that grow it by static rows (``S+3``) and splits
+that take them off, compile once and match the reference at several sizes, forward and
+gradients."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ from hypothesis import strategies as st
 
 import rlx
 from rlx import Graph, Value
-from rlx.ir.types import dim_factors, resolve_dims
+from rlx.ir.dims import Size, SizeLike, dim_text, poly
+from rlx.ir.types import resolve_dims
 
 
-def _elements(shape: tuple[int | str, ...]) -> tuple[int, list[str]]:
-    factors = [dim_factors(d) for d in shape]
-    return int(np.prod([c for c, _ in factors])), sorted(name for _, names in factors for name in names)
+def _elements(shape: tuple[int | str, ...]) -> SizeLike:
+    total: SizeLike = 1
+    for d in shape:
+        total = total * poly(d)
+    return total
 
 
 @st.composite
@@ -27,12 +31,17 @@ def chains(draw: st.DrawFn) -> Graph:
     w = g.input("w", (tail, tail))
     v: Value = x
     for _ in range(draw(st.integers(1, 6))):
-        kind = draw(st.sampled_from(["merge", "flatten", "restore", "unary", "matmul", "softmax", "transpose", "sum"]))
+        kind = draw(
+            st.sampled_from(
+                ["merge", "flatten", "restore", "unary", "matmul", "softmax", "transpose", "sum", "grow", "shrink"]
+            )
+        )
+        symbolic = [a for a, d in enumerate(v.shape) if isinstance(d, str)]
         if kind == "merge" and v.ndim >= 2:  # (..., a, b) with a symbolic somewhere: (-1, b)
             v = g.reshape(v, (-1, v.shape[-1]))
         elif kind == "flatten":
             v = g.reshape(v, (-1,))
-        elif kind == "restore" and _elements(v.shape) == (lead * tail, ["S"]):
+        elif kind == "restore" and _elements(v.shape) == lead * tail * Size.symbol("S"):
             v = g.reshape(v, (lead, "S", tail))
         elif kind == "unary":
             v = g.tanh(v) * 1.5 + v
@@ -44,6 +53,22 @@ def chains(draw: st.DrawFn) -> Graph:
             v = g.transpose(v)
         elif kind == "sum" and v.ndim >= 2:
             v = g.sum(v, axis=draw(st.integers(0, v.ndim - 1)), keepdims=draw(st.booleans()))
+        elif kind == "grow" and len(symbolic) == 1:  # (.., S, ..) -> (.., S+k, ..): k rows of a constant
+            axis, rows = symbolic[0], draw(st.integers(1, 3))
+            shape = [rows if a == axis else d for a, d in enumerate(v.shape)]
+            v = g.concat(
+                [v, g.constant(np.full(shape, 0.25, np.float32))]
+                if draw(st.booleans())
+                else [g.constant(np.full(shape, -0.5, np.float32)), v],
+                axis=axis,
+            )
+        elif kind == "shrink" and symbolic:  # take the static rows off again: a split at a symbolic size
+            axis = symbolic[0]
+            static = next((c for m, c in poly(v.shape[axis]).terms if not m), 0)  # type: ignore[union-attr]
+            if static:
+                rest = dim_text(poly(v.shape[axis]) - static)
+                first = draw(st.booleans())
+                v = g.split(v, [rest, static] if first else [static, rest], axis=axis)[0 if first else 1]
     loss = g.sum(v * v)
     dx, dw = rlx.grad(g, loss, [x, w])
     g.output(y=v, loss=loss, dx=dx, dw=dw)
@@ -66,10 +91,14 @@ def test_symbolic_chains_compile_once_and_match_the_reference(g: Graph, sizes: l
         expected = rlx.reference.run(g, **arrays)
         for name, want in expected.items():
             assert_close(got[name], want, f"{name} at S={s}", rtol=2e-4, atol=2e-5)
-    # S = 0: every output has its declared shape at that size; w only meets x's rows (products
-    # whose inner dimension or summed axis is empty), so its gradient is 0.
-    empty = exe(x=np.zeros((lead, 0, tail), np.float32), w=np.ones((tail, tail), np.float32))
+    # S = 0: every output has its declared shape at that size; without constant rows, w only meets
+    # x's rows (products whose inner dimension or summed axis is empty), so its gradient is 0.
+    empty_arrays = {"x": np.zeros((lead, 0, tail), np.float32), "w": np.ones((tail, tail), np.float32)}
+    empty = exe(**empty_arrays)
     for name, value in g.outputs.items():
         assert empty[name].shape == resolve_dims(value.type.shape, {"S": 0}), name
-    assert not empty["dw"].any() and np.isfinite(empty["loss"])
+    if not any(node.op.value == "concat" for node in g.nodes):
+        assert not empty["dw"].any() and np.isfinite(empty["loss"])
+    for name, want in rlx.reference.run(g, **empty_arrays).items():
+        assert_close(empty[name], want, f"{name} at S=0", rtol=2e-4, atol=2e-5)
     assert exe.compile_count == 1
