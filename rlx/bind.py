@@ -148,6 +148,39 @@ def symbol_sizes(
     return sizes
 
 
+def short_dims(graph: Graph) -> list[tuple[str, str]]:
+    """``(dimension, where)`` for each dimension of the graph's values that subtracts a number
+    (``"S-1"``, from ``x[:, 1:]`` on a symbolic axis): the only ones that a call whose symbols
+    are all >= 1 can make 0 or negative (see :func:`check_short_dims`)."""
+    found: dict[str, str] = {}
+    for node in graph.nodes:
+        for value in node.outputs:
+            for dim in value.type.shape:
+                if isinstance(dim, str) and "-" in dim and dim not in found:
+                    found[dim] = f"{node.op} (node {node.id}), of type {value.type}"
+    return list(found.items())
+
+
+def check_short_dims(dims: Sequence[tuple[str, str]], sizes: Mapping[str, int]) -> bool:
+    """Whether one of ``dims`` (:func:`short_dims`) is 0 in a call of these sizes, which then runs
+    as an empty call; ``RlxValueError`` naming the value where one is negative (an index or
+    slice that reaches past the end of a symbolic axis that is too short in this call)."""
+    empty = False
+    for dim, where in dims:
+        symbols = dim_symbols(dim)
+        if not all(symbol in sizes for symbol in symbols):
+            continue  # bound only by an input left out: nothing computes this value
+        size = dim_size(dim, sizes)
+        if size < 0:
+            given = ", ".join(f"{symbol}={sizes[symbol]}" for symbol in symbols)
+            raise RlxValueError(
+                f"{where}: its dimension {dim} is {size} in this call ({given}); an index or a slice "
+                "reaches past the end of a symbolic axis that is too short for it"
+            )
+        empty = empty or size == 0
+    return empty
+
+
 def symbol_positions(graph: Graph) -> list[tuple[str, int, str]]:
     """``(input name, axis, symbol)`` for every symbolic dimension of the graph's inputs."""
     return [

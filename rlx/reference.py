@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from rlx.bind import bind_inputs, check_index_inputs, symbol_sizes
+from rlx.bind import bind_inputs, check_index_inputs, check_short_dims, short_dims, symbol_sizes
 from rlx.config import RuntimeConfig, resolve_config
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.graph import Graph, Node, Value
@@ -65,7 +65,9 @@ def evaluate(
     check_index_inputs(graph, bound)
     if exact:
         bound = {name: wide.get(name, array) for name, array in bound.items()}
-    ctx = EvalContext(config, bound, symbol_sizes(graph, bound))
+    sizes = symbol_sizes(graph, bound)
+    check_short_dims(short_dims(graph), sizes)  # an empty "S-1" computes as NumPy does; negative raises
+    ctx = EvalContext(config, bound, sizes)
     env: dict[Value, np.ndarray] = {}
     for node in graph.nodes:
         results = _eval_node(graph, node, [_widen(env[value]) for value in node.inputs], ctx)

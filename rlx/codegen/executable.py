@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rlx.bind import InputBinder, check_index_inputs, index_bounds
+from rlx.bind import InputBinder, check_index_inputs, check_short_dims, index_bounds, short_dims
 from rlx.codegen.call_layout import LayoutFunction, layout_function
 from rlx.codegen.gc_pause import collection_paused
 from rlx.codegen.jit import CompiledLibrary, cache_key, compile_ir
@@ -90,6 +90,16 @@ class Program:
     layouts: dict[tuple[tuple[str, int], ...], CallLayout] = field(default_factory=dict)  # by the call's sizes
 
     @functools.cached_property
+    def short_dims(self) -> list[tuple[str, str]]:
+        """The dimensions a call may make 0 or negative (``"S-1"``): see :func:`rlx.bind.short_dims`."""
+        return short_dims(self.graph)
+
+    def is_empty(self, sizes: Mapping[str, int]) -> bool:
+        """A call with a size of 0 (a symbol, or a dimension such as ``"S-1"``) runs as an empty
+        call; one that makes a dimension negative raises."""
+        return 0 in sizes.values() or (bool(self.short_dims) and check_short_dims(self.short_dims, sizes))
+
+    @functools.cached_property
     def results(self) -> tuple[tuple[str, int, bool], ...]:
         """``(name, slot, owned)`` per output: the same for every call's sizes."""
         plan = self.plan
@@ -109,7 +119,7 @@ class Program:
                 table, arena_bytes, buffers, self.results, unread
             ),
             self.threads,
-            bool(self.call_checks),
+            bool(self.call_checks) or bool(self.short_dims),
             self.call_buffers,
         )
 
@@ -152,13 +162,16 @@ class Program:
                 kinds.append((name, ty.shape, ty.is_static, np.dtype(ty.dtype)))  # type: ignore[arg-type]
         return tuple(kinds)
 
-    def layout_for(self, sizes: Mapping[str, int]) -> CallLayout:
+    def layout_for(self, sizes: Mapping[str, int]) -> CallLayout | None:
         """What a call with these symbol sizes needs, after the checks that depend on them (which
         raise before any pointer reaches native code); kept for the next call of the same sizes
-        (the checks read the sizes alone: sizes that passed once pass again)."""
+        (the checks read the sizes alone: sizes that passed once pass again). None for an empty
+        call (:meth:`is_empty`), which no native code runs."""
         kept = self.layouts.get(tuple(sizes.items()))
         if kept is not None:
             return kept
+        if self.short_dims and self.is_empty(sizes):
+            return None
         table, arena_bytes = b"", self.arena_bytes
         if self.dynamic is not None:  # symbolic dimensions: scratch sized for this call's sizes
             for check in self.call_checks:
@@ -526,11 +539,12 @@ class Executable:
         assert program.binder is not None
         bound, sizes = program.binder(arrays)
         check_index_inputs(program.graph, bound, program.index_bounds)  # before native code reads with ids
-        if 0 in sizes.values():
+        if 0 in sizes.values() or (program.short_dims and program.is_empty(sizes)):
             return self._run_empty(bound, sizes)
         layout = program.layouts.get(tuple(sizes.items()))
         if layout is None:
             layout = program.layout_for(sizes)  # the size checks run here, before native code
+            assert layout is not None  # not empty: checked above
         # Buffer slots in entry order: the inputs (declaration order; one no output needs and that
         # was left out gets a placeholder nothing reads), then an output array per output slot.
         buffers = [bound.get(name, _PLACEHOLDER) for name in program.graph.inputs]
@@ -544,7 +558,8 @@ class Executable:
         return {name: buffers[slot] if owned else buffers[slot].copy() for name, slot, owned in layout.results}
 
     def _run_empty(self, bound: Mapping[str, np.ndarray], sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
-        """A call in which a symbolic dimension is 0 (an empty batch, a KV cache with no keys yet).
+        """A call in which a symbolic dimension is 0 (an empty batch, a KV cache with no keys yet),
+        or a dimension made from one (``x[:, :-1]`` when ``S`` is 1).
 
         Its values are JAX's (NumPy's and torch's where they compute them: both refuse a maximum
         of nothing): empty arrays, sums of nothing 0, means NaN, maxima -inf, attention over no

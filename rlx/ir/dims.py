@@ -121,12 +121,20 @@ def _parse_cached(text: str) -> SizeLike:
 
 
 def parse_poly(text: str) -> SizeLike | None:
-    """``"N"``, ``"2*N"``, ``"P + 1"``, ``"B*S+B"``: a sum of products of positive ints and symbol
-    names (spaces allowed around the operators); None for anything else."""
+    """``"N"``, ``"2*N"``, ``"P + 1"``, ``"B*S+B"``, ``"S-1"``: a sum of products of positive ints
+    and symbol names, less positive ints (an axis sliced from a symbolic one: ``x[:, 1:]``);
+    spaces allowed around the operators; None for anything else."""
     total: SizeLike = 0
-    for term in text.split("+"):
+    for position, signed in enumerate(text.split("+")):
+        first, *subtracted = signed.split("-")
+        for number in subtracted:
+            if not (number.strip().isascii() and number.strip().isdigit()):
+                return None  # only a number is subtracted: a size never has a negative symbol term
+            total = total - int(number)
+        if position == 0 and subtracted and not first.strip():
+            continue  # a leading "-1+S"
         coefficient, names = 1, []
-        for factor in (f.strip() for f in term.split("*")):
+        for factor in (f.strip() for f in first.split("*")):
             if factor.isascii() and factor.isdigit() and int(factor) >= 1:
                 coefficient *= int(factor)
             elif is_symbol(factor):

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rlx.errors import RlxError, RlxTypeError, RlxValueError
-from rlx.ir.dims import Size, SizeLike, dim_text, is_symbol, parse_dim
+from rlx.ir.dims import parse_dim
 from rlx.ir.graph import Graph, Value
 from rlx.ir.ops import OpKind
 from rlx.ir.types import DTYPE_NAMES, Layout, MaskKind, TensorType, Wrt
@@ -517,28 +517,23 @@ class _Parser:
         cursor.expect("[", f" after dtype {dtype.text}")
         dims: list[int | str] = []
         while not cursor.at("]"):
-            # A dimension: a positive int, a symbol (f32[2,Sk,4,64]), a product of them (f32[2*Sk,64])
-            # or a sum of products (f32[P+1,64]).
-            total: SizeLike = 0
-            while True:
-                term: SizeLike = 1
-                while True:
-                    if cursor.at_kind("name"):
-                        symbol = cursor.expect_kind("name", "a symbolic dimension")
-                        if not is_symbol(symbol.text):
-                            raise cursor.error("a dimension (a positive int, or a symbol such as Sk)", symbol)
-                        term = term * Size.symbol(symbol.text)
-                    else:
-                        dim = cursor.expect_kind("number", "a dimension (a positive int or a symbol) or ']'")
-                        if not dim.text.isdigit() or int(dim.text) < 1:
-                            raise cursor.error("a dimension (a positive int)", dim)
-                        term = term * int(dim.text)
-                    if not cursor.accept("*"):
-                        break
-                total = total + term
-                if not cursor.accept("+"):
-                    break
-            dims.append(dim_text(total))
+            # A dimension: a positive int, a symbol (f32[2,Sk,4,64]) or a polynomial of them
+            # (f32[2*Sk,64], f32[P+1,64], f32[S-1,64]). "-1" lexes as one number token.
+            first = cursor.peek()
+            if first.kind not in ("name", "number"):
+                raise cursor.error("a dimension (a positive int or a symbol) or ']'")
+            texts = []
+            while not (cursor.at(",") or cursor.at("]") or cursor.at_kind("end")):
+                texts.append(cursor.next().text)
+            if len(texts) == 1 and first.kind == "number":
+                if not first.text.isdigit() or int(first.text) < 1:
+                    raise cursor.error("a dimension (a positive int)", first)
+                dims.append(int(first.text))
+            else:
+                dim = parse_dim(" ".join(texts).replace("- ", "-"))
+                if dim is None:
+                    raise cursor.error("a dimension (a positive int, a symbol such as Sk, or 2*Sk, P+1, S-1)", first)
+                dims.append(dim)
             if not cursor.accept(","):
                 break
         cursor.expect("]", " closing the shape")

@@ -341,9 +341,11 @@ def getitem(graph: Graph, x: Value, index: object) -> Value:
     Built from ``split`` and ``reshape``, so it is a view once compiled and its gradient is
     ``split``'s (the part's cotangent placed among zeros). An int indexes from the end when
     negative and must be in range (NumPy's ``IndexError``, as an ``RlxValueError``); slice
-    bounds are clamped, as in NumPy. Along a symbolic axis only the whole axis (``:``) is
-    taken, since its length is known per call only. Indexing by arrays (a gather) is
-    ``g.embedding``.
+    bounds are clamped, as in NumPy. Along a symbolic axis of length ``S`` the bounds are
+    symbolic too: ``x[:, -1]`` is the part at ``S-1``, ``x[:, 1:]`` has length ``S-1`` (next-token
+    targets), ``x[:, :-1]`` too; a call whose ``S`` is too short for them (an index or a bound
+    past the end, which NumPy would clamp) is an ``RlxValueError`` before anything runs. Indexing
+    by arrays (a gather) is ``g.embedding``.
     """
     entries = list(index) if isinstance(index, tuple) else [index]
     for entry in entries:
@@ -368,28 +370,24 @@ def getitem(graph: Graph, x: Value, index: object) -> Value:
         if entry is None:
             shape.append(1)
             continue
-        bounds = _bounds(x, axis, value.shape[axis], entry)
+        length = value.shape[axis]
+        bounds = _bounds(x, axis, length, entry)
         if bounds is not None:
-            (start, stop), length = bounds, value.shape[axis]
-            assert isinstance(length, int)
-            sizes = [n for n in (start, stop - start, length - stop) if n > 0]
-            value = split(graph, value, sizes, axis=axis)[1 if start > 0 else 0]
+            start, stop = bounds
+            pieces = [start, stop - start, poly(length) - stop]
+            sizes = [dim_text(piece) for piece in pieces if piece != 0]
+            value = split(graph, value, sizes, axis=axis)[0 if start == 0 else 1]
         shape.append(None if is_int(entry) else value.shape[axis])
         axis += 1
     result_shape = tuple(d for d in shape if d is not None)
     return value if result_shape == value.shape else reshape(graph, value, result_shape)
 
 
-def _bounds(x: Value, axis: int, length: Dim, entry: object) -> tuple[int, int] | None:
+def _bounds(x: Value, axis: int, length: Dim, entry: object) -> tuple[SizeLike, SizeLike] | None:
     """``[start, stop)`` that ``entry`` (an int or a slice) takes along an axis of ``length``;
     None where it takes the whole axis."""
     if isinstance(length, str):
-        if isinstance(entry, slice) and entry == slice(None):
-            return None
-        raise RlxValueError(
-            f"indexing {x.type}: axis {axis} is the symbolic dimension {length!r}, whose length is known per "
-            "call only; take all of it (':'), or slice the arrays before the call"
-        )
+        return _symbolic_bounds(x, axis, length, entry)
     if is_int(entry):
         position = int(entry)
         if not -length <= position < length:
@@ -410,3 +408,35 @@ def _bounds(x: Value, axis: int, length: Dim, entry: object) -> tuple[int, int] 
             f"indexing {x.type}: {entry} takes nothing from axis {axis} of size {length} (rlx has no empty values)"
         )
     return None if (start, stop) == (0, length) else (start, stop)
+
+
+def _symbolic_bounds(x: Value, axis: int, length: str, entry: object) -> tuple[SizeLike, SizeLike] | None:
+    """:func:`_bounds` along a symbolic axis: a negative index or bound counts from the end
+    (``S-1``); the parts before and after must be sizes for every long enough ``S`` (a symbol
+    term never negative), and the call checks that ``S`` is long enough (``rlx.bind.short_dims``)."""
+    end = poly(length)
+
+    def position(bound: object, default: SizeLike) -> SizeLike:
+        if bound is None:
+            return default
+        if not is_int(bound):
+            raise RlxTypeError(f"indexing {x.type}: slice bounds must be ints, got {type(bound).__name__}")
+        return end + int(bound) if int(bound) < 0 else int(bound)  # type: ignore[call-overload]
+
+    if is_int(entry):
+        start = position(entry, 0)
+        stop = start + 1
+    else:
+        assert isinstance(entry, slice)
+        if entry.step not in (None, 1):
+            raise RlxValueError(f"indexing {x.type}: slices with a step ({entry}) are not supported; only step 1")
+        start, stop = position(entry.start, 0), position(entry.stop, end)
+    taken = stop - start
+    if isinstance(taken, int) and taken <= 0:
+        raise RlxValueError(f"indexing {x.type}: {entry} takes nothing from axis {axis} (rlx has no empty values)")
+    if not isinstance(taken, int) and any(c < 0 for monomial, c in taken.terms if monomial):
+        raise RlxValueError(
+            f"indexing {x.type}: {entry} along axis {axis} of symbolic length {length} takes a part of length "
+            f"{taken}, which shrinks as the axis grows (a bound from the end and a larger one from the start)"
+        )
+    return None if (start == 0 and stop == end) else (start, stop)

@@ -90,7 +90,10 @@ def test_symbolic_chains_compile_once_and_match_the_reference(g: Graph, sizes: l
         got = exe(**arrays)
         expected = rlx.reference.run(g, **arrays)
         for name, want in expected.items():
-            assert_close(got[name], want, f"{name} at S={s}", rtol=2e-4, atol=2e-5)
+            # a gradient through a softmax cancels: P * (g - sum(g * P)) with g up to the number of
+            # rows summed (3 * (S + 3) at most), so its absolute error scales with g, not with it
+            atol = 5e-5 if name.startswith("d") else 2e-5
+            assert_close(got[name], want, f"{name} at S={s}", rtol=2e-4, atol=atol)
     # S = 0: every output has its declared shape at that size; without constant rows, w only meets
     # x's rows (products whose inner dimension or summed axis is empty), so its gradient is 0.
     empty_arrays = {"x": np.zeros((lead, 0, tail), np.float32), "w": np.ones((tail, tail), np.float32)}

@@ -145,7 +145,8 @@ def test_splits_of_a_symbolic_axis_must_add_up_for_every_size() -> None:
     with pytest.raises(rlx.RlxValueError, match="add up to P\\+3"):
         g.split(x, ["P", 2], axis=1)
     with pytest.raises(rlx.RlxValueError, match="symbolic dimension"):
-        g.split(x, ["P-1", 4], axis=1)
+        g.split(x, ["P-S", 3], axis=1)  # no negative symbol terms
+    assert [v.shape for v in g.split(x, ["P-1", 4], axis=1)] == [(2, "P-1"), (2, 4)]  # P >= 1 per call
     assert [v.shape for v in g.split(x, [1, "P", 2], axis=1)] == [(2, 1), (2, "P"), (2, 2)]
     doubled = g.concat([x, x], axis=1)  # (2, 2*P+6): two equal parts of P+3
     assert [v.shape for v in g.split(doubled, 2, axis=1)] == [(2, "P+3"), (2, "P+3")]
@@ -223,9 +224,87 @@ def test_the_textual_ir_parses_sums_of_products() -> None:
 
 def test_dimension_polynomials() -> None:
     assert parse_dim("1 + P") == "P+1" and parse_dim("S*B + B") == "B*S+B" and parse_dim("3") is None
-    assert parse_dim("P-1") is None and parse_dim("0*P") is None and parse_dim("P+") is None
+    assert parse_dim("P-1") == "P-1" and parse_dim("-2+P") == "P-2" and parse_dim("P-S") is None
+    assert parse_dim("0*P") is None and parse_dim("P+") is None and parse_dim("1-P") is None
     assert dim_text(poly("N") * 2 + poly("S") + 1) == "2*N+S+1"
     assert dim_size("2*N+S+1", {"N": 3, "S": 5}) == 12 and dim_size("B*S+B", {"B": 2, "S": 0}) == 2
     assert exact_quotient(poly("4*P+8"), 4) == poly("P+2")
     assert exact_quotient(poly("4*P+8"), poly("P")) is None and exact_quotient(poly("B*S+B"), poly("B")) == poly("S+1")
     assert Size.symbol("P") + 1 == poly("P+1")
+
+
+def _next_token_graph() -> Graph:
+    """A language model's step over a symbolic length: inputs ``ids[:, :-1]``, targets
+    ``ids[:, 1:]`` (both ``S-1`` long), the last position's logits and a slice from each end."""
+    g = Graph("next_token")
+    ids = g.input("ids", (2, "S"), dtype="int64")
+    table, w = g.input("table", (11, 8)), g.input("w", (8, 11))
+    logits = g.embedding(table, ids[:, :-1]) @ w
+    loss = g.cross_entropy(logits, ids[:, 1:])
+    dtable, dw = rlx.grad(g, loss, [table, w])
+    g.output(loss=loss, last=logits[:, -1], first=logits[:, 0], middle=logits[:, 1:-1], dtable=dtable, dw=dw)
+    return g
+
+
+def test_slices_of_a_symbolic_axis_are_symbolic() -> None:
+    g = _next_token_graph()
+    shapes = {name: value.shape for name, value in g.outputs.items()}
+    assert shapes["last"] == (2, 11) and shapes["first"] == (2, 11) and shapes["middle"] == (2, "S-3", 11)
+    assert str(rlx.ir.parse(str(g))) == str(g)
+    x = Graph("views").input("x", (3, "S", 4))
+    assert x[:, 2:].shape == (3, "S-2", 4) and x[:, -5:].shape == (3, 5, 4) and x[:, 1:4].shape == (3, 3, 4)
+    assert x[:, :].shape == (3, "S", 4) and x[:, -1, 1:].shape == (3, 3)
+    with pytest.raises(rlx.RlxValueError, match="takes nothing"):
+        x[:, 3:2]
+    with pytest.raises(rlx.RlxValueError, match="shrinks as the axis grows"):
+        x[:, -3:5]  # from S-3 to 5: 8-S long
+    with pytest.raises(rlx.RlxValueError, match="step"):
+        x[:, ::2]
+
+
+@pytest.mark.parametrize("length", [4, 3, 17])
+def test_next_token_slices_match_the_reference(length: int) -> None:
+    g = _next_token_graph()
+    exe = rlx.compile(g)
+    rng = np.random.default_rng(length)
+    arrays = {
+        "ids": rng.integers(0, 11, (2, length)),
+        "table": rng.standard_normal((11, 8), dtype=np.float32),
+        "w": rng.standard_normal((8, 11), dtype=np.float32),
+    }
+    got, want = exe(**arrays), rlx.reference.run(g, **arrays)
+    for name, expected in want.items():
+        assert got[name].shape == expected.shape, name
+        assert_close(got[name], expected, f"{name} at S={length}", rtol=2e-4, atol=2e-5)
+    logits = arrays["table"][arrays["ids"][:, :-1]] @ arrays["w"]  # independent of the reference
+    assert_close(got["last"], logits[:, -1], "last", rtol=1e-5, atol=1e-6)
+    assert_close(got["middle"], logits[:, 1:-1], "middle", rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("length", [2, 1, 0])
+def test_an_axis_too_short_for_its_slices_is_an_error_naming_the_value(length: int) -> None:
+    """``logits[:, 1:-1]`` needs ``S >= 3`` here; NumPy would clamp a slice past the end, rlx
+    refuses the call before anything runs (compiled or reference alike)."""
+    g = _next_token_graph()
+    arrays = {
+        "ids": np.zeros((2, length), np.int64),
+        "table": np.ones((11, 8), np.float32),
+        "w": np.ones((8, 11), np.float32),
+    }
+    for run in (rlx.compile(g), lambda **a: rlx.reference.run(g, **a)):
+        with pytest.raises(rlx.RlxValueError, match=f"is -1 in this call \\(S={length}\\); an index or a slice"):
+            run(**arrays)
+
+
+def test_a_slice_that_leaves_an_empty_piece_runs() -> None:
+    """``x[:, -1]`` at S = 1 leaves nothing before the last row: that call has a 0 in its shapes
+    and runs as an empty call does, with the values NumPy gives."""
+    g = Graph("last")
+    x = g.input("x", (2, "S", 3))
+    g.output(last=x[:, -1] * 2.0, rest=g.sum(x[:, :-1], axis=1))
+    exe = rlx.compile(g)
+    for length in (1, 5):
+        array = np.random.default_rng(length).standard_normal((2, length, 3), dtype=np.float32)
+        got = exe(x=array)
+        np.testing.assert_array_equal(got["last"], array[:, -1] * 2.0)
+        np.testing.assert_allclose(got["rest"], array[:, :-1].sum(axis=1), rtol=1e-6, atol=1e-6)

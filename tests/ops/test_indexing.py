@@ -62,13 +62,15 @@ def test_indexing_errors_are_clear_and_build_nothing() -> None:
         (lambda: x[3:1], rlx.RlxValueError, "takes nothing"),
         (lambda: x[..., ...], rlx.RlxValueError, "single ellipsis"),
         (lambda: x[True], rlx.RlxTypeError, "got bool"),
-        (lambda: s[:, -1], rlx.RlxValueError, "symbolic dimension 'S'"),
+        (lambda: s[:, -3:5], rlx.RlxValueError, "shrinks as the axis grows"),
+        (lambda: s[:, 4:4], rlx.RlxValueError, "takes nothing"),
     ]
     for build, error, match in cases:
         with pytest.raises(error, match=match):
             build()
     assert len(g) == before
     assert s[:, :, 1].shape == (2, "S") and s[1].shape == ("S", 3)
+    assert s[:, -1].shape == (2, 3) and s[:, 1:].shape == (2, "S-1", 3)  # counted from the symbolic end
 
 
 def test_values_unpack_along_their_first_axis() -> None:
