@@ -124,7 +124,7 @@ def _read_sizes(shape: tuple[Dim, ...], static: bool, got: tuple[int, ...], size
         if dim.__class__ is int:
             if dim != size:
                 return False
-        elif dim in sizes or not ("+" in dim or "*" in dim):  # type: ignore[operator]
+        elif dim in sizes or dim.isidentifier():  # type: ignore[union-attr]  # a plain symbol
             if size < 1 or sizes.setdefault(dim, size) != size:  # type: ignore[arg-type]
                 return False
         elif dim_size(dim, sizes) != size:  # "P+1": its symbols are bound by earlier axes

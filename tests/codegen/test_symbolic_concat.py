@@ -6,6 +6,8 @@ Each graph compiles once and matches the float64 reference at several sizes, an 
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from codegen_helpers import assert_close
@@ -308,3 +310,26 @@ def test_a_slice_that_leaves_an_empty_piece_runs() -> None:
         got = exe(x=array)
         np.testing.assert_array_equal(got["last"], array[:, -1] * 2.0)
         np.testing.assert_allclose(got["rest"], array[:, :-1].sum(axis=1), rtol=1e-6, atol=1e-6)
+
+
+def test_an_input_declared_shorter_than_a_symbol_is_checked_on_every_path() -> None:
+    """``m`` is ``(2, "S-1")``: the quick binding of plain arrays, the generic one and rlx.torch's
+    direct path all refuse an ``m`` of any other length before native code reads it."""
+    g = Graph("shorter")
+    x = g.input("x", (2, "S", 3))
+    m = g.input("m", (2, "S-1"))
+    g.output(y=g.sum(x[:, 1:], axis=2) * m)
+    exe = rlx.compile(g)
+    for length in (4, 2):
+        got = exe(x=np.ones((2, length, 3), np.float32), m=np.full((2, length - 1), 2.0, np.float32))
+        np.testing.assert_array_equal(got["y"], np.full((2, length - 1), 6.0, np.float32))
+    for wrong in (np.ones((2, 4), np.float32), np.ones((2, 4), np.float32)[:, ::1].copy(order="F")):
+        with pytest.raises(rlx.RlxValueError, match=re.escape("'m': axis 1 is S-1 = 3 (S=4 from input 'x'), got 4")):
+            exe(x=np.ones((2, 4, 3), np.float32), m=wrong)
+    torch = pytest.importorskip("torch")
+    import rlx.torch as rt
+
+    f = rt.compile(g)
+    assert f(x=torch.ones(2, 5, 3), m=torch.ones(2, 4))["y"].shape == (2, 4)
+    with pytest.raises(rlx.RlxValueError, match="S-1"):
+        f(x=torch.ones(2, 5, 3), m=torch.ones(2, 5))
