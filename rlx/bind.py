@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rlx.errors import RlxKeyError, RlxTypeError, RlxValueError, allocation_failed
-from rlx.ir.dims import dim_size, is_symbol
-from rlx.ir.types import dim_symbols
+from rlx.ir.dims import dim_size, dim_symbols, is_symbol
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Value
@@ -149,7 +148,7 @@ def symbol_sizes(
 
 
 def short_dims(graph: Graph) -> list[tuple[str, str]]:
-    """``(dimension, where)`` for each dimension of the graph's values that subtracts a number
+    """``(dimension, where)`` for each dimension of the graph's values with a negative term
     (``"S-1"``, from ``x[:, 1:]`` on a symbolic axis): the only ones that a call whose symbols
     are all >= 1 can make 0 or negative (see :func:`check_short_dims`)."""
     found: dict[str, str] = {}

@@ -175,7 +175,8 @@ def test_shape_rules_carry_symbols() -> None:
         (lambda g, x: g.reshape(x, (16, "S")), None),
         (lambda g, x: g.reshape(x, (2, "T", 8)), "cannot reshape"),
         (lambda g, x: x + g.input("y", (2, 3, 8)), "do not broadcast"),
-        (lambda g, x: g.input("z", (2, "S-T")), "identifier"),
+        (lambda g, x: g.input("z", (2, "S-T")), "no input declared before it"),
+        (lambda g, x: g.input("z", (2, "S--1")), "identifier"),
     ],
 )
 def test_what_symbols_cannot_do_is_a_clear_error(build, fragment) -> None:  # type: ignore[no-untyped-def]

@@ -2,10 +2,12 @@
 
 A graph input names a dimension (``g.input("k", (B, "Sk", H, D))``) whose size each call binds.
 Shape rules derive dimensions from those names: a reshape that merges axes multiplies
-(``"2*N"``), a concat along a symbolic axis adds (``"P+1"``: a KV cache and the new token). Both
-are polynomials with non-negative integer coefficients in the symbols; :class:`Size` is one,
-with exact arithmetic and a canonical form, so equal dimensions compare equal however they
-arose. In a type a dimension stays an ``int`` or its canonical text (:func:`dim_text`), which
+(``"2*N"``), a concat along a symbolic axis adds (``"P+1"``: a KV cache and the new token), a
+slice from a symbolic end subtracts (``"S-1"``: ``ids[:, 1:]``). All are polynomials with
+integer coefficients in the symbols, positive ones on the symbol terms (only a number is
+subtracted: such a dimension is checked per call, ``rlx.bind.short_dims``); :class:`Size` is
+one, with exact arithmetic and a canonical form, so equal dimensions compare equal however
+they arose. In a type a dimension stays an ``int`` or its canonical text (:func:`dim_text`), which
 is what prints, parses, hashes and compares; :func:`poly` turns the text back into a
 :class:`Size`. Code generation computes the same polynomials into strides and offsets.
 """
@@ -121,27 +123,36 @@ def _parse_cached(text: str) -> SizeLike:
 
 
 def parse_poly(text: str) -> SizeLike | None:
-    """``"N"``, ``"2*N"``, ``"P + 1"``, ``"B*S+B"``, ``"S-1"``: a sum of products of positive ints
-    and symbol names, less positive ints (an axis sliced from a symbolic one: ``x[:, 1:]``);
-    spaces allowed around the operators; None for anything else."""
+    """``"N"``, ``"2*N"``, ``"P + 1"``, ``"B*S+B"``, ``"S-1"``: sums and differences of products of
+    positive ints and symbol names (a leading ``-`` allowed); spaces allowed around the
+    operators; None for anything else."""
+    pieces = _SIGNS.split(text)  # term, sign, term, sign, ...: "S-1" is ["S", "-", "1"]
+    if not pieces[0].strip() and len(pieces) > 1 and pieces[1] == "-":
+        pieces = ["0", *pieces[1:]]  # "-1+S"
     total: SizeLike = 0
-    for position, signed in enumerate(text.split("+")):
-        first, *subtracted = signed.split("-")
-        for number in subtracted:
-            if not (number.strip().isascii() and number.strip().isdigit()):
-                return None  # only a number is subtracted: a size never has a negative symbol term
-            total = total - int(number)
-        if position == 0 and subtracted and not first.strip():
-            continue  # a leading "-1+S"
-        coefficient, names = 1, []
-        for factor in (f.strip() for f in first.split("*")):
-            if factor.isascii() and factor.isdigit() and int(factor) >= 1:
-                coefficient *= int(factor)
-            elif is_symbol(factor):
-                names.append(factor)
-            else:
-                return None
-        total = total + Size.make({tuple(sorted(names)): coefficient})
+    for position in range(0, len(pieces), 2):
+        term = _product(pieces[position])
+        if term is None:
+            return None
+        total = total - term if position and pieces[position - 1] == "-" else total + term
+    return total
+
+
+_SIGNS = re.compile(r"([+-])")
+
+
+def _product(text: str) -> SizeLike | None:
+    """``"2*N*S"``: positive ints and symbol names joined by ``*`` (``"0"`` only as a placeholder)."""
+    if text.strip() == "0":
+        return 0
+    total: SizeLike = 1
+    for factor in (f.strip() for f in text.split("*")):
+        if factor.isascii() and factor.isdigit() and int(factor) >= 1:
+            total = total * int(factor)
+        elif is_symbol(factor):
+            total = total * Size.symbol(factor)
+        else:
+            return None
     return total
 
 
@@ -160,6 +171,12 @@ def parse_dim(text: str) -> int | str | None:
 def is_dim_expression(dim: object) -> bool:
     """A symbolic dimension in canonical form: a name, or a polynomial as :func:`dim_text` writes it."""
     return isinstance(dim, str) and parse_dim(dim) == dim
+
+
+def dim_symbols(dim: int | str) -> tuple[str, ...]:
+    """The symbol names a dimension is made of, each once, sorted."""
+    value = poly(dim)
+    return () if isinstance(value, int) else value.symbols
 
 
 def dim_size(dim: int | str, sizes: Mapping[str, int]) -> int:

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 import networkx as nx
 
 from rlx.errors import RlxKeyError, RlxTypeError, RlxValueError
-from rlx.ir.dims import canonical_dim, is_symbol
+from rlx.ir.dims import canonical_dim, dim_symbols, is_symbol
 from rlx.ir.opdef import REGISTRY
 from rlx.ir.ops import InputAttrs, OpKind
-from rlx.ir.types import Dim, TensorType, as_dtype, check_shape, dim_symbols
+from rlx.ir.types import Dim, TensorType, as_dtype, check_shape
 
 Attrs = Any
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
 import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
-from rlx.ir.dims import Size, dim_size, dim_text, is_dim_expression, poly
+from rlx.ir.dims import dim_size, dim_symbols, is_dim_expression
 
 # Short IR spelling <-> NumPy dtype. float32 is what every attention op computes in.
 DTYPE_NAMES: dict[str, np.dtype] = {
@@ -42,18 +42,6 @@ def as_dtype(dtype: object) -> np.dtype:
 
 
 Dim = int | str  # a size, or a symbolic dimension in canonical text: "Sk", "2*N", "P+1" (see rlx.ir.dims)
-
-
-def make_dim(coefficient: int, symbols: Iterable[str]) -> Dim:
-    """The canonical dimension ``coefficient * product(symbols)``: an int without symbols, else
-    ``"N"``, ``"2*N"``, ``"B*S"`` (symbols sorted, a coefficient of 1 left out)."""
-    return dim_text(Size.make({tuple(sorted(symbols)): coefficient}))
-
-
-def dim_symbols(dim: Dim) -> tuple[str, ...]:
-    """The symbol names a dimension is made of, each once."""
-    value = poly(dim)
-    return () if isinstance(value, int) else value.symbols
 
 
 @dataclass(frozen=True)
@@ -139,7 +127,8 @@ def check_shape(shape: object, what: str) -> tuple[Dim, ...]:
         if isinstance(dim, str):
             if not is_dim_expression(dim):
                 raise RlxValueError(
-                    f"{what}: a symbolic dimension must be an identifier like 'Sk', got {dim!r} in {entries}"
+                    f"{what}: a symbolic dimension must be an identifier like 'Sk' (or an expression of them "
+                    f"such as 'P+1' or '2*S'), got {dim!r} in {entries}"
                 )
         elif isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)):
             raise RlxTypeError(

@@ -169,7 +169,7 @@ CASES: list[tuple[str, Case, type[Exception], str]] = [
     ("type negative dim", lambda e: TensorType((-1,)), ValueError, r"got shape \(-1,\)"),
     ("type float dim", lambda e: TensorType((2, 3.0)), TypeError, "TensorType: shape entries must be ints, got 3.0"),
     ("type bool dim", lambda e: TensorType((True,)), TypeError, "TensorType: shape entries must be ints"),
-    ("type str dim not a name", lambda e: TensorType((2, "a-b")), ValueError, "must be an identifier like 'Sk'"),
+    ("type str dim not a name", lambda e: TensorType((2, "a b")), ValueError, "must be an identifier like 'Sk'"),
     ("type shape an int", lambda e: TensorType(3), TypeError, "TensorType: shape must be a tuple of ints, got int"),
     ("type unknown dtype", lambda e: TensorType((1,), "float31"), TypeError, "not a dtype: 'float31'"),
     ("type unsupported dtype", lambda e: TensorType((1,), "complex64"), TypeError, "unsupported dtype complex64"),
