@@ -147,25 +147,30 @@ def symbol_sizes(
     return sizes
 
 
-def short_dims(graph: Graph) -> list[tuple[str, str]]:
-    """``(dimension, where)`` for each dimension of the graph's values with a negative term
+def short_dims(graph: Graph) -> list[tuple[str, str, bool]]:
+    """``(dimension, where, read)`` for each dimension of the graph's values with a negative term
     (``"S-1"``, from ``x[:, 1:]`` on a symbolic axis): the only ones that a call whose symbols
-    are all >= 1 can make 0 or negative (see :func:`check_short_dims`)."""
-    found: dict[str, str] = {}
+    are all >= 1 can make 0 or negative (see :func:`check_short_dims`). ``read``: some value of
+    that shape is read by a node or is an output (the piece of a split nobody reads, such as
+    what comes before ``x[:, -1]``, is not)."""
+    read_values = {value for node in graph.nodes for value in node.inputs} | set(graph.outputs.values())
+    found: dict[str, tuple[str, bool]] = {}
     for node in graph.nodes:
         for value in node.outputs:
             for dim in value.type.shape:
-                if isinstance(dim, str) and "-" in dim and dim not in found:
-                    found[dim] = f"{node.op} (node {node.id}), of type {value.type}"
-    return list(found.items())
+                if isinstance(dim, str) and "-" in dim:
+                    where, read = found.get(dim, (f"{node.op} (node {node.id}), of type {value.type}", False))
+                    found[dim] = (where, read or value in read_values)
+    return [(dim, where, read) for dim, (where, read) in found.items()]
 
 
-def check_short_dims(dims: Sequence[tuple[str, str]], sizes: Mapping[str, int]) -> bool:
-    """Whether one of ``dims`` (:func:`short_dims`) is 0 in a call of these sizes, which then runs
-    as an empty call; ``RlxValueError`` naming the value where one is negative (an index or
-    slice that reaches past the end of a symbolic axis that is too short in this call)."""
+def check_short_dims(dims: Sequence[tuple[str, str, bool]], sizes: Mapping[str, int]) -> bool:
+    """Whether a value some node reads has a dimension of ``dims`` (:func:`short_dims`) that is 0
+    in a call of these sizes, which then runs as an empty call; ``RlxValueError`` naming the
+    value where one is negative (an index or slice that reaches past the end of a symbolic
+    axis that is too short in this call), read or not: a view next to it would start past it."""
     empty = False
-    for dim, where in dims:
+    for dim, where, read in dims:
         symbols = dim_symbols(dim)
         if not all(symbol in sizes for symbol in symbols):
             continue  # bound only by an input left out: nothing computes this value
@@ -176,7 +181,7 @@ def check_short_dims(dims: Sequence[tuple[str, str]], sizes: Mapping[str, int]) 
                 f"{where}: its dimension {dim} is {size} in this call ({given}); an index or a slice "
                 "reaches past the end of a symbolic axis that is too short for it"
             )
-        empty = empty or size == 0
+        empty = empty or (size == 0 and read)
     return empty
 
 

@@ -90,7 +90,7 @@ class Program:
     layouts: dict[tuple[tuple[str, int], ...], CallLayout] = field(default_factory=dict)  # by the call's sizes
 
     @functools.cached_property
-    def short_dims(self) -> list[tuple[str, str]]:
+    def short_dims(self) -> list[tuple[str, str, bool]]:
         """The dimensions a call may make 0 or negative (``"S-1"``): see :func:`rlx.bind.short_dims`."""
         return short_dims(self.graph)
 

@@ -334,3 +334,27 @@ def test_an_input_declared_shorter_than_a_symbol_is_checked_on_every_path() -> N
     assert f(x=torch.ones(2, 5, 3), m=torch.ones(2, 4))["y"].shape == (2, 4)
     with pytest.raises(rlx.RlxValueError, match="S-1"):
         f(x=torch.ones(2, 5, 3), m=torch.ones(2, 5))
+
+
+def test_the_unread_piece_before_a_last_row_does_not_make_a_call_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``x[:, -1]`` splits off a piece of ``S-1`` rows that nothing reads: at S = 1 that piece is
+    empty, and the call still runs compiled (only a value that is read and empty makes a call
+    run on the reference interpreter)."""
+    g = Graph("last_row")
+    x = g.input("x", (2, "S", 3))
+    w = g.input("w", (3, 4))
+    g.output(y=g.tanh(x[:, -1] @ w))
+    exe = rlx.compile(g)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("ran as an empty call")
+
+    monkeypatch.setattr(type(exe), "_run_empty", refuse)
+    rng = np.random.default_rng(6)
+    weights = rng.standard_normal((3, 4), dtype=np.float32)
+    for length in (1, 2, 9):
+        array = rng.standard_normal((2, length, 3), dtype=np.float32)
+        np.testing.assert_allclose(exe(x=array, w=weights)["y"], np.tanh(array[:, -1] @ weights), rtol=1e-5, atol=1e-6)
+    monkeypatch.undo()
+    with pytest.raises(rlx.RlxValueError, match="is -1 in this call"):
+        exe(x=np.ones((2, 0, 3), np.float32), w=weights)  # S = 0: no last row (the piece before it is -1)
