@@ -82,7 +82,7 @@ from rlx.codegen.lower_attention import (
     zero_rows,
 )
 from rlx.codegen.region_emit import LaneValue, RegionEmitter, Tensor, lane_indices
-from rlx.codegen.sizes import SizeLike, ceil_div, emit_size, load_symbols, size_of
+from rlx.codegen.sizes import SizeLike, ceil_div, emit_size, load_symbols, product, size_of
 from rlx.codegen.tile_gemm import Band
 from rlx.codegen.vector import Lanes, sum_lanes, vector_fill, vector_loop, vector_reduce, whole_vectors_end
 from rlx.codegen.views import dense_strides
@@ -1032,8 +1032,8 @@ class FlexLowering:
                 index = b.mul(batch, i64(d.kv_heads if by_h else 1))
             if by_h:
                 index = b.add(index, group)
-            numel = math.prod(self.spec.captured[tensor].static_shape)
-            bases[tensor] = gep_f32(b, self.base[f"p{tensor}"], b.mul(index, i64(numel)))
+            numel = emit_size(b, product(self.spec.captured[tensor].shape), self.symbols)  # per call if symbolic
+            bases[tensor] = gep_f32(b, self.base[f"p{tensor}"], b.mul(index, numel))
         return bases
 
     def _backward_head(

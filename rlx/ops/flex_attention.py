@@ -277,11 +277,6 @@ def _flex_bwd_infer(what: str, inputs: Sequence[TensorType], attrs: FlexAttentio
     by_flag = {Wrt.QUERY: q, Wrt.KEY: k, Wrt.VALUE: v}
     results = [by_flag[flag] for flag in attrs.wrt.members]
     if attrs.tensor_grads:
-        if not all(t.is_static for t in captured):
-            raise RlxValueError(
-                f"{what}: gradients of captured tensors need their shapes static so far (got "
-                f"{', '.join(str(t) for t in captured)})"
-            )
         for tensor, partials, _, _ in tensor_grad_layout(attrs.score_mod, captured, dims):
             results.append(TensorType((partials, *captured[tensor].shape), F32))
     return tuple(TensorType(t.shape, F32) for t in results)
@@ -443,7 +438,7 @@ def _tensor_grads(
     values = region.evaluate_all(grid | {"score": np.zeros((1, 1, 1, 1))}, captured)
     full = ds.shape
     partial_of = {tensor: (count, by_b, by_h) for tensor, count, by_b, by_h in tensor_grad_layout(region, shapes, dims)}
-    sums = {t: np.zeros((int(count), *shapes[t].static_shape)) for t, (count, _, _) in partial_of.items()}
+    sums = {t: np.zeros((int(count), *np.shape(captured[t]))) for t, (count, _, _) in partial_of.items()}
     batch = np.broadcast_to(grid["b"], full)
     kv_head = np.broadcast_to(grid["h"] // dims.group, full)
     for (step, tensor), local in zip(region.float_reads(kinds), read_grads, strict=True):
