@@ -281,16 +281,15 @@ def _shape_matches(
 
 def _check_expression(name: str, axis: int, dim: str, size: int, binders: dict[str, tuple[str, int]]) -> None:
     """An axis declared as an expression (``"P+1"``) must have the size its symbols give."""
-    unbound = [symbol for symbol in dim_symbols(dim) if symbol not in binders]
+    symbols = dim_symbols(dim)
+    unbound = [symbol for symbol in symbols if symbol not in binders]
     if unbound:
         raise RlxValueError(
             f"input {name!r}: axis {axis} is {dim}, but {unbound} is bound by no input given in this call"
         )
-    want = dim_size(dim, {symbol: binders[symbol][1] for symbol in dim_symbols(dim)})
+    want = dim_size(dim, {symbol: binders[symbol][1] for symbol in symbols})
     if want != size:
-        given = ", ".join(
-            f"{symbol}={binders[symbol][1]} from input {binders[symbol][0]!r}" for symbol in dim_symbols(dim)
-        )
+        given = ", ".join(f"{symbol}={binders[symbol][1]} from input {binders[symbol][0]!r}" for symbol in symbols)
         raise RlxValueError(f"input {name!r}: axis {axis} is {dim} = {want} ({given}), got {size}")
 
 

@@ -170,7 +170,7 @@ class Program:
         kept = self.layouts.get(tuple(sizes.items()))
         if kept is not None:
             return kept
-        if self.short_dims and self.is_empty(sizes):
+        if self.is_empty(sizes):
             return None
         table, arena_bytes = b"", self.arena_bytes
         if self.dynamic is not None:  # symbolic dimensions: scratch sized for this call's sizes
@@ -539,7 +539,7 @@ class Executable:
         assert program.binder is not None
         bound, sizes = program.binder(arrays)
         check_index_inputs(program.graph, bound, program.index_bounds)  # before native code reads with ids
-        if 0 in sizes.values() or (program.short_dims and program.is_empty(sizes)):
+        if program.is_empty(sizes):
             return self._run_empty(bound, sizes)
         layout = program.layouts.get(tuple(sizes.items()))
         if layout is None:

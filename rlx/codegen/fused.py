@@ -39,9 +39,10 @@ from rlx.codegen.schedule import (
     reduction_of,
     split_start,
 )
-from rlx.codegen.sizes import Size, SizeLike, ceil_div, emit_size, nominal, product
+from rlx.codegen.sizes import Size, SizeLike, ceil_div, emit_size, nominal
 from rlx.codegen.vector import WIDTH, any_lane, fold_max_ignoring_nan, max_ignoring_nan, splat, sum_lanes
 from rlx.codegen.views import View
+from rlx.ir.dims import product
 from rlx.ir.graph import Value
 from rlx.ir.types import Dim
 

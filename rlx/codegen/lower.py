@@ -42,11 +42,12 @@ from rlx.codegen.lower_scatter import emit_scatter_item
 from rlx.codegen.memory_plan import MemoryPlan
 from rlx.codegen.parallel import Step, emit_team, forward_to, share_identical_items
 from rlx.codegen.schedule import Kernel, Schedule, attention_batch_stride
-from rlx.codegen.sizes import Size, SizeLike, emit_size, load_symbols, product
+from rlx.codegen.sizes import Size, SizeLike, emit_size, load_symbols
 from rlx.codegen.strip_heights import choose_block_q, strip_heights
 from rlx.codegen.views import View
 from rlx.config import RuntimeConfig, l2_cache_bytes
 from rlx.errors import RlxValueError
+from rlx.ir.dims import product
 from rlx.ir.graph import Graph, Node, Value
 from rlx.ir.ops import AttentionAttrs, AttentionBwdAttrs, OpKind, attention_dims
 from rlx.ir.region import Region

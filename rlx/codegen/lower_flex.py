@@ -82,10 +82,11 @@ from rlx.codegen.lower_attention import (
     zero_rows,
 )
 from rlx.codegen.region_emit import LaneValue, RegionEmitter, Tensor, lane_indices
-from rlx.codegen.sizes import SizeLike, ceil_div, emit_size, load_symbols, product, size_of
+from rlx.codegen.sizes import SizeLike, ceil_div, emit_size, load_symbols, size_of
 from rlx.codegen.tile_gemm import Band
 from rlx.codegen.vector import Lanes, sum_lanes, vector_fill, vector_loop, vector_reduce, whole_vectors_end
 from rlx.codegen.views import dense_strides
+from rlx.ir.dims import product
 from rlx.ir.region import GradientRegion, KeyBound, Region
 from rlx.ir.types import Dim, Layout, TensorType, Wrt
 from rlx.ops.flex_attention import FlexDims

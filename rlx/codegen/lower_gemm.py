@@ -34,9 +34,10 @@ from llvmlite import ir
 
 from rlx.codegen.blas import NO_TRANS, ROW_MAJOR, SGEMM, TRANS, refuse_beyond_blas
 from rlx.codegen.irutil import F32, I32, I64, PTR, VOID, declare, gep, i32, i64
-from rlx.codegen.sizes import SizeLike, at_least, ceil_div, emit_size, load_symbols, product, size_of
+from rlx.codegen.sizes import SizeLike, at_least, ceil_div, emit_size, load_symbols, size_of
 from rlx.codegen.views import View
 from rlx.config import machine_cores
+from rlx.ir.dims import product
 from rlx.ir.types import Dim
 
 MIN_BLOCK_ROWS = 16  # shorter row blocks run far below the sgemm rate

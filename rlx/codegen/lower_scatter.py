@@ -10,9 +10,10 @@ from __future__ import annotations
 from llvmlite import ir
 
 from rlx.codegen.irutil import I32, I64, PTR, VOID, for_range, gep, gep_f32, i64
-from rlx.codegen.sizes import emit_size, load_symbols, product
+from rlx.codegen.sizes import emit_size, load_symbols
 from rlx.codegen.vector import Lanes, vector_fill, vector_loop
 from rlx.codegen.views import View
+from rlx.ir.dims import product
 
 
 def emit_scatter_item(

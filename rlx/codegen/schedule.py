@@ -25,6 +25,7 @@ from rlx.codegen.lower_gemm import blas_reads_in_place
 from rlx.codegen.sizes import SizeLike, size_of
 from rlx.codegen.views import View
 from rlx.errors import RlxValueError
+from rlx.ir.dims import total
 from rlx.ir.graph import Graph, Node, Value
 from rlx.ir.ops import OpKind
 from rlx.ir.types import Layout
@@ -104,10 +105,7 @@ def apply_view_op(node: Node, index: int, source: View) -> View | None:
 
 def split_start(node: Node, index: int) -> SizeLike:
     """Where part ``index`` of a split starts along its axis (symbolic after a symbolic part)."""
-    start: SizeLike = 0
-    for size in node.attrs.sizes[:index]:
-        start = start + size_of(size)
-    return start
+    return total(node.attrs.sizes[:index])
 
 
 def is_unit_reshape(node: Node) -> bool:

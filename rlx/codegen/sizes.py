@@ -11,7 +11,7 @@ call's sizes table (:func:`emit_size`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 from llvmlite import ir
 
@@ -23,14 +23,6 @@ def size_of(dim: int | str | Size) -> SizeLike:
     """A shape entry as a size: an int as is, a symbolic dimension (``"N"``, ``"2*N"``, ``"P+1"``)
     as its polynomial."""
     return poly(dim)
-
-
-def product(dims: Iterable[int | str | Size]) -> SizeLike:
-    """The product of shape entries (an int when they are all static)."""
-    total: SizeLike = 1
-    for dim in dims:
-        total = total * size_of(dim)
-    return total
 
 
 def at_least(a: int | str | Size, b: int | str | Size) -> bool:

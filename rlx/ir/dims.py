@@ -4,10 +4,9 @@ A graph input names a dimension (``g.input("k", (B, "Sk", H, D))``) whose size e
 Shape rules derive dimensions from those names: a reshape that merges axes multiplies
 (``"2*N"``), a concat along a symbolic axis adds (``"P+1"``: a KV cache and the new token), a
 slice from a symbolic end subtracts (``"S-1"``: ``ids[:, 1:]``). All are polynomials with
-integer coefficients in the symbols, positive ones on the symbol terms (only a number is
-subtracted: such a dimension is checked per call, ``rlx.bind.short_dims``); :class:`Size` is
-one, with exact arithmetic and a canonical form, so equal dimensions compare equal however
-they arose. In a type a dimension stays an ``int`` or its canonical text (:func:`dim_text`), which
+integer coefficients in the symbols (a dimension with a negative term is checked per call,
+``rlx.bind.short_dims``); :class:`Size` is one, with exact arithmetic and a canonical form, so
+equal dimensions compare equal however they arose. In a type a dimension stays an ``int`` or its canonical text (:func:`dim_text`), which
 is what prints, parses, hashes and compares; :func:`poly` turns the text back into a
 :class:`Size`. Code generation computes the same polynomials into strides and offsets.
 """
@@ -16,7 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -101,6 +100,22 @@ def _term_text(monomial: Monomial, coefficient: int) -> str:
 
 
 SizeLike = int | Size
+
+
+def product(dims: Iterable[int | str | Size]) -> SizeLike:
+    """The product of dimensions: an element count (an int when they are all static)."""
+    total: SizeLike = 1
+    for dim in dims:
+        total = total * poly(dim)
+    return total
+
+
+def total(dims: Iterable[int | str | Size]) -> SizeLike:
+    """The sum of dimensions: the length of parts laid end to end (a concat, a split)."""
+    result: SizeLike = 0
+    for dim in dims:
+        result = result + poly(dim)
+    return result
 
 
 def terms_of(value: SizeLike) -> dict[Monomial, int]:

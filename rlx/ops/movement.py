@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
-from rlx.ir.dims import SizeLike, dim_text, exact_quotient, poly
+from rlx.ir.dims import SizeLike, dim_text, exact_quotient, poly, product, total
 from rlx.ir.opdef import EvalContext, OpDef, register_op
 from rlx.ir.types import Dim, TensorType
 from rlx.ops._common import as_value, dim_tuple, int_tuple, is_int, normalize_axis, op_kind, sum_to_shape, zeros
@@ -51,24 +51,16 @@ def _reshape_infer(what: str, inputs: Sequence[TensorType], attrs: ShapeAttrs) -
     shape = dim_tuple(what, "shape", attrs.shape)
     if any(isinstance(d, int) and d < 1 for d in shape):
         raise RlxValueError(f"{what}: every dimension must be >= 1, got shape {shape}")
-    if _elements(shape) != _elements(x.shape):  # equal polynomials have one canonical form
+    if product(shape) != product(x.shape):  # equal polynomials have one canonical form
         raise RlxValueError(
             f"{what}: cannot reshape {x} ({_count(x.shape)} elements) to {list(shape)} ({_count(shape)} elements)"
         )
     return (TensorType(shape, x.dtype),)
 
 
-def _elements(shape: Sequence[Dim]) -> SizeLike:
-    """A shape's element count: an int, or a polynomial in its symbols."""
-    total: SizeLike = 1
-    for dim in shape:
-        total = total * poly(dim)
-    return total
-
-
 def _count(shape: Sequence[Dim]) -> str:
-    total = _elements(shape)
-    return str(total) if isinstance(total, int) or len(total.terms) == 1 else f"({total})"
+    count = product(shape)
+    return str(count) if isinstance(count, int) or len(count.terms) == 1 else f"({count})"
 
 
 def _missing_dim(old: Sequence[Dim], known: Sequence[Dim]) -> Dim | None:
@@ -82,7 +74,7 @@ def _missing_dim(old: Sequence[Dim], known: Sequence[Dim]) -> Dim | None:
             rest[dim] -= 1
         else:
             unmatched.append(dim)
-    quotient = exact_quotient(_elements(list(rest.elements())), _elements(unmatched))
+    quotient = exact_quotient(product(rest.elements()), product(unmatched))
     if quotient is None or (isinstance(quotient, int) and quotient < 1):
         return None
     return dim_text(quotient)
@@ -146,10 +138,7 @@ def _split_infer(what: str, inputs: Sequence[TensorType], attrs: SplitAttrs) -> 
     if x.rank == 0 or not 0 <= attrs.axis < x.rank:
         raise RlxValueError(f"{what}: axis {attrs.axis} is out of range for {x}")
     sizes = dim_tuple(what, "sizes", attrs.sizes)
-    total: SizeLike = 0
-    for size in sizes:
-        total = total + poly(size)
-    if not sizes or any(isinstance(s, int) and s < 1 for s in sizes) or total != poly(x.shape[attrs.axis]):
+    if not sizes or any(isinstance(s, int) and s < 1 for s in sizes) or total(sizes) != poly(x.shape[attrs.axis]):
         raise RlxValueError(
             f"{what}: sizes {sizes} must be >= 1 and add up to {x.shape[attrs.axis]} (axis {attrs.axis} of {x})"
         )
@@ -206,11 +195,8 @@ def _concat_infer(what: str, inputs: Sequence[TensorType], attrs: ConcatAttrs) -
         others = [d for a, d in enumerate(ty.shape) if a != attrs.axis]
         if ty.rank != first.rank or others != [d for a, d in enumerate(first.shape) if a != attrs.axis]:
             raise RlxValueError(f"{what}: part {i} {ty} does not match part 0 {first} except along axis {attrs.axis}")
-    total: SizeLike = 0
-    for ty in inputs:  # symbolic lengths add up: a cache of "P" and one new row make "P+1"
-        total = total + poly(ty.shape[attrs.axis])
     shape = list(first.shape)
-    shape[attrs.axis] = dim_text(total)
+    shape[attrs.axis] = dim_text(total(ty.shape[attrs.axis] for ty in inputs))  # a cache "P" and a row: "P+1"
     return (TensorType(tuple(shape), first.dtype),)
 
 
