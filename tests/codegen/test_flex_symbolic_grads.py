@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from codegen_helpers import assert_close
+from helpers import central_differences
 
 import rlx
 from rlx import Graph
@@ -59,14 +60,10 @@ def test_symbolic_score_mod_gradients_against_central_differences() -> None:
     arrays = _arrays(rng, 1, 4)
     got = rlx.compile(g)(**arrays)
     for name, grad in (("bias", got["dbias"]), ("per_key", got["dkey"])):
-        base = arrays[name].astype(np.float64)
-        numeric = np.zeros_like(base)
-        for index in np.ndindex(base.shape):
-            step = np.zeros_like(base)
-            step[index] = 1e-6
-            plus = evaluate(g, {**arrays, name: base + step}, exact=True)["loss"]
-            minus = evaluate(g, {**arrays, name: base - step}, exact=True)["loss"]
-            numeric[index] = (float(plus) - float(minus)) / 2e-6
+        base = arrays[name].astype(np.float64)  # perturbed in place by central_differences
+        numeric = central_differences(
+            lambda name=name, base=base: float(evaluate(g, {**arrays, name: base}, exact=True)["loss"]), base, eps=1e-6
+        )
         scale = max(1.0, float(np.abs(numeric).max()))
         np.testing.assert_allclose(grad, numeric, rtol=1e-3, atol=1e-4 * scale, err_msg=name)
         if name == "bias":  # keys the causal mask hides get no gradient
