@@ -90,7 +90,7 @@ def _build(draw: st.DrawFn) -> tuple[Graph, list[Value]]:
                 values.append(g.reshape(v, (-1,)) if len(shape) > 1 else g.reshape(v, (1, shape[0], 1)))
             elif choice == "broadcast":
                 values.append(g.broadcast_to(v, (draw(st.integers(1, 3)), *shape)))
-            elif choice == "index":  # basic indexing: an int or a slice per axis (step 1), maybe a new axis
+            elif choice == "index":  # basic indexing: an int or a slice per axis (any step), maybe a new axis
                 index: list[object] = []
                 for size in shape:
                     start = draw(st.integers(-size, size - 1))
@@ -98,7 +98,10 @@ def _build(draw: st.DrawFn) -> tuple[Graph, list[Value]]:
                         index.append(start)
                     else:
                         begin = start % size
-                        index.append(slice(begin, draw(st.integers(begin + 1, size))))
+                        stop = draw(st.integers(begin + 1, size))
+                        step = draw(st.sampled_from((1, 1, 2, 3, -1, -2)))
+                        reverse = slice(stop - 1, begin - 1 if begin else None, step)
+                        index.append(slice(begin, stop, step) if step > 0 else reverse)
                 if draw(st.booleans()):
                     index.insert(draw(st.integers(0, len(index))), None)
                 values.append(v[tuple(index)])

@@ -6,9 +6,10 @@ Shape rules derive dimensions from those names: a reshape that merges axes multi
 slice from a symbolic end subtracts (``"S-1"``: ``ids[:, 1:]``). All are polynomials with
 integer coefficients in the symbols (a dimension with a negative term is checked per call,
 ``rlx.bind.short_dims``); :class:`Size` is one, with exact arithmetic and a canonical form, so
-equal dimensions compare equal however they arose. In a type a dimension stays an ``int`` or its canonical text (:func:`dim_text`), which
-is what prints, parses, hashes and compares; :func:`poly` turns the text back into a
-:class:`Size`. Code generation computes the same polynomials into strides and offsets.
+equal dimensions compare equal however they arose. In a type a dimension stays an ``int`` or
+its canonical text (:func:`dim_text`), which is what prints, parses, hashes and compares;
+:func:`poly` turns the text back into a :class:`Size`. Code generation computes the same
+polynomials into strides and offsets.
 """
 
 from __future__ import annotations

@@ -322,10 +322,12 @@ register_op(
 
 
 def getitem(graph: Graph, x: Value, index: object) -> Value:
-    """``x[index]`` with NumPy's basic indexing: ints, slices of step 1, ``...`` and ``None``.
+    """``x[index]`` with NumPy's basic indexing: ints, slices (any step), ``...`` and ``None``.
 
     Built from ``split`` and ``reshape``, so it is a view once compiled and its gradient is
-    ``split``'s (the part's cotangent placed among zeros). An int indexes from the end when
+    ``split``'s (the part's cotangent placed among zeros). A slice with a step (``x[..., ::2]``,
+    ``x[..., 1::2]``, as interleaved rotary embeddings take them) is a view too where its elements
+    fit in whole groups of ``step`` (see :func:`_strided`); a negative step gathers. An int indexes from the end when
     negative and must be in range (NumPy's ``IndexError``, as an ``RlxValueError``); slice
     bounds are clamped, as in NumPy. Along a symbolic axis of length ``S`` the bounds are
     symbolic too: ``x[:, -1]`` is the part at ``S-1``, ``x[:, 1:]`` has length ``S-1`` (next-token
@@ -357,6 +359,11 @@ def getitem(graph: Graph, x: Value, index: object) -> Value:
             shape.append(1)
             continue
         length = value.shape[axis]
+        if isinstance(entry, slice) and entry.step not in (None, 1):
+            value = _strided(graph, x, value, axis, entry)
+            shape.append(value.shape[axis])
+            axis += 1
+            continue
         bounds = _bounds(x, axis, length, entry)
         if bounds is not None:
             start, stop = bounds
@@ -383,8 +390,6 @@ def _bounds(x: Value, axis: int, length: Dim, entry: object) -> tuple[SizeLike, 
         position %= length
         return None if length == 1 else (position, position + 1)
     assert isinstance(entry, slice)
-    if entry.step not in (None, 1):
-        raise RlxValueError(f"indexing {x.type}: slices with a step ({entry}) are not supported; only step 1")
     for bound in (entry.start, entry.stop):
         if bound is not None and not is_int(bound):
             raise RlxTypeError(f"indexing {x.type}: slice bounds must be ints, got {type(bound).__name__}")
@@ -414,8 +419,6 @@ def _symbolic_bounds(x: Value, axis: int, length: str, entry: object) -> tuple[S
         stop = start + 1
     else:
         assert isinstance(entry, slice)
-        if entry.step not in (None, 1):
-            raise RlxValueError(f"indexing {x.type}: slices with a step ({entry}) are not supported; only step 1")
         start, stop = position(entry.start, 0), position(entry.stop, end)
     taken = stop - start
     if isinstance(taken, int) and taken <= 0:
@@ -426,3 +429,83 @@ def _symbolic_bounds(x: Value, axis: int, length: str, entry: object) -> tuple[S
             f"{taken}, which shrinks as the axis grows (a bound from the end and a larger one from the start)"
         )
     return None if (start == 0 and stop == end) else (start, stop)
+
+
+def _strided(graph: Graph, x: Value, value: Value, axis: int, entry: slice) -> Value:
+    """``value`` sliced by ``entry`` (a step other than 1) along ``axis``; other axes unchanged.
+
+    The taken elements ``first, first + step, ...`` are one column of a ``(count, step)`` grid
+    over a part of the axis: the part ``[first, first + count*step)`` with the column 0, or,
+    where that runs past the end, ``[first - step + 1, last + 1)`` with the last column. Both are
+    a split, a reshape and a split: views, whose gradient places the cotangent on exactly the
+    taken elements. Where neither part fits (``x[::3]`` of 5), the last element is concatenated
+    to the rest. A negative step reverses, which no strided view of rlx's plans expresses: float
+    values gather the elements (``embedding``'s rows), and their gradient scatters back.
+    """
+    length = value.shape[axis]
+    for bound in (entry.start, entry.stop, entry.step):
+        if bound is not None and not is_int(bound):
+            raise RlxTypeError(f"indexing {x.type}: slice bounds and steps must be ints, got {type(bound).__name__}")
+    if entry.step == 0:
+        raise RlxValueError(f"indexing {x.type}: slice step cannot be zero")
+    if not isinstance(length, int):
+        raise RlxValueError(
+            f"indexing {x.type}: {entry} along axis {axis} of symbolic length {length} takes one element in "
+            f"{abs(int(entry.step))}, a count that is not a polynomial in the axis length; "
+            "only steps of 1 slice a symbolic axis"
+        )
+    taken = range(*entry.indices(length))
+    if not taken:
+        raise RlxValueError(
+            f"indexing {x.type}: {entry} takes nothing from axis {axis} of size {length} (rlx has no empty values)"
+        )
+    if len(taken) == 1:
+        return _part(graph, value, axis, taken[0], 1)
+    step = taken.step
+    if step < 0:
+        return _gather(graph, x, value, axis, list(taken))
+    first, last, count = taken[0], taken[-1], len(taken)
+    if first + count * step <= length:
+        grid = _part(graph, value, axis, first, count * step)
+        return _column(graph, grid, axis, count, step, 0)
+    if first >= step - 1:
+        grid = _part(graph, value, axis, first - step + 1, count * step)
+        return _column(graph, grid, axis, count, step, step - 1)
+    rest = _strided(graph, x, value, axis, slice(first, last, step))
+    return concat(graph, [rest, _part(graph, value, axis, last, 1)], axis)
+
+
+def _part(graph: Graph, value: Value, axis: int, start: int, size: int) -> Value:
+    """``value``'s elements ``[start, start + size)`` along a static ``axis``: a split."""
+    length = value.shape[axis]
+    assert isinstance(length, int) and start >= 0 and start + size <= length
+    if size == length:
+        return value
+    sizes = [piece for piece in (start, size, length - start - size) if piece]
+    return split(graph, value, sizes, axis=axis)[0 if start == 0 else 1]
+
+
+def _column(graph: Graph, grid: Value, axis: int, count: int, step: int, column: int) -> Value:
+    """Column ``column`` of ``grid``'s ``axis`` read as ``(count, step)``, that axis now ``count``."""
+    shape = grid.shape
+    rows = reshape(graph, grid, (*shape[:axis], count, step, *shape[axis + 1 :]))
+    picked = _part(graph, rows, axis + 1, column, 1)
+    return reshape(graph, picked, (*shape[:axis], count, *shape[axis + 1 :]))
+
+
+def _gather(graph: Graph, x: Value, value: Value, axis: int, positions: list[int]) -> Value:
+    """``value``'s elements at static ``positions`` along ``axis``, as rows of a 2-D table."""
+    from rlx.ops.constant import constant
+    from rlx.ops.index import embedding
+
+    if value.type.dtype != np.float32:
+        raise RlxTypeError(
+            f"indexing {x.type}: a negative step gathers, which rlx does for float values only "
+            f"(embedding rows); got {value.type.dtype_name}"
+        )
+    order = [axis, *(a for a in range(value.ndim) if a != axis)]
+    front = transpose(graph, value, order)
+    table = reshape(graph, front, (value.shape[axis], -1))
+    rows = embedding(graph, table, constant(graph, np.asarray(positions, np.int64)))
+    moved = reshape(graph, rows, (len(positions), *front.shape[1:]))
+    return transpose(graph, moved, [order.index(a) for a in range(value.ndim)])

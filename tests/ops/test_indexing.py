@@ -22,6 +22,17 @@ INDEXERS: list[tuple[str, Callable[[Any], Any]]] = [
     ("scalar", lambda v: v[2, 3, 4]),
     ("whole", lambda v: v[:]),
     ("numpy-int", lambda v: v[np.int64(1), np.int32(-1)]),
+    # Steps: whole groups from the start (a view), groups ending at each element (a view), neither
+    # (the last element concatenated), and negative steps (a gather), mixed with the rest.
+    ("even", lambda v: v[..., ::2]),
+    ("odd", lambda v: v[..., 1::2]),
+    ("step-last-column", lambda v: v[:, 2::2]),
+    ("step-concat", lambda v: v[:, ::3, 1::4]),
+    ("step-one-element", lambda v: v[1::5, 3::9]),
+    ("step-with-int", lambda v: v[::2, 1, ::3]),
+    ("reverse", lambda v: v[::-1]),
+    ("reverse-step", lambda v: v[1, 4:0:-3, ::-2]),
+    ("reverse-newaxis", lambda v: v[None, ..., 5::-4]),
 ]
 
 
@@ -55,7 +66,10 @@ def test_indexing_errors_are_clear_and_build_nothing() -> None:
     before = len(g)
     cases = [
         (lambda: x[4], rlx.RlxValueError, "index 4 is out of bounds for axis 0 of size 4"),
-        (lambda: x[::2], rlx.RlxValueError, "step"),
+        (lambda: x[::0], rlx.RlxValueError, "slice step cannot be zero"),
+        (lambda: x[::2.0], rlx.RlxTypeError, "got float"),
+        (lambda: s[:, ::2], rlx.RlxValueError, "only steps of 1 slice a symbolic axis"),
+        (lambda: x[3:1:2], rlx.RlxValueError, "takes nothing"),
         (lambda: x[[0, 1]], rlx.RlxTypeError, "gather rows with g.embedding"),
         (lambda: x[1.5], rlx.RlxTypeError, "got float"),
         (lambda: x[1, 2, 3, 4], rlx.RlxValueError, "too many indices"),
@@ -70,6 +84,7 @@ def test_indexing_errors_are_clear_and_build_nothing() -> None:
             build()
     assert len(g) == before
     assert s[:, :, 1].shape == (2, "S") and s[1].shape == ("S", 3)
+    assert s[..., ::2].shape == (2, "S", 2) and s[::-1].shape == (2, "S", 3)  # steps on static axes
     assert s[:, -1].shape == (2, 3) and s[:, 1:].shape == (2, "S-1", 3)  # counted from the symbolic end
 
 
@@ -84,3 +99,44 @@ def test_values_unpack_along_their_first_axis() -> None:
         iter(g.sum(pair))
     with pytest.raises(rlx.RlxTypeError, match="symbolic first axis"):
         iter(g.input("s", ("S", 3)))
+
+
+def test_steps_on_symbolic_values_and_int_values() -> None:
+    """Interleaved rotary halves (``x[..., ::2]``, ``x[..., 1::2]``) of a value whose sequence
+    axis is symbolic, on one compilation at two lengths; int values take positive steps (views)
+    and refuse negative ones, which gather float rows only."""
+    g = Graph("rope")
+    x = g.input("x", (2, "S", 3, 8))
+    cos, sin = g.input("cos", ("S", 1, 4)), g.input("sin", ("S", 1, 4))
+    even, odd = x[..., ::2], x[..., 1::2]
+    y = g.concat([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
+    (dx,) = rlx.grad(g, g.sum(y * y), [x])
+    g.output(y=y, dx=dx)
+    exe = rlx.compile(g)
+    rng = np.random.default_rng(1)
+    for length in (1, 13):
+        arrays = {
+            "x": rng.standard_normal((2, length, 3, 8)).astype(np.float32),
+            "cos": rng.standard_normal((length, 1, 4)).astype(np.float32),
+            "sin": rng.standard_normal((length, 1, 4)).astype(np.float32),
+        }
+        got = exe(**arrays)
+        a, b = arrays["x"][..., ::2].astype(np.float64), arrays["x"][..., 1::2].astype(np.float64)
+        c, s = arrays["cos"].astype(np.float64), arrays["sin"].astype(np.float64)
+        want = np.concatenate([a * c - b * s, a * s + b * c], axis=-1)
+        np.testing.assert_allclose(got["y"], want, rtol=1e-5, atol=1e-5)
+        ya, yb = 2 * want[..., :4], 2 * want[..., 4:]  # d sum(y*y) / dy, chained by hand
+        dx_want = np.empty_like(want)
+        dx_want[..., ::2], dx_want[..., 1::2] = ya * c + yb * s, -ya * s + yb * c
+        np.testing.assert_allclose(got["dx"], dx_want, rtol=1e-4, atol=1e-4)
+    assert exe.compile_count == 1
+
+    h = Graph("ids")
+    ids = h.input("ids", (3, 7), dtype="int64")
+    h.output(even=ids[:, ::2], odd=ids[:, 1::3])
+    values = np.arange(21, dtype=np.int64).reshape(3, 7)
+    got = rlx.compile(h)(ids=values)
+    np.testing.assert_array_equal(got["even"], values[:, ::2])
+    np.testing.assert_array_equal(got["odd"], values[:, 1::3])
+    with pytest.raises(rlx.RlxTypeError, match="negative step gathers"):
+        ids[:, ::-1]
