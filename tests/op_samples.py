@@ -116,6 +116,11 @@ SAMPLES: list[Sample] = [
     Sample("logical_not", lambda g: g.logical_not(g.input("a", (3, 4)) > 0.0)),
     Sample("where", lambda g: g.where(g.input("c", (3, 1)) > 0.0, g.input("a", (3, 4)), g.input("b", (4,)))),
     Sample(
+        "cast",
+        lambda g: g.cast(g.input("ids", (3, 4), "int64"), "float32") * g.input("x", (3, 4)),
+        int_high={"ids": 7},
+    ),
+    Sample(
         "embedding",
         lambda g: g.embedding(g.input("table", (5, 3)), g.input("ids", (2, 4), "int64")),
         int_high={"ids": 5},

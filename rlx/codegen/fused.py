@@ -641,6 +641,32 @@ class LaneMath:
     def select(self, cond: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
         return self.b.select(cond, a, b)
 
+    def convert(self, x: ir.Value, dtype: np.dtype) -> ir.Value:
+        """``x`` (lanes of f32, i1 or i64) as lanes of ``dtype``'s kind: f32, i1 (bool) or i64
+        (int32 and int64 alike, an int32 wrapped or saturated to its range first)."""
+        b, source = self.b, _scalar_type(x.type)
+        if dtype == np.bool_:
+            if source == F32:
+                return b.fcmp_unordered("!=", x, self.const(0.0))  # NaN is True, as in NumPy
+            return x if source == I1 else b.icmp_signed("!=", x, ir.Constant(x.type, None))
+        if dtype == np.float32:
+            return b.uitofp(x, self._ty(F32)) if source == I1 else b.sitofp(x, self._ty(F32))
+        element = I32 if dtype == np.int32 else I64
+        if source == I1:
+            return b.zext(x, self._ty(I64))
+        if source == F32:  # toward zero, saturating, NaN to 0 (the reference's rule)
+            width = "" if self.width == 1 else f"v{self.width}"
+            fn = intrinsic(
+                self.module,
+                f"llvm.fptosi.sat.{width}{'i32' if element == I32 else 'i64'}.{self._suffix()}",
+                self._ty(element),
+                [self._ty(F32)],
+            )
+            narrow = b.call(fn, [x])
+        else:
+            narrow = x if element == I64 else b.trunc(x, self._ty(I32))  # int64 to int32 wraps
+        return narrow if element == I64 else b.sext(narrow, self._ty(I64))
+
     def tanh(self, x: ir.Value) -> ir.Value:
         """Vectorised tanh: an odd Taylor polynomial below |x| = 0.25 (no cancellation there), else
         ``sign(x) (1 - e) / (1 + e)`` with ``e = exp(-2|x|)``; within a few ulp of tanhf, NaN kept."""

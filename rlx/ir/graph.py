@@ -85,6 +85,10 @@ class Value:
     def max(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Value:
         return self.graph.max(self, axis=axis, keepdims=keepdims)
 
+    def astype(self, dtype: object) -> Value:
+        """``mask.astype("float32")``, as ``ndarray.astype``: see ``Graph.cast``."""
+        return self.graph.cast(self, dtype)
+
     def reshape(self, *shape: Any) -> Value:
         """``x.reshape(2, -1)`` or ``x.reshape((2, -1))``, as ``ndarray.reshape``."""
         one = len(shape) == 1 and isinstance(shape[0], (tuple, list))

@@ -64,7 +64,8 @@ def as_value(graph: Graph, x: object, what: str) -> Value:
 
 def require_float(what: str, label: str, ty: TensorType) -> None:
     if ty.dtype != F32:
-        raise RlxTypeError(f"{what}: {label} must be f32, got {ty.dtype_name} ({ty})")
+        hint = " (convert it with .astype('float32'))" if ty.dtype == BOOL or ty.dtype in INT_DTYPES else ""
+        raise RlxTypeError(f"{what}: {label} must be f32, got {ty.dtype_name} ({ty}){hint}")
 
 
 def require_bool(what: str, label: str, ty: TensorType) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.opdef import EvalContext, GradFn, OpDef, no_gradient, register_op
-from rlx.ir.types import TensorType
+from rlx.ir.types import DTYPE_NAMES, TensorType, as_dtype
 from rlx.ops._common import (
     BOOL,
     F32,
@@ -44,6 +44,24 @@ class GeluAttrs:
     def __post_init__(self) -> None:
         if self.approximate not in ("none", "tanh"):
             raise RlxValueError(f"gelu: approximate must be 'none' or 'tanh', got {self.approximate!r}")
+
+
+@dataclass(frozen=True)
+class CastAttrs:
+    """The result's dtype, by its IR name (``"f32"``, ``"i32"``, ``"i64"``, ``"bool"``).
+
+    float32 is the default, so that the common cast (a mask or ids to float weights) has default
+    attrs and joins fused elementwise chains, whose steps carry no attrs; the others are loop
+    nests of their own."""
+
+    dtype: str = "f32"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in CAST_TARGETS:
+            raise RlxValueError(f"cast: dtype must be one of {', '.join(CAST_TARGETS)}, got {self.dtype!r}")
+
+
+CAST_TARGETS = ("f32", "i32", "i64", "bool")  # what graph values hold; rlx computes floats in float32
 
 
 # ----------------------------------------------------------------------------- shape rules
@@ -88,6 +106,10 @@ def _where(what: str, inputs: Sequence[TensorType], attrs: object) -> tuple[Tens
             f"{what}: a and b must have the same dtype, got {a.dtype_name} ({a}) and {b.dtype_name} ({b})"
         )
     return (TensorType(broadcast_shapes(what, cond.shape, a.shape, b.shape), a.dtype),)
+
+
+def _cast(what: str, inputs: Sequence[TensorType], attrs: CastAttrs) -> tuple[TensorType, ...]:
+    return (TensorType(inputs[0].shape, DTYPE_NAMES[attrs.dtype]),)
 
 
 # ----------------------------------------------------------------------------- references
@@ -147,6 +169,25 @@ LOGICAL_REFERENCE: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "logical_and": np.logical_and,
     "logical_or": np.logical_or,
 }
+
+
+def _cast_reference(args: Sequence[np.ndarray], attrs: CastAttrs, ctx: EvalContext) -> np.ndarray:
+    """NumPy's ``astype``, except float to int: toward zero, saturating at the int's range, NaN
+    to 0 (XLA's and so JAX's rule, and LLVM's ``fptosi.sat``; NumPy leaves those undefined).
+    Floats stay float64 here, as everywhere in the reference."""
+    x = np.asarray(args[0])
+    target = DTYPE_NAMES[attrs.dtype]
+    if target == np.float32:
+        return x.astype(np.float64)
+    if target.kind == "i" and x.dtype.kind == "f":
+        info = np.iinfo(target)
+        t = np.trunc(np.where(np.isnan(x), 0.0, x))
+        inside = (t >= info.min) & (t < 2.0 ** (info.bits - 1))
+        out = np.where(inside, np.where(inside, t, 0.0).astype(target), 0).astype(target)
+        out[t >= 2.0 ** (info.bits - 1)] = info.max
+        out[t < info.min] = info.min
+        return out
+    return x.astype(target)
 
 
 # ----------------------------------------------------------------------------- gradients
@@ -267,6 +308,14 @@ def _where_grad(
     return [None, da, db]
 
 
+def _cast_grad(
+    graph: Graph, node: Node, cotangents: Sequence[Value | None], needed: Sequence[bool]
+) -> list[Value | None]:
+    """Float to float passes the cotangent on; from or to an int or bool there is no gradient."""
+    (dy,) = cotangents
+    return [dy if node.inputs[0].dtype == F32 and node.outputs[0].dtype == F32 else None]
+
+
 # ----------------------------------------------------------------------------- builders
 
 
@@ -337,6 +386,20 @@ def gelu(graph: Graph, x: object, approximate: str = "none") -> Value:
     return _elementwise(graph, "gelu", [x], GeluAttrs(approximate))
 
 
+def cast(graph: Graph, x: object, dtype: object) -> Value:
+    """``x`` converted to ``dtype`` (float32, int32, int64 or bool), as NumPy's ``astype``: a
+    mask to float weights (``m.astype("float32")``), floats to ints toward zero (saturating, NaN
+    to 0, as JAX), anything to bool as ``!= 0``. To the dtype ``x`` has: ``x`` itself."""
+    value = as_value(graph, x, "cast: x")
+    target = as_dtype(dtype)
+    name = next((n for n in CAST_TARGETS if DTYPE_NAMES[n] == target), None)
+    if name is None:
+        raise RlxTypeError(f"cast: rlx values hold float32, int32, int64 or bool, got {target}")
+    if value.dtype == target:
+        return value
+    return graph.add_node(op_kind("cast"), [value], CastAttrs(name)).outputs[0]
+
+
 def _unary_ref(
     fn: Callable[[np.ndarray], np.ndarray],
 ) -> Callable[[Sequence[np.ndarray], object, EvalContext], np.ndarray]:
@@ -387,6 +450,7 @@ SCALAR: dict[str, Callable[..., object]] = {
     "logical_or": lambda e, a, b, attrs: e.logical("or", a, b),
     "logical_not": lambda e, x, attrs: e.logical("not", x),
     "where": lambda e, c, a, b, attrs: e.select(c, a, b),
+    "cast": lambda e, x, attrs: e.convert(x, DTYPE_NAMES[attrs.dtype]),
 }
 
 
@@ -491,5 +555,17 @@ register_op(
         _where_grad,
         scalar=SCALAR["where"],
         builder=_make_builder("where", 3),
+    )
+)
+register_op(
+    OpDef(
+        "cast",
+        ("x",),
+        CastAttrs,
+        _cast,
+        _cast_reference,
+        _cast_grad,
+        scalar=SCALAR["cast"],
+        builder=cast,
     )
 )
