@@ -89,6 +89,15 @@ class Value:
         """``mask.astype("float32")``, as ``ndarray.astype``: see ``Graph.cast``."""
         return self.graph.cast(self, dtype)
 
+    def min(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Value:
+        return self.graph.min(self, axis=axis, keepdims=keepdims)
+
+    def argmax(self, axis: int | None = None, keepdims: bool = False) -> Value:
+        return self.graph.argmax(self, axis=axis, keepdims=keepdims)
+
+    def argmin(self, axis: int | None = None, keepdims: bool = False) -> Value:
+        return self.graph.argmin(self, axis=axis, keepdims=keepdims)
+
     def reshape(self, *shape: Any) -> Value:
         """``x.reshape(2, -1)`` or ``x.reshape((2, -1))``, as ``ndarray.reshape``."""
         one = len(shape) == 1 and isinstance(shape[0], (tuple, list))

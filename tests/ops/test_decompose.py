@@ -25,6 +25,9 @@ def test_composites_are_the_expected_ones() -> None:
         "layer_norm",
         "one_hot",
         "cross_entropy",
+        "min",
+        "argmax",
+        "argmin",
     }
 
 
