@@ -77,7 +77,7 @@ def _build(draw: st.DrawFn) -> tuple[Graph, list[Value]]:
                 values.append(getattr(g, op)(v, w) if draw(st.booleans()) else getattr(g, op)(w, v))
         elif kind == "reduce" and shape:
             axes = tuple(sorted(set(draw(st.lists(st.integers(0, len(shape) - 1), min_size=1, max_size=len(shape))))))
-            op = draw(st.sampled_from(["sum", "mean", "max"]))
+            op = draw(st.sampled_from(["sum", "mean", "max", "min"]))
             values.append(getattr(g, op)(v, axis=axes, keepdims=draw(st.booleans())))
         elif kind == "softmax" and shape:
             op = draw(st.sampled_from(["softmax", "log_softmax"]))
@@ -123,7 +123,11 @@ def _build(draw: st.DrawFn) -> tuple[Graph, list[Value]]:
             )
         elif kind == "where":
             w = draw(st.sampled_from([w for w in values if w.shape == shape]))
-            values.append(g.where(v > w, v, w * 2.0))
+            if draw(st.booleans()):
+                values.append(g.where(v > w, v, w * 2.0))
+            else:  # a comparison cast to float weights (through int32 or straight)
+                mask = (v > w).astype("int32") if draw(st.booleans()) else v > w
+                values.append(mask.astype("float32") * v)
         elif kind == "concat" and shape:
             axis = draw(st.integers(0, len(shape) - 1))
             values.append(g.concat([v, g.exp(v)], axis=axis))
