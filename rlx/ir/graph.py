@@ -92,6 +92,18 @@ class Value:
     def min(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Value:
         return self.graph.min(self, axis=axis, keepdims=keepdims)
 
+    def var(self, axis: int | Sequence[int] | None = None, keepdims: bool = False, ddof: int = 0) -> Value:
+        return self.graph.var(self, axis=axis, keepdims=keepdims, ddof=ddof)
+
+    def std(self, axis: int | Sequence[int] | None = None, keepdims: bool = False, ddof: int = 0) -> Value:
+        return self.graph.std(self, axis=axis, keepdims=keepdims, ddof=ddof)
+
+    def clip(self, lo: object = None, hi: object = None) -> Value:
+        return self.graph.clip(self, lo, hi)
+
+    def squeeze(self, axis: int | Sequence[int] | None = None) -> Value:
+        return self.graph.squeeze(self, axis)
+
     def argmax(self, axis: int | None = None, keepdims: bool = False) -> Value:
         return self.graph.argmax(self, axis=axis, keepdims=keepdims)
 
@@ -520,6 +532,43 @@ class Graph:
         from rlx.ir.parser import parse as _parse
 
         return _parse(text)
+
+    # NumPy conveniences built from the ops (rlx.ops.composite): no op of their own.
+    def stack(self, values: Sequence[object], axis: int = 0) -> Value:
+        """``numpy.stack``: values of one shape joined along a new axis."""
+        from rlx.ops.composite import stack
+
+        return stack(self, values, axis)
+
+    def expand_dims(self, x: object, axis: int | Sequence[int]) -> Value:
+        """``numpy.expand_dims``: new axes of size 1 at ``axis``."""
+        from rlx.ops.composite import expand_dims
+
+        return expand_dims(self, x, axis)
+
+    def squeeze(self, x: object, axis: int | Sequence[int] | None = None) -> Value:
+        """``numpy.squeeze``: drop axes of size 1 (all, or those named)."""
+        from rlx.ops.composite import squeeze
+
+        return squeeze(self, x, axis)
+
+    def clip(self, x: object, lo: object = None, hi: object = None) -> Value:
+        """``numpy.clip`` / ``torch.clamp`` with torch's gradient (1 within the bounds)."""
+        from rlx.ops.composite import clip
+
+        return clip(self, x, lo, hi)
+
+    def var(self, x: object, axis: object = None, keepdims: bool = False, ddof: int = 0) -> Value:
+        """``numpy.var`` (``ddof=1``: torch's unbiased default)."""
+        from rlx.ops.composite import var
+
+        return var(self, x, axis, keepdims, ddof)
+
+    def std(self, x: object, axis: object = None, keepdims: bool = False, ddof: int = 0) -> Value:
+        """``numpy.std``."""
+        from rlx.ops.composite import std
+
+        return std(self, x, axis, keepdims, ddof)
 
     def copy(self) -> Graph:
         """A deep copy with the same node ids, input and output names."""
