@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 import rlx
 from rlx import Graph, Value
 
-UNARY = ["neg", "exp", "tanh", "sigmoid", "relu", "silu", "gelu", "abs", "erf"]
-POSITIVE_UNARY = ["log", "sqrt", "rsqrt"]
+UNARY = ["neg", "exp", "tanh", "sigmoid", "relu", "silu", "gelu", "abs", "erf", "sin", "cos", "expm1", "softplus"]
+POSITIVE_UNARY = ["log", "sqrt", "rsqrt", "log1p"]
 BINARY = ["add", "sub", "mul", "maximum", "minimum"]
 
 

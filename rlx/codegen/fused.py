@@ -46,7 +46,7 @@ from rlx.ir.dims import product
 from rlx.ir.graph import Value
 from rlx.ir.types import Dim
 
-LIBM = {"log": "logf", "pow": "powf"}
+LIBM = {"log": "logf", "pow": "powf", "sin": "sinf", "cos": "cosf", "log1p": "log1pf", "expm1": "expm1f"}
 MIN_ITEM_ELEMENTS = 1 << 14  # elements per parallel work item at least: thread overhead pays off
 # -log(erfc(t)) on [0.875, 4] as a degree-8 polynomial in t (least squares in Chebyshev form, then
 # converted): 1 - exp(-Q(t)) is erf(t) to about 1 ulp there.

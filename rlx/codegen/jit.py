@@ -34,6 +34,10 @@ _IMPORTED_LIBC = (
     "sched_yield",
     "logf",
     "powf",
+    "sinf",
+    "cosf",
+    "log1pf",
+    "expm1f",
     "clock_gettime",
 )
 _library_ids = itertools.count()

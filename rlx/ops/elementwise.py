@@ -144,6 +144,11 @@ UNARY_REFERENCE: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "relu": lambda x: np.maximum(x, 0.0),
     "silu": lambda x: x * _sigmoid(x),
     "erf": _erf,
+    "sin": np.sin,
+    "cos": np.cos,
+    "log1p": np.log1p,
+    "expm1": np.expm1,
+    "softplus": lambda x: np.logaddexp(0.0, x),
 }
 
 BINARY_REFERENCE: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
@@ -248,6 +253,11 @@ UNARY_GRAD: dict[str, GradFn] = {
     "relu": _unary_grad(lambda g, x, y, dy: g.where(g.greater(x, 0.0), dy, 0.0)),
     "silu": _unary_grad(_silu_dx),
     "erf": _unary_grad(lambda g, x, y, dy: dy * (2.0 / math.sqrt(math.pi)) * g.exp(-(x * x))),
+    "sin": _unary_grad(lambda g, x, y, dy: dy * g.cos(x)),
+    "cos": _unary_grad(lambda g, x, y, dy: -(dy * g.sin(x))),
+    "log1p": _unary_grad(lambda g, x, y, dy: dy / (1.0 + x)),
+    "expm1": _unary_grad(lambda g, x, y, dy: dy * (y + 1.0)),
+    "softplus": _unary_grad(lambda g, x, y, dy: dy * g.sigmoid(x)),
 }
 
 
@@ -433,6 +443,10 @@ SCALAR: dict[str, Callable[..., object]] = {
     "sigmoid": lambda e, x, attrs: e.div(e.const(1.0, x), e.add(e.const(1.0, x), e.exp(e.neg(x)))),
     "relu": lambda e, x, attrs: e.maximum(x, e.const(0.0, x)),
     "erf": lambda e, x, attrs: e.erf(x),
+    "sin": lambda e, x, attrs: e.call("sin", x),
+    "cos": lambda e, x, attrs: e.call("cos", x),
+    "log1p": lambda e, x, attrs: e.call("log1p", x),
+    "expm1": lambda e, x, attrs: e.call("expm1", x),
     "add": lambda e, a, b, attrs: e.add(a, b),
     "sub": lambda e, a, b, attrs: e.sub(a, b),
     "mul": lambda e, a, b, attrs: e.mul(a, b),
@@ -466,7 +480,13 @@ def _decompose_silu(graph: Graph, node: Node) -> tuple[Value, ...]:
     return (x * graph.sigmoid(x),)
 
 
-DECOMPOSE = {"silu": _decompose_silu}
+def _decompose_softplus(graph: Graph, node: Node) -> tuple[Value, ...]:
+    """``max(x, 0) + log1p(exp(-|x|))``: no overflow for large x, no lost digits for small."""
+    x = node.inputs[0]
+    return (graph.relu(x) + graph.log1p(graph.exp(-graph.abs(x))),)
+
+
+DECOMPOSE = {"silu": _decompose_silu, "softplus": _decompose_softplus}
 
 for _name, _fn in UNARY_REFERENCE.items():
     register_op(

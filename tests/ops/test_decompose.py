@@ -18,6 +18,7 @@ def test_composites_are_the_expected_ones() -> None:
     assert names == {
         "gelu",
         "silu",
+        "softplus",
         "mean",
         "softmax",
         "log_softmax",
