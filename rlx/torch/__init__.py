@@ -5,6 +5,7 @@
     o = rt.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False)
     o = rt.flex_attention(q, k, v, score_mod=None, mask_mod=None, scale=None, enable_gqa=False, return_lse=False)
     f = rt.compile(g)          # f(**tensors) -> dict of tensors, differentiable
+    model = torch.compile(model, backend="rlx")   # or backend=rt.backend: TorchDynamo graphs on rlx
 
 Tensors are torch's ``[B, H, S, D]`` (rlx's ``Layout.BHSD``), so nothing is re-laid out.
 Contiguous float32 CPU tensors go in and come out without a copy (NumPy views of the same
@@ -28,6 +29,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
     raise ImportError('rlx.torch needs PyTorch: pip install "rlx[torch]"') from exc
 
 from rlx.torch import _ops  # noqa: F401  (registers the custom ops SDPA dispatches to under torch.compile)
+from rlx.torch.dynamo import backend
 from rlx.torch.flex import flex_attention
 from rlx.torch.graphs import CompiledGraph, compile
 from rlx.torch.sdpa import scaled_dot_product_attention
@@ -41,6 +43,7 @@ __all__ = [
     "SMALL_ATTENTION_FLOPS",
     "SMALL_ATTENTION_FLOPS_OWN_WORKERS",
     "CompiledGraph",
+    "backend",
     "compile",
     "flex_attention",
     "scaled_dot_product_attention",
