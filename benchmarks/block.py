@@ -216,6 +216,22 @@ def run_shape(shape: tuple[int, int, int, int], args: argparse.Namespace, torch:
         return torch.autograd.grad(torch_loss(torch, tensors, heads), [tensors[n] for n in NAMES])
 
     calls: dict[str, Call] = {"rlx": Call(lambda: exe(**arrays)), "torch eager": Call(eager)}
+    # The torch function itself under torch.compile with rlx's TorchDynamo backend: the route of
+    # a torch user who changes nothing but the backend.
+    import rlx.torch.dynamo as rlx_dynamo
+
+    eager_before = rlx_dynamo.stats["eager"]
+    backend_fn = torch.compile(lambda t: torch_loss(torch, t, heads), backend="rlx", dynamic=False)
+
+    def via_backend() -> object:
+        return torch.autograd.grad(backend_fn(tensors), [tensors[n] for n in NAMES])
+
+    start = time.perf_counter()
+    via_backend()
+    backend_first = time.perf_counter() - start
+    if rlx_dynamo.stats["eager"] != eager_before:
+        raise RuntimeError(f"the rlx backend left the block to eager torch: {rlx_dynamo.fallbacks}")
+    calls["rlx backend"] = Call(via_backend)
     compiled_warmup = None
     if not args.no_compile:
         compiled_fn = torch.compile(lambda t: torch_loss(torch, t, heads))
@@ -230,10 +246,13 @@ def run_shape(shape: tuple[int, int, int, int], args: argparse.Namespace, torch:
 
     got = exe(**arrays)
     want = eager()
+    through_backend = via_backend()
     errors = {}
-    for name, grad in zip(NAMES, want, strict=True):
+    for name, grad, other in zip(NAMES, want, through_backend, strict=True):
         ref = grad.numpy()
-        errors[name] = float(np.max(np.abs(got[f"d_{name}"] - ref)) / max(1e-30, float(np.max(np.abs(ref)))))
+        scale = max(1e-30, float(np.max(np.abs(ref))))
+        errors[name] = float(np.max(np.abs(got[f"d_{name}"] - ref)) / scale)
+        errors[f"{name} (backend)"] = float(np.max(np.abs(other.numpy() - ref)) / scale)
     worst = max(errors.values())
     if worst > 1e-3:
         raise RuntimeError(f"rlx and torch disagree on {shape}: relative errors {errors}")
@@ -275,6 +294,7 @@ def run_shape(shape: tuple[int, int, int, int], args: argparse.Namespace, torch:
         "warm_speedup_vs": {name: warm[name] / warm["rlx"] for name in warm if name != "rlx"},
         "peak_extra_bytes": memory,
         "torch_compile_first_call_s": compiled_warmup,
+        "rlx_backend_first_call_s": backend_first,
         "max_rel_error_vs_torch": worst,
         "breakdown_s": breakdown,
         "matmuls_one_thread_s": {"rlx OpenBLAS": blas.openblas_s, "torch BLAS": blas.torch_s},
@@ -328,6 +348,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "compile ms",
         "eager/rlx",
         "compile/rlx",
+        "rlx backend ms",
+        "eager/backend",
         "sgemm-bound ms",
         "rlx / bound",
         "kernels/nodes",
@@ -349,6 +371,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{med['torch.compile'] * 1e3:.1f}" if "torch.compile" in med else "-",
                 f"{r['speedup_vs']['torch eager']:.2f}x",
                 f"{r['speedup_vs']['torch.compile']:.2f}x" if "torch.compile" in r["speedup_vs"] else "-",
+                f"{med['rlx backend'] * 1e3:.1f}",
+                f"{med['torch eager'] / med['rlx backend']:.2f}x",
                 f"{r['sgemm_bound_s'] * 1e3:.1f}",
                 f"{med['rlx'] / r['sgemm_bound_s']:.2f}x",
                 f"{r['kernels']}/{r['nodes']}",
@@ -379,6 +403,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         " as fast (geometric mean)."
         f"\ngeometric mean speed-up: vs torch eager {eager:.2f}x (target 1.5x)"
         + (f", vs torch.compile {compiled:.2f}x (target 1.2x)" if compiled else "")
+        + '\nrlx backend: the torch function under torch.compile(backend="rlx") (TorchDynamo\'s graph'
+        " translated to rlx), the route of a torch user who changes only the backend: torch eager / it"
+        f" {h.geomean(r['median_s']['torch eager'] / r['median_s']['rlx backend'] for r in results):.2f}x"
+        " (geometric mean)"
     )
     if args.warm:
         warm_rows = [
