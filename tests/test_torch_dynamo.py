@@ -147,3 +147,42 @@ def test_what_rlx_cannot_take_runs_eagerly_with_a_warning() -> None:
         doubled = torch.compile(lambda t: t * 2.0, backend="rlx")(torch.ones(3, dtype=torch.float64))
     assert doubled.dtype == torch.float64 and doubled.tolist() == [2.0, 2.0, 2.0]
     assert dynamo_backend.stats == {"compiled": 0, "eager": 3}
+
+
+class ManualAttention(torch.nn.Module):
+    """Attention as models wrote it before SDPA: a causal buffer, positions from ``arange``,
+    ``unbind``, key heads repeated for GQA, ``masked_fill``, ``.mT``, ``F.normalize``."""
+
+    def __init__(self, length: int = 8) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48, bias=False)
+        self.positions = torch.nn.Embedding(length, 16)
+        self.register_buffer("causal", torch.tril(torch.ones(length, length, dtype=torch.bool)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        x = x + self.positions(torch.arange(length))  # folded: arange runs once, at translation
+        q, k, v = self.qkv(x).view(batch, length, 4, 3, 4).unbind(3)
+        q = F.normalize(q.transpose(1, 2), dim=-1)
+        k, v = (t[:, :, :2].transpose(1, 2).repeat_interleave(2, 1) for t in (k, v))
+        scores = (q @ k.transpose(-2, -1)) / 2.0
+        weights = scores.masked_fill(~self.causal[:length, :length], float("-inf")).softmax(-1)
+        y = (weights @ v).transpose(1, 2).reshape(batch, length, -1)
+        return y * torch.ones_like(y) + y.mT.sum(-1, keepdim=True).mT
+
+
+def test_manual_attention_constructs_translate() -> None:
+    torch.manual_seed(3)
+    model = ManualAttention()
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    got, want = torch.compile(model, backend="rlx")(x), model(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    cotangent = torch.randn(got.shape)
+    for name, a, e in zip(
+        ("x", "qkv", "positions"),
+        torch.autograd.grad(got, (x, model.qkv.weight, model.positions.weight), cotangent),
+        torch.autograd.grad(want, (x, model.qkv.weight, model.positions.weight), cotangent),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5, msg=name)
+    assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks

@@ -127,11 +127,16 @@ class _Translation:
             attribute = _attribute(self.gm, str(node.target))
             if not isinstance(attribute, torch.Tensor):
                 raise Unsupported(f"attribute {node.target} is a {type(attribute).__name__}")
-            return _constant(self.graph, attribute)
+            if attribute.requires_grad:
+                raise Unsupported(f"attribute {node.target} requires a gradient, which a constant would lose")
+            return attribute.detach()  # folded with other constants, or a constant where an op reads it
         else:
             raise Unsupported(f"{node.op} {node.target}")
+        if _foldable(what, args, kwargs):
+            return _fold(node, args, kwargs)
         if handler is None:
             raise Unsupported(f"{what} has no rlx translation")
+        args, kwargs = _nested((args, kwargs), lambda a: _constant(self.graph, a) if isinstance(a, torch.Tensor) else a)
         try:
             return handler(self.graph, *args, **kwargs)
         except Unsupported as why:
@@ -140,7 +145,7 @@ class _Translation:
             raise Unsupported(f"{what}: {why}") from None
 
     def compiled(self) -> Callable[..., Any]:
-        results = self.results
+        results = _nested(self.results, lambda a: _constant(self.graph, a) if isinstance(a, torch.Tensor) else a)
         single = not isinstance(results, (tuple, list))
         values = [results] if single else list(results)
         if not all(isinstance(v, Value) for v in values):
@@ -158,6 +163,37 @@ class _Translation:
 
         run.rlx_graph = self.graph  # type: ignore[attr-defined]
         return run
+
+
+def _nested(value: Any, fn: Callable[[Any], Any]) -> Any:
+    """``fn`` applied to every leaf of nested tuples, lists and dicts (an FX node's arguments)."""
+    if isinstance(value, tuple):
+        return tuple(_nested(v, fn) for v in value)
+    if isinstance(value, list):
+        return [_nested(v, fn) for v in value]
+    if isinstance(value, dict):
+        return {k: _nested(v, fn) for k, v in value.items()}
+    return fn(value)
+
+
+_RANDOM = ("rand", "bernoulli", "dropout", "normal", "multinomial", "poisson", "exponential", "uniform")
+
+
+def _foldable(what: str, args: Any, kwargs: Any) -> bool:
+    """A call on constants only (``torch.arange(8)``, ``torch.tril(torch.ones(8, 8))``): torch
+    computes it once, now, and its result is a constant of the graph. Random draws and in-place
+    updates are not folded: they must happen on every call."""
+    found: list[Any] = []
+    _nested((args, kwargs), lambda a: found.append(a) if isinstance(a, (Value, Size)) else a)
+    name = what.lower()
+    return not found and not any(word in name for word in _RANDOM) and not name.endswith("_")
+
+
+def _fold(node: torch.fx.Node, args: Any, kwargs: Any) -> Any:
+    with torch.no_grad():
+        if node.op == "call_method":
+            return getattr(args[0], str(node.target))(*args[1:], **kwargs)
+        return node.target(*args, **kwargs)  # type: ignore[operator]
 
 
 def _symbolic(size: Any) -> int | Size:
@@ -359,6 +395,64 @@ def _expand(g: Graph, x: Any, *sizes: Any) -> Any:
         if size == -1:
             target[i] = x.shape[i - offset]
     return g.broadcast_to(x, tuple(target))
+
+
+def _unbind(g: Graph, x: Any, dim: int = 0) -> Any:
+    x = _float(x)
+    length = x.shape[dim]
+    if not isinstance(length, int):
+        raise Unsupported("unbind along a dynamic axis")
+    parts = g.split(x, [1] * length, axis=dim) if length > 1 else (x,)
+    return tuple(g.squeeze(part, dim) for part in parts)
+
+
+def _repeat_interleave(g: Graph, x: Any, repeats: Any, dim: Any = None, **kwargs: Any) -> Any:
+    """``x.repeat_interleave(n, dim)`` with an int ``n`` (a manual GQA's key heads): a broadcast
+    along a new axis after ``dim``, merged into it."""
+    x = _float(x)
+    if type(repeats) is not int or dim is None:
+        raise Unsupported("repeat_interleave other than an int count along one dim")
+    axis = dim % x.ndim
+    wide = g.broadcast_to(g.expand_dims(x, axis + 1), (*x.shape[: axis + 1], repeats, *x.shape[axis + 1 :]))
+    merged = _dim(poly(x.shape[axis]) * repeats)
+    return g.reshape(wide, (*x.shape[:axis], merged, *x.shape[axis + 1 :]))
+
+
+def _like(fill: float | None) -> Callable[..., Any]:
+    """``torch.zeros_like(x)`` and kin: a broadcast scalar of ``x``'s shape (no buffer)."""
+
+    def handler(g: Graph, x: Any, *rest: Any, **kwargs: Any) -> Any:
+        x = _float(x)
+        value = rest[0] if fill is None else fill
+        dtype = kwargs.pop("dtype", None)
+        kwargs.pop("device", None)
+        kwargs.pop("layout", None)
+        kwargs.pop("pin_memory", None)
+        _no(kwargs, requires_grad=False, memory_format=torch.preserve_format)
+        target = np.dtype(x.dtype) if dtype is None else np.dtype(_NUMPY[dtype])
+        return g.broadcast_to(g.constant(np.array(value, dtype=target)), x.shape)
+
+    return handler
+
+
+def _getattr(g: Graph, x: Any, name: str) -> Any:
+    if not isinstance(x, Value):
+        raise Unsupported(f"getattr of a {type(x).__name__}")
+    if name == "T":
+        return g.transpose(x)
+    if name == "mT":
+        return _transpose(g, x, -2, -1)
+    if name == "shape":
+        return _size(g, x)
+    raise Unsupported(f"the attribute {name}")
+
+
+def _normalize(g: Graph, x: Any, p: float = 2.0, dim: int = 1, eps: float = 1e-12, out: Any = None) -> Any:
+    if p != 2.0 or out is not None:
+        raise Unsupported("normalize other than the 2-norm")
+    x = _float(x)
+    norm = g.sqrt(g.sum(x * x, axis=dim, keepdims=True))
+    return x / g.maximum(norm, eps)
 
 
 def _contiguous(g: Graph, x: Any, *args: Any, **kwargs: Any) -> Any:
@@ -666,6 +760,13 @@ _FUNCTIONS: dict[Any, Callable[..., Any]] = {
     torch._C._nn.scaled_dot_product_attention: _sdpa,
     **{getattr(torch, name): _unary(name) for name in _ELEMENTWISE},
     torch.nn.functional.sigmoid: _unary("sigmoid"),
+    torch.unbind: _unbind,
+    torch.repeat_interleave: _repeat_interleave,
+    torch.zeros_like: _like(0.0),
+    torch.ones_like: _like(1.0),
+    torch.full_like: _like(None),
+    getattr: _getattr,
+    F.normalize: _normalize,
     torch.nn.functional.tanh: _unary("tanh"),
 }
 for _rms in (getattr(F, "rms_norm", None), getattr(torch, "rms_norm", None)):
@@ -704,6 +805,11 @@ _METHODS: dict[str, Callable[..., Any]] = {
     "masked_fill": _masked_fill,
     "clamp": _clamp,
     "clip": _clamp,
+    "unbind": _unbind,
+    "repeat_interleave": _repeat_interleave,
+    "view_as": lambda g, x, other: g.reshape(_float(x), _float(other).shape),
+    "reshape_as": lambda g, x, other: g.reshape(_float(x), _float(other).shape),
+    "expand_as": lambda g, x, other: g.broadcast_to(_float(x), _float(other).shape),
     "to": _to,
     "type_as": _type_as,
     "float": _method_cast(torch.float32),
