@@ -186,3 +186,73 @@ def test_manual_attention_constructs_translate() -> None:
     ):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5, msg=name)
     assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks
+
+
+class ShiftedLoss(torch.nn.Module):
+    """What transformers' causal-LM loss and GPT-2 do: positions from ``arange(S) + past``,
+    ``torch.addmm`` projections, a legacy cache's empty ``torch.cat``, labels padded with -100
+    and shifted, ``cross_entropy(..., ignore_index=-100)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = torch.nn.Embedding(13, 8)
+        self.positions = torch.nn.Embedding(32, 8)
+        self.weight = torch.nn.Parameter(torch.randn(8, 13) * 0.3)
+        self.bias = torch.nn.Parameter(torch.randn(13) * 0.1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        batch, length = ids.shape
+        x = self.tokens(ids) + self.positions(torch.arange(length) + 0)
+        x = torch.cat([torch.tensor([]), x.reshape(batch * length, 8)], dim=0)
+        logits = torch.addmm(self.bias, x, self.weight).view(batch, length, 13)
+        labels = F.pad(ids, (0, 1), value=-100)[..., 1:]
+        return F.cross_entropy(logits.reshape(-1, 13), labels.reshape(-1), ignore_index=-100)
+
+
+def test_causal_lm_loss_patterns_and_dynamic_positions() -> None:
+    torch.manual_seed(4)
+    model = ShiftedLoss()
+    compiled = torch.compile(model, backend="rlx")
+    for length in (6, 9, 4):  # the second length makes it dynamic: arange(S) is computed per call
+        ids = torch.randint(0, 13, (3, length))
+        got, want = compiled(ids), model(ids)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        grads = torch.autograd.grad(got, list(model.parameters()))
+        expected = torch.autograd.grad(want, list(model.parameters()))
+        for a, e in zip(grads, expected, strict=True):
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)
+    assert dynamo_backend.stats == {"compiled": 2, "eager": 0}, dynamo_backend.fallbacks
+
+
+@pytest.mark.slow
+def test_transformers_models_train_on_rlx() -> None:
+    """GPT-2 and Llama from transformers (when installed), their own loss, two lengths."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(5)
+    configs = [
+        transformers.GPT2Config(
+            n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=32, attn_pdrop=0, resid_pdrop=0, embd_pdrop=0
+        ),
+        transformers.LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=50,
+            max_position_embeddings=32,
+        ),
+    ]
+    for config in configs:
+        eager = transformers.AutoModelForCausalLM.from_config(config).eval()
+        other = copy.deepcopy(eager)
+        compiled = torch.compile(other, backend="rlx")
+        for length in (8, 11):
+            ids = torch.randint(0, 50, (2, length))
+            losses = [model(ids, labels=ids).loss for model in (eager, compiled)]
+            torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+            for loss in losses:
+                loss.backward()
+        for (name, a), b in zip(eager.named_parameters(), other.parameters(), strict=True):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert dynamo_backend.stats["eager"] == 0, dynamo_backend.fallbacks

@@ -19,6 +19,7 @@ from rlx.ir.types import DTYPE_NAMES, TensorType, as_dtype
 from rlx.ops._common import (
     BOOL,
     F32,
+    INT_DTYPES,
     as_value,
     broadcast_shapes,
     is_int,
@@ -70,6 +71,29 @@ CAST_TARGETS = ("f32", "i32", "i64", "bool")  # what graph values hold; rlx comp
 def _float_unary(what: str, inputs: Sequence[TensorType], attrs: object) -> tuple[TensorType, ...]:
     require_float(what, "x", inputs[0])
     return (inputs[0],)
+
+
+# Ops that also compute on integers (NumPy's wrapping arithmetic in the operands' own dtype):
+# positions and offsets of ids (``arange(S) + past``). Division, powers and math stay float.
+INTEGER_ARITHMETIC = ("add", "sub", "mul", "maximum", "minimum", "neg", "abs")
+
+
+def _arithmetic_unary(what: str, inputs: Sequence[TensorType], attrs: object) -> tuple[TensorType, ...]:
+    if inputs[0].dtype not in INT_DTYPES:
+        require_float(what, "x", inputs[0])
+    return (inputs[0],)
+
+
+def _arithmetic_binary(what: str, inputs: Sequence[TensorType], attrs: object) -> tuple[TensorType, ...]:
+    a, b = inputs
+    if a.dtype in INT_DTYPES or b.dtype in INT_DTYPES:
+        if a.dtype != b.dtype:
+            raise RlxTypeError(
+                f"{what}: a and b must have the same dtype, got {a.dtype_name} ({a}) and {b.dtype_name} ({b}) "
+                "(convert one with .astype)"
+            )
+        return (TensorType(broadcast_shapes(what, a.shape, b.shape), a.dtype),)
+    return _float_binary(what, inputs, attrs)
 
 
 def _float_binary(what: str, inputs: Sequence[TensorType], attrs: object) -> tuple[TensorType, ...]:
@@ -206,6 +230,8 @@ def _unary_grad(rule: Callable[[Graph, Value, Value, Value], Value]) -> GradFn:
     ) -> list[Value | None]:
         (dy,) = cotangents
         assert dy is not None
+        if node.outputs[0].dtype != F32:  # integer arithmetic: nothing to differentiate
+            return [None]
         return [rule(graph, node.inputs[0], node.outputs[0], dy)]
 
     return grad
@@ -270,6 +296,8 @@ def _binary_grad(rule: Callable[[Graph, Value, Value, Value, Value], tuple[Value
         (dy,) = cotangents
         assert dy is not None
         a, b = node.inputs
+        if node.outputs[0].dtype != F32:  # integer arithmetic: nothing to differentiate
+            return [None, None]
         da, db = rule(graph, a, b, node.outputs[0], dy)
         return [
             sum_to_shape(graph, da, a.shape) if needed[0] and da is not None else None,
@@ -340,6 +368,7 @@ _SAME_DTYPE_OPERANDS = {
     "equal": (0, 1),
     "not_equal": (0, 1),
     "where": (1, 2),
+    **{name: (0, 1) for name in INTEGER_ARITHMETIC if name not in ("neg", "abs")},
 }
 
 
@@ -494,7 +523,7 @@ for _name, _fn in UNARY_REFERENCE.items():
             _name,
             ("x",),
             NoAttrs,
-            _float_unary,
+            _arithmetic_unary if _name in INTEGER_ARITHMETIC else _float_unary,
             _unary_ref(_fn),
             UNARY_GRAD[_name],
             scalar=SCALAR.get(_name),
@@ -520,7 +549,7 @@ for _name, _fn2 in BINARY_REFERENCE.items():
             _name,
             ("a", "b"),
             NoAttrs,
-            _float_binary,
+            _arithmetic_binary if _name in INTEGER_ARITHMETIC else _float_binary,
             _binary_ref(_fn2),
             BINARY_GRAD[_name],
             scalar=SCALAR[_name],

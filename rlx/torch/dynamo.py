@@ -73,7 +73,11 @@ class _Translation:
         self.graph = Graph("dynamo")
         self.env: dict[torch.fx.Node, Any] = {}
         self.inputs: list[str | None] = []  # rlx input name per placeholder (None: a size)
+        self.env_sizes: dict[int, str] = {}  # placeholder position -> the symbol of a size input
         self.size_symbols: set[str] = set()  # symbols of the sizes TorchDynamo passes as inputs
+        # Inputs the wrapper computes per call from the sizes (``torch.arange(S)`` of a dynamic S):
+        # name -> (start, end, dtype) as polynomials in the symbols.
+        self.ranges: dict[str, tuple[int | Size, int | Size, torch.dtype]] = {}
         placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
         if len(placeholders) != len(example_inputs):
             raise Unsupported(f"{len(placeholders)} placeholders for {len(example_inputs)} example inputs")
@@ -98,6 +102,7 @@ class _Translation:
             if not isinstance(size, Size) or len(size.symbols) != 1 or size != Size.symbol(size.symbols[0]):
                 raise Unsupported(f"input {node.name} is the size {example}, not a plain symbol")
             self.size_symbols.add(size.symbols[0])
+            self.env_sizes[len(self.inputs)] = size.symbols[0]
             self.inputs.append(None)
             return size
         if not isinstance(example, torch.Tensor):
@@ -134,15 +139,55 @@ class _Translation:
             raise Unsupported(f"{node.op} {node.target}")
         if _foldable(what, args, kwargs):
             return _fold(node, args, kwargs)
+        if node.target is torch.arange:
+            return self._arange(*args, **kwargs)
         if handler is None:
             raise Unsupported(f"{what} has no rlx translation")
-        args, kwargs = _nested((args, kwargs), lambda a: _constant(self.graph, a) if isinstance(a, torch.Tensor) else a)
+        # Constant tensors become graph constants where a call reads them; an empty one (a legacy
+        # cache's ``torch.tensor([])`` that ``torch.cat`` skips) stays a tensor for the call to see.
+        args, kwargs = _nested(
+            (args, kwargs),
+            lambda a: _constant(self.graph, a) if isinstance(a, torch.Tensor) and a.numel() else a,
+        )
         try:
             return handler(self.graph, *args, **kwargs)
         except Unsupported as why:
             raise Unsupported(f"{what}: {why}") from None
         except RlxError as why:
             raise Unsupported(f"{what}: {why}") from None
+
+    def _arange(self, *bounds: Any, dtype: torch.dtype | None = None, **kwargs: Any) -> Value:
+        """``torch.arange(S)`` or ``torch.arange(P, P + S)`` of dynamic sizes: an input of the rlx
+        graph, ``[S]``, that the wrapper makes per call from the sizes bound then."""
+        kwargs.pop("device", None)
+        kwargs.pop("layout", None)
+        kwargs.pop("pin_memory", None)
+        _no(kwargs, requires_grad=False)
+        if len(bounds) == 3 and bounds[2] == 1:
+            bounds = bounds[:2]
+        if not 1 <= len(bounds) <= 2 or not all(type(b) is int or isinstance(b, Size) for b in bounds):
+            raise Unsupported(f"arange{tuple(bounds)} of dynamic sizes (only a step of 1)")
+        start, end = (0, bounds[0]) if len(bounds) == 1 else bounds
+        dtype = torch.int64 if dtype is None else dtype
+        if dtype not in _DTYPES:
+            raise Unsupported(f"arange of {dtype}")
+        name = f"range{len(self.ranges)}"
+        self.ranges[name] = (start, end, dtype)
+        return self.graph.input(name, (_dim(end - start),), dtype=_DTYPES[dtype])
+
+    def _symbol_sources(self) -> dict[str, tuple[int, int | None]]:
+        """Where each symbol's size is found in a call: (argument, axis) or (argument, None) for
+        a size passed as an int."""
+        sources: dict[str, tuple[int, int | None]] = {}
+        for position, name in enumerate(self.inputs):
+            if name is None:
+                symbol = self.env_sizes[position]
+                sources.setdefault(symbol, (position, None))
+                continue
+            for axis, dim in enumerate(self.graph.inputs[name].shape):
+                if isinstance(dim, str) and dim.isidentifier():
+                    sources.setdefault(dim, (position, axis))
+        return sources
 
     def compiled(self) -> Callable[..., Any]:
         results = _nested(self.results, lambda a: _constant(self.graph, a) if isinstance(a, torch.Tensor) else a)
@@ -154,10 +199,22 @@ class _Translation:
         names = [f"out{i}" for i in range(len(values))]
         self.graph.output(**dict(zip(names, values, strict=True)))
         function = CompiledGraph(self.graph)
-        inputs = self.inputs
+        inputs, ranges = self.inputs, self.ranges
+        sources = self._symbol_sources() if ranges else {}
+        missing = {symbol for start, end, _ in ranges.values() for symbol in poly_symbols(start, end)} - set(sources)
+        if missing:
+            raise Unsupported(f"arange over the sizes {sorted(missing)}, which no input carries")
 
         def run(*args: Any) -> Any:
-            result = function(**{name: arg for name, arg in zip(inputs, args, strict=True) if name is not None})
+            named = {name: arg for name, arg in zip(inputs, args, strict=True) if name is not None}
+            if ranges:
+                sizes = {
+                    symbol: int(args[position]) if axis is None else int(args[position].shape[axis])
+                    for symbol, (position, axis) in sources.items()
+                }
+                for name, (start, end, dtype) in ranges.items():
+                    named[name] = torch.arange(_evaluate(start, sizes), _evaluate(end, sizes), dtype=dtype)
+            result = function(**named)
             outs = [result[name] for name in names]
             return outs[0] if single else tuple(outs) if isinstance(results, tuple) else outs
 
@@ -207,6 +264,14 @@ def _symbolic(size: Any) -> int | Size:
     if parsed is None:
         raise Unsupported(f"the dynamic size {text}")
     return poly(parsed)
+
+
+def poly_symbols(*sizes: int | Size) -> set[str]:
+    return {symbol for size in sizes if isinstance(size, Size) for symbol in size.symbols}
+
+
+def _evaluate(size: int | Size, sizes: dict[str, int]) -> int:
+    return size if isinstance(size, int) else size.evaluate(sizes)
 
 
 def _dim(size: Any) -> int | str:
@@ -279,6 +344,10 @@ def _binary(name: str) -> Callable[..., Any]:
             return {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv}[name](a, b)
         if alpha != 1:
             b = _value(g, b) * alpha
+        identity = {"add": 0, "sub": 0, "mul": 1, "div": 1}[name]
+        same_kind = isinstance(a, Value) and (type(b) is int or (type(b) is float and a.dtype == np.float32))
+        if same_kind and b == identity:
+            return a  # ``positions + 0`` stays the arange an embedding may index with
         return getattr(g, name)(_value(g, a), _value(g, b))
 
     return handler
@@ -544,9 +613,39 @@ def _chunk(g: Graph, x: Any, chunks: int, dim: int = 0) -> Any:
 
 
 def _cat(g: Graph, tensors: Sequence[Any], dim: int = 0, **kwargs: Any) -> Any:
+    """``torch.cat``; empty 1-D tensors are skipped, as torch skips them."""
     dim = kwargs.pop("axis", dim)
     _no(kwargs)
-    return g.concat([_float(t) for t in tensors], axis=dim)
+    parts = [t for t in tensors if not (isinstance(t, torch.Tensor) and t.numel() == 0 and t.ndim == 1)]
+    if not parts:
+        raise Unsupported("a concatenation of empty tensors")
+    return g.concat([_float(t) for t in parts], axis=dim) if len(parts) > 1 else _float(parts[0])
+
+
+def _pad(g: Graph, x: Any, pad: Sequence[int], mode: str = "constant", value: float | None = None) -> Any:
+    """``F.pad`` with a constant: blocks of ``value`` concatenated before and after each axis
+    named, from the last axis backwards (``(left, right, top, bottom, ...)``), as torch pairs them."""
+    x = _float(x)
+    if mode != "constant" or len(pad) % 2 or not all(type(p) is int and p >= 0 for p in pad):
+        raise Unsupported(f"pad {tuple(pad)} in mode {mode!r} (only non-negative constant padding)")
+    fill = np.array(0 if value is None else value, dtype=np.dtype(x.dtype))
+    for pair in range(len(pad) // 2):
+        axis = x.ndim - 1 - pair
+        before, after = pad[2 * pair], pad[2 * pair + 1]
+        parts = []
+        for size in (before, after):
+            shape = (*x.shape[:axis], size, *x.shape[axis + 1 :])
+            parts.append(g.broadcast_to(g.constant(fill), shape) if size else None)
+        pieces = [part for part in (parts[0], x, parts[1]) if part is not None]
+        x = g.concat(pieces, axis=axis) if len(pieces) > 1 else x
+    return x
+
+
+def _addmm(g: Graph, bias: Any, a: Any, b: Any, *, beta: float = 1, alpha: float = 1) -> Any:
+    """``torch.addmm(bias, a, b)``: ``beta * bias + alpha * a @ b`` (GPT-2's Conv1D)."""
+    product = g.matmul(_float(a), _float(b))
+    product = product if alpha == 1 else product * float(alpha)
+    return product + (_value(g, bias) if beta == 1 else _value(g, bias) * float(beta))
 
 
 def _stack(g: Graph, tensors: Sequence[Any], dim: int = 0) -> Any:
@@ -629,12 +728,28 @@ def _cross_entropy(g: Graph, logits: Any, target: Any, weight: Any = None, *rest
         raise Unsupported("cross_entropy with class weights or legacy reduction arguments")
     if options.get("reduction", "mean") != "mean" or options.get("label_smoothing", 0.0) != 0.0:
         raise Unsupported("cross_entropy other than the mean without label smoothing")
-    if options.get("ignore_index", -100) != -100:
-        raise Unsupported("cross_entropy with an ignore_index")
-    logits = _float(logits)
+    logits, target = _float(logits), _float(target)
     if logits.ndim > 2:  # torch: [N, C, d1...] puts classes on axis 1
         raise Unsupported("cross_entropy with classes on axis 1 of a rank > 2 input")
-    return g.cross_entropy(logits, _float(target))
+    if "ignore_index" not in options:
+        # torch's default ignores targets of -100; rlx's op refuses them at call time, by name
+        return g.cross_entropy(logits, target)
+    # Targets equal to ignore_index count for nothing, and the mean is over the others (NaN when
+    # there are none, as torch's): each row's negative log-likelihood picked by comparing its
+    # target with every class (an ignored target matches none), masked, summed. A counted
+    # target outside [0, C), which torch refuses, makes the loss NaN instead of going unseen.
+    ignore = int(options["ignore_index"])
+    classes = logits.shape[-1]
+    if not isinstance(classes, int):
+        raise Unsupported("cross_entropy over a dynamic number of classes")
+    column = g.expand_dims(target, -1)
+    picked = g.equal(column, g.constant(np.arange(classes, dtype=np.dtype(target.dtype)))).astype("float32")
+    rows = -g.sum(g.log_softmax(logits, axis=-1) * picked, axis=-1)
+    counted = g.not_equal(target, ignore)
+    weights = counted.astype("float32")
+    outside = g.logical_and(counted, g.logical_or(g.less(target, 0), g.greater_equal(target, classes)))
+    poison = g.where(g.greater(g.sum(outside.astype("float32")), 0.0), float("nan"), 0.0)
+    return g.sum(rows * weights) / g.sum(weights) + poison
 
 
 def _sdpa(
@@ -761,6 +876,10 @@ _FUNCTIONS: dict[Any, Callable[..., Any]] = {
     **{getattr(torch, name): _unary(name) for name in _ELEMENTWISE},
     torch.nn.functional.sigmoid: _unary("sigmoid"),
     torch.unbind: _unbind,
+    torch.Size: lambda g, dims=(): tuple(dims),  # a shape with dynamic sizes: a tuple of them
+    torch.addmm: _addmm,
+    F.pad: _pad,
+    torch._C._nn.pad: _pad,
     torch.repeat_interleave: _repeat_interleave,
     torch.zeros_like: _like(0.0),
     torch.ones_like: _like(1.0),

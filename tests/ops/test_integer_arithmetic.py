@@ -1,0 +1,67 @@
+"""Integer ``add sub mul maximum minimum neg abs``: NumPy's arithmetic in the operands' dtype
+(int32 wraps as NumPy's does), Python ints beside int values as constants of their dtype."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import rlx
+from rlx import Graph
+
+
+def test_integer_arithmetic_matches_numpy() -> None:
+    g = Graph("ints")
+    i = g.input("i", (7,), dtype="int64")
+    j = g.input("j", (2, 7), dtype="int32")
+    x = g.input("x", (7,))
+    g.output(
+        shifted=i + 3,
+        poly=2 * i - i * i,
+        negated=-i,
+        distance=abs(i - 4),
+        floor=g.maximum(i, 2),
+        ceiling=g.minimum(j, 300000),
+        wrapped=j * j + 1,  # int32 overflow wraps, as in NumPy
+        positions=(i + 1).astype("float32") * x,
+        broadcast=j - g.reshape(i, (1, 7)).astype("int32"),
+    )
+    iv = np.arange(-2, 5, dtype=np.int64)
+    jv = (np.arange(14, dtype=np.int32).reshape(2, 7) * 100000).astype(np.int32)
+    xv = np.linspace(-1, 1, 7, dtype=np.float32)
+    got = rlx.compile(g)(i=iv, j=jv, x=xv)
+    with np.errstate(over="ignore"):
+        want = {
+            "shifted": iv + 3,
+            "poly": 2 * iv - iv * iv,
+            "negated": -iv,
+            "distance": np.abs(iv - 4),
+            "floor": np.maximum(iv, 2),
+            "ceiling": np.minimum(jv, np.int32(300000)),
+            "wrapped": jv * jv + np.int32(1),
+            "positions": (iv + 1).astype(np.float32) * xv,
+            "broadcast": jv - iv.astype(np.int32).reshape(1, 7),
+        }
+    for name, expected in want.items():
+        assert got[name].dtype == expected.dtype, name
+        np.testing.assert_array_equal(got[name], expected, err_msg=name)
+    reference = rlx.reference.run(g, i=iv, j=jv, x=xv)
+    for name in ("shifted", "poly", "wrapped", "broadcast"):
+        np.testing.assert_array_equal(reference[name], want[name], err_msg=name)
+
+
+def test_mixed_dtypes_are_build_errors_and_gradients_skip_ints() -> None:
+    g = Graph("mixed")
+    i = g.input("i", (3,), dtype="int64")
+    x = g.input("x", (3,))
+    with pytest.raises(rlx.RlxTypeError, match=r"same dtype, got i64 .* and i32"):
+        g.add(i, g.input("j", (3,), dtype="int32"))
+    with pytest.raises(rlx.RlxTypeError, match="same dtype"):
+        i + 1.5
+    with pytest.raises(rlx.RlxTypeError, match="must be f32"):
+        g.div(i, i)
+    loss = g.sum(x * (i * 2).astype("float32"))
+    (dx,) = rlx.grad(g, loss, [x])
+    g.output(dx=dx)
+    got = rlx.compile(g)(i=np.array([1, 2, 3]), x=np.ones(3, np.float32), j=np.zeros(3, np.int32))
+    np.testing.assert_array_equal(got["dx"], [2.0, 4.0, 6.0])
