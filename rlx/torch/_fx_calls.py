@@ -1,0 +1,701 @@
+"""The torch calls of a TorchDynamo graph, one rlx translation each (:mod:`rlx.torch.dynamo`).
+
+A handler takes the rlx graph and the call's arguments, with FX nodes already replaced by what
+they became (rlx Values, Python numbers, sizes as :class:`rlx.ir.dims.Size` polynomials) and
+returns the call's value. It raises :class:`Unsupported` where rlx would compute something else
+than torch (a keyword it does not honour, a dtype it does not hold): the graph then runs eagerly.
+:data:`FUNCTIONS` maps ``call_function`` targets, :data:`METHODS` tensor method names.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import rlx.mods as mods
+from rlx.ir.dims import Size, dim_text, exact_quotient, parse_dim, poly
+from rlx.ir.graph import Graph, Value
+from rlx.ir.types import Layout, MaskKind
+
+DTYPES = {torch.float32: "float32", torch.int32: "int32", torch.int64: "int64", torch.bool: "bool"}
+
+
+class Unsupported(Exception):
+    """A call in the FX graph that rlx does not translate; the graph runs eagerly."""
+
+
+def symbolic_size(size: Any) -> int | Size:
+    """A torch size (an int or a SymInt of TorchDynamo's dynamic shapes) as an rlx polynomial."""
+    if isinstance(size, int):
+        return size
+    if not isinstance(size, torch.SymInt):
+        raise Unsupported(f"a size of type {type(size).__name__}")
+    text = str(size.node.expr).replace(" ", "")
+    parsed = parse_dim(text)
+    if parsed is None:
+        raise Unsupported(f"the dynamic size {text}")
+    return poly(parsed)
+
+
+def rlx_dim(size: Any) -> int | str:
+    """An rlx dimension (an int or a polynomial's text) from an int or a polynomial."""
+    if type(size) is int:
+        return size
+    if isinstance(size, Size):
+        return dim_text(size)
+    raise Unsupported(f"a size of type {type(size).__name__}")
+
+
+def constant_of(g: Graph, tensor: torch.Tensor) -> Value:
+    if tensor.dtype not in DTYPES or tensor.device.type != "cpu":
+        raise Unsupported(f"a constant tensor of {tensor.dtype} on {tensor.device}")
+    if tensor.requires_grad:
+        raise Unsupported("a constant tensor that requires a gradient")
+    return g.constant(tensor.detach().numpy().copy())
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _value(g: Graph, x: Any) -> Any:
+    """A Value, or a Python number kept as one (the ops take numbers)."""
+    if isinstance(x, Value) or (isinstance(x, (int, float)) and not isinstance(x, bool)):
+        return x
+    if isinstance(x, torch.Tensor):
+        return constant_of(g, x)
+    raise Unsupported(f"an operand of type {type(x).__name__}")
+
+
+def _dims(shape: Sequence[Any]) -> tuple[int | str, ...]:
+    """``view(2, -1)`` or ``view((2, -1))`` as rlx dimensions (sizes may be polynomials)."""
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        shape = tuple(shape[0])
+    return tuple(rlx_dim(d) for d in shape)
+
+
+def check_kwargs(kwargs: dict[str, Any], **defaults: Any) -> None:
+    """Refuse keyword arguments other than their defaults (rlx would compute something else)."""
+    for key, value in kwargs.items():
+        if key not in defaults:
+            raise Unsupported(f"keyword {key}")
+        if value is not defaults[key] and value != defaults[key]:
+            raise Unsupported(f"{key}={value!r}")
+
+
+def _float(x: Any) -> Value:
+    if not isinstance(x, Value):
+        raise Unsupported(f"expected a tensor, got {type(x).__name__}")
+    return x
+
+
+def _binary(name: str) -> Callable[..., Any]:
+    def handler(g: Graph, a: Any, b: Any, *rest: Any, **kwargs: Any) -> Any:
+        alpha = kwargs.pop("alpha", rest[0] if rest else 1)
+        check_kwargs(kwargs, out=None)
+        if not isinstance(a, Value) and not isinstance(b, Value):
+            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+                return getattr(g, name)(_value(g, a), _value(g, b))
+            if name == "div" and (isinstance(a, Size) or isinstance(b, Size)):
+                raise Unsupported("a dynamic size divided")
+            return {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv}[name](a, b)
+        if alpha != 1:
+            b = _value(g, b) * alpha
+        identity = {"add": 0, "sub": 0, "mul": 1, "div": 1}[name]
+        same_kind = isinstance(a, Value) and (type(b) is int or (type(b) is float and a.dtype == np.float32))
+        if same_kind and b == identity:
+            return a  # ``positions + 0`` stays the arange an embedding may index with
+        return getattr(g, name)(_value(g, a), _value(g, b))
+
+    return handler
+
+
+def _unary(name: str) -> Callable[..., Any]:
+    def handler(g: Graph, x: Any, **kwargs: Any) -> Any:
+        check_kwargs(kwargs, inplace=False)
+        return getattr(g, name)(_float(x))
+
+    return handler
+
+
+def _axis_args(dim: Any) -> Any:
+    if dim is None or type(dim) is int:
+        return dim
+    if isinstance(dim, (tuple, list)) and all(type(d) is int for d in dim):
+        return tuple(dim)
+    raise Unsupported(f"dim={dim!r}")
+
+
+def _reduce(name: str) -> Callable[..., Any]:
+    def handler(g: Graph, x: Any, dim: Any = None, keepdim: bool = False, **kwargs: Any) -> Any:
+        dim = kwargs.pop("axis", dim)
+        check_kwargs(kwargs, dtype=None)
+        return getattr(g, name)(_float(x), axis=_axis_args(dim), keepdims=bool(keepdim))
+
+    return handler
+
+
+def _max(g: Graph, x: Any, dim: Any = None, keepdim: bool = False, **kwargs: Any) -> Any:
+    """``torch.max(x)``, ``x.max(dim)`` (values and indices) or ``torch.max(a, b)``."""
+    check_kwargs(kwargs)
+    if isinstance(dim, (Value, torch.Tensor)):
+        return g.maximum(_float(x), _value(g, dim))
+    if dim is None:
+        return g.max(_float(x))
+    return (g.max(_float(x), axis=dim, keepdims=keepdim), g.argmax(_float(x), axis=dim, keepdims=keepdim))
+
+
+def _amax(g: Graph, x: Any, dim: Any = (), keepdim: bool = False) -> Any:
+    return g.max(_float(x), axis=None if dim in ((), []) else _axis_args(dim), keepdims=keepdim)
+
+
+def _softmax(name: str) -> Callable[..., Any]:
+    def handler(g: Graph, x: Any, dim: Any = None, *rest: Any, **kwargs: Any) -> Any:
+        dim = kwargs.pop("dim", dim)
+        kwargs.pop("_stacklevel", None)
+        check_kwargs(kwargs, dtype=None)
+        if type(dim) is not int:
+            raise Unsupported("softmax without an int dim")
+        return getattr(g, name)(_float(x), axis=dim)
+
+    return handler
+
+
+def _view(g: Graph, x: Any, *shape: Any) -> Any:
+    if len(shape) == 1 and (isinstance(shape[0], torch.dtype)):
+        raise Unsupported("view as another dtype")
+    return g.reshape(_float(x), _dims(shape))
+
+
+def _reshape(g: Graph, x: Any, *shape: Any, **kwargs: Any) -> Any:
+    shape = kwargs.pop("shape", shape)
+    check_kwargs(kwargs)
+    return g.reshape(_float(x), _dims(shape if isinstance(shape, tuple) else (shape,)))
+
+
+def _permute(g: Graph, x: Any, *dims: Any, **kwargs: Any) -> Any:
+    dims = kwargs.pop("dims", dims)
+    check_kwargs(kwargs)
+    return g.transpose(_float(x), _dims(dims if isinstance(dims, tuple) else (dims,)))
+
+
+def _transpose(g: Graph, x: Any, dim0: int, dim1: int) -> Any:
+    x = _float(x)
+    axes = list(range(x.ndim))
+    axes[dim0], axes[dim1] = axes[dim1], axes[dim0]
+    return g.transpose(x, tuple(axes))
+
+
+def _t(g: Graph, x: Any) -> Any:
+    x = _float(x)
+    return x if x.ndim < 2 else g.transpose(x, (1, 0))
+
+
+def _unsqueeze(g: Graph, x: Any, dim: int) -> Any:
+    return g.expand_dims(_float(x), dim)
+
+
+def _squeeze(g: Graph, x: Any, dim: Any = None) -> Any:
+    x = _float(x)
+    if dim is None:
+        return g.squeeze(x)
+    axes = [dim] if type(dim) is int else list(dim)
+    keep = [a % x.ndim for a in axes if x.shape[a] == 1]  # torch ignores axes that are not 1
+    return g.squeeze(x, tuple(keep)) if keep else x
+
+
+def _flatten(g: Graph, x: Any, start_dim: int = 0, end_dim: int = -1) -> Any:
+    x = _float(x)
+    if x.ndim == 0:
+        return g.reshape(x, (1,))
+    start, end = start_dim % x.ndim, end_dim % x.ndim
+    shape = (*x.shape[:start], -1, *x.shape[end + 1 :])
+    return g.reshape(x, shape)
+
+
+def _expand(g: Graph, x: Any, *sizes: Any) -> Any:
+    x = _float(x)
+    target = list(_dims(sizes))
+    offset = len(target) - x.ndim
+    for i, size in enumerate(target):
+        if size == -1:
+            target[i] = x.shape[i - offset]
+    return g.broadcast_to(x, tuple(target))
+
+
+def _unbind(g: Graph, x: Any, dim: int = 0) -> Any:
+    x = _float(x)
+    length = x.shape[dim]
+    if not isinstance(length, int):
+        raise Unsupported("unbind along a dynamic axis")
+    parts = g.split(x, [1] * length, axis=dim) if length > 1 else (x,)
+    return tuple(g.squeeze(part, dim) for part in parts)
+
+
+def _repeat_interleave(g: Graph, x: Any, repeats: Any, dim: Any = None, **kwargs: Any) -> Any:
+    """``x.repeat_interleave(n, dim)`` with an int ``n`` (a manual GQA's key heads): a broadcast
+    along a new axis after ``dim``, merged into it."""
+    x = _float(x)
+    if type(repeats) is not int or dim is None:
+        raise Unsupported("repeat_interleave other than an int count along one dim")
+    axis = dim % x.ndim
+    wide = g.broadcast_to(g.expand_dims(x, axis + 1), (*x.shape[: axis + 1], repeats, *x.shape[axis + 1 :]))
+    merged = rlx_dim(poly(x.shape[axis]) * repeats)
+    return g.reshape(wide, (*x.shape[:axis], merged, *x.shape[axis + 1 :]))
+
+
+def _like(fill: float | None) -> Callable[..., Any]:
+    """``torch.zeros_like(x)`` and kin: a broadcast scalar of ``x``'s shape (no buffer)."""
+
+    def handler(g: Graph, x: Any, *rest: Any, **kwargs: Any) -> Any:
+        x = _float(x)
+        value = rest[0] if fill is None else fill
+        dtype = kwargs.pop("dtype", None)
+        kwargs.pop("device", None)
+        kwargs.pop("layout", None)
+        kwargs.pop("pin_memory", None)
+        check_kwargs(kwargs, requires_grad=False, memory_format=torch.preserve_format)
+        target = np.dtype(x.dtype) if dtype is None else np.dtype(_NUMPY[dtype])
+        return g.broadcast_to(g.constant(np.array(value, dtype=target)), x.shape)
+
+    return handler
+
+
+def _getattr(g: Graph, x: Any, name: str) -> Any:
+    if not isinstance(x, Value):
+        raise Unsupported(f"getattr of a {type(x).__name__}")
+    if name == "T":
+        return g.transpose(x)
+    if name == "mT":
+        return _transpose(g, x, -2, -1)
+    if name == "shape":
+        return _size(g, x)
+    raise Unsupported(f"the attribute {name}")
+
+
+def _normalize(g: Graph, x: Any, p: float = 2.0, dim: int = 1, eps: float = 1e-12, out: Any = None) -> Any:
+    if p != 2.0 or out is not None:
+        raise Unsupported("normalize other than the 2-norm")
+    x = _float(x)
+    norm = g.sqrt(g.sum(x * x, axis=dim, keepdims=True))
+    return x / g.maximum(norm, eps)
+
+
+def _contiguous(g: Graph, x: Any, *args: Any, **kwargs: Any) -> Any:
+    return _float(x)
+
+
+def _to(g: Graph, x: Any, *args: Any, **kwargs: Any) -> Any:
+    """``x.to(dtype)``, ``x.float()``-like casts and moves to the CPU (nothing)."""
+    dtype = kwargs.pop("dtype", None)
+    kwargs.pop("copy", None)
+    kwargs.pop("non_blocking", None)
+    device = kwargs.pop("device", None)
+    check_kwargs(kwargs, memory_format=torch.preserve_format)
+    for arg in args:
+        if isinstance(arg, torch.dtype):
+            dtype = arg
+        elif isinstance(arg, (str, torch.device)):
+            device = arg
+        elif isinstance(arg, Value):
+            dtype = {np.dtype(v): k for k, v in _NUMPY.items()}[np.dtype(arg.dtype)]
+        else:
+            raise Unsupported(f"to({arg!r})")
+    if device is not None and torch.device(device).type != "cpu":
+        raise Unsupported(f"a move to {device}")
+    return x if dtype is None else _cast(g, x, dtype)
+
+
+_NUMPY = {torch.float32: np.float32, torch.int32: np.int32, torch.int64: np.int64, torch.bool: np.bool_}
+
+
+def _cast(g: Graph, x: Any, dtype: torch.dtype) -> Any:
+    if dtype not in DTYPES:
+        raise Unsupported(f"a cast to {dtype}")
+    return g.cast(_float(x), DTYPES[dtype])
+
+
+def _method_cast(dtype: torch.dtype) -> Callable[..., Any]:
+    return lambda g, x, *a, **k: _cast(g, x, dtype)
+
+
+def _type_as(g: Graph, x: Any, other: Any) -> Any:
+    return _to(g, x, other)
+
+
+def _getitem(g: Graph, x: Any, index: Any) -> Any:
+    if isinstance(x, (tuple, list, torch.Size)):
+        return x[index]
+    if isinstance(x, Value):
+        entries = index if isinstance(index, tuple) else (index,)
+        if any(isinstance(e, (Value, torch.Tensor, list)) for e in entries):
+            raise Unsupported("indexing by a tensor")
+        return x[index]
+    raise Unsupported(f"indexing a {type(x).__name__}")
+
+
+def _size(g: Graph, x: Any, dim: Any = None) -> Any:
+    """``x.size()``: ints, and polynomials for dynamic dimensions."""
+    shape = tuple(poly(d) for d in _float(x).shape)
+    return shape if dim is None else shape[dim]
+
+
+def _floordiv(g: Graph, a: Any, b: Any) -> Any:
+    if isinstance(a, Value) or isinstance(b, Value):
+        raise Unsupported("floor division of tensors")
+    if isinstance(a, Size) or isinstance(b, Size):
+        quotient = exact_quotient(a, b)
+        if quotient is None:
+            raise Unsupported(f"the dynamic size {a} // {b}")
+        return quotient
+    return a // b
+
+
+def _split(g: Graph, x: Any, split_size: Any, dim: int = 0) -> Any:
+    x = _float(x)
+    length = x.shape[dim]
+    assert isinstance(length, int)
+    if type(split_size) is int:
+        sizes = [min(split_size, length - start) for start in range(0, length, split_size)]
+    else:
+        sizes = list(split_size)
+    return g.split(x, sizes, axis=dim) if len(sizes) > 1 else (x,)
+
+
+def _chunk(g: Graph, x: Any, chunks: int, dim: int = 0) -> Any:
+    x = _float(x)
+    length = x.shape[dim]
+    assert isinstance(length, int)
+    return _split(g, x, -(-length // chunks), dim)
+
+
+def _cat(g: Graph, tensors: Sequence[Any], dim: int = 0, **kwargs: Any) -> Any:
+    """``torch.cat``; empty 1-D tensors are skipped, as torch skips them."""
+    dim = kwargs.pop("axis", dim)
+    check_kwargs(kwargs)
+    parts = [t for t in tensors if not (isinstance(t, torch.Tensor) and t.numel() == 0 and t.ndim == 1)]
+    if not parts:
+        raise Unsupported("a concatenation of empty tensors")
+    return g.concat([_float(t) for t in parts], axis=dim) if len(parts) > 1 else _float(parts[0])
+
+
+def _pad(g: Graph, x: Any, pad: Sequence[int], mode: str = "constant", value: float | None = None) -> Any:
+    """``F.pad`` with a constant: blocks of ``value`` concatenated before and after each axis
+    named, from the last axis backwards (``(left, right, top, bottom, ...)``), as torch pairs them."""
+    x = _float(x)
+    if mode != "constant" or len(pad) % 2 or not all(type(p) is int and p >= 0 for p in pad):
+        raise Unsupported(f"pad {tuple(pad)} in mode {mode!r} (only non-negative constant padding)")
+    fill = np.array(0 if value is None else value, dtype=np.dtype(x.dtype))
+    for pair in range(len(pad) // 2):
+        axis = x.ndim - 1 - pair
+        before, after = pad[2 * pair], pad[2 * pair + 1]
+        parts = []
+        for size in (before, after):
+            shape = (*x.shape[:axis], size, *x.shape[axis + 1 :])
+            parts.append(g.broadcast_to(g.constant(fill), shape) if size else None)
+        pieces = [part for part in (parts[0], x, parts[1]) if part is not None]
+        x = g.concat(pieces, axis=axis) if len(pieces) > 1 else x
+    return x
+
+
+def _addmm(g: Graph, bias: Any, a: Any, b: Any, *, beta: float = 1, alpha: float = 1) -> Any:
+    """``torch.addmm(bias, a, b)``: ``beta * bias + alpha * a @ b`` (GPT-2's Conv1D)."""
+    product = g.matmul(_float(a), _float(b))
+    product = product if alpha == 1 else product * float(alpha)
+    return product + (_value(g, bias) if beta == 1 else _value(g, bias) * float(beta))
+
+
+def _stack(g: Graph, tensors: Sequence[Any], dim: int = 0) -> Any:
+    return g.stack([_float(t) for t in tensors], axis=dim)
+
+
+def _where(g: Graph, cond: Any, a: Any = None, b: Any = None) -> Any:
+    if a is None:
+        raise Unsupported("torch.where(cond) (indices)")
+    return g.where(_float(cond), _value(g, a), _value(g, b))
+
+
+def _masked_fill(g: Graph, x: Any, mask: Any, value: Any) -> Any:
+    return g.where(_float(mask), _value(g, value), _float(x))
+
+
+def _clamp(g: Graph, x: Any, min: Any = None, max: Any = None) -> Any:
+    return g.clip(_float(x), None if min is None else _value(g, min), None if max is None else _value(g, max))
+
+
+def _pow(g: Graph, a: Any, b: Any) -> Any:
+    if isinstance(a, Value) and b == 2:
+        return a * a
+    return g.pow(_value(g, a), _value(g, b))
+
+
+def _rsub(g: Graph, a: Any, b: Any) -> Any:
+    return g.sub(_value(g, b), _value(g, a))
+
+
+def _matmul(g: Graph, a: Any, b: Any) -> Any:
+    return g.matmul(_float(a), _float(b))
+
+
+def _linear(g: Graph, x: Any, weight: Any, bias: Any = None) -> Any:
+    y = g.matmul(_float(x), g.transpose(_float(weight), (1, 0)))
+    return y if bias is None else y + _float(bias)
+
+
+def _layer_norm(g: Graph, x: Any, shape: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Any:
+    x = _float(x)
+    if len(tuple(shape)) != 1:
+        raise Unsupported("layer_norm over more than the last axis")
+    return g.layer_norm(x, weight if weight is not None else 1.0, bias, eps=eps)
+
+
+def _rms_norm(g: Graph, x: Any, shape: Any, weight: Any = None, eps: float | None = None) -> Any:
+    x = _float(x)
+    if len(tuple(shape)) != 1:
+        raise Unsupported("rms_norm over more than the last axis")
+    if eps is None:
+        eps = float(torch.finfo(torch.float32).eps)  # torch's default
+    return g.rms_norm(x, weight if weight is not None else 1.0, eps=eps)
+
+
+def _gelu(g: Graph, x: Any, approximate: str = "none") -> Any:
+    return g.gelu(_float(x), approximate=approximate)
+
+
+def _dropout(g: Graph, x: Any, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
+    if training and p > 0:
+        raise Unsupported("dropout while training (rlx has no random numbers)")
+    return _float(x)
+
+
+def _embedding(g: Graph, ids: Any, weight: Any, padding_idx: Any = None, max_norm: Any = None, *rest: Any) -> Any:
+    if max_norm is not None:
+        raise Unsupported("embedding with max_norm")
+    if rest and len(rest) >= 2 and (rest[1] or (len(rest) > 2 and rest[2])):
+        raise Unsupported("embedding with scale_grad_by_freq or sparse")
+    if padding_idx is not None:
+        raise Unsupported("embedding with padding_idx (its row gets no gradient)")
+    return g.embedding(_float(weight), _float(ids))
+
+
+def _cross_entropy(g: Graph, logits: Any, target: Any, weight: Any = None, *rest: Any, **kwargs: Any) -> Any:
+    names = ("size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+    options = dict(zip(names, rest, strict=False)) | kwargs
+    if weight is not None or options.get("size_average") is not None or options.get("reduce") is not None:
+        raise Unsupported("cross_entropy with class weights or legacy reduction arguments")
+    if options.get("reduction", "mean") != "mean" or options.get("label_smoothing", 0.0) != 0.0:
+        raise Unsupported("cross_entropy other than the mean without label smoothing")
+    logits, target = _float(logits), _float(target)
+    if logits.ndim > 2:  # torch: [N, C, d1...] puts classes on axis 1
+        raise Unsupported("cross_entropy with classes on axis 1 of a rank > 2 input")
+    if "ignore_index" not in options:
+        # torch's default ignores targets of -100; rlx's op refuses them at call time, by name
+        return g.cross_entropy(logits, target)
+    # Targets equal to ignore_index count for nothing, and the mean is over the others (NaN when
+    # there are none, as torch's): each row's negative log-likelihood picked by comparing its
+    # target with every class (an ignored target matches none), masked, summed. A counted
+    # target outside [0, C), which torch refuses, makes the loss NaN instead of going unseen.
+    ignore = int(options["ignore_index"])
+    classes = logits.shape[-1]
+    if not isinstance(classes, int):
+        raise Unsupported("cross_entropy over a dynamic number of classes")
+    column = g.expand_dims(target, -1)
+    picked = g.equal(column, g.constant(np.arange(classes, dtype=np.dtype(target.dtype)))).astype("float32")
+    rows = -g.sum(g.log_softmax(logits, axis=-1) * picked, axis=-1)
+    counted = g.not_equal(target, ignore)
+    weights = counted.astype("float32")
+    outside = g.logical_and(counted, g.logical_or(g.less(target, 0), g.greater_equal(target, classes)))
+    poison = g.where(g.greater(g.sum(outside.astype("float32")), 0.0), float("nan"), 0.0)
+    return g.sum(rows * weights) / g.sum(weights) + poison
+
+
+def _sdpa(
+    g: Graph,
+    q: Any,
+    k: Any,
+    v: Any,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Any:
+    """torch's SDPA ([B, H, S, D]): the fixed-mask kernels where they apply, else mods."""
+    q, k, v = _float(q), _float(k), _float(v)
+    if dropout_p:
+        raise Unsupported("attention dropout")
+    if q.ndim != 4:
+        raise Unsupported(f"attention on rank-{q.ndim} tensors")
+    if k.shape[1] != q.shape[1] and not enable_gqa:
+        raise Unsupported("k and v with fewer heads than q without enable_gqa")
+    default_scale = scale is None or math.isclose(scale, 1.0 / math.sqrt(float(q.shape[3])), rel_tol=1e-12)
+    if attn_mask is None and default_scale and k.shape[1] == q.shape[1] and q.shape[3] == v.shape[3]:
+        if not is_causal:
+            return g.attention(q, k, v, layout=Layout.BHSD)
+        if q.shape[2] == k.shape[2]:  # top-left and bottom-right alignments agree
+            return g.attention(q, k, v, mask=MaskKind.CAUSAL, layout=Layout.BHSD)
+    score_mod: Callable[..., Any] | None = None
+    mask_mod: Callable[..., Any] | None = None
+    if attn_mask is not None:
+        mask = _value(g, attn_mask)
+        if not isinstance(mask, Value):
+            raise Unsupported("a number as attn_mask")
+        full = g.reshape(mask, (1,) * (4 - mask.ndim) + tuple(mask.shape))
+
+        def at(b: Any, h: Any, i: Any, j: Any) -> Any:
+            return full[tuple(0 if full.shape[a] == 1 else ix for a, ix in enumerate((b, h, i, j)))]
+
+        if np.dtype(mask.dtype) == np.bool_:
+            mask_mod = at
+        else:
+
+            def add_mask(score: Any, b: Any, h: Any, i: Any, j: Any) -> Any:
+                return score + at(b, h, i, j)
+
+            score_mod = add_mask
+    if is_causal:
+        mask_mod = mods.causal if mask_mod is None else mods.and_(mask_mod, mods.causal)
+    return g.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, scale=scale, layout=Layout.BHSD)
+
+
+_ELEMENTWISE = ["exp", "log", "sqrt", "rsqrt", "abs", "tanh", "sigmoid", "relu", "sin", "cos", "log1p", "expm1", "erf"]
+
+FUNCTIONS: dict[Any, Callable[..., Any]] = {
+    operator.add: _binary("add"),
+    operator.sub: _binary("sub"),
+    operator.mul: _binary("mul"),
+    operator.truediv: _binary("div"),
+    operator.neg: lambda g, x: -_float(x),
+    operator.pos: lambda g, x: x,
+    operator.matmul: _matmul,
+    operator.floordiv: _floordiv,
+    operator.pow: _pow,
+    operator.getitem: _getitem,
+    operator.lt: lambda g, a, b: g.less(_value(g, a), _value(g, b)),
+    operator.le: lambda g, a, b: g.less_equal(_value(g, a), _value(g, b)),
+    operator.gt: lambda g, a, b: g.greater(_value(g, a), _value(g, b)),
+    operator.ge: lambda g, a, b: g.greater_equal(_value(g, a), _value(g, b)),
+    operator.invert: lambda g, x: g.logical_not(_float(x)),
+    operator.and_: lambda g, a, b: g.logical_and(_float(a), _float(b)),
+    operator.or_: lambda g, a, b: g.logical_or(_float(a), _float(b)),
+    torch.add: _binary("add"),
+    torch.sub: _binary("sub"),
+    torch.mul: _binary("mul"),
+    torch.div: _binary("div"),
+    torch.rsub: _rsub,
+    torch.neg: lambda g, x: -_float(x),
+    torch.matmul: _matmul,
+    torch.bmm: _matmul,
+    torch.mm: _matmul,
+    torch.pow: _pow,
+    torch.maximum: lambda g, a, b: g.maximum(_value(g, a), _value(g, b)),
+    torch.minimum: lambda g, a, b: g.minimum(_value(g, a), _value(g, b)),
+    torch.where: _where,
+    torch.cat: _cat,
+    torch.concat: _cat,
+    torch.stack: _stack,
+    torch.split: _split,
+    torch.chunk: _chunk,
+    torch.reshape: _reshape,
+    torch.permute: _permute,
+    torch.transpose: _transpose,
+    torch.t: _t,
+    torch.unsqueeze: _unsqueeze,
+    torch.squeeze: _squeeze,
+    torch.flatten: _flatten,
+    torch.sum: _reduce("sum"),
+    torch.mean: _reduce("mean"),
+    torch.amax: _amax,
+    torch.max: _max,
+    torch.argmax: lambda g, x, dim=None, keepdim=False: g.argmax(_float(x), axis=dim, keepdims=keepdim),
+    torch.softmax: _softmax("softmax"),
+    torch.log_softmax: _softmax("log_softmax"),
+    torch.clamp: _clamp,
+    torch.clip: _clamp,
+    torch.masked_fill: _masked_fill,
+    torch.nn.functional.linear: _linear,
+    torch._C._nn.linear: _linear,
+    F.layer_norm: _layer_norm,
+    F.gelu: _gelu,
+    torch._C._nn.gelu: _gelu,
+    F.silu: _unary("silu"),
+    F.relu: _unary("relu"),
+    F.softplus: lambda g, x, beta=1.0, threshold=20.0: (
+        g.softplus(_float(x)) if beta == 1.0 else g.softplus(_float(x) * beta) / beta
+    ),
+    F.softmax: _softmax("softmax"),
+    F.log_softmax: _softmax("log_softmax"),
+    F.dropout: _dropout,
+    F.embedding: _embedding,
+    F.cross_entropy: _cross_entropy,
+    F.scaled_dot_product_attention: _sdpa,
+    torch._C._nn.scaled_dot_product_attention: _sdpa,
+    **{getattr(torch, name): _unary(name) for name in _ELEMENTWISE},
+    torch.nn.functional.sigmoid: _unary("sigmoid"),
+    torch.unbind: _unbind,
+    torch.Size: lambda g, dims=(): tuple(dims),  # a shape with dynamic sizes: a tuple of them
+    torch.addmm: _addmm,
+    F.pad: _pad,
+    torch._C._nn.pad: _pad,
+    torch.repeat_interleave: _repeat_interleave,
+    torch.zeros_like: _like(0.0),
+    torch.ones_like: _like(1.0),
+    torch.full_like: _like(None),
+    getattr: _getattr,
+    F.normalize: _normalize,
+    torch.nn.functional.tanh: _unary("tanh"),
+}
+for _rms in (getattr(F, "rms_norm", None), getattr(torch, "rms_norm", None)):
+    if _rms is not None:
+        FUNCTIONS[_rms] = _rms_norm
+FUNCTIONS[torch.layer_norm] = _layer_norm
+
+METHODS: dict[str, Callable[..., Any]] = {
+    "add": _binary("add"),
+    "sub": _binary("sub"),
+    "mul": _binary("mul"),
+    "div": _binary("div"),
+    "neg": lambda g, x: -_float(x),
+    "matmul": _matmul,
+    "pow": _pow,
+    "view": _view,
+    "reshape": _reshape,
+    "permute": _permute,
+    "transpose": _transpose,
+    "t": _t,
+    "contiguous": _contiguous,
+    "unsqueeze": _unsqueeze,
+    "squeeze": _squeeze,
+    "flatten": _flatten,
+    "expand": _expand,
+    "size": _size,
+    "split": _split,
+    "chunk": _chunk,
+    "sum": _reduce("sum"),
+    "mean": _reduce("mean"),
+    "amax": _amax,
+    "max": _max,
+    "argmax": lambda g, x, dim=None, keepdim=False: g.argmax(_float(x), axis=dim, keepdims=keepdim),
+    "softmax": _softmax("softmax"),
+    "log_softmax": _softmax("log_softmax"),
+    "masked_fill": _masked_fill,
+    "clamp": _clamp,
+    "clip": _clamp,
+    "unbind": _unbind,
+    "repeat_interleave": _repeat_interleave,
+    "view_as": lambda g, x, other: g.reshape(_float(x), _float(other).shape),
+    "reshape_as": lambda g, x, other: g.reshape(_float(x), _float(other).shape),
+    "expand_as": lambda g, x, other: g.broadcast_to(_float(x), _float(other).shape),
+    "to": _to,
+    "type_as": _type_as,
+    "float": _method_cast(torch.float32),
+    "int": _method_cast(torch.int32),
+    "long": _method_cast(torch.int64),
+    "bool": _method_cast(torch.bool),
+    **{name: _unary(name) for name in _ELEMENTWISE},
+}
