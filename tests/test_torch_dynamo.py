@@ -256,3 +256,26 @@ def test_transformers_models_train_on_rlx() -> None:
         for (name, a), b in zip(eager.named_parameters(), other.parameters(), strict=True):
             torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=name)
     assert dynamo_backend.stats["eager"] == 0, dynamo_backend.fallbacks
+
+
+def test_padding_rows_and_default_ignore_index() -> None:
+    """``padding_idx``'s row gets no gradient, and targets of -100 count for nothing even when
+    ``ignore_index`` is left at torch's default."""
+    torch.manual_seed(6)
+    table = torch.nn.Embedding(9, 4, padding_idx=0)
+    head = torch.nn.Linear(4, 9)
+
+    def loss(ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(head(table(ids)).view(-1, 9), targets.view(-1))
+
+    ids = torch.tensor([[0, 3, 5, 0], [2, 0, 8, 1]])
+    targets = torch.tensor([[1, -100, 4, 2], [-100, 0, 3, 8]])
+    got = torch.compile(loss, backend="rlx")(ids, targets)
+    got_grads = torch.autograd.grad(got, [table.weight, head.weight])
+    want = loss(ids, targets)
+    want_grads = torch.autograd.grad(want, [table.weight, head.weight])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, e in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)
+    assert torch.count_nonzero(got_grads[0][0]) == 0  # the padding row
+    assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks

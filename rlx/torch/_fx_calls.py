@@ -478,8 +478,8 @@ def _embedding(g: Graph, ids: Any, weight: Any, padding_idx: Any = None, max_nor
         raise Unsupported("embedding with max_norm")
     if rest and len(rest) >= 2 and (rest[1] or (len(rest) > 2 and rest[2])):
         raise Unsupported("embedding with scale_grad_by_freq or sparse")
-    if padding_idx is not None:
-        raise Unsupported("embedding with padding_idx (its row gets no gradient)")
+    if padding_idx is not None:  # rlx.torch.dynamo translates it (the row gets no gradient)
+        raise Unsupported("embedding with padding_idx of a table that is not an input")
     return g.embedding(_float(weight), _float(ids))
 
 
@@ -493,14 +493,12 @@ def _cross_entropy(g: Graph, logits: Any, target: Any, weight: Any = None, *rest
     logits, target = _float(logits), _float(target)
     if logits.ndim > 2:  # torch: [N, C, d1...] puts classes on axis 1
         raise Unsupported("cross_entropy with classes on axis 1 of a rank > 2 input")
-    if "ignore_index" not in options:
-        # torch's default ignores targets of -100; rlx's op refuses them at call time, by name
-        return g.cross_entropy(logits, target)
-    # Targets equal to ignore_index count for nothing, and the mean is over the others (NaN when
-    # there are none, as torch's): each row's negative log-likelihood picked by comparing its
-    # target with every class (an ignored target matches none), masked, summed. A counted
-    # target outside [0, C), which torch refuses, makes the loss NaN instead of going unseen.
-    ignore = int(options["ignore_index"])
+    # torch ignores targets equal to ignore_index (-100 unless given): they count for nothing,
+    # and the mean is over the others (NaN when there are none, as torch's). So not rlx's
+    # cross_entropy op, which refuses such targets: each row's negative log-likelihood picked by
+    # comparing its target with every class (an ignored target matches none), masked, summed. A
+    # counted target outside [0, C), which torch refuses, makes the loss NaN, never unseen.
+    ignore = int(options.get("ignore_index", -100))
     classes = logits.shape[-1]
     if not isinstance(classes, int):
         raise Unsupported("cross_entropy over a dynamic number of classes")

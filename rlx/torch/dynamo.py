@@ -27,7 +27,9 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 from rlx.errors import RlxError
 from rlx.ir.dims import Size
@@ -81,6 +83,8 @@ class _Translation:
         # Inputs the wrapper computes per call from the sizes (``torch.arange(S)`` of a dynamic S):
         # name -> (start, end, dtype) as polynomials in the symbols.
         self.ranges: dict[str, tuple[int | Size, int | Size, torch.dtype]] = {}
+        # Inputs the wrapper passes detached: name -> the placeholder whose tensor they copy.
+        self.detached: dict[str, int] = {}
         placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
         if len(placeholders) != len(example_inputs):
             raise Unsupported(f"{len(placeholders)} placeholders for {len(example_inputs)} example inputs")
@@ -144,6 +148,8 @@ class _Translation:
             return _fold(node, args, kwargs)
         if node.target is torch.arange:
             return self._arange(*args, **kwargs)
+        if node.target is F.embedding and (args[2:3] or [kwargs.get("padding_idx")])[0] is not None:
+            return self._padded_embedding(*args, **kwargs)
         if handler is None:
             raise Unsupported(f"{what} has no rlx translation")
         # Constant tensors become graph constants where a call reads them; an empty one (a legacy
@@ -178,6 +184,23 @@ class _Translation:
         self.ranges[name] = (start, end, dtype)
         return self.graph.input(name, (rlx_dim(end - start),), dtype=DTYPES[dtype])
 
+    def _padded_embedding(self, ids: Any, weight: Any, padding_idx: int, *rest: Any, **kwargs: Any) -> Value:
+        """``F.embedding`` with ``padding_idx``: that row of the table gets no gradient. It is
+        read from a second input, the same parameter passed detached, so ``rlx.grad`` sends the
+        row's gradient nowhere (rlx has no stop-gradient op of its own)."""
+        if not isinstance(weight, Value) or weight not in self.graph.inputs.values():
+            raise Unsupported("embedding with padding_idx of a table that is not an input")
+        source = next(p for p, name in enumerate(self.inputs) if name and self.graph.inputs[name] == weight)
+        frozen = f"detached{len(self.detached)}"
+        self.detached[frozen] = source
+        table = self.graph.input(frozen, weight.shape, dtype=DTYPES[torch.float32])
+        rows = weight.shape[0]
+        assert isinstance(rows, int)  # a parameter's shape
+        mask = np.zeros((rows, 1), np.bool_)
+        mask[padding_idx % rows] = True
+        merged = self.graph.where(self.graph.constant(mask), table, weight)
+        return FUNCTIONS[F.embedding](self.graph, ids, merged, None, *rest, **kwargs)
+
     def _symbol_sources(self) -> dict[str, tuple[int, int | None]]:
         """Where each symbol's size is found in a call: (argument, axis) or (argument, None) for
         a size passed as an int."""
@@ -202,7 +225,7 @@ class _Translation:
         names = [f"out{i}" for i in range(len(values))]
         self.graph.output(**dict(zip(names, values, strict=True)))
         function = CompiledGraph(self.graph)
-        inputs, ranges = self.inputs, self.ranges
+        inputs, ranges, detached = self.inputs, self.ranges, self.detached
         sources = self._symbol_sources() if ranges else {}
         missing = {symbol for start, end, _ in ranges.values() for symbol in poly_symbols(start, end)} - set(sources)
         if missing:
@@ -210,6 +233,8 @@ class _Translation:
 
         def run(*args: Any) -> Any:
             named = {name: arg for name, arg in zip(inputs, args, strict=True) if name is not None}
+            for name, position in detached.items():
+                named[name] = args[position].detach()
             if ranges:
                 sizes = {
                     symbol: int(args[position]) if axis is None else int(args[position].shape[axis])
