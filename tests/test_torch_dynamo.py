@@ -279,3 +279,52 @@ def test_padding_rows_and_default_ignore_index() -> None:
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)
     assert torch.count_nonzero(got_grads[0][0]) == 0  # the padding row
     assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks
+
+
+EINSUMS = [
+    ("bhqd,bhkd->bhqk", [(2, 3, 4, 5), (2, 3, 6, 5)]),
+    ("bhqk,bhkd->bhqd", [(2, 3, 4, 6), (2, 3, 6, 5)]),
+    ("ij->ji", [(3, 4)]),
+    ("ij->", [(3, 4)]),
+    ("i,j->ij", [(3,), (4,)]),
+    ("abc,cd,de->abe", [(2, 3, 4), (4, 5), (5, 6)]),
+    ("ij,ij->i", [(3, 4), (3, 4)]),
+    ("ij,jk", [(3, 4), (4, 5)]),  # implicit output
+    ("ijk,jl->li", [(2, 3, 4), (3, 5)]),  # k summed out before the product
+]
+
+
+@pytest.mark.parametrize(("equation", "shapes"), EINSUMS, ids=[e for e, _ in EINSUMS])
+def test_einsum_values_and_gradients(equation: str, shapes: list[tuple[int, ...]]) -> None:
+    gen = torch.Generator().manual_seed(7)
+    operands = [torch.randn(shape, generator=gen, requires_grad=True) for shape in shapes]
+
+    def contract(*xs: torch.Tensor) -> torch.Tensor:
+        return torch.einsum(equation, *xs)
+
+    got, want = torch.compile(contract, backend="rlx")(*operands), contract(*operands)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    cotangent = torch.randn(want.shape, generator=gen)
+    for a, e in zip(
+        torch.autograd.grad(got, operands, cotangent), torch.autograd.grad(want, operands, cotangent), strict=True
+    ):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+    assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks
+
+
+def test_torch_type_promotion_and_counts() -> None:
+    """torch promotes bool and int tensors beside floats (and ``/`` of ints) to float, a bool
+    beside an int to int; ``mask.sum()`` is an int64 count."""
+
+    def mixed(x: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        m = x > 0
+        y = x * m + i / 2 + i * 1.5 + torch.where(m, i, 0.5) + (m + 1) + (i.int() + i)
+        return y, (x * m).sum() / m.sum(), m.sum(-1), i == 3
+
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(8))
+    i = torch.randint(0, 5, (4, 6), generator=torch.Generator().manual_seed(9))
+    got, want = torch.compile(mixed, backend="rlx")(x, i), mixed(x, i)
+    for a, e in zip(got, want, strict=True):
+        assert a.dtype == e.dtype
+        torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
+    assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks

@@ -110,7 +110,39 @@ def _binary(name: str) -> Callable[..., Any]:
         same_kind = isinstance(a, Value) and (type(b) is int or (type(b) is float and a.dtype == np.float32))
         if same_kind and b == identity:
             return a  # ``positions + 0`` stays the arange an embedding may index with
-        return getattr(g, name)(_value(g, a), _value(g, b))
+        a, b = _promoted(g, _value(g, a), _value(g, b), true_division=name == "div")
+        return getattr(g, name)(a, b)
+
+    return handler
+
+
+_RANK = {np.dtype(np.bool_): 0, np.dtype(np.int32): 1, np.dtype(np.int64): 2, np.dtype(np.float32): 3}
+
+
+def _promoted(g: Graph, a: Any, b: Any, true_division: bool = False) -> tuple[Any, Any]:
+    """Operands brought to one dtype by torch's promotion, which rlx's ops leave to the user: a
+    bool or int tensor beside a float one (or a Python float) is float, a bool beside an int is
+    that int, int32 beside int64 is int64; ``/`` of ints is float (true division). Python ints
+    stay numbers (rlx makes them constants of their neighbour's dtype)."""
+
+    def kind(x: Any) -> np.dtype | None:
+        if isinstance(x, Value):
+            return np.dtype(x.dtype)
+        return np.dtype(np.float32) if isinstance(x, float) else None
+
+    kinds = [k for k in (kind(a), kind(b)) if k is not None]
+    target = max(kinds, key=_RANK.__getitem__) if kinds else None
+    if true_division or (target is not None and target == np.bool_ and any(type(x) is int for x in (a, b))):
+        target = np.dtype(np.float32) if true_division else np.dtype(np.int64)
+    if target is None:
+        return a, b
+    name = {0: "bool", 1: "int32", 2: "int64", 3: "float32"}[_RANK[target]]
+    return tuple(x.astype(name) if isinstance(x, Value) and np.dtype(x.dtype) != target else x for x in (a, b))  # type: ignore[return-value]
+
+
+def _compare(name: str) -> Callable[..., Any]:
+    def handler(g: Graph, a: Any, b: Any) -> Any:
+        return getattr(g, name)(*_promoted(g, _value(g, a), _value(g, b)))
 
     return handler
 
@@ -131,13 +163,98 @@ def _axis_args(dim: Any) -> Any:
     raise Unsupported(f"dim={dim!r}")
 
 
+_EXACT_COUNT = 1 << 24  # float32 adds 0s and 1s exactly up to this many
+
+
 def _reduce(name: str) -> Callable[..., Any]:
     def handler(g: Graph, x: Any, dim: Any = None, keepdim: bool = False, **kwargs: Any) -> Any:
         dim = kwargs.pop("axis", dim)
         check_kwargs(kwargs, dtype=None)
-        return getattr(g, name)(_float(x), axis=_axis_args(dim), keepdims=bool(keepdim))
+        x = _float(x)
+        if name == "sum" and np.dtype(x.dtype) == np.bool_:
+            return _count(g, x, _axis_args(dim), bool(keepdim))
+        return getattr(g, name)(x, axis=_axis_args(dim), keepdims=bool(keepdim))
 
     return handler
+
+
+def _count(g: Graph, mask: Value, dim: Any, keepdim: bool) -> Value:
+    """``mask.sum()`` of a bool tensor: torch's int64 count, summed in float32 (exact: a sum of
+    0s and 1s is, below 2^24 of them, which the reduced axes' static sizes must promise)."""
+    axes = range(mask.ndim) if dim is None else [dim] if type(dim) is int else dim
+    counted = 1
+    for axis in axes:
+        size = mask.shape[axis]
+        if not isinstance(size, int):
+            raise Unsupported("a count over a dynamic axis (exact in float32 only below 2^24 elements)")
+        counted *= size
+    if counted >= _EXACT_COUNT:
+        raise Unsupported(f"a count over {counted} elements (exact in float32 only below 2^24)")
+    return g.sum(mask.astype("float32"), axis=dim, keepdims=keepdim).astype("int64")
+
+
+def _einsum(g: Graph, equation: str, *operands: Any) -> Any:
+    """``torch.einsum`` of one or two operands (more: left to right) as transposes, reshapes,
+    sums and one batched matmul per pair: batch labels (in both and the output), contracted
+    labels (in both, not the output), and each side's free labels. Labels repeated within an
+    operand (diagonals) and ``...`` are not translated."""
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    values = [_float(v) for v in operands]
+    spec = equation.replace(" ", "")
+    if "..." in spec:
+        raise Unsupported("einsum with '...'")
+    inputs, arrow, output = spec.partition("->")
+    terms = inputs.split(",")
+    if len(terms) != len(values) or not all(t.isalpha() and len(set(t)) == len(t) for t in terms):
+        raise Unsupported(f"einsum {equation!r} (a repeated label or a count that does not match)")
+    if not arrow:  # implicit output: the labels used once, sorted
+        counts = {c: inputs.count(c) for c in set(inputs.replace(",", ""))}
+        output = "".join(sorted(c for c, n in counts.items() if n == 1))
+    value, labels = values[0], terms[0]
+    for index in range(1, len(values)):
+        later = set(output + "".join(terms[index + 1 :]))
+        value, labels = _contract(g, value, labels, values[index], terms[index], later)
+    value, labels = _sum_labels(g, value, labels, set(output))
+    if sorted(labels) != sorted(output):
+        raise Unsupported(f"einsum {equation!r}: output labels that no operand has")
+    return g.transpose(value, tuple(labels.index(c) for c in output)) if labels != output else value
+
+
+def _sum_labels(g: Graph, value: Value, labels: str, keep: set[str]) -> tuple[Value, str]:
+    gone = tuple(i for i, c in enumerate(labels) if c not in keep)
+    if not gone:
+        return value, labels
+    return g.sum(value, axis=gone), "".join(c for c in labels if c in keep)
+
+
+def _contract(g: Graph, a: Value, la: str, b: Value, lb: str, later: set[str]) -> tuple[Value, str]:
+    """``a`` and ``b`` contracted over the labels they share that nothing later needs."""
+    a, la = _sum_labels(g, a, la, set(lb) | later)
+    b, lb = _sum_labels(g, b, lb, set(la) | later)
+    batch = [c for c in la if c in lb and c in later]
+    inner = [c for c in la if c in lb and c not in later]
+    left = [c for c in la if c not in lb]
+    right = [c for c in lb if c not in la]
+    size = {**dict(zip(la, a.shape, strict=True)), **dict(zip(lb, b.shape, strict=True))}
+
+    def merged(cs: list[str]) -> int | str:
+        total: int | Size = 1
+        for c in cs:
+            total = total * poly(size[c])
+        return rlx_dim(total)
+
+    a3 = g.reshape(
+        g.transpose(a, tuple(la.index(c) for c in batch + left + inner)),
+        tuple(size[c] for c in batch) + (merged(left), merged(inner)),
+    )
+    b3 = g.reshape(
+        g.transpose(b, tuple(lb.index(c) for c in batch + inner + right)),
+        tuple(size[c] for c in batch) + (merged(inner), merged(right)),
+    )
+    product = g.matmul(a3, b3)
+    labels = "".join(batch + left + right)
+    return g.reshape(product, tuple(size[c] for c in labels)), labels
 
 
 def _max(g: Graph, x: Any, dim: Any = None, keepdim: bool = False, **kwargs: Any) -> Any:
@@ -417,7 +534,7 @@ def _stack(g: Graph, tensors: Sequence[Any], dim: int = 0) -> Any:
 def _where(g: Graph, cond: Any, a: Any = None, b: Any = None) -> Any:
     if a is None:
         raise Unsupported("torch.where(cond) (indices)")
-    return g.where(_float(cond), _value(g, a), _value(g, b))
+    return g.where(_float(cond), *_promoted(g, _value(g, a), _value(g, b)))
 
 
 def _masked_fill(g: Graph, x: Any, mask: Any, value: Any) -> Any:
@@ -574,10 +691,10 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     operator.floordiv: _floordiv,
     operator.pow: _pow,
     operator.getitem: _getitem,
-    operator.lt: lambda g, a, b: g.less(_value(g, a), _value(g, b)),
-    operator.le: lambda g, a, b: g.less_equal(_value(g, a), _value(g, b)),
-    operator.gt: lambda g, a, b: g.greater(_value(g, a), _value(g, b)),
-    operator.ge: lambda g, a, b: g.greater_equal(_value(g, a), _value(g, b)),
+    operator.lt: _compare("less"),
+    operator.le: _compare("less_equal"),
+    operator.gt: _compare("greater"),
+    operator.ge: _compare("greater_equal"),
     operator.invert: lambda g, x: g.logical_not(_float(x)),
     operator.and_: lambda g, a, b: g.logical_and(_float(a), _float(b)),
     operator.or_: lambda g, a, b: g.logical_or(_float(a), _float(b)),
@@ -591,8 +708,12 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     torch.bmm: _matmul,
     torch.mm: _matmul,
     torch.pow: _pow,
-    torch.maximum: lambda g, a, b: g.maximum(_value(g, a), _value(g, b)),
-    torch.minimum: lambda g, a, b: g.minimum(_value(g, a), _value(g, b)),
+    torch.maximum: _compare("maximum"),
+    torch.minimum: _compare("minimum"),
+    operator.eq: _compare("equal"),
+    operator.ne: _compare("not_equal"),
+    torch.eq: _compare("equal"),
+    torch.ne: _compare("not_equal"),
     torch.where: _where,
     torch.cat: _cat,
     torch.concat: _cat,
@@ -636,6 +757,7 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     **{getattr(torch, name): _unary(name) for name in _ELEMENTWISE},
     torch.nn.functional.sigmoid: _unary("sigmoid"),
     torch.unbind: _unbind,
+    torch.einsum: _einsum,
     torch.Size: lambda g, dims=(): tuple(dims),  # a shape with dynamic sizes: a tuple of them
     torch.addmm: _addmm,
     F.pad: _pad,
