@@ -139,14 +139,13 @@ def test_what_rlx_cannot_take_runs_eagerly_with_a_warning() -> None:
     torch.testing.assert_close(got, cumulative(x))
     assert dynamo_backend.stats == {"compiled": 0, "eager": 1}
 
-    training = Block().train()  # dropout draws random numbers: eager, with the reason
-    ids, targets = _batch(4, 0)
-    with pytest.warns(UserWarning, match="dropout while training"):
-        torch.compile(training, backend="rlx")(ids, targets).backward()
+    with pytest.warns(UserWarning, match="flip has no rlx translation"):
+        flipped = torch.compile(lambda t: torch.flip(t, [0]) + 1.0, backend="rlx")(x)
+    torch.testing.assert_close(flipped, torch.flip(x, [0]) + 1.0)
     with pytest.warns(UserWarning, match="float64"):
         doubled = torch.compile(lambda t: t * 2.0, backend="rlx")(torch.ones(3, dtype=torch.float64))
     assert doubled.dtype == torch.float64 and doubled.tolist() == [2.0, 2.0, 2.0]
-    assert dynamo_backend.stats == {"compiled": 0, "eager": 3}
+    assert dynamo_backend.stats == {"compiled": 0, "eager": 3}, dynamo_backend.fallbacks
 
 
 class ManualAttention(torch.nn.Module):
@@ -226,13 +225,13 @@ def test_causal_lm_loss_patterns_and_dynamic_positions() -> None:
 
 @pytest.mark.slow
 def test_transformers_models_train_on_rlx() -> None:
-    """GPT-2 and Llama from transformers (when installed), their own loss, two lengths."""
+    """GPT-2 and Llama from transformers (when installed), their own loss, two lengths, in
+    training mode: GPT-2's dropouts (embeddings, attention, residual) draw the masks eager
+    torch draws under the same seed."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(5)
     configs = [
-        transformers.GPT2Config(
-            n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=32, attn_pdrop=0, resid_pdrop=0, embd_pdrop=0
-        ),
+        transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=32),
         transformers.LlamaConfig(
             num_hidden_layers=2,
             hidden_size=32,
@@ -244,12 +243,15 @@ def test_transformers_models_train_on_rlx() -> None:
         ),
     ]
     for config in configs:
-        eager = transformers.AutoModelForCausalLM.from_config(config).eval()
+        eager = transformers.AutoModelForCausalLM.from_config(config).train()
         other = copy.deepcopy(eager)
         compiled = torch.compile(other, backend="rlx")
         for length in (8, 11):
             ids = torch.randint(0, 50, (2, length))
-            losses = [model(ids, labels=ids).loss for model in (eager, compiled)]
+            losses = []
+            for model in (eager, compiled):
+                torch.manual_seed(length)
+                losses.append(model(ids, labels=ids).loss)
             torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
             for loss in losses:
                 loss.backward()
@@ -327,4 +329,57 @@ def test_torch_type_promotion_and_counts() -> None:
     for a, e in zip(got, want, strict=True):
         assert a.dtype == e.dtype
         torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
+    assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks
+
+
+def test_dropout_while_training_draws_torchs_masks() -> None:
+    """Dropout's masks are drawn per call from torch's generator in the graph's order, as eager
+    torch draws them: with the same seed the compiled model's outputs and gradients equal eager's,
+    at every length."""
+    torch.manual_seed(10)
+    model = Block().train()
+    compiled = torch.compile(model, backend="rlx")
+    for length in (6, 9):
+        ids, targets = _batch(length, length)
+        torch.manual_seed(length)
+        got = compiled(ids, targets)
+        got_grads = torch.autograd.grad(got, list(model.parameters()))
+        torch.manual_seed(length)
+        want = model(ids, targets)
+        want_grads = torch.autograd.grad(want, list(model.parameters()))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for a, e in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
+    torch.manual_seed(0)
+    first = compiled(*_batch(6, 0))
+    again = compiled(*_batch(6, 0))  # a new mask per call
+    assert first.item() != again.item()
+    assert dynamo_backend.stats["eager"] == 0, dynamo_backend.fallbacks
+
+
+@pytest.mark.parametrize("case", ["plain", "causal", "bool-mask", "float-mask", "gqa"])
+def test_attention_dropout_draws_torchs_masks(case: str) -> None:
+    """SDPA with ``dropout_p`` runs torch's math path on rlx, its keep mask drawn as eager
+    SDPA draws it: under one seed, values and gradients equal eager torch's."""
+    gen = torch.Generator().manual_seed(11)
+    kv_heads = 1 if case == "gqa" else 3
+    q = torch.randn(2, 3, 5, 4, generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, 5, 4, generator=gen, requires_grad=True) for _ in range(2))
+    mask = {"bool-mask": torch.rand(5, 5, generator=gen) > 0.2, "float-mask": torch.randn(2, 1, 5, 5, generator=gen)}
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask.get(case), dropout_p=0.25, is_causal=case == "causal", enable_gqa=case == "gqa"
+        )
+
+    torch.manual_seed(12)
+    got = torch.compile(attend, backend="rlx")(q, k, v)
+    torch.manual_seed(12)
+    want = attend(q, k, v)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    cotangent = torch.randn(want.shape, generator=gen)
+    for a, e in zip(
+        torch.autograd.grad(got, (q, k, v), cotangent), torch.autograd.grad(want, (q, k, v), cotangent), strict=True
+    ):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
     assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks

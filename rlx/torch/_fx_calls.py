@@ -37,6 +37,8 @@ def symbolic_size(size: Any) -> int | Size:
     if not isinstance(size, torch.SymInt):
         raise Unsupported(f"a size of type {type(size).__name__}")
     text = str(size.node.expr).replace(" ", "")
+    if text.lstrip("-").isdigit():  # a size TorchDynamo specialised to a number
+        return int(text)
     parsed = parse_dim(text)
     if parsed is None:
         raise Unsupported(f"the dynamic size {text}")
@@ -585,8 +587,10 @@ def _gelu(g: Graph, x: Any, approximate: str = "none") -> Any:
 
 
 def _dropout(g: Graph, x: Any, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
+    """Dropout off (evaluation, or ``p = 0``) is ``x``; while training, rlx.torch.dynamo draws
+    the mask (it needs torch's random numbers, per call)."""
     if training and p > 0:
-        raise Unsupported("dropout while training (rlx has no random numbers)")
+        raise Unsupported("dropout while training of a value the backend cannot mask")
     return _float(x)
 
 

@@ -12,9 +12,11 @@ compilation serves every length; ``torch.arange`` of such a size is an input the
 per call. Calls on constants only (``torch.tril(torch.ones(S, S))``) are computed once, here.
 The translation of each torch call lives in :mod:`rlx.torch._fx_calls`.
 
-A graph rlx cannot express in full (an op it lacks, a dtype it does not compute in, dropout
-while training) runs in eager PyTorch instead, with one warning that names the first call rlx
-could not take: a model always runs, and correctly.
+Dropout while training draws its keep masks in the wrapper, per call, from torch's generator
+and in the graph's order, as eager torch draws them (SDPA with ``dropout_p`` runs torch's math
+path on rlx to have a mask to draw). A graph rlx cannot express in full (an op it lacks, a dtype
+it does not compute in) runs in eager PyTorch instead, with one warning that names the first
+call rlx could not take: a model always runs, and correctly.
 :data:`fallbacks` lists those reasons and :data:`stats` counts both kinds of graph.
 
 The backend is registered with TorchDynamo by name (the ``torch_dynamo_backends`` entry point),
@@ -23,6 +25,7 @@ so ``backend="rlx"`` and ``backend=rlx.torch.backend`` are the same.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from rlx.errors import RlxError
-from rlx.ir.dims import Size
+from rlx.ir.dims import Size, poly
 from rlx.ir.graph import Graph, Value
 from rlx.torch._fx_calls import (
     DTYPES,
@@ -85,6 +88,9 @@ class _Translation:
         self.ranges: dict[str, tuple[int | Size, int | Size, torch.dtype]] = {}
         # Inputs the wrapper passes detached: name -> the placeholder whose tensor they copy.
         self.detached: dict[str, int] = {}
+        # Dropout's keep masks, drawn by the wrapper per call with torch's generator:
+        # name -> (shape as polynomials, probability of keeping).
+        self.keeps: dict[str, tuple[tuple[int | Size, ...], float]] = {}
         placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
         if len(placeholders) != len(example_inputs):
             raise Unsupported(f"{len(placeholders)} placeholders for {len(example_inputs)} example inputs")
@@ -150,6 +156,10 @@ class _Translation:
             return self._arange(*args, **kwargs)
         if node.target is F.embedding and (args[2:3] or [kwargs.get("padding_idx")])[0] is not None:
             return self._padded_embedding(*args, **kwargs)
+        if node.target is F.dropout:
+            return self._dropout(*args, **kwargs)
+        if node.target in _SDPA and _attention_dropout_p(args, kwargs):
+            return self._attention_with_dropout(*args, **kwargs)
         if handler is None:
             raise Unsupported(f"{what} has no rlx translation")
         # Constant tensors become graph constants where a call reads them; an empty one (a legacy
@@ -201,6 +211,70 @@ class _Translation:
         merged = self.graph.where(self.graph.constant(mask), table, weight)
         return FUNCTIONS[F.embedding](self.graph, ids, merged, None, *rest, **kwargs)
 
+    def _dropout(self, x: Any, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
+        """``F.dropout`` while training: a bool input the wrapper draws per call, as torch does
+        (``bernoulli(1 - p)`` from torch's generator, so ``torch.manual_seed`` governs it), and
+        ``where(keep, x / (1 - p), 0)``, whose gradient is the same mask's."""
+        if not training or p == 0:
+            return FUNCTIONS[F.dropout](self.graph, x, p, training, inplace)
+        if not isinstance(x, Value) or x.dtype != np.float32:
+            raise Unsupported("dropout of something other than a float tensor")
+        if not 0 <= p <= 1:
+            raise Unsupported(f"dropout probability {p}")
+        if p == 1:
+            return self.graph.broadcast_to(self.graph.constant(0.0), x.shape)
+        keep = self._keep_mask(x.shape, p)
+        return self.graph.where(keep, x * (1.0 / (1.0 - float(p))), 0.0)
+
+    def _keep_mask(self, shape: tuple[Any, ...], p: float) -> Value:
+        """A bool input of ``shape`` the wrapper draws per call: True with probability 1 - p."""
+        name = f"keep{len(self.keeps)}"
+        self.keeps[name] = (tuple(poly(d) for d in shape), 1.0 - float(p))
+        return self.graph.input(name, shape, dtype="bool")
+
+    def _positions(self, length: Any) -> Value:
+        """``arange(length)`` as int64: a constant, or an input made per call for a dynamic length."""
+        if isinstance(length, int):
+            return self.graph.constant(np.arange(length, dtype=np.int64))
+        return self._arange(poly(length))
+
+    def _attention_with_dropout(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        attn_mask: Any = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> Value:
+        """SDPA with attention dropout, which rlx's fused kernels do not have: torch's math path
+        (scores, mask, softmax, dropout of the probabilities, product with v), with the keep
+        mask ``[B, H, Sq, Sk]`` drawn per call as eager torch draws it. Memory grows with Sq x Sk
+        here, as in torch's own math path."""
+        g = self.graph
+        if not all(isinstance(t, Value) and t.dtype == np.float32 and t.ndim == 4 for t in (q, k, v)):
+            raise Unsupported("attention dropout of other than rank-4 float tensors")
+        heads, kv_heads = q.shape[1], k.shape[1]
+        if heads != kv_heads:
+            if not enable_gqa or not isinstance(heads, int) or not isinstance(kv_heads, int):
+                raise Unsupported("attention dropout with fewer key heads than query heads")
+            k, v = (FUNCTIONS[torch.repeat_interleave](g, t, heads // kv_heads, 1) for t in (k, v))
+        factor = 1.0 / math.sqrt(float(q.shape[3])) if scale is None else float(scale)
+        scores = g.matmul(q, g.transpose(k, (0, 1, 3, 2))) * factor
+        if is_causal:
+            rows = g.reshape(self._positions(q.shape[2]), (q.shape[2], 1))
+            visible = g.less_equal(g.reshape(self._positions(k.shape[2]), (1, k.shape[2])), rows)
+            scores = g.where(visible, scores, float("-inf"))
+        if attn_mask is not None:
+            mask = attn_mask if isinstance(attn_mask, Value) else constant_of(g, attn_mask)
+            scores = g.where(mask, scores, float("-inf")) if mask.dtype == np.bool_ else scores + mask
+        weights = g.softmax(scores, axis=-1)
+        keep = self._keep_mask(weights.shape, dropout_p)
+        dropped = g.where(keep, weights * (1.0 / (1.0 - float(dropout_p))), 0.0)
+        return g.matmul(dropped, v)
+
     def _symbol_sources(self) -> dict[str, tuple[int, int | None]]:
         """Where each symbol's size is found in a call: (argument, axis) or (argument, None) for
         a size passed as an int."""
@@ -225,29 +299,42 @@ class _Translation:
         names = [f"out{i}" for i in range(len(values))]
         self.graph.output(**dict(zip(names, values, strict=True)))
         function = CompiledGraph(self.graph)
-        inputs, ranges, detached = self.inputs, self.ranges, self.detached
-        sources = self._symbol_sources() if ranges else {}
-        missing = {symbol for start, end, _ in ranges.values() for symbol in poly_symbols(start, end)} - set(sources)
-        if missing:
-            raise Unsupported(f"arange over the sizes {sorted(missing)}, which no input carries")
+        inputs, ranges, detached, keeps = self.inputs, self.ranges, self.detached, self.keeps
+        sources = self._symbol_sources() if ranges or keeps else {}
+        needed = {symbol for start, end, _ in ranges.values() for symbol in poly_symbols(start, end)}
+        needed |= {symbol for shape, _ in keeps.values() for symbol in poly_symbols(*shape)}
+        if needed - set(sources):
+            raise Unsupported(f"sizes {sorted(needed - set(sources))} that no input carries")
 
         def run(*args: Any) -> Any:
             named = {name: arg for name, arg in zip(inputs, args, strict=True) if name is not None}
             for name, position in detached.items():
                 named[name] = args[position].detach()
-            if ranges:
+            if ranges or keeps:
                 sizes = {
                     symbol: int(args[position]) if axis is None else int(args[position].shape[axis])
                     for symbol, (position, axis) in sources.items()
                 }
                 for name, (start, end, dtype) in ranges.items():
                     named[name] = torch.arange(_evaluate(start, sizes), _evaluate(end, sizes), dtype=dtype)
+                for name, (shape, kept) in keeps.items():
+                    draw = torch.empty(tuple(_evaluate(d, sizes) for d in shape)).bernoulli_(kept)
+                    named[name] = draw.bool()
             result = function(**named)
             outs = [result[name] for name in names]
             return outs[0] if single else tuple(outs) if isinstance(results, tuple) else outs
 
         run.rlx_graph = self.graph  # type: ignore[attr-defined]
         return run
+
+
+_SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+
+
+def _attention_dropout_p(args: Any, kwargs: Any) -> float:
+    """The ``dropout_p`` of an SDPA call's arguments (0 where not given)."""
+    given = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+    return float(given) if isinstance(given, (int, float)) else 1.0
 
 
 def _nested(value: Any, fn: Callable[[Any], Any]) -> Any:
