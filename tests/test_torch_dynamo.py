@@ -383,3 +383,28 @@ def test_attention_dropout_draws_torchs_masks(case: str) -> None:
     ):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
     assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks
+
+
+def test_masks_built_by_indexing_with_ranges() -> None:
+    """transformers builds padding masks by advanced indexing with broadcast ranges
+    (``mask[batch[:, None, None, None], keys[None, None, None, :]]``) and BERT gathers token
+    types by positions: with constant ranges these are slices, transposes and broadcasts."""
+
+    def build(padding: torch.Tensor, x: torch.Tensor, types: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        batch = torch.arange(padding.shape[0])[:, None, None, None]
+        keys = torch.arange(padding.shape[1])[None, None, None, :]
+        queries = torch.arange(padding.shape[1])[None, None, :, None]
+        mask = padding[batch, keys].bool() & (keys <= queries)
+        window = x[torch.arange(3)[:, None], torch.arange(1, 5)[None, :]]
+        row = x[torch.tensor(2), torch.arange(6)]
+        kinds = torch.gather(types.expand(1, -1), 1, torch.arange(2, 7)[None, :])
+        return mask, window * 2.0, row + 1.0, kinds
+
+    padding = torch.tensor([[1, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1]])
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(13))
+    types = torch.arange(10)
+    got, want = torch.compile(build, backend="rlx")(padding, x, types), build(padding, x, types)
+    for a, e in zip(got, want, strict=True):
+        assert a.shape == e.shape and a.dtype == e.dtype
+        torch.testing.assert_close(a, e)
+    assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks

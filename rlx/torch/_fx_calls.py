@@ -453,9 +453,87 @@ def _getitem(g: Graph, x: Any, index: Any) -> Any:
     if isinstance(x, Value):
         entries = index if isinstance(index, tuple) else (index,)
         if any(isinstance(e, (Value, torch.Tensor, list)) for e in entries):
-            raise Unsupported("indexing by a tensor")
+            return _gather_by_ranges(g, x, entries)
         return x[index]
     raise Unsupported(f"indexing a {type(x).__name__}")
+
+
+def _constant_array(value: Any) -> np.ndarray | None:
+    """The data of a graph constant (what a folded torch tensor became), else None."""
+    if isinstance(value, Value) and value.node.op.value == "constant":
+        return np.asarray(value.node.attrs.value.array)
+    return None
+
+
+def _gather_by_ranges(g: Graph, x: Value, entries: tuple[Any, ...]) -> Value:
+    """``x[i0, i1, ...]`` with constant integer index arrays that are ranges broadcast along
+    distinct result axes (or single numbers), as masks are built (``mask[batch[:, None, None,
+    None], keys[None, None, None, :]]``): NumPy's advanced indexing of such arrays is slices,
+    a transpose, a reshape and a broadcast, all views. Other tensor indices are not translated."""
+    found = [_constant_array(e) for e in entries]
+    arrays = [a for a in found if a is not None and a.dtype.kind in "iu"]
+    if len(arrays) != len(found) or len(arrays) > x.ndim:
+        raise Unsupported("indexing by a tensor other than constant ranges")
+    indices = np.broadcast_arrays(*arrays)
+    result = indices[0].shape
+    placed: dict[int, int] = {}  # result axis -> x's axis
+    parts = []
+    for axis, index in enumerate(indices):
+        length = x.shape[axis]
+        if not isinstance(length, int):
+            raise Unsupported("indexing a dynamic axis by a tensor")
+        varying = [r for r in range(len(result)) if index.shape[r] > 1 and np.ptp(index, axis=r).any()]
+        start = int(index.flat[0]) % length if index.size else 0
+        if not varying:
+            if index.size and (index != index.flat[0]).any():
+                raise Unsupported("indexing by a tensor that is not a range")
+            parts.append((axis, start, 1))
+            continue
+        (r,) = varying if len(varying) == 1 else (None,)
+        if r is None or r in placed:
+            raise Unsupported("indexing by tensors that vary along shared axes")
+        line = np.moveaxis(index, r, 0).reshape(result[r], -1)[:, 0]
+        expected = start + np.arange(result[r])
+        if not np.array_equal(line % length, expected) or start + result[r] > length:
+            raise Unsupported("indexing by a tensor that is not a range")
+        placed[r] = axis
+        parts.append((axis, start, result[r]))
+    y = x
+    for axis, start, size in parts:  # the ranges as basic slices, axes kept
+        if (start, size) != (0, y.shape[axis]):
+            y = y[(slice(None),) * axis + (slice(start, start + size),)]
+    rest = tuple(y.shape[len(indices) :])
+    order = [placed[r] for r in sorted(placed)]
+    kept = g.transpose(y, (*order, *(a for a in range(len(indices)) if a not in order), *range(len(indices), y.ndim)))
+    laid = tuple(result[r] if r in placed else 1 for r in range(len(result)))
+    shaped = g.reshape(kept, laid + rest)
+    return g.broadcast_to(shaped, tuple(result) + rest) if laid != tuple(result) else shaped
+
+
+def _gather(g: Graph, x: Any, dim: int, index: Any, *, sparse_grad: bool = False) -> Any:
+    """``torch.gather(x, dim, index)`` with a constant index that is one range along ``dim``,
+    the same at every other position (BERT's token types by position): a slice."""
+    x = _float(x)
+    array = _constant_array(index)
+    if array is None or array.ndim != x.ndim:
+        raise Unsupported("gather by an index other than a constant")
+    axis = dim % x.ndim
+    line = np.moveaxis(array, axis, -1).reshape(-1, array.shape[axis])
+    length = x.shape[axis]
+    if not isinstance(length, int) or not line.size or (line != line[0]).any():
+        raise Unsupported("gather by an index that differs between positions")
+    start = int(line[0, 0])
+    if not np.array_equal(line[0], start + np.arange(line.shape[1])) or start < 0 or start + line.shape[1] > length:
+        raise Unsupported("gather by an index that is not a range")
+    bounds = []
+    for a, size in enumerate(array.shape):
+        if a == axis:
+            bounds.append(slice(start, start + size))
+        elif not isinstance(x.shape[a], int) or size > x.shape[a]:
+            raise Unsupported("gather by an index larger than the input")
+        else:
+            bounds.append(slice(0, size))
+    return x[tuple(bounds)]
 
 
 def _size(g: Graph, x: Any, dim: Any = None) -> Any:
@@ -762,6 +840,7 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     torch.nn.functional.sigmoid: _unary("sigmoid"),
     torch.unbind: _unbind,
     torch.einsum: _einsum,
+    torch.gather: _gather,
     torch.Size: lambda g, dims=(): tuple(dims),  # a shape with dynamic sizes: a tuple of them
     torch.addmm: _addmm,
     F.pad: _pad,
@@ -811,6 +890,7 @@ METHODS: dict[str, Callable[..., Any]] = {
     "clamp": _clamp,
     "clip": _clamp,
     "unbind": _unbind,
+    "gather": _gather,
     "repeat_interleave": _repeat_interleave,
     "view_as": lambda g, x, other: g.reshape(_float(x), _float(other).shape),
     "reshape_as": lambda g, x, other: g.reshape(_float(x), _float(other).shape),
