@@ -225,33 +225,31 @@ def test_causal_lm_loss_patterns_and_dynamic_positions() -> None:
 
 @pytest.mark.slow
 def test_transformers_models_train_on_rlx() -> None:
-    """GPT-2 and Llama from transformers (when installed), their own loss, two lengths, in
-    training mode: GPT-2's dropouts (embeddings, attention, residual) draw the masks eager
-    torch draws under the same seed."""
+    """GPT-2, Llama, Mistral and Qwen2 from transformers (when installed), their own loss, a
+    padding mask, three lengths (TorchDynamo makes them dynamic), in training mode: GPT-2's
+    dropouts draw the masks eager torch draws under the same seed, and every graph runs on rlx."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(5)
+    small = {"vocab_size": 50}
+    decoder = {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4}
     configs = [
-        transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=32),
-        transformers.LlamaConfig(
-            num_hidden_layers=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=50,
-            max_position_embeddings=32,
-        ),
+        transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=32, **small),
+        transformers.LlamaConfig(num_key_value_heads=2, max_position_embeddings=32, **decoder, **small),
+        transformers.MistralConfig(num_key_value_heads=2, max_position_embeddings=32, **decoder, **small),
+        transformers.Qwen2Config(num_key_value_heads=2, max_position_embeddings=32, **decoder, **small),
     ]
     for config in configs:
         eager = transformers.AutoModelForCausalLM.from_config(config).train()
         other = copy.deepcopy(eager)
         compiled = torch.compile(other, backend="rlx")
-        for length in (8, 11):
+        for length in (8, 11, 6):
             ids = torch.randint(0, 50, (2, length))
+            padding = torch.ones(2, length, dtype=torch.long)
+            padding[1, :2] = 0  # the second sequence is padded on the left
             losses = []
             for model in (eager, compiled):
                 torch.manual_seed(length)
-                losses.append(model(ids, labels=ids).loss)
+                losses.append(model(ids, attention_mask=padding, labels=ids).loss)
             torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
             for loss in losses:
                 loss.backward()

@@ -9,9 +9,11 @@ than torch (a keyword it does not honour, a dtype it does not hold): the graph t
 
 from __future__ import annotations
 
+import contextvars
 import math
 import operator
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,9 +23,19 @@ import torch.nn.functional as F
 import rlx.mods as mods
 from rlx.ir.dims import Size, dim_text, exact_quotient, parse_dim, poly
 from rlx.ir.graph import Graph, Value
-from rlx.ir.types import Layout, MaskKind
+from rlx.ir.types import Dim, Layout, MaskKind
 
 DTYPES = {torch.float32: "float32", torch.int32: "int32", torch.int64: "int64", torch.bool: "bool"}
+
+
+class SameSizes(Exception):
+    """A translation that needs two dynamic sizes to be one (a padding mask's length indexed by
+    a range over the ids' length): rlx.torch.dynamo translates again with them merged, and
+    checks on every call that they are equal (else that call runs eagerly)."""
+
+    def __init__(self, first: str, second: str) -> None:
+        super().__init__(f"{first} == {second}")
+        self.first, self.second = first, second
 
 
 class Unsupported(Exception):
@@ -385,6 +397,29 @@ def _like(fill: float | None) -> Callable[..., Any]:
     return handler
 
 
+def _new(fill: float | None) -> Callable[..., Any]:
+    """``x.new_ones(size)`` and kin: a broadcast scalar of ``size`` (ints or dynamic sizes) in
+    ``dtype`` or ``x``'s (``new_empty`` is zeros: its content is anyone's)."""
+
+    def handler(g: Graph, x: Any, *args: Any, **kwargs: Any) -> Any:
+        x = _float(x)
+        if fill is None:  # new_full(size, fill_value)
+            *sizes, value = (*args, kwargs.pop("fill_value")) if "fill_value" in kwargs else args
+        else:
+            sizes, value = list(args), fill
+        one = len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size))
+        size = tuple(sizes[0]) if one else tuple(sizes)
+        dtype = kwargs.pop("dtype", None)
+        kwargs.pop("device", None)
+        kwargs.pop("layout", None)
+        kwargs.pop("pin_memory", None)
+        check_kwargs(kwargs, requires_grad=False)
+        target = np.dtype(x.dtype) if dtype is None else np.dtype(_NUMPY[dtype])
+        return g.broadcast_to(g.constant(np.array(value, dtype=target)), _dims(tuple(size)))
+
+    return handler
+
+
 def _getattr(g: Graph, x: Any, name: str) -> Any:
     if not isinstance(x, Value):
         raise Unsupported(f"getattr of a {type(x).__name__}")
@@ -454,8 +489,38 @@ def _getitem(g: Graph, x: Any, index: Any) -> Any:
         entries = index if isinstance(index, tuple) else (index,)
         if any(isinstance(e, (Value, torch.Tensor, list)) for e in entries):
             return _gather_by_ranges(g, x, entries)
-        return x[index]
+        return x[_clamped(x, entries)]
     raise Unsupported(f"indexing a {type(x).__name__}")
+
+
+def _clamped(x: Value, entries: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``entries`` with each slice of a dynamic axis that TorchDynamo traced as the whole axis
+    made whole: ``keys[:, :, -4095:]`` (a sliding window's cache) is the whole axis while the
+    length is at most 4095, which TorchDynamo guards, where rlx's own slicing counts 4095 back
+    from the end and refuses shorter axes (NumPy would clamp)."""
+    expected = EXPECTED_SHAPE.get()
+    if expected is None:
+        return entries
+    spread = sum(e is not None and e is not Ellipsis for e in entries)
+    out: list[Any] = []
+    axis = position = 0
+    for entry in entries:
+        if entry is Ellipsis:
+            out.append(entry)
+            skipped = x.ndim - spread
+            axis, position = axis + skipped, position + skipped
+        elif entry is None:
+            out.append(entry)
+            position += 1
+        elif isinstance(entry, slice):
+            length = x.shape[axis] if axis < x.ndim else None
+            whole = isinstance(length, str) and position < len(expected) and expected[position] == length
+            out.append(slice(None) if whole and entry.step in (None, 1) else entry)
+            axis, position = axis + 1, position + 1
+        else:
+            out.append(entry)
+            axis += 1
+    return tuple(out)
 
 
 def _constant_array(value: Any) -> np.ndarray | None:
@@ -465,47 +530,100 @@ def _constant_array(value: Any) -> np.ndarray | None:
     return None
 
 
+EXPECTED_SHAPE: contextvars.ContextVar[tuple[Dim, ...] | None] = contextvars.ContextVar(
+    "rlx_fx_expected_shape", default=None
+)
+"""The shape TorchDynamo traced for the call being translated (its guards hold it), if any."""
+
+RANGES: contextvars.ContextVar[dict[Value, int | Size]] = contextvars.ContextVar("rlx_fx_ranges")
+"""The graph inputs that hold ``arange(start, start + n)`` of a dynamic ``n`` (made per call by
+rlx.torch.dynamo's wrapper), by their start: the translation in progress sets it."""
+
+
+@dataclass(frozen=True)
+class _Range:
+    """An index tensor known to hold ``start + position`` along one axis (``axis``) and to be
+    the same along the others (size 1 there), or one number everywhere (``axis`` None)."""
+
+    shape: tuple[Dim, ...]
+    axis: int | None
+    start: int | Size
+
+
+def _as_range(entry: Any) -> _Range | None:
+    """What an index tensor is, if a range: a constant array, or a range input reshaped."""
+    array = _constant_array(entry)
+    if array is not None:
+        if array.dtype.kind not in "iu" or not array.size:
+            return None
+        first = int(array.flat[0])
+        varying = [r for r in range(array.ndim) if array.shape[r] > 1]
+        if (array == first).all():
+            return _Range(array.shape, None, first)
+        if len(varying) != 1:
+            return None
+        line = np.moveaxis(array, varying[0], 0).reshape(array.shape[varying[0]], -1)
+        if (line != line[:, :1]).any() or not np.array_equal(line[:, 0], first + np.arange(line.shape[0])):
+            return None
+        return _Range(array.shape, varying[0], first)
+    value = entry
+    while isinstance(value, Value) and value.node.op.value == "reshape":
+        value = value.node.inputs[0]
+    starts = RANGES.get({})
+    if not isinstance(entry, Value) or value not in starts:
+        return None
+    wide = [r for r, d in enumerate(entry.shape) if d != 1]
+    return _Range(entry.shape, wide[0], starts[value]) if len(wide) == 1 else None
+
+
 def _gather_by_ranges(g: Graph, x: Value, entries: tuple[Any, ...]) -> Value:
-    """``x[i0, i1, ...]`` with constant integer index arrays that are ranges broadcast along
-    distinct result axes (or single numbers), as masks are built (``mask[batch[:, None, None,
-    None], keys[None, None, None, :]]``): NumPy's advanced indexing of such arrays is slices,
-    a transpose, a reshape and a broadcast, all views. Other tensor indices are not translated."""
-    found = [_constant_array(e) for e in entries]
-    arrays = [a for a in found if a is not None and a.dtype.kind in "iu"]
-    if len(arrays) != len(found) or len(arrays) > x.ndim:
-        raise Unsupported("indexing by a tensor other than constant ranges")
-    indices = np.broadcast_arrays(*arrays)
-    result = indices[0].shape
+    """``x[i0, i1, ...]`` with integer index tensors that are ranges broadcast along distinct
+    result axes (or single numbers), as masks are built (``mask[batch[:, None, None, None],
+    keys[None, None, None, :]]``), constant or of a dynamic length: NumPy's advanced indexing
+    of such tensors is slices, a transpose, a reshape and a broadcast, all views. Other tensor
+    indices are not translated."""
+    ranges = [_as_range(e) for e in entries]
+    known = [r for r in ranges if r is not None]
+    if len(known) != len(ranges) or len(known) > x.ndim:
+        raise Unsupported("indexing by a tensor other than ranges")
+    rank = max(len(r.shape) for r in known)
+    result: list[Dim] = [1] * rank
+    for r in known:
+        for i, d in enumerate(r.shape, start=rank - len(r.shape)):
+            if d != 1:
+                if result[i] not in (1, d):
+                    raise Unsupported("index tensors that do not broadcast")
+                result[i] = d
     placed: dict[int, int] = {}  # result axis -> x's axis
-    parts = []
-    for axis, index in enumerate(indices):
-        length = x.shape[axis]
-        if not isinstance(length, int):
-            raise Unsupported("indexing a dynamic axis by a tensor")
-        varying = [r for r in range(len(result)) if index.shape[r] > 1 and np.ptp(index, axis=r).any()]
-        start = int(index.flat[0]) % length if index.size else 0
-        if not varying:
-            if index.size and (index != index.flat[0]).any():
-                raise Unsupported("indexing by a tensor that is not a range")
-            parts.append((axis, start, 1))
-            continue
-        (r,) = varying if len(varying) == 1 else (None,)
-        if r is None or r in placed:
-            raise Unsupported("indexing by tensors that vary along shared axes")
-        line = np.moveaxis(index, r, 0).reshape(result[r], -1)[:, 0]
-        expected = start + np.arange(result[r])
-        if not np.array_equal(line % length, expected) or start + result[r] > length:
-            raise Unsupported("indexing by a tensor that is not a range")
-        placed[r] = axis
-        parts.append((axis, start, result[r]))
     y = x
-    for axis, start, size in parts:  # the ranges as basic slices, axes kept
-        if (start, size) != (0, y.shape[axis]):
-            y = y[(slice(None),) * axis + (slice(start, start + size),)]
-    rest = tuple(y.shape[len(indices) :])
+    for axis, r in enumerate(known):
+        length = x.shape[axis]
+        if r.axis is None:
+            if not isinstance(length, int) or not isinstance(r.start, int) or not -length <= r.start < length:
+                raise Unsupported("indexing by a number outside the axis")
+            first = r.start % length
+            y = y[(slice(None),) * axis + (slice(first, first + 1),)]
+            continue
+        at = r.axis + rank - len(r.shape)
+        if at in placed:
+            raise Unsupported("index tensors that vary along the same axis")
+        placed[at] = axis
+        size = result[at]
+        if r.start == 0 and size == length:
+            continue
+        plain = isinstance(size, str) and isinstance(length, str) and size.isidentifier() and length.isidentifier()
+        if r.start == 0 and plain:
+            raise SameSizes(str(size), str(length))
+        if not (isinstance(length, int) and isinstance(size, int) and isinstance(r.start, int)):
+            raise Unsupported(f"a range over part of a dynamic axis ({r.start}+{size} of {length})")
+        if not (r.start >= 0 and r.start + size <= length):
+            raise Unsupported("a range past the end of the axis")
+        y = y[(slice(None),) * axis + (slice(r.start, r.start + size),)]
+    count = len(known)
+    rest = tuple(y.shape[count:])
     order = [placed[r] for r in sorted(placed)]
-    kept = g.transpose(y, (*order, *(a for a in range(len(indices)) if a not in order), *range(len(indices), y.ndim)))
-    laid = tuple(result[r] if r in placed else 1 for r in range(len(result)))
+    kept = g.transpose(y, (*order, *(a for a in range(count) if a not in order), *range(count, y.ndim)))
+    laid = tuple(result[r] if r in placed else 1 for r in range(rank))
     shaped = g.reshape(kept, laid + rest)
     return g.broadcast_to(shaped, tuple(result) + rest) if laid != tuple(result) else shaped
 
@@ -891,6 +1009,10 @@ METHODS: dict[str, Callable[..., Any]] = {
     "clip": _clamp,
     "unbind": _unbind,
     "gather": _gather,
+    "new_ones": _new(1.0),
+    "new_zeros": _new(0.0),
+    "new_empty": _new(0.0),
+    "new_full": _new(None),
     "repeat_interleave": _repeat_interleave,
     "view_as": lambda g, x, other: g.reshape(_float(x), _float(other).shape),
     "reshape_as": lambda g, x, other: g.reshape(_float(x), _float(other).shape),

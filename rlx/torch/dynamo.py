@@ -39,8 +39,11 @@ from rlx.ir.dims import Size, poly
 from rlx.ir.graph import Graph, Value
 from rlx.torch._fx_calls import (
     DTYPES,
+    EXPECTED_SHAPE,
     FUNCTIONS,
     METHODS,
+    RANGES,
+    SameSizes,
     Unsupported,
     check_kwargs,
     constant_of,
@@ -61,8 +64,16 @@ def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable
     Returns a function that runs the graph compiled by rlx, or ``gm.forward`` (eager PyTorch,
     with a warning naming why) where the graph holds something rlx does not express.
     """
+    merges: dict[str, str] = {}
     try:
-        compiled = _Translation(gm, example_inputs).compiled()
+        for _ in range(16):
+            try:
+                compiled = _Translation(gm, example_inputs, merges).compiled()
+                break
+            except SameSizes as same:
+                merges[same.first] = same.second
+        else:
+            raise Unsupported(f"more dynamic sizes to merge than expected ({merges})")
         stats["compiled"] += 1
         return compiled
     except (Unsupported, RlxError) as why:
@@ -76,8 +87,14 @@ def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable
 class _Translation:
     """One FX graph as an rlx graph: each FX node's value (an rlx Value or a Python value)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    def __init__(
+        self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], merges: dict[str, str] | None = None
+    ) -> None:
         self.gm = gm
+        # Dynamic sizes taken as one (first -> second), checked equal on every call, and where
+        # each original size is found in a call's arguments (for that check).
+        self.merges = dict(merges or {})
+        self.original_sources: dict[str, tuple[int, int | None]] = {}
         self.graph = Graph("dynamo")
         self.env: dict[torch.fx.Node, Any] = {}
         self.inputs: list[str | None] = []  # rlx input name per placeholder (None: a size)
@@ -86,6 +103,7 @@ class _Translation:
         # Inputs the wrapper computes per call from the sizes (``torch.arange(S)`` of a dynamic S):
         # name -> (start, end, dtype) as polynomials in the symbols.
         self.ranges: dict[str, tuple[int | Size, int | Size, torch.dtype]] = {}
+        self.range_starts: dict[Value, int | Size] = {}
         # Inputs the wrapper passes detached: name -> the placeholder whose tensor they copy.
         self.detached: dict[str, int] = {}
         # Dropout's keep masks, drawn by the wrapper per call with torch's generator:
@@ -100,13 +118,17 @@ class _Translation:
         if self.size_symbols - declared:
             unbound = ", ".join(sorted(self.size_symbols - declared))
             raise Unsupported(f"the dynamic size {unbound} is no tensor input's dimension")
-        for node in gm.graph.nodes:
-            if node.op == "placeholder":
-                continue
-            if node.op == "output":
-                self.results = self._load(node.args[0])
-                break
-            self.env[node] = self._node(node)
+        token = RANGES.set(self.range_starts)
+        try:
+            for node in gm.graph.nodes:
+                if node.op == "placeholder":
+                    continue
+                if node.op == "output":
+                    self.results = self._load(node.args[0])
+                    break
+                self.env[node] = self._node(node)
+        finally:
+            RANGES.reset(token)
 
     def _placeholder(self, node: torch.fx.Node, example: Any) -> Any:
         """A tensor input, or a dynamic size (a symbol its tensors' shapes name, bound per call)."""
@@ -114,20 +136,41 @@ class _Translation:
             size = symbolic_size(example)
             if not isinstance(size, Size) or len(size.symbols) != 1 or size != Size.symbol(size.symbols[0]):
                 raise Unsupported(f"input {node.name} is the size {example}, not a plain symbol")
-            self.size_symbols.add(size.symbols[0])
-            self.env_sizes[len(self.inputs)] = size.symbols[0]
+            self.original_sources.setdefault(size.symbols[0], (len(self.inputs), None))
+            symbol = self._final(size.symbols[0])
+            self.size_symbols.add(symbol)
+            self.env_sizes[len(self.inputs)] = symbol
             self.inputs.append(None)
-            return size
+            return Size.symbol(symbol)
         if not isinstance(example, torch.Tensor):
             raise Unsupported(f"input {node.name} is a {type(example).__name__}, not a tensor")
         if example.device.type != "cpu" or example.dtype not in DTYPES:
             raise Unsupported(
                 f"input {node.name} is {example.dtype} on {example.device}; rlx takes CPU float32/int/bool"
             )
-        shape = tuple(rlx_dim(symbolic_size(d)) for d in example.shape)
+        sizes = [symbolic_size(d) for d in example.shape]
+        for axis, size in enumerate(sizes):
+            if isinstance(size, Size) and len(size.terms) == 1 and size == Size.symbol(size.symbols[0]):
+                self.original_sources.setdefault(size.symbols[0], (len(self.inputs), axis))
+        shape = tuple(rlx_dim(self._merged(size)) for size in sizes)
         name = f"in{len(self.inputs)}"
         self.inputs.append(name)
         return self.graph.input(name, shape, dtype=DTYPES[example.dtype])
+
+    def _merged(self, size: int | Size) -> int | Size:
+        """``size`` with each merged symbol replaced by the one it was merged into."""
+        if isinstance(size, int) or not set(size.symbols) & set(self.merges):
+            return size
+        terms: dict[tuple[str, ...], int] = {}
+        for monomial, coefficient in size.terms:
+            renamed = tuple(sorted(self._final(name) for name in monomial))
+            terms[renamed] = terms.get(renamed, 0) + coefficient
+        return Size.make(terms)
+
+    def _final(self, name: str) -> str:
+        while name in self.merges:
+            name = self.merges[name]
+        return name
 
     def _load(self, arg: Any) -> Any:
         """An FX argument with its nodes replaced by their values."""
@@ -168,6 +211,11 @@ class _Translation:
             (args, kwargs),
             lambda a: constant_of(self.graph, a) if isinstance(a, torch.Tensor) and a.numel() else a,
         )
+        expected = node.meta.get("example_value")
+        if isinstance(expected, torch.Tensor):  # the shape TorchDynamo traced (and guards)
+            EXPECTED_SHAPE.set(tuple(rlx_dim(self._merged(symbolic_size(d))) for d in expected.shape))
+        else:
+            EXPECTED_SHAPE.set(None)
         try:
             return handler(self.graph, *args, **kwargs)
         except Unsupported as why:
@@ -192,7 +240,10 @@ class _Translation:
             raise Unsupported(f"arange of {dtype}")
         name = f"range{len(self.ranges)}"
         self.ranges[name] = (start, end, dtype)
-        return self.graph.input(name, (rlx_dim(end - start),), dtype=DTYPES[dtype])
+        value = self.graph.input(name, (rlx_dim(end - start),), dtype=DTYPES[dtype])
+        if dtype in (torch.int32, torch.int64):
+            self.range_starts[value] = start  # indexing by it is a slice (_fx_calls._as_range)
+        return value
 
     def _padded_embedding(self, ids: Any, weight: Any, padding_idx: int, *rest: Any, **kwargs: Any) -> Value:
         """``F.embedding`` with ``padding_idx``: that row of the table gets no gradient. It is
@@ -270,7 +321,9 @@ class _Translation:
         if attn_mask is not None:
             mask = attn_mask if isinstance(attn_mask, Value) else constant_of(g, attn_mask)
             scores = g.where(mask, scores, float("-inf")) if mask.dtype == np.bool_ else scores + mask
-        weights = g.softmax(scores, axis=-1)
+        # torch's math path uses a safe softmax: a row whose keys are all masked gets zeros, not NaN
+        seen = g.greater(g.max(scores, axis=-1, keepdims=True), float("-inf"))
+        weights = g.where(seen, g.softmax(scores, axis=-1), 0.0)
         keep = self._keep_mask(weights.shape, dropout_p)
         dropped = g.where(keep, weights * (1.0 / (1.0 - float(dropout_p))), 0.0)
         return g.matmul(dropped, v)
@@ -290,42 +343,61 @@ class _Translation:
         return sources
 
     def compiled(self) -> Callable[..., Any]:
+        """The function TorchDynamo calls: binds the arguments, makes the per-call inputs (ranges,
+        dropout masks, detached copies), runs the rlx graph and returns what the FX graph returns
+        (tensors, and sizes as ints)."""
         results = _nested(self.results, lambda a: constant_of(self.graph, a) if isinstance(a, torch.Tensor) else a)
         single = not isinstance(results, (tuple, list))
         values = [results] if single else list(results)
-        if not all(isinstance(v, Value) for v in values):
-            kinds = sorted({type(v).__name__ for v in values if not isinstance(v, Value)})
-            raise Unsupported(f"the graph returns {', '.join(kinds)}, not only tensors")
-        names = [f"out{i}" for i in range(len(values))]
-        self.graph.output(**dict(zip(names, values, strict=True)))
+        if not all(isinstance(v, (Value, int, Size)) and not isinstance(v, bool) for v in values):
+            kinds = sorted({type(v).__name__ for v in values if not isinstance(v, (Value, int, Size))})
+            raise Unsupported(f"the graph returns {', '.join(kinds)}, not only tensors and sizes")
+        names = [f"out{i}" if isinstance(v, Value) else None for i, v in enumerate(values)]
+        self.graph.output(**{name: v for name, v in zip(names, values, strict=True) if name is not None})
         function = CompiledGraph(self.graph)
         inputs, ranges, detached, keeps = self.inputs, self.ranges, self.detached, self.keeps
-        sources = self._symbol_sources() if ranges or keeps else {}
+        checks = [
+            (self.original_sources[a], self.original_sources[b])
+            for a, b in self.merges.items()
+            if a in self.original_sources and b in self.original_sources
+        ]
+        if len(checks) != len(self.merges):
+            raise Unsupported(f"merged sizes {self.merges} that the inputs do not all carry")
+        eager = self.gm.forward
+        size_outputs = [v for v in values if isinstance(v, Size)]
+        sources = self._symbol_sources() if ranges or keeps or size_outputs else {}
         needed = {symbol for start, end, _ in ranges.values() for symbol in poly_symbols(start, end)}
         needed |= {symbol for shape, _ in keeps.values() for symbol in poly_symbols(*shape)}
+        needed |= poly_symbols(*size_outputs)
         if needed - set(sources):
             raise Unsupported(f"sizes {sorted(needed - set(sources))} that no input carries")
 
         def run(*args: Any) -> Any:
+            if any(_size_of(args, a) != _size_of(args, b) for a, b in checks):
+                return eager(*args)  # sizes the rlx graph took as one differ in this call
             named = {name: arg for name, arg in zip(inputs, args, strict=True) if name is not None}
             for name, position in detached.items():
                 named[name] = args[position].detach()
-            if ranges or keeps:
-                sizes = {
-                    symbol: int(args[position]) if axis is None else int(args[position].shape[axis])
-                    for symbol, (position, axis) in sources.items()
-                }
-                for name, (start, end, dtype) in ranges.items():
-                    named[name] = torch.arange(_evaluate(start, sizes), _evaluate(end, sizes), dtype=dtype)
-                for name, (shape, kept) in keeps.items():
-                    draw = torch.empty(tuple(_evaluate(d, sizes) for d in shape)).bernoulli_(kept)
-                    named[name] = draw.bool()
+            sizes = {symbol: _size_of(args, source) for symbol, source in sources.items()}
+            for name, (start, end, dtype) in ranges.items():
+                named[name] = torch.arange(_evaluate(start, sizes), _evaluate(end, sizes), dtype=dtype)
+            for name, (shape, kept) in keeps.items():
+                draw = torch.empty(tuple(_evaluate(d, sizes) for d in shape)).bernoulli_(kept)
+                named[name] = draw.bool()
             result = function(**named)
-            outs = [result[name] for name in names]
+            outs = [
+                result[name] if name is not None else _evaluate(v, sizes) for name, v in zip(names, values, strict=True)
+            ]
             return outs[0] if single else tuple(outs) if isinstance(results, tuple) else outs
 
         run.rlx_graph = self.graph  # type: ignore[attr-defined]
         return run
+
+
+def _size_of(args: Sequence[Any], source: tuple[int, int | None]) -> int:
+    """A size in a call: an int argument, or an axis of a tensor argument."""
+    position, axis = source
+    return int(args[position]) if axis is None else int(args[position].shape[axis])
 
 
 _SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
