@@ -371,11 +371,14 @@ class FusedEmitter:
             )
         # Several rows at once (ids vary along the vector loop): gather lane by lane.
         lanes = []
+        kind = "f"
         for lane in range(WIDTH):
             scalar_row = self.b.extract_element(row.value, ir.Constant(I32, lane))
             col = idx[-1]
-            lanes.append(self.load(view, (Ix(None, scalar_row, 0), _lane_of(self.b, col, lane)), table.dtype).value)
-        return Lane(_pack(self.b, lanes, F32), WIDTH, "f")
+            loaded = self.load(view, (Ix(None, scalar_row, 0), _lane_of(self.b, col, lane)), table.dtype)
+            lanes.append(loaded.value)
+            kind = loaded.kind
+        return Lane(_pack(self.b, lanes, lanes[0].type), WIDTH, kind)  # f32, or an int table's i64 / i1
 
     # ------------------------------------------------------------------ memory
 

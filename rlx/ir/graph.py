@@ -552,6 +552,12 @@ class Graph:
 
         return squeeze(self, x, axis)
 
+    def take(self, x: object, ids: object, axis: int = 0) -> Value:
+        """``numpy.take``: entries at integer ``ids`` (an input or constant) along ``axis``."""
+        from rlx.ops.composite import take
+
+        return take(self, x, ids, axis)
+
     def clip(self, x: object, lo: object = None, hi: object = None) -> Value:
         """``numpy.clip`` / ``torch.clamp`` with torch's gradient (1 within the bounds)."""
         from rlx.ops.composite import clip

@@ -1,6 +1,6 @@
 """NumPy conveniences built from the registered ops, with no op of their own.
 
-``stack``, ``expand_dims``, ``squeeze``, ``clip``, ``var`` and ``std`` are what a NumPy or JAX
+``stack``, ``expand_dims``, ``squeeze``, ``take``, ``clip``, ``var`` and ``std`` are what a NumPy or JAX
 user reaches for; each is a few calls of the ops above (as ``jax.numpy`` functions are of
 ``lax`` primitives), so their shape rules, references, gradients and lowerings are those ops'
 and the printed graph shows the ops they became.
@@ -99,3 +99,23 @@ def var(graph: Graph, x: object, axis: object = None, keepdims: bool = False, dd
 def std(graph: Graph, x: object, axis: object = None, keepdims: bool = False, ddof: int = 0) -> Value:
     """``numpy.std``: the square root of :func:`var`."""
     return graph.sqrt(var(graph, x, axis=axis, keepdims=keepdims, ddof=ddof))
+
+
+def take(graph: Graph, x: object, ids: object, axis: int = 0) -> Value:
+    """``numpy.take(x, ids, axis)``: ``x``'s entries at integer ``ids`` along ``axis``, the
+    ids' shape in its place. Rows of ``embedding`` (any dtype; float values get gradients), so
+    ``ids`` must be a graph input or constant (or views of one), checked in range per call."""
+    value = as_value(graph, x, "take: x")
+    index = as_value(graph, ids, "take: ids")
+    position = normalize_axis("take", axis, value.ndim)
+    order = (position, *(a for a in range(value.ndim) if a != position))
+    front = graph.transpose(value, order) if position else value
+    rest = tuple(front.shape[1:])
+    table = graph.reshape(front, (value.shape[position], -1)) if value.ndim != 2 else front
+    rows = graph.embedding(table, index)
+    picked = graph.reshape(rows, (*index.shape, *rest)) if rows.shape != (*index.shape, *rest) else rows
+    if not position:
+        return picked
+    count = index.ndim
+    perm = (*range(count, count + position), *range(count), *range(count + position, picked.ndim))
+    return graph.transpose(picked, perm)

@@ -15,7 +15,7 @@ import numpy as np
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.opdef import EvalContext, IndexOperand, OpDef, no_gradient, register_op
 from rlx.ir.types import TensorType
-from rlx.ops._common import F32, as_value, op_kind, reciprocal_count, require_float, require_int
+from rlx.ops._common import BOOL, F32, INT_DTYPES, as_value, op_kind, reciprocal_count, require_float, require_int
 from rlx.ops.elementwise import NoAttrs
 
 if TYPE_CHECKING:
@@ -42,11 +42,12 @@ def check_indices(what: str, ids: np.ndarray, limit: int, meaning: str) -> None:
 
 def _embedding_infer(what: str, inputs: Sequence[TensorType], attrs: NoAttrs) -> tuple[TensorType, ...]:
     table, ids = inputs
-    require_float(what, "table", table)
+    if table.dtype not in (F32, BOOL, *INT_DTYPES):
+        require_float(what, "table", table)
     require_int(what, "ids", ids)
     if table.rank != 2:
         raise RlxValueError(f"{what}: table must be [V, E], got {table}")
-    return (TensorType((*ids.shape, table.shape[1]), F32),)
+    return (TensorType((*ids.shape, table.shape[1]), table.dtype),)
 
 
 def _embedding_reference(args: Sequence[np.ndarray], attrs: NoAttrs, ctx: EvalContext) -> np.ndarray:
@@ -61,11 +62,15 @@ def _embedding_grad(
     dy = cts[0]
     assert dy is not None
     table, ids = node.inputs
+    if table.dtype != F32:  # rows of an int or bool table: nothing to differentiate
+        return [None, None]
     return [embedding_grad(graph, dy, ids, table.static_shape[0]), None]
 
 
 def embedding(graph: Graph, table: object, ids: object) -> Value:
-    """Rows of ``table [V, E]`` picked by integer ``ids [...]``: ``[..., E]``."""
+    """Rows of ``table [V, E]`` picked by integer ``ids [...]``: ``[..., E]``, in the table's
+    dtype (float32, or int and bool tables, as ``numpy.take`` of rows; only float tables have
+    gradients)."""
     operands = [as_value(graph, table, "embedding: table"), as_value(graph, ids, "embedding: ids")]
     return graph.add_node(op_kind("embedding"), operands, NoAttrs()).outputs[0]
 

@@ -327,9 +327,9 @@ def getitem(graph: Graph, x: Value, index: object) -> Value:
     Built from ``split`` and ``reshape``, so it is a view once compiled and its gradient is
     ``split``'s (the part's cotangent placed among zeros). A slice with a step (``x[..., ::2]``,
     ``x[..., 1::2]``, as interleaved rotary embeddings take them) is a view too where its elements
-    fit in whole groups of ``step`` (see :func:`_strided`); a negative step gathers. An int indexes from the end when
-    negative and must be in range (NumPy's ``IndexError``, as an ``RlxValueError``); slice
-    bounds are clamped, as in NumPy. Along a symbolic axis of length ``S`` the bounds are
+    fit in whole groups of ``step`` (see :func:`_strided`); a negative step gathers (``take``).
+    An int indexes from the end when negative and must be in range (NumPy's ``IndexError``, as
+    an ``RlxValueError``); slice bounds are clamped, as in NumPy. Along a symbolic axis of length ``S`` the bounds are
     symbolic too: ``x[:, -1]`` is the part at ``S-1``, ``x[:, 1:]`` has length ``S-1`` (next-token
     targets), ``x[:, :-1]`` too; a call whose ``S`` is too short for them (an index or a bound
     past the end, which NumPy would clamp) is an ``RlxValueError`` before anything runs. Indexing
@@ -439,8 +439,8 @@ def _strided(graph: Graph, x: Value, value: Value, axis: int, entry: slice) -> V
     where that runs past the end, ``[first - step + 1, last + 1)`` with the last column. Both are
     a split, a reshape and a split: views, whose gradient places the cotangent on exactly the
     taken elements. Where neither part fits (``x[::3]`` of 5), the last element is concatenated
-    to the rest. A negative step reverses, which no strided view of rlx's plans expresses: float
-    values gather the elements (``embedding``'s rows), and their gradient scatters back.
+    to the rest. A negative step reverses, which no strided view of rlx's plans expresses: the
+    elements are gathered (``take``, ``embedding``'s rows), and a float gradient scatters back.
     """
     length = value.shape[axis]
     for bound in (entry.start, entry.stop, entry.step):
@@ -494,18 +494,7 @@ def _column(graph: Graph, grid: Value, axis: int, count: int, step: int, column:
 
 
 def _gather(graph: Graph, x: Value, value: Value, axis: int, positions: list[int]) -> Value:
-    """``value``'s elements at static ``positions`` along ``axis``, as rows of a 2-D table."""
-    from rlx.ops.constant import constant
-    from rlx.ops.index import embedding
+    """``value``'s elements at static ``positions`` along ``axis`` (``take`` of a constant)."""
+    from rlx.ops.composite import take
 
-    if value.type.dtype != np.float32:
-        raise RlxTypeError(
-            f"indexing {x.type}: a negative step gathers, which rlx does for float values only "
-            f"(embedding rows); got {value.type.dtype_name}"
-        )
-    order = [axis, *(a for a in range(value.ndim) if a != axis)]
-    front = transpose(graph, value, order)
-    table = reshape(graph, front, (value.shape[axis], -1))
-    rows = embedding(graph, table, constant(graph, np.asarray(positions, np.int64)))
-    moved = reshape(graph, rows, (len(positions), *front.shape[1:]))
-    return transpose(graph, moved, [order.index(a) for a in range(value.ndim)])
+    return take(graph, value, graph.constant(np.asarray(positions, np.int64)), axis)

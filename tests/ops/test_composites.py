@@ -78,3 +78,32 @@ def test_errors() -> None:
     assert len(g) == before
     with pytest.raises(rlx.RlxTypeError, match="non-empty list"):
         g.stack([])
+
+
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_take_matches_numpy_for_every_dtype(axis: int) -> None:
+    """``g.take`` (``numpy.take``) of float, int and bool values along any axis by ids of any
+    shape; the float one's gradient scatters back (repeated ids add)."""
+    rng = np.random.default_rng(9)
+    ids = np.array([[2, 0], [1, 2], [2, 2]], np.int64)
+    for dtype in ("float32", "int64", "int32", "bool"):
+        g = Graph("take")
+        x = g.input("x", (3, 4, 3), dtype=dtype)
+        i = g.input("i", ids.shape, dtype="int64")
+        y = g.take(x, i, axis)
+        g.output(y=y)
+        if dtype == "float32":
+            w = g.input("w", y.shape)
+            (dx,) = rlx.grad(g, g.sum(y * w), [x])
+            g.output(dx=dx)
+        data = (rng.standard_normal((3, 4, 3)) * 4).astype(dtype)
+        arrays = {"x": data, "i": ids}
+        if dtype == "float32":
+            arrays["w"] = rng.standard_normal(y.shape).astype(np.float32)
+        got = rlx.compile(g)(**arrays)
+        np.testing.assert_array_equal(got["y"], np.take(data, ids, axis=axis))
+        assert got["y"].dtype == np.dtype(dtype)
+        if dtype == "float32":
+            want = np.zeros_like(data)
+            np.add.at(np.moveaxis(want, axis, 0), ids, np.moveaxis(arrays["w"], range(axis % 3, axis % 3 + 2), (0, 1)))
+            np.testing.assert_allclose(got["dx"], want, rtol=1e-6, atol=1e-6)

@@ -103,8 +103,8 @@ def test_values_unpack_along_their_first_axis() -> None:
 
 def test_steps_on_symbolic_values_and_int_values() -> None:
     """Interleaved rotary halves (``x[..., ::2]``, ``x[..., 1::2]``) of a value whose sequence
-    axis is symbolic, on one compilation at two lengths; int values take positive steps (views)
-    and refuse negative ones, which gather float rows only."""
+    axis is symbolic, on one compilation at two lengths; int and bool values take positive steps
+    (views) and negative ones (gathers), as float values do."""
     g = Graph("rope")
     x = g.input("x", (2, "S", 3, 8))
     cos, sin = g.input("cos", ("S", 1, 4)), g.input("sin", ("S", 1, 4))
@@ -133,10 +133,12 @@ def test_steps_on_symbolic_values_and_int_values() -> None:
 
     h = Graph("ids")
     ids = h.input("ids", (3, 7), dtype="int64")
-    h.output(even=ids[:, ::2], odd=ids[:, 1::3])
+    flags = h.input("flags", (3, 7), dtype="bool")
+    h.output(even=ids[:, ::2], odd=ids[:, 1::3], backwards=ids[:, ::-1], flipped=flags[::-2, 5::-3])
     values = np.arange(21, dtype=np.int64).reshape(3, 7)
-    got = rlx.compile(h)(ids=values)
+    flag_values = values % 3 == 0
+    got = rlx.compile(h)(ids=values, flags=flag_values)
     np.testing.assert_array_equal(got["even"], values[:, ::2])
     np.testing.assert_array_equal(got["odd"], values[:, 1::3])
-    with pytest.raises(rlx.RlxTypeError, match="negative step gathers"):
-        ids[:, ::-1]
+    np.testing.assert_array_equal(got["backwards"], values[:, ::-1])
+    np.testing.assert_array_equal(got["flipped"], flag_values[::-2, 5::-3])
