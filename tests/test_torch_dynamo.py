@@ -8,6 +8,7 @@ graph or left it to eager PyTorch (with a warning naming why).
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 
@@ -405,4 +406,29 @@ def test_masks_built_by_indexing_with_ranges() -> None:
     for a, e in zip(got, want, strict=True):
         assert a.shape == e.shape and a.dtype == e.dtype
         torch.testing.assert_close(a, e)
+    assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks
+
+
+def test_rows_picked_by_index_tensors() -> None:
+    """``table[ids]``, ``index_select`` and ``gather`` by index tensors (inputs), float and int
+    tables, with the float table's gradient (repeated ids add)."""
+
+    def pick(table: torch.Tensor, kinds: torch.Tensor, ids: torch.Tensor, row: torch.Tensor) -> tuple[Any, ...]:
+        return (
+            table[ids] * 2.0,
+            torch.index_select(table, 1, ids[0]),
+            kinds[ids],
+            torch.gather(kinds[None, :], 1, row) + 1,
+        )
+
+    table = torch.randn(5, 4, generator=torch.Generator().manual_seed(14), requires_grad=True)
+    kinds = torch.tensor([3, 1, 4, 1, 5])
+    ids = torch.tensor([[0, 3, 3], [2, 1, 0]])
+    row = torch.tensor([[4, 0, 2]])
+    got, want = torch.compile(pick, backend="rlx")(table, kinds, ids, row), pick(table, kinds, ids, row)
+    for a, e in zip(got, want, strict=True):
+        assert a.dtype == e.dtype
+        torch.testing.assert_close(a, e)
+    grads = [torch.autograd.grad(outs[0].sum() + outs[1].sum(), table)[0] for outs in (got, want)]
+    torch.testing.assert_close(grads[0], grads[1])
     assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks

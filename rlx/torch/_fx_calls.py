@@ -488,6 +488,10 @@ def _getitem(g: Graph, x: Any, index: Any) -> Any:
     if isinstance(x, Value):
         entries = index if isinstance(index, tuple) else (index,)
         if any(isinstance(e, (Value, torch.Tensor, list)) for e in entries):
+            lone = entries[0]
+            ids = len(entries) == 1 and isinstance(lone, Value) and lone.dtype in (np.int32, np.int64)
+            if ids and _as_range(lone) is None:  # ``table[ids]``: rows picked by an index tensor
+                return g.take(x, lone, 0)
             return _gather_by_ranges(g, x, entries)
         return x[_clamped(x, entries)]
     raise Unsupported(f"indexing a {type(x).__name__}")
@@ -629,12 +633,19 @@ def _gather_by_ranges(g: Graph, x: Value, entries: tuple[Any, ...]) -> Value:
 
 
 def _gather(g: Graph, x: Any, dim: int, index: Any, *, sparse_grad: bool = False) -> Any:
-    """``torch.gather(x, dim, index)`` with a constant index that is one range along ``dim``,
-    the same at every other position (BERT's token types by position): a slice."""
+    """``torch.gather(x, dim, index)``: with a constant index that is one range along ``dim``,
+    the same at every other position, a slice; with an index tensor where every other axis of
+    ``x`` and the index is 1 (BERT's token types by a position buffer), ``take`` of it."""
     x = _float(x)
     array = _constant_array(index)
+    if array is None and isinstance(index, Value) and index.ndim == x.ndim:
+        axis = dim % x.ndim
+        if all(x.shape[a] == 1 and index.shape[a] == 1 for a in range(x.ndim) if a != axis):
+            flat = g.reshape(index, (index.shape[axis],))
+            picked = g.take(x, flat, axis)  # the other axes are 1: the same shape as the index
+            return g.reshape(picked, index.shape)
     if array is None or array.ndim != x.ndim:
-        raise Unsupported("gather by an index other than a constant")
+        raise Unsupported("gather by an index other than a constant, or one whose other axes are not 1")
     axis = dim % x.ndim
     line = np.moveaxis(array, axis, -1).reshape(-1, array.shape[axis])
     length = x.shape[axis]
@@ -652,6 +663,14 @@ def _gather(g: Graph, x: Any, dim: int, index: Any, *, sparse_grad: bool = False
         else:
             bounds.append(slice(0, size))
     return x[tuple(bounds)]
+
+
+def _index_select(g: Graph, x: Any, dim: int, index: Any) -> Any:
+    """``torch.index_select(x, dim, index)``: ``take`` by a 1-D index tensor."""
+    index = _float(index)
+    if index.ndim != 1:
+        raise Unsupported("index_select by other than a 1-D index")
+    return g.take(_float(x), index, dim)
 
 
 def _size(g: Graph, x: Any, dim: Any = None) -> Any:
@@ -959,6 +978,7 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     torch.unbind: _unbind,
     torch.einsum: _einsum,
     torch.gather: _gather,
+    torch.index_select: _index_select,
     torch.Size: lambda g, dims=(): tuple(dims),  # a shape with dynamic sizes: a tuple of them
     torch.addmm: _addmm,
     F.pad: _pad,
@@ -1009,6 +1029,7 @@ METHODS: dict[str, Callable[..., Any]] = {
     "clip": _clamp,
     "unbind": _unbind,
     "gather": _gather,
+    "index_select": _index_select,
     "new_ones": _new(1.0),
     "new_zeros": _new(0.0),
     "new_empty": _new(0.0),
