@@ -432,3 +432,30 @@ def test_rows_picked_by_index_tensors() -> None:
     grads = [torch.autograd.grad(outs[0].sum() + outs[1].sum(), table)[0] for outs in (got, want)]
     torch.testing.assert_close(grads[0], grads[1])
     assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_half_precision_models_compute_in_float32(half: torch.dtype) -> None:
+    """A bfloat16 or float16 model runs on rlx in float32 (as rlx.torch's SDPA does): outputs
+    come back in the dtypes TorchDynamo traced, gradients reach the half parameters in their
+    dtype, and both are as close to the float32 model's as one rounding to the half dtype."""
+    torch.manual_seed(15)
+    exact = Block().eval()
+    model = copy.deepcopy(exact).to(half)
+    ids, targets = _batch(7, 1)
+
+    def logits_and_loss(m: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = m(ids, targets)
+        return m.embed(ids) * 2.0, loss
+
+    got_embedded, got_loss = torch.compile(logits_and_loss, backend="rlx")(model)
+    assert got_embedded.dtype == half
+    want_embedded, want_loss = logits_and_loss(exact)
+    torch.testing.assert_close(got_embedded.float(), want_embedded, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got_loss.float(), want_loss, rtol=1e-2, atol=1e-2)
+    got_loss.backward()
+    want_loss.backward()
+    for (name, a), b in zip(model.named_parameters(), exact.parameters(), strict=True):
+        assert a.grad is not None and a.grad.dtype == half, name
+        torch.testing.assert_close(a.grad.float(), b.grad, rtol=2e-2, atol=2e-3, msg=name)
+    assert dynamo_backend.stats["eager"] == 0, dynamo_backend.fallbacks

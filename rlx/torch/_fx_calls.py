@@ -66,7 +66,13 @@ def rlx_dim(size: Any) -> int | str:
     raise Unsupported(f"a size of type {type(size).__name__}")
 
 
+HALF = (torch.bfloat16, torch.float16)
+"""Half-precision dtypes, which the backend computes in float32 (as rlx.torch's SDPA does)."""
+
+
 def constant_of(g: Graph, tensor: torch.Tensor) -> Value:
+    if tensor.dtype in HALF:
+        tensor = tensor.float()
     if tensor.dtype not in DTYPES or tensor.device.type != "cpu":
         raise Unsupported(f"a constant tensor of {tensor.dtype} on {tensor.device}")
     if tensor.requires_grad:
@@ -391,7 +397,7 @@ def _like(fill: float | None) -> Callable[..., Any]:
         kwargs.pop("layout", None)
         kwargs.pop("pin_memory", None)
         check_kwargs(kwargs, requires_grad=False, memory_format=torch.preserve_format)
-        target = np.dtype(x.dtype) if dtype is None else np.dtype(_NUMPY[dtype])
+        target = np.dtype(x.dtype) if dtype is None else np.dtype(_NUMPY[torch.float32 if dtype in HALF else dtype])
         return g.broadcast_to(g.constant(np.array(value, dtype=target)), x.shape)
 
     return handler
@@ -414,7 +420,7 @@ def _new(fill: float | None) -> Callable[..., Any]:
         kwargs.pop("layout", None)
         kwargs.pop("pin_memory", None)
         check_kwargs(kwargs, requires_grad=False)
-        target = np.dtype(x.dtype) if dtype is None else np.dtype(_NUMPY[dtype])
+        target = np.dtype(x.dtype) if dtype is None else np.dtype(_NUMPY[torch.float32 if dtype in HALF else dtype])
         return g.broadcast_to(g.constant(np.array(value, dtype=target)), _dims(tuple(size)))
 
     return handler
@@ -458,6 +464,8 @@ def _to(g: Graph, x: Any, *args: Any, **kwargs: Any) -> Any:
             device = arg
         elif isinstance(arg, Value):
             dtype = {np.dtype(v): k for k, v in _NUMPY.items()}[np.dtype(arg.dtype)]
+        elif isinstance(arg, torch.Tensor):  # ``x.to(other)`` of a constant tensor: its dtype
+            dtype = arg.dtype
         else:
             raise Unsupported(f"to({arg!r})")
     if device is not None and torch.device(device).type != "cpu":
@@ -469,6 +477,9 @@ _NUMPY = {torch.float32: np.float32, torch.int32: np.int32, torch.int64: np.int6
 
 
 def _cast(g: Graph, x: Any, dtype: torch.dtype) -> Any:
+    """A cast; to bfloat16 or float16 it is to float32 (the backend computes halves in float32)."""
+    if dtype in HALF:
+        dtype = torch.float32
     if dtype not in DTYPES:
         raise Unsupported(f"a cast to {dtype}")
     return g.cast(_float(x), DTYPES[dtype])

@@ -41,6 +41,7 @@ from rlx.torch._fx_calls import (
     DTYPES,
     EXPECTED_SHAPE,
     FUNCTIONS,
+    HALF,
     METHODS,
     RANGES,
     SameSizes,
@@ -95,6 +96,7 @@ class _Translation:
         # each original size is found in a call's arguments (for that check).
         self.merges = dict(merges or {})
         self.original_sources: dict[str, tuple[int, int | None]] = {}
+        self.widened: set[int] = set()  # placeholders of half precision, passed as float32
         self.graph = Graph("dynamo")
         self.env: dict[torch.fx.Node, Any] = {}
         self.inputs: list[str | None] = []  # rlx input name per placeholder (None: a size)
@@ -144,7 +146,10 @@ class _Translation:
             return Size.symbol(symbol)
         if not isinstance(example, torch.Tensor):
             raise Unsupported(f"input {node.name} is a {type(example).__name__}, not a tensor")
-        if example.device.type != "cpu" or example.dtype not in DTYPES:
+        half = example.dtype in HALF  # computed in float32: the wrapper converts it per call
+        if half:
+            self.widened.add(len(self.inputs))
+        if example.device.type != "cpu" or (example.dtype not in DTYPES and not half):
             raise Unsupported(
                 f"input {node.name} is {example.dtype} on {example.device}; rlx takes CPU float32/int/bool"
             )
@@ -155,7 +160,15 @@ class _Translation:
         shape = tuple(rlx_dim(self._merged(size)) for size in sizes)
         name = f"in{len(self.inputs)}"
         self.inputs.append(name)
-        return self.graph.input(name, shape, dtype=DTYPES[example.dtype])
+        return self.graph.input(name, shape, dtype="float32" if half else DTYPES[example.dtype])
+
+    def _output_nodes(self, count: int) -> list[torch.fx.Node | None]:
+        """The FX nodes the graph returns (None where an output is not a node), in order."""
+        output = next(node for node in self.gm.graph.nodes if node.op == "output")
+        returned = output.args[0]
+        nodes = list(returned) if isinstance(returned, (tuple, list)) else [returned]
+        found = [n if isinstance(n, torch.fx.Node) else None for n in nodes]
+        return found if len(found) == count else [None] * count
 
     def _merged(self, size: int | Size) -> int | Size:
         """``size`` with each merged symbol replaced by the one it was merged into."""
@@ -353,9 +366,11 @@ class _Translation:
             kinds = sorted({type(v).__name__ for v in values if not isinstance(v, (Value, int, Size))})
             raise Unsupported(f"the graph returns {', '.join(kinds)}, not only tensors and sizes")
         names = [f"out{i}" if isinstance(v, Value) else None for i, v in enumerate(values)]
+        # what TorchDynamo traced each output as: a half-precision one is narrowed back per call
+        narrowed = [_traced_dtype(node) if node is not None else None for node in self._output_nodes(len(values))]
         self.graph.output(**{name: v for name, v in zip(names, values, strict=True) if name is not None})
         function = CompiledGraph(self.graph)
-        inputs, ranges, detached, keeps = self.inputs, self.ranges, self.detached, self.keeps
+        inputs, ranges, detached, keeps, widened = self.inputs, self.ranges, self.detached, self.keeps, self.widened
         checks = [
             (self.original_sources[a], self.original_sources[b])
             for a, b in self.merges.items()
@@ -376,6 +391,8 @@ class _Translation:
             if any(_size_of(args, a) != _size_of(args, b) for a, b in checks):
                 return eager(*args)  # sizes the rlx graph took as one differ in this call
             named = {name: arg for name, arg in zip(inputs, args, strict=True) if name is not None}
+            for position in widened:
+                named[inputs[position]] = args[position].float()  # type: ignore[index]
             for name, position in detached.items():
                 named[name] = args[position].detach()
             sizes = {symbol: _size_of(args, source) for symbol, source in sources.items()}
@@ -388,10 +405,20 @@ class _Translation:
             outs = [
                 result[name] if name is not None else _evaluate(v, sizes) for name, v in zip(names, values, strict=True)
             ]
+            outs = [
+                o.to(half) if half is not None and isinstance(o, torch.Tensor) else o
+                for o, half in zip(outs, narrowed, strict=True)
+            ]
             return outs[0] if single else tuple(outs) if isinstance(results, tuple) else outs
 
         run.rlx_graph = self.graph  # type: ignore[attr-defined]
         return run
+
+
+def _traced_dtype(node: torch.fx.Node) -> torch.dtype | None:
+    """The half-precision dtype an FX node was traced with, else None."""
+    traced = node.meta.get("example_value")
+    return traced.dtype if isinstance(traced, torch.Tensor) and traced.dtype in HALF else None
 
 
 def _size_of(args: Sequence[Any], source: tuple[int, int | None]) -> int:
