@@ -459,3 +459,19 @@ def test_half_precision_models_compute_in_float32(half: torch.dtype) -> None:
         assert a.grad is not None and a.grad.dtype == half, name
         torch.testing.assert_close(a.grad.float(), b.grad, rtol=2e-2, atol=2e-3, msg=name)
     assert dynamo_backend.stats["eager"] == 0, dynamo_backend.fallbacks
+
+
+def test_dynamic_true_pins_float_arguments_per_call() -> None:
+    """Under ``dynamic=True`` TorchDynamo passes every Python float (a norm's eps) as a tensor
+    input: rlx takes its value as a constant and checks it on every call; a call where it
+    changed runs eagerly, so its result is still torch's."""
+    torch.manual_seed(16)
+    model = Block().eval()
+    compiled = torch.compile(model, backend="rlx", dynamic=True)
+    for length in (5, 9, 3):
+        ids, targets = _batch(length, length)
+        torch.testing.assert_close(compiled(ids, targets), model(ids, targets), rtol=1e-5, atol=1e-6)
+    assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks
+    model.norm1.eps = 0.5  # the same graph, another float: this call runs eagerly
+    ids, targets = _batch(6, 6)
+    torch.testing.assert_close(compiled(ids, targets), model(ids, targets), rtol=1e-5, atol=1e-6)

@@ -108,6 +108,16 @@ def check_kwargs(kwargs: dict[str, Any], **defaults: Any) -> None:
             raise Unsupported(f"{key}={value!r}")
 
 
+def _item(g: Graph, x: Any) -> Any:
+    """``x.item()``: of a number (a float rlx.torch.dynamo pinned), the number; of a 0-d value,
+    the value itself, which broadcasts wherever the number was used."""
+    if isinstance(x, (int, float)):
+        return x
+    if isinstance(x, Value) and x.ndim == 0:
+        return x
+    raise Unsupported("item() of a value with several elements")
+
+
 def _float(x: Any) -> Value:
     if not isinstance(x, Value):
         raise Unsupported(f"expected a tensor, got {type(x).__name__}")
@@ -1041,6 +1051,7 @@ METHODS: dict[str, Callable[..., Any]] = {
     "unbind": _unbind,
     "gather": _gather,
     "index_select": _index_select,
+    "item": _item,
     "new_ones": _new(1.0),
     "new_zeros": _new(0.0),
     "new_empty": _new(0.0),

@@ -97,6 +97,7 @@ class _Translation:
         self.merges = dict(merges or {})
         self.original_sources: dict[str, tuple[int, int | None]] = {}
         self.widened: set[int] = set()  # placeholders of half precision, passed as float32
+        self.pinned: dict[int, float] = {}  # placeholders of float scalars, by the value assumed
         self.graph = Graph("dynamo")
         self.env: dict[torch.fx.Node, Any] = {}
         self.inputs: list[str | None] = []  # rlx input name per placeholder (None: a size)
@@ -115,6 +116,13 @@ class _Translation:
         if len(placeholders) != len(example_inputs):
             raise Unsupported(f"{len(placeholders)} placeholders for {len(example_inputs)} example inputs")
         for node, example in zip(placeholders, example_inputs, strict=True):
+            if isinstance(example, torch.Tensor) and example.dtype == torch.float64 and example.ndim == 0:
+                # A Python float TorchDynamo passes as a tensor (dynamic=True makes every float a
+                # graph input: a norm's eps): its value now, checked on every call.
+                self.pinned[len(self.inputs)] = float(example)
+                self.inputs.append(None)
+                self.env[node] = float(example)
+                continue
             self.env[node] = self._placeholder(node, node.meta.get("example_value", example))
         declared = {name for value in self.graph.inputs.values() for name in value.type.symbols}
         if self.size_symbols - declared:
@@ -371,6 +379,7 @@ class _Translation:
         self.graph.output(**{name: v for name, v in zip(names, values, strict=True) if name is not None})
         function = CompiledGraph(self.graph)
         inputs, ranges, detached, keeps, widened = self.inputs, self.ranges, self.detached, self.keeps, self.widened
+        pinned = self.pinned
         checks = [
             (self.original_sources[a], self.original_sources[b])
             for a, b in self.merges.items()
@@ -390,6 +399,8 @@ class _Translation:
         def run(*args: Any) -> Any:
             if any(_size_of(args, a) != _size_of(args, b) for a, b in checks):
                 return eager(*args)  # sizes the rlx graph took as one differ in this call
+            if any(float(args[position]) != value for position, value in pinned.items()):
+                return eager(*args)  # a float the rlx graph took as a constant differs
             named = {name: arg for name, arg in zip(inputs, args, strict=True) if name is not None}
             for position in widened:
                 named[inputs[position]] = args[position].float()  # type: ignore[index]
@@ -463,7 +474,10 @@ def _foldable(what: str, args: Any, kwargs: Any) -> bool:
 def _fold(node: torch.fx.Node, args: Any, kwargs: Any) -> Any:
     with torch.no_grad():
         if node.op == "call_method":
-            return getattr(args[0], str(node.target))(*args[1:], **kwargs)
+            subject = args[0]
+            if isinstance(subject, float):  # a pinned float scalar: the 0-d tensor it came as
+                subject = torch.tensor(subject, dtype=torch.float64)
+            return getattr(subject, str(node.target))(*args[1:], **kwargs)
         return node.target(*args, **kwargs)  # type: ignore[operator]
 
 
