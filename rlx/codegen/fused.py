@@ -371,14 +371,12 @@ class FusedEmitter:
             )
         # Several rows at once (ids vary along the vector loop): gather lane by lane.
         lanes = []
-        kind = "f"
         for lane in range(WIDTH):
             scalar_row = self.b.extract_element(row.value, ir.Constant(I32, lane))
             col = idx[-1]
-            loaded = self.load(view, (Ix(None, scalar_row, 0), _lane_of(self.b, col, lane)), table.dtype)
-            lanes.append(loaded.value)
-            kind = loaded.kind
-        return Lane(_pack(self.b, lanes, lanes[0].type), WIDTH, kind)  # f32, or an int table's i64 / i1
+            lanes.append(self.load(view, (Ix(None, scalar_row, 0), _lane_of(self.b, col, lane)), table.dtype))
+        values = [lane.value for lane in lanes]  # f32, or an int or bool table's i64 / i1
+        return Lane(_pack(self.b, values, values[0].type), WIDTH, lanes[0].kind)
 
     # ------------------------------------------------------------------ memory
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rlx.errors import RlxTypeError, RlxValueError
+from rlx.ir.dims import product
 from rlx.ops._common import as_value, is_int, normalize_axes, normalize_axis
 
 if TYPE_CHECKING:
@@ -81,13 +82,9 @@ def var(graph: Graph, x: object, axis: object = None, keepdims: bool = False, dd
     axes = normalize_axes("var", axis, value.ndim)
     correction = 1.0
     if ddof:  # checked before anything is built, so that an error leaves the graph as it was
-        sizes = [value.shape[a] for a in axes]
-        if not all(isinstance(size, int) for size in sizes):
+        count = product(value.shape[a] for a in axes)
+        if not isinstance(count, int):
             raise RlxValueError(f"var: ddof over a symbolic axis of {value.type} is not supported")
-        count = 1
-        for size in sizes:
-            assert isinstance(size, int)
-            count *= size
         if count <= ddof:
             raise RlxValueError(f"var: ddof={ddof} leaves no degrees of freedom over {count} elements")
         correction = count / (count - int(ddof))

@@ -211,10 +211,9 @@ def _cast_reference(args: Sequence[np.ndarray], attrs: CastAttrs, ctx: EvalConte
     if target.kind == "i" and x.dtype.kind == "f":
         info = np.iinfo(target)
         t = np.trunc(np.where(np.isnan(x), 0.0, x))
-        inside = (t >= info.min) & (t < 2.0 ** (info.bits - 1))
-        out = np.where(inside, np.where(inside, t, 0.0).astype(target), 0).astype(target)
-        out[t >= 2.0 ** (info.bits - 1)] = info.max
-        out[t < info.min] = info.min
+        above, below = t >= 2.0 ** (info.bits - 1), t < info.min
+        out = np.where(above | below, 0.0, t).astype(target)
+        out[above], out[below] = info.max, info.min
         return out
     return x.astype(target)
 

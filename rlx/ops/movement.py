@@ -329,11 +329,11 @@ def getitem(graph: Graph, x: Value, index: object) -> Value:
     ``x[..., 1::2]``, as interleaved rotary embeddings take them) is a view too where its elements
     fit in whole groups of ``step`` (see :func:`_strided`); a negative step gathers (``take``).
     An int indexes from the end when negative and must be in range (NumPy's ``IndexError``, as
-    an ``RlxValueError``); slice bounds are clamped, as in NumPy. Along a symbolic axis of length ``S`` the bounds are
-    symbolic too: ``x[:, -1]`` is the part at ``S-1``, ``x[:, 1:]`` has length ``S-1`` (next-token
-    targets), ``x[:, :-1]`` too; a call whose ``S`` is too short for them (an index or a bound
-    past the end, which NumPy would clamp) is an ``RlxValueError`` before anything runs. Indexing
-    by arrays (a gather) is ``g.embedding``.
+    an ``RlxValueError``); slice bounds are clamped, as in NumPy. Along a symbolic axis of
+    length ``S`` the bounds are symbolic too: ``x[:, -1]`` is the part at ``S-1``, ``x[:, 1:]``
+    has length ``S-1`` (next-token targets), ``x[:, :-1]`` too; a call whose ``S`` is too short
+    for them (an index or a bound past the end, which NumPy would clamp) is an ``RlxValueError``
+    before anything runs. Indexing by arrays (a gather) is ``g.take`` or ``g.embedding``.
     """
     entries = list(index) if isinstance(index, tuple) else [index]
     for entry in entries:
@@ -463,7 +463,9 @@ def _strided(graph: Graph, x: Value, value: Value, axis: int, entry: slice) -> V
         return _part(graph, value, axis, taken[0], 1)
     step = taken.step
     if step < 0:
-        return _gather(graph, x, value, axis, list(taken))
+        from rlx.ops.composite import take
+
+        return take(graph, value, graph.constant(np.asarray(list(taken), np.int64)), axis)
     first, last, count = taken[0], taken[-1], len(taken)
     if first + count * step <= length:
         grid = _part(graph, value, axis, first, count * step)
@@ -491,10 +493,3 @@ def _column(graph: Graph, grid: Value, axis: int, count: int, step: int, column:
     rows = reshape(graph, grid, (*shape[:axis], count, step, *shape[axis + 1 :]))
     picked = _part(graph, rows, axis + 1, column, 1)
     return reshape(graph, picked, (*shape[:axis], count, *shape[axis + 1 :]))
-
-
-def _gather(graph: Graph, x: Value, value: Value, axis: int, positions: list[int]) -> Value:
-    """``value``'s elements at static ``positions`` along ``axis`` (``take`` of a constant)."""
-    from rlx.ops.composite import take
-
-    return take(graph, value, graph.constant(np.asarray(positions, np.int64)), axis)

@@ -407,7 +407,7 @@ def _like(fill: float | None) -> Callable[..., Any]:
         kwargs.pop("layout", None)
         kwargs.pop("pin_memory", None)
         check_kwargs(kwargs, requires_grad=False, memory_format=torch.preserve_format)
-        target = np.dtype(x.dtype) if dtype is None else np.dtype(_NUMPY[torch.float32 if dtype in HALF else dtype])
+        target = np.dtype(x.dtype) if dtype is None else _numpy_dtype(dtype)
         return g.broadcast_to(g.constant(np.array(value, dtype=target)), x.shape)
 
     return handler
@@ -430,7 +430,7 @@ def _new(fill: float | None) -> Callable[..., Any]:
         kwargs.pop("layout", None)
         kwargs.pop("pin_memory", None)
         check_kwargs(kwargs, requires_grad=False)
-        target = np.dtype(x.dtype) if dtype is None else np.dtype(_NUMPY[torch.float32 if dtype in HALF else dtype])
+        target = np.dtype(x.dtype) if dtype is None else _numpy_dtype(dtype)
         return g.broadcast_to(g.constant(np.array(value, dtype=target)), _dims(tuple(size)))
 
     return handler
@@ -484,6 +484,15 @@ def _to(g: Graph, x: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 _NUMPY = {torch.float32: np.float32, torch.int32: np.int32, torch.int64: np.int64, torch.bool: np.bool_}
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The NumPy dtype rlx holds a torch dtype in (halves in float32)."""
+    if dtype in HALF:
+        return np.dtype(np.float32)
+    if dtype not in _NUMPY:
+        raise Unsupported(f"values of {dtype}")
+    return np.dtype(_NUMPY[dtype])
 
 
 def _cast(g: Graph, x: Any, dtype: torch.dtype) -> Any:

@@ -101,7 +101,6 @@ class _Translation:
         self.graph = Graph("dynamo")
         self.env: dict[torch.fx.Node, Any] = {}
         self.inputs: list[str | None] = []  # rlx input name per placeholder (None: a size)
-        self.env_sizes: dict[int, str] = {}  # placeholder position -> the symbol of a size input
         self.size_symbols: set[str] = set()  # symbols of the sizes TorchDynamo passes as inputs
         # Inputs the wrapper computes per call from the sizes (``torch.arange(S)`` of a dynamic S):
         # name -> (start, end, dtype) as polynomials in the symbols.
@@ -149,7 +148,6 @@ class _Translation:
             self.original_sources.setdefault(size.symbols[0], (len(self.inputs), None))
             symbol = self._final(size.symbols[0])
             self.size_symbols.add(symbol)
-            self.env_sizes[len(self.inputs)] = symbol
             self.inputs.append(None)
             return Size.symbol(symbol)
         if not isinstance(example, torch.Tensor):
@@ -350,17 +348,11 @@ class _Translation:
         return g.matmul(dropped, v)
 
     def _symbol_sources(self) -> dict[str, tuple[int, int | None]]:
-        """Where each symbol's size is found in a call: (argument, axis) or (argument, None) for
-        a size passed as an int."""
+        """Where each symbol's size is found in a call, (argument, axis) or (argument, None) for
+        a size passed as an int: the first place of any symbol merged into it."""
         sources: dict[str, tuple[int, int | None]] = {}
-        for position, name in enumerate(self.inputs):
-            if name is None:
-                symbol = self.env_sizes[position]
-                sources.setdefault(symbol, (position, None))
-                continue
-            for axis, dim in enumerate(self.graph.inputs[name].shape):
-                if isinstance(dim, str) and dim.isidentifier():
-                    sources.setdefault(dim, (position, axis))
+        for symbol, source in self.original_sources.items():
+            sources.setdefault(self._final(symbol), source)
         return sources
 
     def compiled(self) -> Callable[..., Any]:
