@@ -325,46 +325,65 @@ def _native_byte_order(name: str, array: np.ndarray, expected: TensorType) -> np
     )
 
 
-def index_bounds(graph: Graph) -> list[tuple[Value, int, str]]:
-    """``(source, limit, description)`` for every integer index operand of the graph.
-
-    An index operand (``embedding`` ids, ``cross_entropy`` targets, ...) is traced back through
-    view ops (reshape, transpose, ...) to the graph input or constant it comes from: its entries
-    must be in ``[0, limit)``. An index computed by anything else is refused, since it could not
-    be checked before native code reads memory with it.
-    """
+def index_sources(value: Value) -> tuple[list[Value], list[Value]]:
+    """Where the entries of an index operand come from, traced back through view ops (reshape,
+    transpose, split, concat, broadcast): ``(graph inputs and constants, values computed by other
+    ops)``."""
     from rlx.ir.ops import OpKind
 
-    bounds: list[tuple[Value, int, str]] = []
+    given: list[Value] = []
+    computed: list[Value] = []
+    pending = [value]
+    while pending:
+        source = pending.pop()
+        if source.node.op in (OpKind.INPUT, OpKind.CONSTANT):
+            given.append(source)
+        elif source.node.op.definition.view:
+            pending.extend(source.node.inputs)
+        else:
+            computed.append(source)
+    return given, computed
+
+
+def index_bounds(graph: Graph) -> list[tuple[Value, Dim, str]]:
+    """``(source, limit, description)`` for every graph input or constant an integer index operand
+    reads (``embedding`` ids, ``cross_entropy`` targets, ...; see :func:`index_sources`): its
+    entries must be in ``[0, limit)``.
+
+    Ids the graph computes are checked by the kernel that reads memory with them where the op
+    says so (:attr:`rlx.ir.opdef.IndexOperand.checked_in_kernel`); anywhere else they are
+    refused here, since nothing could check them before native code reads memory with them.
+    """
+    bounds: list[tuple[Value, Dim, str]] = []
     for node in graph.nodes:
         definition = node.op.definition
         for index in definition.index_operands:
             operand = node.inputs[definition.slot_of(index.operand)]
             limit = index.limit(node)
-            what = f"{index.meaning} of {node.op} (node {node.id}) operand {index.operand!r}"
-            pending = [operand]
-            while pending:
-                value = pending.pop()
-                if value.node.op in (OpKind.INPUT, OpKind.CONSTANT):
-                    bounds.append((value, limit, what))
-                elif value.node.op.definition.view:
-                    pending.extend(value.node.inputs)
-                else:
-                    raise RlxValueError(
-                        f"{what} come from {value.node.op} (node {value.node.id}); index operands must be graph "
-                        "inputs or constants (reshaped, transposed, split, concatenated or broadcast)"
-                    )
+            what = index.describe(node)
+            given, computed = index_sources(operand)
+            bounds.extend((source, limit, what) for source in given)
+            if computed and not index.checked_in_kernel:
+                producer = computed[0].node
+                raise RlxValueError(
+                    f"{what} come from {producer.op} (node {producer.id}); index operands must be graph "
+                    "inputs or constants (reshaped, transposed, split, concatenated or broadcast)"
+                )
     return bounds
 
 
 def check_index_inputs(
-    graph: Graph, bound: Mapping[str, np.ndarray], bounds: list[tuple[Value, int, str]] | None = None
+    graph: Graph,
+    bound: Mapping[str, np.ndarray],
+    bounds: list[tuple[Value, Dim, str]] | None = None,
+    sizes: Mapping[str, int] | None = None,
 ) -> None:
     """``RlxValueError`` naming the input unless every index in it is in range (see :func:`index_bounds`).
 
-    ``bounds`` is :func:`index_bounds` computed once, for callers that check many calls.
+    ``bounds`` is :func:`index_bounds` computed once, for callers that check many calls;
+    ``sizes`` the call's symbol sizes, for limits that are symbolic (a table of ``"V"`` rows).
     """
-    for source, limit, what in index_bounds(graph) if bounds is None else bounds:
+    for source, dim, what in index_bounds(graph) if bounds is None else bounds:
         node = source.node
         if node.op.value == "input":
             name = node.attrs.name
@@ -373,6 +392,9 @@ def check_index_inputs(
             array, label = bound[name], f"input {name!r}"
         else:
             array, label = node.attrs.value.array, f"constant (node {node.id})"
+        if sizes is None and not isinstance(dim, int):
+            sizes = symbol_sizes(graph, bound)
+        limit = dim_size(dim, sizes or {})
         if array.size and (int(array.min()) < 0 or int(array.max()) >= limit):
             bad = int(array.min()) if int(array.min()) < 0 else int(array.max())
             raise RlxValueError(f"{label}: {bad} is out of range [0, {limit}) for the {what}")

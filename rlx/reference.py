@@ -62,10 +62,10 @@ def evaluate(
         wide = {name: a for name, a in inputs.items() if isinstance(a, np.ndarray) and a.dtype == np.float64}
         given = {name: wide[name].astype(np.float32) if name in wide else a for name, a in inputs.items()}
     bound = bind_inputs(graph, given)
-    check_index_inputs(graph, bound)
+    sizes = symbol_sizes(graph, bound)
+    check_index_inputs(graph, bound, sizes=sizes)
     if exact:
         bound = {name: wide.get(name, array) for name, array in bound.items()}
-    sizes = symbol_sizes(graph, bound)
     check_short_dims(short_dims(graph), sizes)  # an empty "S-1" computes as NumPy does; negative raises
     ctx = EvalContext(config, bound, sizes)
     env: dict[Value, np.ndarray] = {}

@@ -1,7 +1,8 @@
 """A hypothesis strategy for random well-typed graphs of the registered ops, with a loss and its gradients.
 
 Random shapes with broadcasting, random fan-out (any earlier value may be reused), random views
-(transpose, reshape, split, broadcast_to, concat), reductions over random axes, norms, matmuls;
+(transpose, reshape, split, broadcast_to, concat), reductions over random axes, norms, matmuls,
+gathers by computed ids;
 then a scalar loss and ``rlx.grad`` of it w.r.t. every float input. Used by the codegen fuzzer
 (compiled against the reference) and the text round-trip tests.
 """
@@ -53,6 +54,7 @@ def _build(draw: st.DrawFn) -> tuple[Graph, list[Value]]:
                     "where",
                     "concat",
                     "split",
+                    "gather",
                 ]
             )
         )
@@ -131,6 +133,15 @@ def _build(draw: st.DrawFn) -> tuple[Graph, list[Value]]:
         elif kind == "concat" and shape:
             axis = draw(st.integers(0, len(shape) - 1))
             values.append(g.concat([v, g.exp(v)], axis=axis))
+        elif kind == "gather" and shape:
+            # Entries picked by ids the graph computes (an argmax of an input: float32 and float64
+            # agree on it), checked by the gather's kernel; the gradient scatters by them.
+            axis = draw(st.integers(0, len(shape) - 1))
+            scores = new_input((draw(st.integers(1, 9)), shape[axis]))
+            ids = g.argmax(scores, axis=-1)
+            if draw(st.booleans()):
+                ids = g.minimum(ids + 1, shape[axis] - 1)  # arithmetic on the ids too
+            values.append(g.take(v, ids, axis=axis))
         elif kind == "split" and shape and shape[-1] % 2 == 0:
             a, b = g.split(v, 2, axis=-1)
             values.append(a * b)

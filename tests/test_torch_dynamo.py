@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from rlx import RlxValueError
+
 torch = pytest.importorskip("torch")
 rt = pytest.importorskip("rlx.torch")
 F = torch.nn.functional
@@ -259,6 +261,38 @@ def test_transformers_models_train_on_rlx() -> None:
     assert dynamo_backend.stats["eager"] == 0, dynamo_backend.fallbacks
 
 
+@pytest.mark.slow
+def test_bert_trains_on_rlx() -> None:
+    """BERT's masked-LM loss from transformers (when installed) with a right-padded attention mask,
+    ignored labels and its dropouts, at three lengths: its token types are a buffer sliced to
+    each call's length and gathered by positions, which rlx takes as ranges made per call."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(5)
+    config = transformers.BertConfig(
+        vocab_size=50, num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        max_position_embeddings=32,
+    )  # fmt: skip
+    eager = transformers.BertForMaskedLM(config).train()
+    other = copy.deepcopy(eager)
+    compiled = torch.compile(other, backend="rlx")
+    for length in (8, 11, 6):
+        ids = torch.randint(0, 50, (2, length))
+        padding = torch.ones(2, length, dtype=torch.long)
+        padding[1, -2:] = 0
+        labels = ids.clone()
+        labels[:, ::3] = -100
+        losses = []
+        for model in (eager, compiled):
+            torch.manual_seed(length)
+            losses.append(model(ids, attention_mask=padding, labels=labels).loss)
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+        for loss in losses:
+            loss.backward()
+    for (name, a), b in zip(eager.named_parameters(), other.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert dynamo_backend.stats["eager"] == 0, dynamo_backend.fallbacks
+
+
 def test_padding_rows_and_default_ignore_index() -> None:
     """``padding_idx``'s row gets no gradient, and targets of -100 count for nothing even when
     ``ignore_index`` is left at torch's default."""
@@ -475,3 +509,106 @@ def test_dynamic_true_pins_float_arguments_per_call() -> None:
     model.norm1.eps = 0.5  # the same graph, another float: this call runs eagerly
     ids, targets = _batch(6, 6)
     torch.testing.assert_close(compiled(ids, targets), model(ids, targets), rtol=1e-5, atol=1e-6)
+
+
+def test_gathers_by_any_index_tensor() -> None:
+    """``torch.gather`` by an index tensor (a hand-written loss picks each target's log-prob),
+    ``index_select`` and ``table[ids]`` of ids computed in the graph, at three dynamic lengths:
+    values and gradients as eager torch, every graph on rlx; an index out of range is an error
+    of the call, as in torch."""
+
+    def picked_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logp = torch.log_softmax(logits, -1)
+        return -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).mean()
+
+    def pieces(x: torch.Tensor, index: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        best = scores.argmax(-1)  # ids computed in the graph
+        return (
+            torch.gather(x, 0, index) * 2.0,
+            torch.gather(x, 1, index[:, :2]),
+            x.index_select(1, best),
+            x[(best + 1) % x.shape[0]],
+        )
+
+    compiled_loss = torch.compile(picked_loss, backend="rlx")
+    for length in (5, 7, 9):
+        logits = torch.randn(3, length, 11, requires_grad=True)
+        targets = torch.randint(0, 11, (3, length))
+        got, want = compiled_loss(logits, targets), picked_loss(logits, targets)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.autograd.grad(got, logits)[0], torch.autograd.grad(want, logits)[0])
+    compiled_pieces = torch.compile(pieces, backend="rlx")
+    x = torch.randn(4, 6, requires_grad=True)
+    index = torch.randint(0, 4, (3, 6))
+    scores = torch.randn(5, 6)
+    got_all, want_all = compiled_pieces(x, index, scores), pieces(x, index, scores)
+    for got, want in zip(got_all, want_all, strict=True):
+        torch.testing.assert_close(got, want)
+    cotangents = [torch.randn_like(t) for t in want_all]
+    for got, want in zip(
+        torch.autograd.grad(got_all, x, cotangents), torch.autograd.grad(want_all, x, cotangents), strict=True
+    ):
+        torch.testing.assert_close(got, want)
+    assert dynamo_backend.stats["eager"] == 0, dynamo_backend.fallbacks
+    with pytest.raises(RlxValueError, match="out of range"):
+        compiled_pieces(x, torch.full((3, 6), 4), scores)
+
+
+def test_slices_with_a_dynamic_bound() -> None:
+    """``self.positions[:, :length]`` (learned positions, a buffer of token types) at changing
+    lengths: a range of the axis made per call, so one graph serves every length, gradients reach
+    the sliced parameter, and a length past the table's is an error of the call."""
+
+    class Positions(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.positions = torch.nn.Parameter(torch.randn(1, 16, 8))
+            self.register_buffer("types", torch.arange(16).remainder(3)[None])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            length = x.shape[1]
+            kinds = self.types[:, :length].expand(x.shape[0], length)
+            return (x + self.positions[:, :length]) * (kinds[..., None] + 1.0)
+
+    torch.manual_seed(9)
+    eager = Positions()
+    other = copy.deepcopy(eager)
+    compiled = torch.compile(other, backend="rlx")
+    for length in (5, 11, 7, 16):
+        x = torch.randn(2, length, 8)
+        got, want = compiled(x), eager(x)
+        torch.testing.assert_close(got, want)
+        got.square().sum().backward()
+        want.square().sum().backward()
+    torch.testing.assert_close(other.positions.grad, eager.positions.grad)
+    assert dynamo_backend.stats == {"compiled": 2, "eager": 0}, dynamo_backend.fallbacks
+
+
+def test_floor_division_remainder_and_rounding() -> None:
+    """``//``, ``%``, ``torch.div`` with each rounding mode, ``torch.remainder`` and the rounding
+    functions, of float and int tensors and Python numbers: torch's values and dtypes."""
+
+    def arithmetic(x: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (
+            x // 0.7,
+            x % 1.3,
+            torch.remainder(x, -2.0),
+            torch.div(x, 0.6, rounding_mode="trunc"),
+            torch.div(x, 0.6, rounding_mode="floor"),
+            i // 3,
+            i % 4,
+            torch.div(i, -3, rounding_mode="trunc"),
+            i.remainder(5),
+            torch.floor(x),
+            torch.round(x),
+            x.ceil(),
+            x.trunc(),
+            (i % 3).float() * x,
+        )
+
+    x = torch.randn(5, 7) * 4
+    i = torch.randint(-20, 20, (5, 7))
+    for got, want in zip(torch.compile(arithmetic, backend="rlx")(x, i), arithmetic(x, i), strict=True):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want)
+    assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks

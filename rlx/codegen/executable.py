@@ -33,6 +33,7 @@ from rlx.codegen.lower import (
     CallMap,
     CodegenOptions,
     DynamicScratch,
+    IndexFault,
     call_checks,
     lower_graph,
     scratch_bytes,
@@ -42,6 +43,7 @@ from rlx.codegen.output_pool import OutputPool
 from rlx.codegen.schedule import Schedule, build_schedule, inline_values
 from rlx.config import RuntimeConfig, resolve_config, resolve_num_threads
 from rlx.errors import RlxTypeError, RlxValueError, allocation_failed
+from rlx.ir.dims import dim_size
 from rlx.ir.graph import Graph, Value
 from rlx.ir.printer import value_names
 from rlx.ir.types import Dim, TensorType, resolve_dims
@@ -76,7 +78,7 @@ class Program:
     threads: int
     output_types: dict[str, TensorType] = field(default_factory=dict)  # by buffer name: outputs and temps
     profile: int | None = None  # arena offset of the per-kernel timings in a profiling build
-    index_bounds: list[tuple[Value, int, str]] = field(default_factory=list)  # (source, limit, what) per index operand
+    index_bounds: list[tuple[Value, Dim, str]] = field(default_factory=list)  # (source, limit, what) per index operand
     call_data: tuple[CallData, ...] = ()  # per-call block maps, written into the arena
     call_data_offset: int = 0
     arena_bytes: int = 0  # arena proper plus call data (plus timings in a profiling build)
@@ -88,6 +90,7 @@ class Program:
     call_buffers: dict[str, CallMap] = field(default_factory=dict)  # block maps made per call
     call_checks: list[Callable[[Mapping[str, int]], None]] = field(default_factory=list)  # need the call's sizes
     layouts: dict[tuple[tuple[str, int], ...], CallLayout] = field(default_factory=dict)  # by the call's sizes
+    index_faults: tuple[IndexFault, ...] = ()  # where kernels report a bad id the graph computed
 
     @functools.cached_property
     def short_dims(self) -> list[tuple[str, str, bool]]:
@@ -311,17 +314,18 @@ class _Lowered(NamedTuple):
     plan: MemoryPlan
     schedule: Schedule
     llvm_ir: str
-    index_bounds: list[tuple[Value, int, str]]
+    index_bounds: list[tuple[Value, Dim, str]]
     call_data: tuple[CallData, ...]
     call_data_offset: int
     profile_offset: int
     dynamic: DynamicScratch | None
     call_buffers: dict[str, CallMap]
+    index_faults: tuple[IndexFault, ...]
 
 
-def _distinct_bounds(bounds: list[tuple[Value, int, str]]) -> list[tuple[Value, int, str]]:
+def _distinct_bounds(bounds: list[tuple[Value, Dim, str]]) -> list[tuple[Value, Dim, str]]:
     """One check per (source, limit): a value read as indices by several nodes is scanned once."""
-    seen: set[tuple[int, int]] = set()
+    seen: set[tuple[int, Dim]] = set()
     distinct = []
     for source, limit, what in bounds:
         key = (id(source.node), limit)
@@ -380,6 +384,7 @@ def _lower(
         lowered.profile_offset,
         lowered.dynamic,
         dict(lowered.call_buffers),
+        lowered.index_faults,
     )
 
 
@@ -434,6 +439,7 @@ def _build(
         InputBinder(working, _unused_inputs(working)),  # inputs no output needs are optional
         lowered.call_buffers,
         call_checks(working),
+        index_faults=lowered.index_faults,
     )
 
 
@@ -538,7 +544,7 @@ class Executable:
             raise RlxValueError(f"threads must be a positive int or None, got {threads!r}")
         assert program.binder is not None
         bound, sizes = program.binder(arrays)
-        check_index_inputs(program.graph, bound, program.index_bounds)  # before native code reads with ids
+        check_index_inputs(program.graph, bound, program.index_bounds, sizes)  # before native code reads with ids
         if program.is_empty(sizes):
             return self._run_empty(bound, sizes)
         layout = program.layouts.get(tuple(sizes.items()))
@@ -555,6 +561,8 @@ class Executable:
             else:
                 buffers.append(outputs.take(name, shape, dtype))
         self._enter(layout, list(map(data_address, buffers)), threads, bound)
+        if program.index_faults:  # a call with faults has call data, so only this path runs it
+            self._raise_index_fault(sizes)
         return {name: buffers[slot] if owned else buffers[slot].copy() for name, slot, owned in layout.results}
 
     def _run_empty(self, bound: Mapping[str, np.ndarray], sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
@@ -669,6 +677,19 @@ class Executable:
         if layout.table:
             ctypes.memmove(arena_address + program.call_data_offset, layout.table, len(layout.table))
         program.entry(local.pointers_address, arena_address)
+
+    def _raise_index_fault(self, sizes: Mapping[str, int]) -> None:
+        """``RlxValueError`` if a kernel reported an id the graph computed outside its range (the
+        kernel read row 0 instead, so the call's results are not returned)."""
+        program, local = self._program, self._arenas
+        start = local.offset + program.call_data_offset
+        for fault in program.index_faults:
+            bad = int(local.buffer[start + fault.offset : start + fault.offset + 8].view(np.int64)[0])
+            if bad:
+                limit = dim_size(fault.limit, sizes)
+                raise RlxValueError(
+                    f"{fault.what}, computed by the graph in this call: {bad} is out of range [0, {limit})"
+                )
 
     def _outputs(self) -> OutputPool:
         """This Python thread's output arrays (concurrent calls never share one)."""

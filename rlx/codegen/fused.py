@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from llvmlite import ir
 
+from rlx.bind import index_sources
 from rlx.codegen.expf import define_expf, define_softmax_expf
 from rlx.codegen.irutil import CONTRACT, F32, I1, I8, I32, I64, REDUCE, alloca_entry, declare, gep, i64, intrinsic, smin
 from rlx.codegen.schedule import (
@@ -43,7 +44,7 @@ from rlx.codegen.sizes import Size, SizeLike, ceil_div, emit_size, nominal
 from rlx.codegen.vector import WIDTH, any_lane, fold_max_ignoring_nan, max_ignoring_nan, splat, sum_lanes
 from rlx.codegen.views import View
 from rlx.ir.dims import product
-from rlx.ir.graph import Value
+from rlx.ir.graph import Node, Value
 from rlx.ir.types import Dim
 
 LIBM = {"log": "logf", "pow": "powf", "sin": "sinf", "cos": "cosf", "log1p": "log1pf", "expm1": "expm1f"}
@@ -134,6 +135,7 @@ class FusedEmitter:
     pointer: Callable[[Value], ir.Value]  # base pointer of a materialised value's buffer
     constant: Callable[[Value], ir.Value]  # the data of a constant (even one that is also a graph output)
     symbols: Mapping[str, ir.Value] = field(default_factory=dict)  # this call's symbolic dimensions
+    fault_word: Callable[[Node], ir.Value] | None = None  # where a gather reports a bad computed id
     stack: list[Loop] = field(default_factory=list)
     memo: dict[tuple[object, ...], Lane] = field(default_factory=dict)
 
@@ -366,17 +368,42 @@ class FusedEmitter:
         view = self.schedule.view(table)
         assert view is not None
         if row.width == 1:
+            (checked,) = self._checked_rows(value.node, [row.value], view.shape[0])
             return self.load(
-                view, (Ix(None, row.value, max((ix.level for ix in idx[:-1]), default=0)), idx[-1]), table.dtype
+                view, (Ix(None, checked, max((ix.level for ix in idx[:-1]), default=0)), idx[-1]), table.dtype
             )
         # Several rows at once (ids vary along the vector loop): gather lane by lane.
+        rows = [self.b.extract_element(row.value, ir.Constant(I32, lane)) for lane in range(WIDTH)]
         lanes = []
-        for lane in range(WIDTH):
-            scalar_row = self.b.extract_element(row.value, ir.Constant(I32, lane))
+        for lane, scalar_row in enumerate(self._checked_rows(value.node, rows, view.shape[0])):
             col = idx[-1]
             lanes.append(self.load(view, (Ix(None, scalar_row, 0), _lane_of(self.b, col, lane)), table.dtype))
         values = [lane.value for lane in lanes]  # f32, or an int or bool table's i64 / i1
         return Lane(_pack(self.b, values, values[0].type), WIDTH, lanes[0].kind)
+
+    def _checked_rows(self, node: Node, rows: list[ir.Value], count: Dim) -> list[ir.Value]:
+        """``rows`` as they are, where the ids come from graph inputs or constants (checked before
+        the call); else each one outside ``[0, count)`` replaced by row 0, and the last such id
+        stored into the node's fault word (:class:`rlx.codegen.lower.IndexFault`). Branch-free:
+        the store goes to a stack slot when every id is good."""
+        if self.fault_word is None or not index_sources(node.inputs[1])[1]:
+            return rows
+        b = self.b
+        limit = self.size(count)
+        checked = []
+        any_bad: ir.Value = ir.Constant(I1, 0)
+        bad: ir.Value = i64(0)
+        for row in rows:
+            good = b.icmp_unsigned("<", row, limit)  # a negative id is a huge unsigned one
+            checked.append(b.select(good, row, i64(0)))
+            bad = b.select(good, bad, row)
+            any_bad = b.or_(any_bad, b.not_(good))
+        sink = alloca_entry(b, I64, "fault.sink")
+        target = b.select(any_bad, self.fault_word(node), sink)
+        # Threads that report at once race to store (a race of stores is no undefined behaviour in
+        # LLVM's memory model; a racing load would read undef, but only Python reads, after the join).
+        b.store(bad, target)
+        return checked
 
     # ------------------------------------------------------------------ memory
 
@@ -641,6 +668,54 @@ class LaneMath:
 
     def select(self, cond: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
         return self.b.select(cond, a, b)
+
+    def rounded(self, mode: str, x: ir.Value) -> ir.Value:
+        """``floor``, ``ceil``, ``trunc`` or ``roundeven`` (NumPy's ``round``: halves to even)."""
+        return self.b.call(self._intrinsic(mode), [x])
+
+    def floor_divide(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        return self._divmod(a, b)[0]
+
+    def remainder(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        return self._divmod(a, b)[1]
+
+    def _divmod(self, a: ir.Value, b: ir.Value) -> tuple[ir.Value, ir.Value]:
+        """Python's and NumPy's ``divmod``: the quotient rounded toward -inf, the remainder with
+        the divisor's sign. Floats as NumPy's ``npy_divmod`` (from ``fmod``, so ``1 // 0.1`` is 9);
+        ints as NumPy's, where division by 0 gives 0 and ``min // -1`` wraps (no trap: the
+        hardware divides by neither)."""
+        bld = self.b
+        zero = ir.Constant(a.type, None)
+        if not _is_float(a):
+            one, minus_one = self.const(1, a), self.const(-1, a)
+            by_zero, by_minus_one = bld.icmp_signed("==", b, zero), bld.icmp_signed("==", b, minus_one)
+            safe = bld.select(bld.or_(by_zero, by_minus_one), one, b)
+            quotient, rest = bld.sdiv(a, safe), bld.srem(a, safe)
+            flip = bld.and_(
+                bld.icmp_signed("!=", rest, zero),
+                bld.xor(bld.icmp_signed("<", rest, zero), bld.icmp_signed("<", b, zero)),
+            )
+            quotient = bld.select(flip, bld.sub(quotient, one), quotient)
+            rest = bld.select(flip, bld.add(rest, b), rest)
+            quotient = bld.select(by_minus_one, bld.sub(zero, a), quotient)
+            return bld.select(by_zero, zero, quotient), rest
+        one = self.const(1.0)
+        rest = bld.frem(a, b)
+        quotient = bld.fdiv(bld.fsub(a, rest), b)
+        flip = bld.and_(
+            bld.fcmp_ordered("!=", rest, zero),
+            bld.xor(bld.fcmp_ordered("<", b, zero), bld.fcmp_ordered("<", rest, zero)),
+        )
+        rest = bld.select(flip, bld.fadd(rest, b), rest)
+        quotient = bld.select(flip, bld.fsub(quotient, one), quotient)
+        copysign = self._intrinsic("copysign", 2)
+        rest = bld.select(bld.fcmp_ordered("==", rest, zero), bld.call(copysign, [zero, b]), rest)
+        whole = self.rounded("floor", quotient)
+        whole = bld.select(
+            bld.fcmp_ordered(">", bld.fsub(quotient, whole), self.const(0.5)), bld.fadd(whole, one), whole
+        )
+        whole = bld.select(bld.fcmp_ordered("==", quotient, zero), bld.call(copysign, [zero, bld.fdiv(a, b)]), whole)
+        return bld.select(bld.fcmp_ordered("==", b, zero), bld.fdiv(a, b), whole), rest
 
     def convert(self, x: ir.Value, dtype: np.dtype) -> ir.Value:
         """``x`` (lanes of f32, i1 or i64) as lanes of ``dtype``'s kind: f32, i1 (bool) or i64

@@ -22,6 +22,7 @@ import numpy as np
 from llvmlite import binding as llvm
 from llvmlite import ir
 
+from rlx.bind import index_sources
 from rlx.codegen.blas import load_blas, refuse_beyond_blas
 from rlx.codegen.fused import FusedEmitter, plan_chunking
 from rlx.codegen.irutil import I8, I64, PTR, VOID, alloca_entry, clock, declare, gep, i64
@@ -51,7 +52,7 @@ from rlx.ir.dims import product
 from rlx.ir.graph import Graph, Node, Value
 from rlx.ir.ops import AttentionAttrs, AttentionBwdAttrs, OpKind, attention_dims
 from rlx.ir.region import Region
-from rlx.ir.types import Layout, Wrt, resolve_dims
+from rlx.ir.types import Dim, Layout, Wrt, resolve_dims
 from rlx.ops.flex_attention import (
     FlexAttentionBwdAttrs,
     bwd_operands,
@@ -364,6 +365,22 @@ class CallData:
     fill: Callable[[Mapping[str, np.ndarray]], np.ndarray]
 
 
+@dataclass(frozen=True)
+class IndexFault:
+    """Where the kernels that read memory with ids the graph computes (a gather of rows by an
+    ``argmax``) report a bad one: a word of the call data, zeroed before each call, into which a
+    kernel stores an id outside ``[0, limit)`` (never 0: 0 is in every range) and reads row 0
+    instead. The executable raises on it after the call."""
+
+    offset: int  # from the start of the call data
+    what: str  # IndexOperand.describe of the node's ids
+    limit: Dim
+
+
+def _no_fault(bound: Mapping[str, np.ndarray]) -> np.ndarray:
+    return np.zeros(1, np.int64)
+
+
 UNREAD_MAP = np.zeros(1, dtype=np.uint8)
 """What a call passes for a block map its kernel does not read (:meth:`CallMap.unread`)."""
 
@@ -435,6 +452,7 @@ class LoweredModule:
     profile_offset: int  # arena offset of the per-kernel timings (profiling builds)
     dynamic: DynamicScratch | None = None  # graphs with symbolic dimensions
     call_buffers: tuple[tuple[str, CallMap], ...] = ()  # block maps made per call
+    index_faults: tuple[IndexFault, ...] = ()  # where kernels report bad computed ids
 
 
 @dataclass
@@ -458,6 +476,7 @@ class _Lowering:
     sizes: ir.Value | None = None  # the per-call sizes table (graphs with symbolic dimensions)
     attention_specs: list[tuple[str, AttentionKernelSpec | FlexKernelSpec]] = field(default_factory=list)
     call_buffers: list[tuple[str, CallMap]] = field(default_factory=list)
+    index_faults: dict[Node, IndexFault] = field(default_factory=dict)
     _entry_symbols: dict[str, ir.Value] | None = None
     _items: dict[tuple[object, ...], ir.Function] = field(default_factory=dict)
 
@@ -483,6 +502,18 @@ class _Lowering:
             return gep(b, self.arena, [i64(location.index)], I8, f"v{value.node.id}.{value.index}")
         name = self.plan.buffer_names[location.index]
         return b.load(gep(b, self.buffers, [i64(location.index)], PTR, f"{name}.slot"), typ=PTR, name=name)
+
+    def fault_word(self, node: Node) -> ir.Value:
+        """The address, in the entry function, of the word where kernels report a bad id of
+        ``node``'s computed index operand (:class:`IndexFault`; one per node, zeroed per call)."""
+        fault = self.index_faults.get(node)
+        if fault is None:
+            (index,) = node.op.definition.index_operands
+            fault = IndexFault(self.call_data_bytes, index.describe(node), index.limit(node))
+            self.index_faults[node] = fault
+            self.call_data.append(CallData(fault.offset, 8, _no_fault))
+            self.call_data_bytes += 64
+        return gep(self.b, self.arena, [i64(call_data_offset(self.plan) + fault.offset)], I8, f"fault.{node.id}")
 
     def view_pointer(self, value: Value) -> ir.Value:
         """The address of a value read through its view: base plus the view's offset."""
@@ -552,14 +583,18 @@ class _Lowering:
             dy, ids = (self.schedule.view(v) for v in node.inputs)
             assert dy is not None and ids is not None
             out = node.outputs[0]
-            rows, width = out.static_shape
+            rows, width = out.shape
             symbols = self.table_symbols
+            checked = bool(index_sources(node.inputs[1])[1])  # computed ids: checked as they are read
             item_fn = emit_scatter_item(
-                self.module, dy, ids, (rows, width), ids.base.dtype.itemsize, f"embedding_grad.{node.id}", symbols
-            )
+                self.module, dy, ids, (rows, width), ids.base.dtype.itemsize, f"embedding_grad.{node.id}", symbols,
+                checked,
+            )  # fmt: skip
             pointers = [self.base_pointer(dy.base), self.base_pointer(ids.base), self.base_pointer(out)]
             if self.sizes is not None:
                 pointers.append(self.sizes)
+            if checked:
+                pointers.append(self.fault_word(node))
             self.call(item_fn, pointers, 1, True, str(node.id))
         else:
             raise AssertionError(f"no lowering for {op}")
@@ -637,7 +672,22 @@ class _Lowering:
         def constant(value: Value) -> ir.Value:
             return opaque(builder, self.constants[value])
 
-        emitter = FusedEmitter(self.module, builder, self.schedule, kernel, pointers.__getitem__, constant, symbols)
+        fault_slots: dict[Node, int] = {}
+
+        def fault_word(node: Node) -> ir.Value:
+            """The fault word of a gather by computed ids, an argument after the others (loaded
+            at the top of the item function, which dominates every use)."""
+            slot = fault_slots.get(node)
+            if slot is None:
+                slot = fault_slots[node] = len(arguments)
+                arguments.append(self.fault_word(node))
+            top = ir.IRBuilder(fn.entry_basic_block)
+            top.position_at_start(fn.entry_basic_block)
+            return top.load(gep(top, args, [i64(slot)], PTR), typ=PTR, name=f"fault.{node.id}")
+
+        emitter = FusedEmitter(
+            self.module, builder, self.schedule, kernel, pointers.__getitem__, constant, symbols, fault_word
+        )
         emitter.emit_item(item, chunking)
         builder.ret_void()
         items = chunking.emit_items(self.b, self.entry_symbols())
@@ -710,7 +760,13 @@ def lower_graph(
     emit_team(module, b, share_identical_items(state.steps), threads, scratch, stride, profile, now, cap)
     b.ret_void()
     return LoweredModule(
-        str(module), tuple(state.call_data), call_data_offset(plan), timings, dynamic, tuple(state.call_buffers)
+        str(module),
+        tuple(state.call_data),
+        call_data_offset(plan),
+        timings,
+        dynamic,
+        tuple(state.call_buffers),
+        tuple(state.index_faults.values()),
     )
 
 

@@ -2,31 +2,35 @@
 
 Serial on purpose: the rows are added in index order, so repeated ids sum in the same order on
 every run and for every thread count (a parallel scatter-add would need atomics and lose that).
-The ids were checked against ``V`` before the call (``rlx.bind.check_index_inputs``).
+Ids from graph inputs were checked against ``V`` before the call (``rlx.bind.check_index_inputs``);
+ids the graph computes are checked here, row by row: a bad one adds nothing and is reported in
+the node's fault word (:class:`rlx.codegen.lower.IndexFault`).
 """
 
 from __future__ import annotations
 
 from llvmlite import ir
 
-from rlx.codegen.irutil import I32, I64, PTR, VOID, for_range, gep, gep_f32, i64
+from rlx.codegen.irutil import I1, I32, I64, PTR, VOID, for_range, gep, gep_f32, i64
 from rlx.codegen.sizes import emit_size, load_symbols
 from rlx.codegen.vector import Lanes, vector_fill, vector_loop
 from rlx.codegen.views import View
 from rlx.ir.dims import product
+from rlx.ir.types import Dim
 
 
 def emit_scatter_item(
     module: ir.Module,
     dy: View,
     ids: View,
-    out_shape: tuple[int, int],
+    out_shape: tuple[Dim, Dim],
     ids_itemsize: int,
     name: str,
     symbols: tuple[str, ...] = (),
+    checked: bool = False,
 ) -> ir.Function:
     """``void item(ptr args, i64 item, ptr scratch)``; args = [dy, ids, out] (then, with
-    ``symbols``, the call's sizes table); one item."""
+    ``symbols``, the call's sizes table, then, ``checked``, the fault word); one item."""
     fn = ir.Function(module, ir.FunctionType(VOID, [PTR, I64, PTR]), name=name)
     fn.linkage = "internal"
     args = fn.args[0]
@@ -39,18 +43,25 @@ def emit_scatter_item(
     id_type = I32 if ids_itemsize == 4 else I64
     ids_ptr = gep(b, b.load(gep(b, args, [i64(1)], PTR), typ=PTR), [emit_size(b, ids.offset, sizes)], id_type, "ids")
     out_ptr = b.load(gep(b, args, [i64(2)], PTR), typ=PTR, name="out")
-    rows, width = out_shape
+    rows, width = (emit_size(b, dim, sizes) for dim in out_shape)
     count = emit_size(b, product(ids.shape), sizes)
-    vector_fill(b, out_ptr, i64(0), i64(rows * width), 0.0, "zero")
+    vector_fill(b, out_ptr, i64(0), b.mul(rows, width), 0.0, "zero")
+    fault = b.load(gep(b, args, [i64(4 if symbols else 3)], PTR), typ=PTR, name="fault") if checked else None
     with for_range(b, 0, count, "r") as r:
         row_id = b.load(gep(b, ids_ptr, [r], id_type), typ=id_type)
         row_id = b.sext(row_id, I64) if id_type == I32 else row_id
-        target = gep_f32(b, out_ptr, b.mul(row_id, i64(width)), "target")
-        source = gep_f32(b, dy_ptr, b.mul(r, i64(width)), "source")
+        good = b.icmp_unsigned("<", row_id, rows) if fault is not None else ir.Constant(I1, 1)
+        with b.if_else(good) as (add_row, report):
+            with add_row:
+                target = gep_f32(b, out_ptr, b.mul(row_id, width), "target")
+                source = gep_f32(b, dy_ptr, b.mul(r, width), "source")
 
-        def add(b: ir.IRBuilder, j: ir.Value, lanes: Lanes) -> None:
-            lanes.store(b, b.fadd(lanes.load(b, target, j), lanes.load(b, source, j)), target, j)
+                def add(b: ir.IRBuilder, j: ir.Value, lanes: Lanes) -> None:
+                    lanes.store(b, b.fadd(lanes.load(b, target, j), lanes.load(b, source, j)), target, j)
 
-        vector_loop(b, i64(0), i64(width), "col", add)
+                vector_loop(b, i64(0), width, "col", add)
+            with report:
+                if fault is not None:
+                    b.store(row_id, fault)
     b.ret_void()
     return fn

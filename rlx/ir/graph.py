@@ -153,6 +153,18 @@ class Value:
     def __rtruediv__(self, other: object) -> Value:
         return self.graph.div(other, self)
 
+    def __floordiv__(self, other: object) -> Value:
+        return self.graph.floor_divide(self, other)
+
+    def __rfloordiv__(self, other: object) -> Value:
+        return self.graph.floor_divide(other, self)
+
+    def __mod__(self, other: object) -> Value:
+        return self.graph.remainder(self, other)
+
+    def __rmod__(self, other: object) -> Value:
+        return self.graph.remainder(other, self)
+
     def __pow__(self, other: object) -> Value:
         return self.graph.pow(self, other)
 

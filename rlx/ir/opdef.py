@@ -24,7 +24,7 @@ from rlx.ir.types import resolve_dims
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Node, Value
-    from rlx.ir.types import TensorType
+    from rlx.ir.types import Dim, TensorType
 
 InferFn = Callable[[str, Sequence["TensorType"], Any], tuple["TensorType", ...]]
 """``infer(what, operand_types, attrs) -> result types``; raises naming ``what`` on bad input."""
@@ -67,11 +67,23 @@ def not_differentiable(
 
 @dataclass(frozen=True)
 class IndexOperand:
-    """An integer operand whose entries must lie in ``[0, limit)``; ``limit`` is read from the node."""
+    """An integer operand whose entries must lie in ``[0, limit)``; ``limit`` is read from the node
+    (a dimension: symbolic where the table's rows are, resolved with each call's sizes).
+
+    Ids that come from graph inputs or constants are checked before native code runs. Ids the
+    graph computes (an ``argmax``, ``ids + 1``) are only known inside the call: ops whose kernels
+    check every id they read memory with (``checked_in_kernel``: the row gathers) accept them and
+    report the first bad one after the call; the others refuse them at compile time.
+    """
 
     operand: str
-    limit: Callable[[Node], int]
+    limit: Callable[[Node], Dim]
     meaning: str  # e.g. "token id" or "class index", for error messages
+    checked_in_kernel: bool = False
+
+    def describe(self, node: Node) -> str:
+        """What these ids are, for error messages: ``token id of embedding (node 3) operand 'ids'``."""
+        return f"{self.meaning} of {node.op} (node {node.id}) operand {self.operand!r}"
 
 
 @dataclass(frozen=True)

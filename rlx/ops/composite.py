@@ -100,8 +100,9 @@ def std(graph: Graph, x: object, axis: object = None, keepdims: bool = False, dd
 
 def take(graph: Graph, x: object, ids: object, axis: int = 0) -> Value:
     """``numpy.take(x, ids, axis)``: ``x``'s entries at integer ``ids`` along ``axis``, the
-    ids' shape in its place. Rows of ``embedding`` (any dtype; float values get gradients), so
-    ``ids`` must be a graph input or constant (or views of one), checked in range per call."""
+    ids' shape in its place. Rows of ``embedding`` (any dtype; float values get gradients): ids
+    outside ``[0, x.shape[axis])`` are an error of the call (before native code where they are
+    a graph input, by the gather where the graph computes them)."""
     value = as_value(graph, x, "take: x")
     index = as_value(graph, ids, "take: ids")
     position = normalize_axis("take", axis, value.ndim)

@@ -74,8 +74,9 @@ def _float_unary(what: str, inputs: Sequence[TensorType], attrs: object) -> tupl
 
 
 # Ops that also compute on integers (NumPy's wrapping arithmetic in the operands' own dtype):
-# positions and offsets of ids (``arange(S) + past``). Division, powers and math stay float.
-INTEGER_ARITHMETIC = ("add", "sub", "mul", "maximum", "minimum", "neg", "abs")
+# positions and offsets of ids (``arange(S) + past``), and ``//`` and ``%`` (a position's row and
+# column in a grid, its place in a window). True division, powers and math stay float.
+INTEGER_ARITHMETIC = ("add", "sub", "mul", "maximum", "minimum", "neg", "abs", "floor_divide", "remainder")
 
 
 def _arithmetic_unary(what: str, inputs: Sequence[TensorType], attrs: object) -> tuple[TensorType, ...]:
@@ -173,7 +174,22 @@ UNARY_REFERENCE: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "log1p": np.log1p,
     "expm1": np.expm1,
     "softplus": lambda x: np.logaddexp(0.0, x),
+    "floor": np.floor,
+    "ceil": np.ceil,
+    "trunc": np.trunc,
+    "round": np.round,  # halves to even, as NumPy and torch
 }
+
+
+def _quietly(fn: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    """``fn`` without NumPy's warnings for division by zero (ints give 0, floats inf or NaN)."""
+
+    def quiet(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            return fn(a, b)
+
+    return quiet
+
 
 BINARY_REFERENCE: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "add": np.add,
@@ -183,6 +199,8 @@ BINARY_REFERENCE: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "pow": np.power,
     "maximum": np.maximum,
     "minimum": np.minimum,
+    "floor_divide": _quietly(np.floor_divide),  # ``a // b``: Python's and NumPy's, toward -inf
+    "remainder": _quietly(np.remainder),  # ``a % b``: the divisor's sign, as Python, NumPy and torch
 }
 
 COMPARE_REFERENCE: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
@@ -273,6 +291,11 @@ UNARY_GRAD: dict[str, GradFn] = {
     "rsqrt": _unary_grad(lambda g, x, y, dy: dy * -0.5 * y * y * y),
     "abs": _unary_grad(lambda g, x, y, dy: dy * g.sign(x)),
     "sign": no_gradient,
+    # Piecewise constant: zero almost everywhere, as torch's gradients of them.
+    "floor": no_gradient,
+    "ceil": no_gradient,
+    "trunc": no_gradient,
+    "round": no_gradient,
     "tanh": _unary_grad(lambda g, x, y, dy: dy * (1.0 - y * y)),
     "sigmoid": _unary_grad(lambda g, x, y, dy: dy * y * (1.0 - y)),
     "relu": _unary_grad(lambda g, x, y, dy: g.where(g.greater(x, 0.0), dy, 0.0)),
@@ -329,6 +352,9 @@ BINARY_GRAD: dict[str, GradFn] = {
     "pow": _binary_grad(_pow_grads),
     "maximum": _binary_grad(lambda g, a, b, out, dy: _extremum_grads(g, a, b, out, dy, g.greater(a, b))),
     "minimum": _binary_grad(lambda g, a, b, out, dy: _extremum_grads(g, a, b, out, dy, g.less(a, b))),
+    "floor_divide": no_gradient,  # piecewise constant
+    # a % b = a - b * (a // b): torch's rule, the quotient held constant.
+    "remainder": _binary_grad(lambda g, a, b, out, dy: (dy, -(dy * g.floor_divide(a, b)))),
 }
 
 
@@ -475,6 +501,12 @@ SCALAR: dict[str, Callable[..., object]] = {
     "cos": lambda e, x, attrs: e.call("cos", x),
     "log1p": lambda e, x, attrs: e.call("log1p", x),
     "expm1": lambda e, x, attrs: e.call("expm1", x),
+    "floor": lambda e, x, attrs: e.rounded("floor", x),
+    "ceil": lambda e, x, attrs: e.rounded("ceil", x),
+    "trunc": lambda e, x, attrs: e.rounded("trunc", x),
+    "round": lambda e, x, attrs: e.rounded("roundeven", x),
+    "floor_divide": lambda e, a, b, attrs: e.floor_divide(a, b),
+    "remainder": lambda e, a, b, attrs: e.remainder(a, b),
     "add": lambda e, a, b, attrs: e.add(a, b),
     "sub": lambda e, a, b, attrs: e.sub(a, b),
     "mul": lambda e, a, b, attrs: e.mul(a, b),

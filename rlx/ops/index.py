@@ -1,7 +1,9 @@
 """Ops that read integer indices: ``embedding`` (and its scatter-add gradient), ``one_hot``, ``cross_entropy``.
 
 Every index operand is declared in :attr:`OpDef.index_operands`, so the executable and the
-reference check ids against their bound before anything reads memory with them.
+reference check ids against their bound before anything reads memory with them (ids the graph
+computes, which only the call knows, are checked by the gathers' kernels: see
+:class:`rlx.ir.opdef.IndexOperand`).
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
+from rlx.ir.dims import parse_dim
 from rlx.ir.opdef import EvalContext, IndexOperand, OpDef, no_gradient, register_op
-from rlx.ir.types import TensorType
+from rlx.ir.types import Dim, TensorType
 from rlx.ops._common import BOOL, F32, INT_DTYPES, as_value, op_kind, reciprocal_count, require_float, require_int
 from rlx.ops.elementwise import NoAttrs
 
@@ -24,7 +27,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class CountAttrs:
-    count: int  # rows of the table (embedding_grad) or classes (one_hot)
+    count: int  # classes (one_hot)
+
+
+@dataclass(frozen=True)
+class RowsAttrs:
+    count: Dim  # rows of the table embedding_grad makes: symbolic for a table of a call's size
 
 
 def check_indices(what: str, ids: np.ndarray, limit: int, meaning: str) -> None:
@@ -64,7 +72,7 @@ def _embedding_grad(
     table, ids = node.inputs
     if table.dtype != F32:  # rows of an int or bool table: nothing to differentiate
         return [None, None]
-    return [embedding_grad(graph, dy, ids, table.static_shape[0]), None]
+    return [embedding_grad(graph, dy, ids, table.shape[0]), None]
 
 
 def embedding(graph: Graph, table: object, ids: object) -> Value:
@@ -75,21 +83,24 @@ def embedding(graph: Graph, table: object, ids: object) -> Value:
     return graph.add_node(op_kind("embedding"), operands, NoAttrs()).outputs[0]
 
 
-def _embedding_grad_infer(what: str, inputs: Sequence[TensorType], attrs: CountAttrs) -> tuple[TensorType, ...]:
+def _embedding_grad_infer(what: str, inputs: Sequence[TensorType], attrs: RowsAttrs) -> tuple[TensorType, ...]:
     dy, ids = inputs
     require_float(what, "dy", dy)
     require_int(what, "ids", ids)
     if dy.shape[:-1] != ids.shape or dy.rank != ids.rank + 1:
         raise RlxValueError(f"{what}: dy must be [*ids.shape, E] for ids {ids}, got {dy}")
-    if attrs.count < 1:
+    if isinstance(attrs.count, str) and parse_dim(attrs.count) != attrs.count:
+        raise RlxValueError(f"{what}: count must be an int or a symbolic dimension, got {attrs.count!r}")
+    if isinstance(attrs.count, int) and attrs.count < 1:
         raise RlxValueError(f"{what}: count must be >= 1, got {attrs.count}")
     return (TensorType((attrs.count, dy.shape[-1]), F32),)
 
 
-def _embedding_grad_reference(args: Sequence[np.ndarray], attrs: CountAttrs, ctx: EvalContext) -> np.ndarray:
+def _embedding_grad_reference(args: Sequence[np.ndarray], attrs: RowsAttrs, ctx: EvalContext) -> np.ndarray:
     dy, ids = args
-    check_indices("embedding_grad", ids, attrs.count, "token id")
-    out = np.zeros((attrs.count, dy.shape[-1]))
+    (rows,) = ctx.resolve((attrs.count,))
+    check_indices("embedding_grad", ids, rows, "token id")
+    out = np.zeros((rows, dy.shape[-1]))
     np.add.at(out, ids.reshape(-1), dy.reshape(-1, dy.shape[-1]))
     return out
 
@@ -101,10 +112,15 @@ def _embedding_grad_grad(
     return [graph.embedding(cts[0], node.inputs[1]), None]
 
 
-def embedding_grad(graph: Graph, dy: object, ids: object, num_embeddings: int) -> Value:
-    """Scatter-add rows of ``dy [..., E]`` into ``[num_embeddings, E]`` at ``ids``: embedding's gradient."""
+def embedding_grad(graph: Graph, dy: object, ids: object, num_embeddings: Dim) -> Value:
+    """Scatter-add rows of ``dy [..., E]`` into ``[num_embeddings, E]`` at ``ids``: embedding's
+    gradient (``num_embeddings`` an int, or a symbolic dimension such as ``"V"``)."""
     operands = [as_value(graph, dy, "embedding_grad: dy"), as_value(graph, ids, "embedding_grad: ids")]
-    return graph.add_node(op_kind("embedding_grad"), operands, CountAttrs(int(num_embeddings))).outputs[0]
+    if isinstance(num_embeddings, bool) or not isinstance(num_embeddings, (int, np.integer, str)):
+        kind = type(num_embeddings).__name__
+        raise RlxTypeError(f"embedding_grad: num_embeddings must be an int or a symbolic dimension, got {kind}")
+    rows = num_embeddings if isinstance(num_embeddings, str) else int(num_embeddings)
+    return graph.add_node(op_kind("embedding_grad"), operands, RowsAttrs(rows)).outputs[0]
 
 
 # ----------------------------------------------------------------------------- one_hot
@@ -187,8 +203,8 @@ def _decompose_cross_entropy(graph: Graph, node: Node) -> tuple[Value, ...]:
     return (graph.mean(log_sum - picked),)
 
 
-def _rows(node: Node) -> int:
-    return int(node.inputs[0].shape[0])
+def _rows(node: Node) -> Dim:
+    return node.inputs[0].shape[0]
 
 
 register_op(
@@ -201,20 +217,20 @@ register_op(
         _embedding_grad,
         builder=embedding,
         no_grad=frozenset({"ids"}),
-        index_operands=(IndexOperand("ids", _rows, "token id"),),
+        index_operands=(IndexOperand("ids", _rows, "token id", checked_in_kernel=True),),
     )
 )
 register_op(
     OpDef(
         "embedding_grad",
         ("dy", "ids"),
-        CountAttrs,
+        RowsAttrs,
         _embedding_grad_infer,
         _embedding_grad_reference,
         _embedding_grad_grad,
         builder=embedding_grad,
         no_grad=frozenset({"ids"}),
-        index_operands=(IndexOperand("ids", lambda node: int(node.attrs.count), "token id"),),
+        index_operands=(IndexOperand("ids", lambda node: node.attrs.count, "token id", checked_in_kernel=True),),
     )
 )
 register_op(
@@ -242,6 +258,6 @@ register_op(
         builder=cross_entropy,
         decompose=_decompose_cross_entropy,
         no_grad=frozenset({"targets"}),
-        index_operands=(IndexOperand("targets", lambda node: int(node.inputs[0].shape[-1]), "class index"),),
+        index_operands=(IndexOperand("targets", lambda node: node.inputs[0].shape[-1], "class index"),),
     )
 )

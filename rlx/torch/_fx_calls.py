@@ -523,8 +523,44 @@ def _getitem(g: Graph, x: Any, index: Any) -> Any:
             if ids and _as_range(lone) is None:  # ``table[ids]``: rows picked by an index tensor
                 return g.take(x, lone, 0)
             return _gather_by_ranges(g, x, entries)
-        return x[_clamped(x, entries)]
+        return _sliced(g, x, _clamped(x, entries))
     raise Unsupported(f"indexing a {type(x).__name__}")
+
+
+def _sliced(g: Graph, x: Value, entries: tuple[Any, ...]) -> Value:
+    """``x[entries]`` where a slice may have a dynamic size for a bound (``buffer[:, :S]``, BERT's
+    token types): each such slice takes the range ``arange(start, stop)`` of the axis (an input
+    made per call, whose ids are checked against the axis before native code runs, so a length
+    past the end is an error of the call), the rest is rlx's basic indexing."""
+    if not any(isinstance(e, slice) and not _int_bounds(e) for e in entries):
+        return x[entries]
+    spread = sum(e is not None and e is not Ellipsis for e in entries)
+    plain: list[Any] = []
+    taken: list[tuple[int, int | Size, int | Size]] = []
+    axis = 0
+    for entry in entries:
+        if entry is Ellipsis:
+            axis += x.ndim - spread
+        elif isinstance(entry, slice) and not _int_bounds(entry):
+            if entry.step not in (None, 1):
+                raise Unsupported(f"a slice with a step and a dynamic bound ({entry})")
+            start = 0 if entry.start is None else entry.start
+            stop = poly(x.shape[axis]) if entry.stop is None else entry.stop
+            if any(isinstance(b, int) and b < 0 for b in (start, stop)):
+                raise Unsupported(f"a slice with a dynamic bound and one counted from the end ({entry})")
+            if not (start == 0 and poly(stop) == poly(x.shape[axis])):  # else the whole axis
+                taken.append((axis, start, stop))
+            entry = slice(None)
+        if entry is not None and entry is not Ellipsis:
+            axis += 1
+        plain.append(entry)
+    for at, start, stop in taken:
+        x = g.take(x, MAKE_RANGE.get()(start, stop), at)
+    return x[tuple(plain)]
+
+
+def _int_bounds(entry: slice) -> bool:
+    return all(b is None or isinstance(b, int) for b in (entry.start, entry.stop))
 
 
 def _clamped(x: Value, entries: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -572,6 +608,10 @@ EXPECTED_SHAPE: contextvars.ContextVar[tuple[Dim, ...] | None] = contextvars.Con
 RANGES: contextvars.ContextVar[dict[Value, int | Size]] = contextvars.ContextVar("rlx_fx_ranges")
 """The graph inputs that hold ``arange(start, start + n)`` of a dynamic ``n`` (made per call by
 rlx.torch.dynamo's wrapper), by their start: the translation in progress sets it."""
+
+MAKE_RANGE: contextvars.ContextVar[Callable[[int | Size, int | Size], Value]] = contextvars.ContextVar("rlx_fx_range")
+"""``arange(start, stop)`` (int64) of sizes that may be dynamic, as a graph input the wrapper makes
+per call: the translation in progress sets it."""
 
 
 @dataclass(frozen=True)
@@ -663,36 +703,81 @@ def _gather_by_ranges(g: Graph, x: Value, entries: tuple[Any, ...]) -> Value:
 
 
 def _gather(g: Graph, x: Any, dim: int, index: Any, *, sparse_grad: bool = False) -> Any:
-    """``torch.gather(x, dim, index)``: with a constant index that is one range along ``dim``,
-    the same at every other position, a slice; with an index tensor where every other axis of
-    ``x`` and the index is 1 (BERT's token types by a position buffer), ``take`` of it."""
+    """``torch.gather(x, dim, index)``: ``out[i][j][k] = x[i][index[i][j][k]][k]`` (``dim`` 1).
+
+    A constant index that is one range along ``dim``, the same at every other position, is a
+    slice; any other is a gather of single elements (:func:`_gather_elements`)."""
     x = _float(x)
-    array = _constant_array(index)
-    if array is None and isinstance(index, Value) and index.ndim == x.ndim:
-        axis = dim % x.ndim
-        if all(x.shape[a] == 1 and index.shape[a] == 1 for a in range(x.ndim) if a != axis):
-            flat = g.reshape(index, (index.shape[axis],))
-            picked = g.take(x, flat, axis)  # the other axes are 1: the same shape as the index
-            return g.reshape(picked, index.shape)
-    if array is None or array.ndim != x.ndim:
-        raise Unsupported("gather by an index other than a constant, or one whose other axes are not 1")
+    if not isinstance(x, Value) or not isinstance(index, Value) or index.ndim != x.ndim or not x.ndim:
+        raise Unsupported("gather of something other than tensors of one rank")
     axis = dim % x.ndim
+    array = _constant_array(index)
+    if array is not None:
+        sliced = _gathered_range(x, axis, array)
+        if sliced is not None:
+            return sliced
+    return _gather_elements(g, x, axis, index)
+
+
+def _gathered_range(x: Value, axis: int, array: np.ndarray) -> Value | None:
+    """``x``'s slice a constant gather index takes where it is one range along ``axis``, the
+    same at every other position, and inside ``x``; else None."""
     line = np.moveaxis(array, axis, -1).reshape(-1, array.shape[axis])
     length = x.shape[axis]
     if not isinstance(length, int) or not line.size or (line != line[0]).any():
-        raise Unsupported("gather by an index that differs between positions")
+        return None
     start = int(line[0, 0])
     if not np.array_equal(line[0], start + np.arange(line.shape[1])) or start < 0 or start + line.shape[1] > length:
-        raise Unsupported("gather by an index that is not a range")
+        return None
     bounds = []
     for a, size in enumerate(array.shape):
         if a == axis:
             bounds.append(slice(start, start + size))
         elif not isinstance(x.shape[a], int) or size > x.shape[a]:
-            raise Unsupported("gather by an index larger than the input")
+            return None
         else:
             bounds.append(slice(0, size))
     return x[tuple(bounds)]
+
+
+def _gather_elements(g: Graph, x: Value, axis: int, index: Value) -> Value:
+    """``torch.gather`` by any index: ``x`` (its other axes cut to the index's) as a table of
+    single elements, read at ``index + L * position`` (``L`` the gathered axis's length,
+    ``position`` the flat index of the other axes). An index outside ``[0, L)`` becomes -1, so
+    it cannot land in another position's elements: the gather's kernel then reports it as an
+    error of the call, as torch raises one."""
+    others = [a for a in range(x.ndim) if a != axis]
+    cut = []
+    for a in range(x.ndim):
+        want, have = index.shape[a], x.shape[a]
+        if a == axis or want == have:
+            cut.append(slice(None))
+        elif isinstance(want, int) and isinstance(have, int) and want < have:
+            cut.append(slice(0, want))
+        elif isinstance(want, str) and isinstance(have, str) and want.isidentifier() and have.isidentifier():
+            raise SameSizes(want, have)  # an index as long as the input, in every call torch runs
+        else:
+            raise Unsupported(f"gather by an index of shape {index.shape} from {x.shape} (axis {a})")
+    part = x[tuple(cut)]
+    order = (*others, axis)
+    front = g.transpose(part, order) if order != tuple(range(x.ndim)) else part
+    ids = g.transpose(index, order) if order != tuple(range(x.ndim)) else index
+    ids = ids.astype("int64") if ids.dtype != np.int64 else ids
+    leading = tuple(front.shape[:-1])
+    length = front.shape[-1]
+    if not isinstance(length, int):
+        raise Unsupported(f"gather along an axis of dynamic length {length}")
+    if all(isinstance(d, int) for d in leading):
+        offsets = g.constant((np.arange(math.prod(leading), dtype=np.int64) * length).reshape(*leading, 1))
+    else:
+        count = math.prod((poly(d) for d in leading), start=poly(1))
+        offsets = g.reshape(MAKE_RANGE.get()(0, count) * length, (*leading, 1))
+    inside = g.logical_and(g.greater_equal(ids, 0), g.less(ids, length))
+    flat = g.where(inside, ids + offsets, g.constant(np.int64(-1)))
+    table = g.reshape(front, (-1, 1))
+    picked = g.reshape(g.embedding(table, flat), ids.shape)
+    back = tuple(int(np.argsort(order)[a]) for a in range(x.ndim))
+    return g.transpose(picked, back) if order != tuple(range(x.ndim)) else picked
 
 
 def _index_select(g: Graph, x: Any, dim: int, index: Any) -> Any:
@@ -710,14 +795,46 @@ def _size(g: Graph, x: Any, dim: Any = None) -> Any:
 
 
 def _floordiv(g: Graph, a: Any, b: Any) -> Any:
-    if isinstance(a, Value) or isinstance(b, Value):
-        raise Unsupported("floor division of tensors")
+    """``a // b`` (``torch.floor_divide``): of tensors, rounded toward -inf, in their promoted
+    dtype; of dynamic sizes, where the quotient is exact."""
+    if isinstance(a, (Value, torch.Tensor)) or isinstance(b, (Value, torch.Tensor)):
+        return g.floor_divide(*_promoted(g, _value(g, a), _value(g, b)))
     if isinstance(a, Size) or isinstance(b, Size):
         quotient = exact_quotient(a, b)
         if quotient is None:
             raise Unsupported(f"the dynamic size {a} // {b}")
         return quotient
     return a // b
+
+
+def _remainder(g: Graph, a: Any, b: Any) -> Any:
+    """``a % b`` (``torch.remainder``): the divisor's sign, as Python."""
+    if isinstance(a, (Value, torch.Tensor)) or isinstance(b, (Value, torch.Tensor)):
+        return g.remainder(*_promoted(g, _value(g, a), _value(g, b)))
+    if isinstance(a, Size) or isinstance(b, Size):
+        raise Unsupported(f"the dynamic size {a} % {b}")
+    return a % b
+
+
+def _divide(g: Graph, a: Any, b: Any, *, rounding_mode: str | None = None, out: Any = None) -> Any:
+    """``torch.div``: true division, or ``rounding_mode`` "floor" (``//``) or "trunc" (toward 0)."""
+    check_kwargs({"out": out}, out=None)
+    if rounding_mode is None:
+        return _binary("div")(g, a, b)
+    if rounding_mode == "floor":
+        return _floordiv(g, a, b)
+    if rounding_mode != "trunc":
+        raise Unsupported(f"rounding_mode={rounding_mode!r}")
+    if not (isinstance(a, (Value, torch.Tensor)) or isinstance(b, (Value, torch.Tensor))):
+        if isinstance(a, Size) or isinstance(b, Size):
+            raise Unsupported(f"the dynamic size {a} / {b} rounded toward 0")
+        return int(a / b) if type(a) is int and type(b) is int else float(math.trunc(a / b))
+    a, b = _promoted(g, _value(g, a), _value(g, b))
+    if a.dtype == np.float32:
+        return g.trunc(a / b)
+    quotient = g.floor_divide(a, b)  # toward -inf: one less than toward 0 where inexact with mixed signs
+    inexact = g.logical_and(g.not_equal(g.remainder(a, b), 0), g.not_equal(g.less(a, 0), g.less(b, 0)))
+    return g.where(inexact, quotient + 1, quotient)
 
 
 def _split(g: Graph, x: Any, split_size: Any, dim: int = 0) -> Any:
@@ -927,7 +1044,10 @@ def _sdpa(
     return g.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, scale=scale, layout=Layout.BHSD)
 
 
-_ELEMENTWISE = ["exp", "log", "sqrt", "rsqrt", "abs", "tanh", "sigmoid", "relu", "sin", "cos", "log1p", "expm1", "erf"]
+_ELEMENTWISE = [
+    *("exp", "log", "sqrt", "rsqrt", "abs", "tanh", "sigmoid", "relu", "sin", "cos", "log1p", "expm1", "erf"),
+    *("floor", "ceil", "trunc", "round"),
+]
 
 FUNCTIONS: dict[Any, Callable[..., Any]] = {
     operator.add: _binary("add"),
@@ -938,6 +1058,7 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     operator.pos: lambda g, x: x,
     operator.matmul: _matmul,
     operator.floordiv: _floordiv,
+    operator.mod: _remainder,
     operator.pow: _pow,
     operator.getitem: _getitem,
     operator.lt: _compare("less"),
@@ -950,7 +1071,10 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     torch.add: _binary("add"),
     torch.sub: _binary("sub"),
     torch.mul: _binary("mul"),
-    torch.div: _binary("div"),
+    torch.div: _divide,
+    torch.divide: _divide,
+    torch.floor_divide: _floordiv,
+    torch.remainder: _remainder,
     torch.rsub: _rsub,
     torch.neg: lambda g, x: -_float(x),
     torch.matmul: _matmul,
@@ -1030,7 +1154,10 @@ METHODS: dict[str, Callable[..., Any]] = {
     "add": _binary("add"),
     "sub": _binary("sub"),
     "mul": _binary("mul"),
-    "div": _binary("div"),
+    "div": _divide,
+    "divide": _divide,
+    "floor_divide": _floordiv,
+    "remainder": _remainder,
     "neg": lambda g, x: -_float(x),
     "matmul": _matmul,
     "pow": _pow,

@@ -42,6 +42,7 @@ from rlx.torch._fx_calls import (
     EXPECTED_SHAPE,
     FUNCTIONS,
     HALF,
+    MAKE_RANGE,
     METHODS,
     RANGES,
     SameSizes,
@@ -128,6 +129,7 @@ class _Translation:
             unbound = ", ".join(sorted(self.size_symbols - declared))
             raise Unsupported(f"the dynamic size {unbound} is no tensor input's dimension")
         token = RANGES.set(self.range_starts)
+        maker = MAKE_RANGE.set(self._arange)
         try:
             for node in gm.graph.nodes:
                 if node.op == "placeholder":
@@ -138,6 +140,7 @@ class _Translation:
                 self.env[node] = self._node(node)
         finally:
             RANGES.reset(token)
+            MAKE_RANGE.reset(maker)
 
     def _placeholder(self, node: torch.fx.Node, example: Any) -> Any:
         """A tensor input, or a dynamic size (a symbol its tensors' shapes name, bound per call)."""

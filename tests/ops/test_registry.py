@@ -45,7 +45,8 @@ def test_every_op_has_a_sample(name: str) -> None:
 
 
 def test_gradient_sentinels_are_used_on_purpose() -> None:
-    """Ops without gradients are those with non-float results, or the listed opaque ones."""
+    """Ops without gradients are those with non-float results, the piecewise constant ones (zero
+    almost everywhere, as torch's), or the listed opaque ones."""
     opaque = {name for name, d in REGISTRY.items() if d.grad is not_differentiable}
     assert opaque == {"attention_bwd", "flex_attention_bwd", "fused_elementwise"}
     silent = {name for name, d in REGISTRY.items() if d.grad is no_gradient}
@@ -53,6 +54,11 @@ def test_gradient_sentinels_are_used_on_purpose() -> None:
         "input",
         "constant",
         "sign",
+        "floor",
+        "ceil",
+        "trunc",
+        "round",
+        "floor_divide",
         "less",
         "less_equal",
         "greater",
