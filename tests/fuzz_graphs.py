@@ -2,7 +2,7 @@
 
 Random shapes with broadcasting, random fan-out (any earlier value may be reused), random views
 (transpose, reshape, split, broadcast_to, concat), reductions over random axes, norms, matmuls,
-gathers by computed ids;
+gathers by computed ids, running sums;
 then a scalar loss and ``rlx.grad`` of it w.r.t. every float input. Used by the codegen fuzzer
 (compiled against the reference) and the text round-trip tests.
 """
@@ -55,6 +55,7 @@ def _build(draw: st.DrawFn) -> tuple[Graph, list[Value]]:
                     "concat",
                     "split",
                     "gather",
+                    "cumsum",
                 ]
             )
         )
@@ -142,6 +143,9 @@ def _build(draw: st.DrawFn) -> tuple[Graph, list[Value]]:
             if draw(st.booleans()):
                 ids = g.minimum(ids + 1, shape[axis] - 1)  # arithmetic on the ids too
             values.append(g.take(v, ids, axis=axis))
+        elif kind == "cumsum" and shape:
+            axis = draw(st.integers(-len(shape), len(shape) - 1))
+            values.append(g.cumsum(v, axis=axis, reverse=draw(st.booleans())))
         elif kind == "split" and shape and shape[-1] % 2 == 0:
             a, b = g.split(v, 2, axis=-1)
             values.append(a * b)

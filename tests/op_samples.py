@@ -170,6 +170,8 @@ SAMPLES: list[Sample] = [
     Sample("min", lambda g: g.min(g.input("x", (2, 3, 4)), axis=(0, 2), keepdims=True)),
     Sample("argmax", lambda g: g.argmax(g.input("x", (2, 3, 4)), axis=1)),
     Sample("argmin", lambda g: g.argmin(g.input("x", (2, 3, 4)), axis=None, keepdims=True)),
+    Sample("cumsum", lambda g: g.cumsum(g.input("x", (2, 3, 4)), axis=1)),
+    Sample("cumsum", lambda g: g.cumsum(g.input("x", (3, 5)), axis=-1, reverse=True), label="reverse"),
     Sample("softmax", lambda g: g.softmax(g.input("x", (2, 3, 4)), axis=1)),
     Sample("log_softmax", lambda g: g.log_softmax(g.input("x", (2, 3, 4)))),
     Sample("rms_norm", lambda g: g.rms_norm(g.input("x", (2, 3, 4)), g.input("w", (4,)), eps=1e-6)),

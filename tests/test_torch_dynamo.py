@@ -134,10 +134,10 @@ def test_attention_calls(case: str) -> None:
 
 def test_what_rlx_cannot_take_runs_eagerly_with_a_warning() -> None:
     def cumulative(x: torch.Tensor) -> torch.Tensor:
-        return torch.cumsum(x, dim=0) * 2.0
+        return torch.cumprod(x, dim=0) * 2.0
 
     x = torch.randn(5, 3)
-    with pytest.warns(UserWarning, match="cumsum has no rlx translation"):
+    with pytest.warns(UserWarning, match="cumprod has no rlx translation"):
         got = torch.compile(cumulative, backend="rlx")(x)
     torch.testing.assert_close(got, cumulative(x))
     assert dynamo_backend.stats == {"compiled": 0, "eager": 1}
@@ -611,4 +611,32 @@ def test_floor_division_remainder_and_rounding() -> None:
     for got, want in zip(torch.compile(arithmetic, backend="rlx")(x, i), arithmetic(x, i), strict=True):
         assert got.dtype == want.dtype
         torch.testing.assert_close(got, want)
+    assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks
+
+
+def test_running_sums() -> None:
+    """``cumsum`` as torch computes it: floats (with gradients), and bools and ints in int64, as
+    transformers derives positions from a left-padded mask (``mask.long().cumsum(-1) - 1``)."""
+
+    def sums(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        return (
+            torch.cumsum(x, dim=1) * 2.0,
+            x.cumsum(0),
+            positions,
+            mask.bool().cumsum(1),
+            torch.cumsum(mask, 1, dtype=torch.float32),
+        )
+
+    x = torch.randn(3, 6, requires_grad=True)
+    mask = torch.ones(3, 6, dtype=torch.long)
+    mask[1, :2] = 0
+    got, want = torch.compile(sums, backend="rlx")(x, mask), sums(x, mask)
+    for a, e in zip(got, want, strict=True):
+        assert a.dtype == e.dtype
+        torch.testing.assert_close(a, e)
+    cotangents = [torch.randn_like(t) for t in want[:2]]
+    torch.testing.assert_close(
+        torch.autograd.grad(got[:2], x, cotangents)[0], torch.autograd.grad(want[:2], x, cotangents)[0]
+    )
     assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks

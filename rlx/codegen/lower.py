@@ -39,6 +39,7 @@ from rlx.codegen.lower_attention import (
     slot_heads_and_width,
 )
 from rlx.codegen.lower_gemm import emit_gemm_item, gemm_spec
+from rlx.codegen.lower_scan import emit_scan_item
 from rlx.codegen.lower_scatter import emit_scatter_item
 from rlx.codegen.memory_plan import MemoryPlan
 from rlx.codegen.parallel import Step, emit_team, forward_to, share_identical_items
@@ -579,6 +580,20 @@ class _Lowering:
                 pointers.append(self.sizes)
             items = gemm.emit_items(self.b, self.entry_symbols())
             self.call(item_fn, pointers, items, False, str(node.id))
+        elif op == "cumsum":
+            x = node.inputs[0]
+            axis, reverse = node.attrs.axis, node.attrs.reverse
+            symbols = self.table_symbols
+            name = f"cumsum.{node.id}"
+            item_fn = self.item_function(
+                ("cumsum", x.shape, axis, reverse, x.dtype.str, symbols),
+                name,
+                lambda: emit_scan_item(self.module, x.shape, axis, reverse, x.dtype, name, symbols),
+            )
+            pointers = [self.view_pointer(x), self.base_pointer(node.outputs[0])]
+            if self.sizes is not None:
+                pointers.append(self.sizes)
+            self.call(item_fn, pointers, product(x.shape[:axis]), False, str(node.id))
         elif op == "embedding_grad":
             dy, ids = (self.schedule.view(v) for v in node.inputs)
             assert dy is not None and ids is not None

@@ -33,7 +33,7 @@ from rlx.ops.flex_attention import flex_slots
 
 # Ops lowered by a kernel of their own; their results and operands are buffers.
 CALL_OUT_OPS = frozenset(
-    {"matmul", "attention", "attention_bwd", "flex_attention", "flex_attention_bwd", "embedding_grad"}
+    {"matmul", "attention", "attention_bwd", "flex_attention", "flex_attention_bwd", "embedding_grad", "cumsum"}
 )
 VIEW_OPS = frozenset({"reshape", "transpose", "split", "broadcast_to"})
 REDUCE_OPS = frozenset({"sum", "max"})

@@ -104,6 +104,9 @@ class Value:
     def squeeze(self, axis: int | Sequence[int] | None = None) -> Value:
         return self.graph.squeeze(self, axis)
 
+    def cumsum(self, axis: int | None = None) -> Value:
+        return self.graph.cumsum(self, axis)
+
     def argmax(self, axis: int | None = None, keepdims: bool = False) -> Value:
         return self.graph.argmax(self, axis=axis, keepdims=keepdims)
 

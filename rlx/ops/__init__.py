@@ -15,6 +15,7 @@ from rlx.ops import (
     matmul,
     movement,
     reduce,
+    scan,
     softmax,
 )
 
@@ -28,5 +29,6 @@ __all__ = [
     "matmul",
     "movement",
     "reduce",
+    "scan",
     "softmax",
 ]

@@ -504,6 +504,15 @@ def _cast(g: Graph, x: Any, dtype: torch.dtype) -> Any:
     return g.cast(_float(x), DTYPES[dtype])
 
 
+def _cumsum(g: Graph, x: Any, dim: int, *, dtype: torch.dtype | None = None, out: Any = None) -> Any:
+    """``torch.cumsum``: bools and ints sum in int64, as torch's; ``dtype`` converts first."""
+    check_kwargs({"out": out}, out=None)
+    x = _float(x) if dtype is None else _cast(g, x, dtype)
+    if x.dtype == np.bool_:
+        x = x.astype("int64")
+    return g.cumsum(x, axis=dim)
+
+
 def _method_cast(dtype: torch.dtype) -> Callable[..., Any]:
     return lambda g, x, *a, **k: _cast(g, x, dtype)
 
@@ -1132,6 +1141,7 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     torch.unbind: _unbind,
     torch.einsum: _einsum,
     torch.gather: _gather,
+    torch.cumsum: _cumsum,
     torch.index_select: _index_select,
     torch.Size: lambda g, dims=(): tuple(dims),  # a shape with dynamic sizes: a tuple of them
     torch.addmm: _addmm,
@@ -1186,6 +1196,7 @@ METHODS: dict[str, Callable[..., Any]] = {
     "clip": _clamp,
     "unbind": _unbind,
     "gather": _gather,
+    "cumsum": _cumsum,
     "index_select": _index_select,
     "item": _item,
     "new_ones": _new(1.0),
