@@ -640,3 +640,134 @@ def test_running_sums() -> None:
         torch.autograd.grad(got[:2], x, cotangents)[0], torch.autograd.grad(want[:2], x, cotangents)[0]
     )
     assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks
+
+
+def test_updates_in_place_and_assignments() -> None:
+    """``x += y``, ``x[i] = v``, ``x[i] += v``, ``x.masked_fill_``, ``x[mask] = 0`` on tensors the
+    graph made (T5 shifts its labels so): the updated values, gradients through them, every later
+    read seeing the update. An input updated in place (the caller would see it) stays eager."""
+
+    def updates(x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x * 2.0
+        y[:, 0] = 1.5
+        y[1:, 2:4] = x[:-1, :2]
+        y[..., -1] += 3.0
+        shifted = ids.new_zeros(ids.shape)
+        shifted[..., 1:] = ids[..., :-1].clone()
+        shifted[..., 0] = 7
+        shifted.masked_fill_(shifted == 3, 0)
+        w = x.clone()
+        w[w < 0] = 0.0
+        y += w
+        y.mul_(torch.full((4, 1), 0.5))
+        return y, shifted
+
+    x = torch.randn(4, 6, requires_grad=True)
+    ids = torch.randint(0, 5, (4, 6))
+    got, want = torch.compile(updates, backend="rlx")(x, ids), updates(x, ids)
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a, e)
+    torch.testing.assert_close(
+        torch.autograd.grad(got[0].square().sum(), x)[0], torch.autograd.grad(want[0].square().sum(), x)[0]
+    )
+    assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks
+
+    def update_input(t: torch.Tensor) -> torch.Tensor:
+        t[:, 0] = 0.0
+        return t * 2.0
+
+    given, copied = torch.randn(3, 3), None
+    copied = given.clone()
+    with pytest.warns(UserWarning, match="setitem of a graph input"):
+        result = torch.compile(update_input, backend="rlx")(given)
+    torch.testing.assert_close(result, update_input(copied))
+    torch.testing.assert_close(given, copied)  # the caller sees the update, as in eager torch
+
+
+def test_minima_and_tensors_of_dynamic_sizes() -> None:
+    """``torch.min`` in each form, ``amin``, ``argmin``, and ``torch.zeros``/``full`` of a dynamic
+    length (T5's relative position buckets), over three lengths."""
+
+    def buckets(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        length = x.shape[1]
+        large = torch.full((length,), 5, dtype=torch.long) + torch.arange(length)
+        capped = torch.min(large, torch.full_like(large, 7))
+        values, positions = x.min(dim=-1)
+        return capped, values, positions, torch.amin(x, dim=(0, 2)), x.argmin(-1), torch.zeros(2, length) + x[:, :, 0]
+
+    compiled = torch.compile(buckets, backend="rlx")
+    for length in (5, 8, 3):
+        x = torch.randn(2, length, 4)
+        for a, e in zip(compiled(x), buckets(x), strict=True):
+            assert a.dtype == e.dtype
+            torch.testing.assert_close(a, e)
+    assert dynamo_backend.stats["eager"] == 0, dynamo_backend.fallbacks
+
+
+@pytest.mark.slow
+def test_more_transformers_models_train_on_rlx() -> None:
+    """Eleven more families from transformers (when installed), training with a left-padded
+    mask at three lengths against eager copies: encoders (RoBERTa, whose positions are a cumsum
+    of the mask; DistilBERT; ELECTRA), an encoder-decoder (T5: labels shifted by assignment,
+    relative position buckets), decoders (GPT-NeoX, Phi, Gemma, OPT, Falcon, GPT-Neo with local
+    attention, GPT-BigCode), with no graph left to torch."""
+    transformers = pytest.importorskip("transformers")
+    small = {"vocab_size": 64}
+    width = {"hidden_size": 32, "num_attention_heads": 4}
+    configs = {
+        "roberta": transformers.RobertaConfig(
+            **small, **width, num_hidden_layers=2, intermediate_size=64, max_position_embeddings=40
+        ),
+        "distilbert": transformers.DistilBertConfig(
+            **small, n_layers=2, dim=32, hidden_dim=64, n_heads=4, max_position_embeddings=40
+        ),
+        "electra": transformers.ElectraConfig(
+            **small, **width, embedding_size=32, num_hidden_layers=2, intermediate_size=64, max_position_embeddings=40
+        ),
+        "t5": transformers.T5Config(
+            **small, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0
+        ),
+        "gpt_neox": transformers.GPTNeoXConfig(
+            **small, **width, num_hidden_layers=2, intermediate_size=64, max_position_embeddings=40
+        ),
+        "phi": transformers.PhiConfig(**small, **width, num_hidden_layers=2, intermediate_size=64),
+        "gemma": transformers.GemmaConfig(
+            **small, **width, num_hidden_layers=2, num_key_value_heads=1, head_dim=8, intermediate_size=64
+        ),
+        "opt": transformers.OPTConfig(
+            **small, **width, num_hidden_layers=2, ffn_dim=64, max_position_embeddings=40, word_embed_proj_dim=32
+        ),
+        "falcon": transformers.FalconConfig(**small, **width, num_hidden_layers=2),
+        "gpt_neo": transformers.GPTNeoConfig(
+            **small, hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+            max_position_embeddings=40, window_size=4, bos_token_id=0, eos_token_id=0,
+        ),
+        "gpt_bigcode": transformers.GPTBigCodeConfig(**small, n_embd=32, n_layer=2, n_head=4, n_positions=40),
+    }  # fmt: skip
+    for name, config in configs.items():
+        torch.manual_seed(7)
+        if name in ("roberta", "distilbert", "electra"):
+            eager = transformers.AutoModelForMaskedLM.from_config(config).train()
+        elif name == "t5":
+            eager = transformers.T5ForConditionalGeneration(config).train()
+        else:
+            eager = transformers.AutoModelForCausalLM.from_config(config).train()
+        other = copy.deepcopy(eager)
+        compiled = torch.compile(other, backend="rlx")
+        for length in (8, 11, 6):
+            ids = torch.randint(1, 64, (2, length))
+            padding = torch.ones(2, length, dtype=torch.long)
+            padding[1, :2] = 0
+            labels = ids[:, :5].contiguous() if name == "t5" else ids
+            losses = []
+            for model in (eager, compiled):
+                torch.manual_seed(length)
+                losses.append(model(input_ids=ids, attention_mask=padding, labels=labels).loss)
+            torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6, msg=name)
+            for loss in losses:
+                loss.backward()
+        for (parameter, a), b in zip(eager.named_parameters(), other.parameters(), strict=True):
+            if a.grad is not None:
+                torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=f"{name} {parameter}")
+        torch._dynamo.reset()
+    assert dynamo_backend.stats["eager"] == 0, dynamo_backend.fallbacks

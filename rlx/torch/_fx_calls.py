@@ -177,6 +177,17 @@ def _compare(name: str) -> Callable[..., Any]:
     return handler
 
 
+_COMPARISONS = {
+    "eq": "equal",
+    "ne": "not_equal",
+    "lt": "less",
+    "le": "less_equal",
+    "gt": "greater",
+    "ge": "greater_equal",
+}
+"""torch's comparison functions and methods by name, and rlx's op of each."""
+
+
 def _unary(name: str) -> Callable[..., Any]:
     def handler(g: Graph, x: Any, **kwargs: Any) -> Any:
         check_kwargs(kwargs, inplace=False)
@@ -287,24 +298,36 @@ def _contract(g: Graph, a: Value, la: str, b: Value, lb: str, later: set[str]) -
     return g.reshape(product, tuple(size[c] for c in labels)), labels
 
 
-def _max(g: Graph, x: Any, dim: Any = None, keepdim: bool = False, **kwargs: Any) -> Any:
-    """``torch.max(x)``, ``x.max(dim)`` (values and indices) or ``torch.max(a, b)``."""
-    check_kwargs(kwargs)
-    if isinstance(dim, (Value, torch.Tensor)):
-        return g.maximum(_float(x), _value(g, dim))
-    if dim is None:
-        return g.max(_float(x))
-    return (g.max(_float(x), axis=dim, keepdims=keepdim), g.argmax(_float(x), axis=dim, keepdims=keepdim))
+def _extremum(kind: str) -> Callable[..., Any]:
+    """``torch.max(x)``, ``x.max(dim)`` (values and indices) or ``torch.max(a, b)``; ``min`` alike."""
+    reduce, arg, pairwise = getattr(Graph, kind), getattr(Graph, f"arg{kind}"), getattr(Graph, f"{kind}imum")
+
+    def handler(g: Graph, x: Any, dim: Any = None, keepdim: bool = False, **kwargs: Any) -> Any:
+        check_kwargs(kwargs)
+        if isinstance(dim, (Value, torch.Tensor)):
+            return pairwise(g, *_promoted(g, _value(g, x), _value(g, dim)))
+        if dim is None:
+            return reduce(g, _float(x))
+        return (reduce(g, _float(x), axis=dim, keepdims=keepdim), arg(g, _float(x), axis=dim, keepdims=keepdim))
+
+    return handler
 
 
-def _amax(g: Graph, x: Any, dim: Any = (), keepdim: bool = False) -> Any:
-    return g.max(_float(x), axis=None if dim in ((), []) else _axis_args(dim), keepdims=keepdim)
+def _reduce_extremum(kind: str) -> Callable[..., Any]:
+    """``torch.amax`` / ``torch.amin``: the values alone, over any axes."""
+
+    def handler(g: Graph, x: Any, dim: Any = (), keepdim: bool = False) -> Any:
+        return getattr(g, kind)(_float(x), axis=None if dim in ((), []) else _axis_args(dim), keepdims=keepdim)
+
+    return handler
 
 
 def _softmax(name: str) -> Callable[..., Any]:
     def handler(g: Graph, x: Any, dim: Any = None, *rest: Any, **kwargs: Any) -> Any:
         dim = kwargs.pop("dim", dim)
         kwargs.pop("_stacklevel", None)
+        if kwargs.get("dtype") in (torch.float32, *HALF):  # rlx computes in float32 anyway
+            kwargs.pop("dtype")
         check_kwargs(kwargs, dtype=None)
         if type(dim) is not int:
             raise Unsupported("softmax without an int dim")
@@ -418,22 +441,41 @@ def _new(fill: float | None) -> Callable[..., Any]:
     ``dtype`` or ``x``'s (``new_empty`` is zeros: its content is anyone's)."""
 
     def handler(g: Graph, x: Any, *args: Any, **kwargs: Any) -> Any:
-        x = _float(x)
-        if fill is None:  # new_full(size, fill_value)
-            *sizes, value = (*args, kwargs.pop("fill_value")) if "fill_value" in kwargs else args
-        else:
-            sizes, value = list(args), fill
-        one = len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size))
-        size = tuple(sizes[0]) if one else tuple(sizes)
-        dtype = kwargs.pop("dtype", None)
-        kwargs.pop("device", None)
-        kwargs.pop("layout", None)
-        kwargs.pop("pin_memory", None)
-        check_kwargs(kwargs, requires_grad=False)
-        target = np.dtype(x.dtype) if dtype is None else _numpy_dtype(dtype)
-        return g.broadcast_to(g.constant(np.array(value, dtype=target)), _dims(tuple(size)))
+        return _filled_with(g, np.dtype(_float(x).dtype), fill, args, kwargs)
 
     return handler
+
+
+def _factory(fill: float | None) -> Callable[..., Any]:
+    """``torch.zeros(size)``, ``ones``, ``empty`` (zeros) and ``full(size, value)`` of a size with
+    dynamic entries (of ints alone they are folded into constants): float32 unless ``dtype``
+    says, ``full`` in its value's kind, as torch."""
+
+    def handler(g: Graph, *args: Any, **kwargs: Any) -> Any:
+        value = fill if fill is not None else kwargs.get("fill_value", args[-1] if args else 0.0)
+        default = np.dtype(np.bool_ if type(value) is bool else np.int64 if type(value) is int else np.float32)
+        return _filled_with(g, default, fill, args, kwargs)
+
+    return handler
+
+
+def _filled_with(g: Graph, default: np.dtype, fill: float | None, args: Any, kwargs: dict[str, Any]) -> Value:
+    """A scalar broadcast to the size in ``args`` (``(2, S)`` or ``2, S``; after it the fill value
+    where ``fill`` is None), in ``kwargs``' dtype or ``default``."""
+    if fill is None:  # full(size, fill_value)
+        *sizes, value = (*args, kwargs.pop("fill_value")) if "fill_value" in kwargs else args
+    else:
+        sizes, value = list(args), fill
+    if "size" in kwargs:
+        sizes = [kwargs.pop("size")]
+    one = len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size))
+    size = tuple(sizes[0]) if one else tuple(sizes)
+    dtype = kwargs.pop("dtype", None)
+    for ignored in ("device", "layout", "pin_memory", "memory_format"):
+        kwargs.pop(ignored, None)
+    check_kwargs(kwargs, requires_grad=False)
+    target = default if dtype is None else _numpy_dtype(dtype)
+    return g.broadcast_to(g.constant(np.array(value, dtype=target)), _dims(tuple(size)))
 
 
 def _getattr(g: Graph, x: Any, name: str) -> Any:
@@ -504,6 +546,15 @@ def _cast(g: Graph, x: Any, dtype: torch.dtype) -> Any:
     return g.cast(_float(x), DTYPES[dtype])
 
 
+def _baddbmm(g: Graph, x: Any, batch1: Any, batch2: Any, *, beta: float = 1.0, alpha: float = 1.0) -> Any:
+    """``beta * x + alpha * (batch1 @ batch2)`` (BLOOM's ALiBi scores); ``beta`` 0 ignores ``x``."""
+    product = g.matmul(_float(batch1), _float(batch2))
+    product = product * alpha if alpha != 1 else product
+    if beta == 0:
+        return product
+    return (_value(g, x) * beta if beta != 1 else _value(g, x)) + product
+
+
 def _cumsum(g: Graph, x: Any, dim: int, *, dtype: torch.dtype | None = None, out: Any = None) -> Any:
     """``torch.cumsum``: bools and ints sum in int64, as torch's; ``dtype`` converts first."""
     check_kwargs({"out": out}, out=None)
@@ -570,6 +621,74 @@ def _sliced(g: Graph, x: Value, entries: tuple[Any, ...]) -> Value:
 
 def _int_bounds(entry: slice) -> bool:
     return all(b is None or isinstance(b, int) for b in (entry.start, entry.stop))
+
+
+def _setitem(g: Graph, x: Any, index: Any, value: Any) -> Value:
+    """``x[index] = value`` as a new value (rlx.torch.dynamo binds it to x's node): x with the
+    indexed part replaced by ``value`` (converted to x's dtype, broadcast to the part, as torch
+    does). Basic indexing (ints, slices of step 1, ``...``): the part's neighbours along each
+    indexed axis are concatenated around it, all views; a bool mask of x's leading axes with a
+    single value: a ``where``."""
+    x = _float(x)
+    entries = list(index) if isinstance(index, tuple) else [index]
+    if len(entries) == 1 and isinstance(entries[0], Value) and entries[0].dtype == np.bool_:
+        mask = entries[0]
+        if tuple(x.shape[: mask.ndim]) != tuple(mask.shape):
+            raise Unsupported(f"assigning through a mask of shape {mask.shape} into {x.shape}")
+        number = _filled(g, value, x.dtype, ())
+        return g.where(g.reshape(mask, (*mask.shape, *(1,) * (x.ndim - mask.ndim))), number, x)
+    if any(not (e is Ellipsis or isinstance(e, slice) or type(e) is int) for e in entries):
+        raise Unsupported("assigning by an index other than ints, slices and ...")
+    if Ellipsis in entries:
+        at = entries.index(Ellipsis)
+        entries[at : at + 1] = [slice(None)] * (x.ndim - (len(entries) - 1))
+    entries += [slice(None)] * (x.ndim - len(entries))
+    if len(entries) != x.ndim or any(isinstance(e, slice) and e.step not in (None, 1) for e in entries):
+        raise Unsupported(f"assigning by the index {index!r} of a value of shape {x.shape}")
+    # The part as slices (an int is a slice of one; on a static axis, bounds as Python clamps
+    # them), and the value broadcast to its shape there.
+    parts = []
+    for entry, length in zip(entries, x.shape, strict=True):
+        part = slice(entry, entry + 1 if entry != -1 else None) if type(entry) is int else entry
+        if isinstance(length, int):
+            start, stop, _ = part.indices(length)
+            if stop <= start:
+                return x  # an empty part: nothing assigned
+            part = slice(start, stop) if (start, stop) != (0, length) else slice(None)
+        parts.append(part)
+    part_shape = x[tuple(parts)].shape
+    target = x[tuple(entries)].shape
+    block = g.reshape(_filled(g, value, x.dtype, target), part_shape)
+    return _replaced(g, x, parts, block, 0)
+
+
+def _filled(g: Graph, value: Any, dtype: np.dtype, shape: tuple[Dim, ...]) -> Value:
+    """``value`` (a number or a value) in ``dtype``, broadcast to ``shape``."""
+    if isinstance(value, Value):
+        value = value.astype(str(np.dtype(dtype))) if value.dtype != dtype else value
+    elif isinstance(value, (int, float, bool)):
+        value = g.constant(np.asarray(value, dtype=dtype))
+    else:
+        raise Unsupported(f"assigning a {type(value).__name__}")
+    return g.broadcast_to(value, shape) if tuple(value.shape) != tuple(shape) else value
+
+
+def _replaced(g: Graph, x: Value, parts: list[slice], block: Value, axis: int) -> Value:
+    """``x`` with ``x[parts]`` (slices from ``axis`` on) replaced by ``block``."""
+    if axis == x.ndim:
+        return block
+    part = parts[axis]
+    whole = (slice(None),) * axis
+    if part == slice(None):
+        return _replaced(g, x, parts, block, axis + 1)
+    inner = _replaced(g, x[(*whole, part)], parts, block, axis + 1)
+    pieces = []
+    if part.start not in (None, 0):
+        pieces.append(x[(*whole, slice(None, part.start))])
+    pieces.append(inner)
+    if part.stop is not None and not (isinstance(x.shape[axis], int) and part.stop >= x.shape[axis]):
+        pieces.append(x[(*whole, slice(part.stop, None))])
+    return g.concat(pieces, axis=axis) if len(pieces) > 1 else inner
 
 
 def _clamped(x: Value, entries: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -1094,8 +1213,7 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     torch.minimum: _compare("minimum"),
     operator.eq: _compare("equal"),
     operator.ne: _compare("not_equal"),
-    torch.eq: _compare("equal"),
-    torch.ne: _compare("not_equal"),
+    **{getattr(torch, name): _compare(op) for name, op in _COMPARISONS.items()},
     torch.where: _where,
     torch.cat: _cat,
     torch.concat: _cat,
@@ -1111,9 +1229,12 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     torch.flatten: _flatten,
     torch.sum: _reduce("sum"),
     torch.mean: _reduce("mean"),
-    torch.amax: _amax,
-    torch.max: _max,
+    torch.amax: _reduce_extremum("max"),
+    torch.amin: _reduce_extremum("min"),
+    torch.max: _extremum("max"),
+    torch.min: _extremum("min"),
     torch.argmax: lambda g, x, dim=None, keepdim=False: g.argmax(_float(x), axis=dim, keepdims=keepdim),
+    torch.argmin: lambda g, x, dim=None, keepdim=False: g.argmin(_float(x), axis=dim, keepdims=keepdim),
     torch.softmax: _softmax("softmax"),
     torch.log_softmax: _softmax("log_softmax"),
     torch.clamp: _clamp,
@@ -1141,6 +1262,9 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     torch.unbind: _unbind,
     torch.einsum: _einsum,
     torch.gather: _gather,
+    "setitem": _setitem,  # rlx.torch.dynamo's translation of operator.setitem
+    torch.clone: lambda g, x, memory_format=None: _float(x),
+    torch.baddbmm: _baddbmm,
     torch.cumsum: _cumsum,
     torch.index_select: _index_select,
     torch.Size: lambda g, dims=(): tuple(dims),  # a shape with dynamic sizes: a tuple of them
@@ -1148,6 +1272,10 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     F.pad: _pad,
     torch._C._nn.pad: _pad,
     torch.repeat_interleave: _repeat_interleave,
+    torch.zeros: _factory(0.0),
+    torch.ones: _factory(1.0),
+    torch.empty: _factory(0.0),
+    torch.full: _factory(None),
     torch.zeros_like: _like(0.0),
     torch.ones_like: _like(1.0),
     torch.full_like: _like(None),
@@ -1177,6 +1305,7 @@ METHODS: dict[str, Callable[..., Any]] = {
     "transpose": _transpose,
     "t": _t,
     "contiguous": _contiguous,
+    "clone": lambda g, x, memory_format=None: _float(x),  # values are never updated in place
     "unsqueeze": _unsqueeze,
     "squeeze": _squeeze,
     "flatten": _flatten,
@@ -1186,9 +1315,12 @@ METHODS: dict[str, Callable[..., Any]] = {
     "chunk": _chunk,
     "sum": _reduce("sum"),
     "mean": _reduce("mean"),
-    "amax": _amax,
-    "max": _max,
+    "amax": _reduce_extremum("max"),
+    "amin": _reduce_extremum("min"),
+    "max": _extremum("max"),
+    "min": _extremum("min"),
     "argmax": lambda g, x, dim=None, keepdim=False: g.argmax(_float(x), axis=dim, keepdims=keepdim),
+    "argmin": lambda g, x, dim=None, keepdim=False: g.argmin(_float(x), axis=dim, keepdims=keepdim),
     "softmax": _softmax("softmax"),
     "log_softmax": _softmax("log_softmax"),
     "masked_fill": _masked_fill,
@@ -1197,6 +1329,8 @@ METHODS: dict[str, Callable[..., Any]] = {
     "unbind": _unbind,
     "gather": _gather,
     "cumsum": _cumsum,
+    "baddbmm": _baddbmm,
+    **{name: _compare(op) for name, op in _COMPARISONS.items()},
     "index_select": _index_select,
     "item": _item,
     "new_ones": _new(1.0),

@@ -26,6 +26,7 @@ so ``backend="rlx"`` and ``backend=rlx.torch.backend`` are the same.
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -112,6 +113,8 @@ class _Translation:
         # Dropout's keep masks, drawn by the wrapper per call with torch's generator:
         # name -> (shape as polynomials, probability of keeping).
         self.keeps: dict[str, tuple[tuple[int | Size, ...], float]] = {}
+        # Nodes that name one tensor updated in place (``x += y`` and x), bound to its last value.
+        self.aliases: dict[torch.fx.Node, list[torch.fx.Node]] = {}
         placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
         if len(placeholders) != len(example_inputs):
             raise Unsupported(f"{len(placeholders)} placeholders for {len(example_inputs)} example inputs")
@@ -199,12 +202,53 @@ class _Translation:
         return torch.fx.node.map_arg(arg, lambda n: self.env[n])
 
     def _node(self, node: torch.fx.Node) -> Any:
+        key = str(node.target) if node.op == "call_method" else node.target
+        if node.op in ("call_function", "call_method") and key in _IN_PLACE:
+            return self._in_place(node, _IN_PLACE[key])
+        return self._call(node, node.target)
+
+    def _in_place(self, node: torch.fx.Node, target: Any) -> Any:
+        """An in-place call (``x += y``, ``x.masked_fill_(m, 0)``, ``x[..., 0] = v``) as the
+        out-of-place one, its result bound to the updated tensor's node too, so every later read
+        of it sees the new values. Where a graph input or a view is updated, or a view of the
+        tensor was taken (its reads would have to see the update as well), ``Unsupported``."""
+        name = getattr(node.target, "__name__", str(node.target))
+        updated = node.args[0] if node.args else None
+        if not isinstance(updated, torch.fx.Node) or updated.op not in ("call_function", "call_method"):
+            raise Unsupported(f"{name} of a graph input (the update would have to reach the caller)")
+        if _augmented(updated):  # ``x[i] += y``: the part's new value, which a setitem writes back
+            return self._call(node, target)
+        group = self.aliases.get(updated, [updated])
+        for member in group:
+            example = member.meta.get("example_value")
+            if member.target is not operator.setitem and (not isinstance(example, torch.Tensor) or example._is_view()):
+                raise Unsupported(f"{name} of a view (the update would have to reach its base)")
+            for user in member.users:
+                seen = user.meta.get("example_value")
+                if user is node or user in group or not isinstance(seen, torch.Tensor) or not seen._is_view():
+                    continue
+                if not _augmented(user):
+                    raise Unsupported(f"{name} of a tensor with a view (the view would see the update)")
+        value = self._call(node, target)
+        if node.target is operator.setitem:  # it returns nothing; the tensor holds the result
+            value, result = value, None
+        else:
+            result = value
+        group = [*group, node]
+        for member in group:
+            self.aliases[member] = group
+            self.env[member] = value
+        return result
+
+    def _call(self, node: torch.fx.Node, target: Any) -> Any:
+        """A call node translated by the handler of ``target`` (the node's own, or the
+        out-of-place call an in-place one stands for)."""
         args, kwargs = self._load(node.args), self._load(node.kwargs)
         if node.op == "call_function":
-            handler = FUNCTIONS.get(node.target)
+            handler = FUNCTIONS.get(target)
             what = getattr(node.target, "__name__", str(node.target))
         elif node.op == "call_method":
-            handler = METHODS.get(str(node.target))
+            handler = METHODS.get(str(target))
             what = f"Tensor.{node.target}"
         elif node.op == "get_attr":
             attribute = _attribute(self.gm, str(node.target))
@@ -435,6 +479,21 @@ def _size_of(args: Sequence[Any], source: tuple[int, int | None]) -> int:
 
 _SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 
+_IN_PLACE: dict[Any, Any] = {
+    operator.setitem: "setitem",  # FUNCTIONS["setitem"]: the tensor with the part replaced
+    operator.iadd: operator.add,
+    operator.isub: operator.sub,
+    operator.imul: operator.mul,
+    operator.itruediv: operator.truediv,
+    "add_": "add",
+    "sub_": "sub",
+    "mul_": "mul",
+    "div_": "div",
+    "masked_fill_": "masked_fill",
+    "clamp_": "clamp",
+}
+"""In-place calls and the calls whose result they equal (``x += y`` is ``x + y`` bound to x)."""
+
 
 def _attention_dropout_p(args: Any, kwargs: Any) -> float:
     """The ``dropout_p`` of an SDPA call's arguments (0 where not given)."""
@@ -466,7 +525,32 @@ def _foldable(what: str, args: Any, kwargs: Any) -> bool:
     return not found and not any(word in name for word in _RANDOM) and not name.endswith("_")
 
 
+def _augmented(view: torch.fx.Node) -> bool:
+    """Whether ``view`` is the part an augmented assignment updates, ``x[i] += y``, which Python
+    runs as ``part = x[i]; part += y; x[i] = part``: read only by one in-place call, whose
+    result only a setitem of the same index of the same tensor reads. The setitem then makes the
+    update that the in-place call made through the view."""
+    if view.op != "call_function" or view.target is not operator.getitem or len(view.users) != 1:
+        return False
+    (update,) = view.users
+    key = str(update.target) if update.op == "call_method" else update.target
+    if key not in _IN_PLACE or key is operator.setitem or update.args[0] is not view or len(update.users) != 1:
+        return False
+    (store,) = update.users
+    return store.target is operator.setitem and store.args == (view.args[0], view.args[1], update)
+
+
 def _fold(node: torch.fx.Node, args: Any, kwargs: Any) -> Any:
+    key = str(node.target) if node.op == "call_method" else node.target
+    if key in _IN_PLACE and isinstance(args[0], torch.Tensor):
+        # An in-place update of a constant updates a copy (the constant may be a module's buffer).
+        args = (args[0].clone(), *args[1:])
+        with torch.no_grad():
+            if node.op == "call_method":
+                getattr(args[0], str(node.target))(*args[1:], **kwargs)
+            else:
+                node.target(*args, **kwargs)  # type: ignore[operator]
+        return args[0]
     with torch.no_grad():
         if node.op == "call_method":
             subject = args[0]
