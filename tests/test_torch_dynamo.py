@@ -676,12 +676,24 @@ def test_updates_in_place_and_assignments() -> None:
         t[:, 0] = 0.0
         return t * 2.0
 
-    given, copied = torch.randn(3, 3), None
+    given = torch.randn(3, 3)
     copied = given.clone()
     with pytest.warns(UserWarning, match="setitem of a graph input"):
         result = torch.compile(update_input, backend="rlx")(given)
     torch.testing.assert_close(result, update_input(copied))
     torch.testing.assert_close(given, copied)  # the caller sees the update, as in eager torch
+
+    def update_shared(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = t * 2.0
+        same = y.contiguous()  # the same tensor: it sees the update
+        part = y[0]  # a view: it sees the update too
+        y += 1.0
+        return same * 1.0, part + 0.0
+
+    with pytest.warns(UserWarning, match="iadd of a tensor sharing its memory"):
+        shared = torch.compile(update_shared, backend="rlx")(given)
+    for a, e in zip(shared, update_shared(given), strict=True):
+        torch.testing.assert_close(a, e)
 
 
 def test_minima_and_tensors_of_dynamic_sizes() -> None:

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from rlx.errors import RlxError
 from rlx.ir.dims import Size, poly
@@ -219,16 +220,27 @@ class _Translation:
         if _augmented(updated):  # ``x[i] += y``: the part's new value, which a setitem writes back
             return self._call(node, target)
         group = self.aliases.get(updated, [updated])
-        for member in group:
-            example = member.meta.get("example_value")
-            if member.target is not operator.setitem and (not isinstance(example, torch.Tensor) or example._is_view()):
-                raise Unsupported(f"{name} of a view (the update would have to reach its base)")
-            for user in member.users:
-                seen = user.meta.get("example_value")
-                if user is node or user in group or not isinstance(seen, torch.Tensor) or not seen._is_view():
-                    continue
-                if not _augmented(user):
-                    raise Unsupported(f"{name} of a tensor with a view (the view would see the update)")
+        example = updated.meta.get("example_value")
+        if not isinstance(example, torch.Tensor) or example._is_view():
+            raise Unsupported(f"{name} of a view (the update would have to reach its base)")
+        # Another tensor of the graph in the same memory (a view, ``y.contiguous()`` or
+        # ``y.float()`` of it, or it of them) that is an input or a buffer, or that is read after
+        # the update, would see it: the update stays torch's. (One made after the update is made
+        # from the new value here, as in torch.)
+        storage = StorageWeakRef(example.untyped_storage())
+        names = [*group, node]  # the tensor's names once this update is made
+        order = {n: i for i, n in enumerate(node.graph.nodes)}
+        for other in node.graph.nodes:
+            if other in names or _augmented(other) or order[other] > order[node]:
+                if _updates(other, names):  # a later update of the same tensor: a name of it too
+                    names.append(other)
+                continue
+            shared = any(
+                StorageWeakRef(t.untyped_storage()) == storage for t in _tensors(other.meta.get("example_value"))
+            )
+            outside = other.op in ("placeholder", "get_attr")
+            if shared and (outside or any(order[user] > order[node] for user in other.users)):
+                raise Unsupported(f"{name} of a tensor sharing its memory with another (which would see it)")
         value = self._call(node, target)
         if node.target is operator.setitem:  # it returns nothing; the tensor holds the result
             value, result = value, None
@@ -523,6 +535,25 @@ def _foldable(what: str, args: Any, kwargs: Any) -> bool:
     _nested((args, kwargs), lambda a: found.append(a) if isinstance(a, (Value, Size)) else a)
     name = what.lower()
     return not found and not any(word in name for word in _RANDOM) and not name.endswith("_")
+
+
+def _tensors(example: Any) -> list[torch.Tensor]:
+    """The tensors of a node's example value (a tensor, or a tuple of them from ``split``)."""
+    if isinstance(example, torch.Tensor):
+        return [example]
+    if isinstance(example, (tuple, list)):
+        return [t for t in example if isinstance(t, torch.Tensor)]
+    return []
+
+
+def _updates(other: torch.fx.Node, group: list[torch.fx.Node]) -> bool:
+    """Whether ``other`` updates in place a tensor of ``group`` (directly, or through the part an
+    augmented assignment takes): its result is that tensor, bound to the group when it comes."""
+    key = str(other.target) if other.op == "call_method" else other.target
+    if key not in _IN_PLACE or not other.args or not isinstance(other.args[0], torch.fx.Node):
+        return False
+    updated = other.args[0]
+    return updated in group or (_augmented(updated) and updated.args[0] in group)
 
 
 def _augmented(view: torch.fx.Node) -> bool:
