@@ -783,3 +783,32 @@ def test_more_transformers_models_train_on_rlx() -> None:
                 torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=f"{name} {parameter}")
         torch._dynamo.reset()
     assert dynamo_backend.stats["eager"] == 0, dynamo_backend.fallbacks
+
+
+def test_a_convolutional_network_trains() -> None:
+    """``nn.Conv2d`` (padding, stride, groups) and ``nn.Conv1d`` with ReLU, flatten, a linear head
+    and cross-entropy: the loss and every parameter's gradient as eager torch's, all on rlx."""
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = torch.nn.Conv2d(3, 8, 3, padding=1)
+            self.second = torch.nn.Conv2d(8, 16, 3, stride=2, padding=1, groups=2)
+            self.third = torch.nn.Conv1d(16, 4, 2)
+            self.head = torch.nn.Linear(4 * 63, 10)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.second(torch.relu(self.first(x)))).flatten(2)
+            return F.cross_entropy(self.head(self.third(h).flatten(1)), y)
+
+    torch.manual_seed(0)
+    eager = Net()
+    other = copy.deepcopy(eager)
+    x, y = torch.randn(5, 3, 16, 16), torch.randint(0, 10, (5,))
+    got, want = torch.compile(other, backend="rlx")(x, y), eager(x, y)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    got.backward()
+    want.backward()
+    for a, e in zip(other.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, e.grad, rtol=1e-4, atol=1e-6)
+    assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks

@@ -568,10 +568,26 @@ class Graph:
         return squeeze(self, x, axis)
 
     def take(self, x: object, ids: object, axis: int = 0) -> Value:
-        """``numpy.take``: entries at integer ``ids`` (an input or constant) along ``axis``."""
+        """``numpy.take``: entries at integer ``ids`` along ``axis`` (ids computed by the graph too)."""
         from rlx.ops.composite import take
 
         return take(self, x, ids, axis)
+
+    def conv(
+        self,
+        x: object,
+        weight: object,
+        bias: object = None,
+        stride: int | Sequence[int] = 1,
+        padding: int | str | Sequence[int] | Sequence[tuple[int, int]] = 0,
+        dilation: int | Sequence[int] = 1,
+        groups: int = 1,
+    ) -> Value:
+        """Convolution as ``torch.nn.functional.conv1d/2d/3d`` (``x [N, C, *spatial]``, ``weight
+        [O, C/groups, *kernel]``): see :func:`rlx.ops.conv.conv`."""
+        from rlx.ops.conv import conv
+
+        return conv(self, x, weight, bias, stride, padding, dilation, groups)
 
     def clip(self, x: object, lo: object = None, hi: object = None) -> Value:
         """``numpy.clip`` / ``torch.clamp`` with torch's gradient (1 within the bounds)."""

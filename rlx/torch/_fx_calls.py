@@ -555,6 +555,20 @@ def _baddbmm(g: Graph, x: Any, batch1: Any, batch2: Any, *, beta: float = 1.0, a
     return (_value(g, x) * beta if beta != 1 else _value(g, x)) + product
 
 
+def _conv(
+    g: Graph,
+    x: Any,
+    weight: Any,
+    bias: Any = None,
+    stride: Any = 1,
+    padding: Any = 0,
+    dilation: Any = 1,
+    groups: int = 1,
+) -> Any:
+    """``F.conv1d/2d/3d``: rlx's ``conv`` (im2col in graph ops, one BLAS product)."""
+    return g.conv(_float(x), _float(weight), bias, stride=stride, padding=padding, dilation=dilation, groups=groups)
+
+
 def _cumsum(g: Graph, x: Any, dim: int, *, dtype: torch.dtype | None = None, out: Any = None) -> Any:
     """``torch.cumsum``: bools and ints sum in int64, as torch's; ``dtype`` converts first."""
     check_kwargs({"out": out}, out=None)
@@ -1266,6 +1280,9 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     torch.clone: lambda g, x, memory_format=None: _float(x),
     torch.baddbmm: _baddbmm,
     torch.cumsum: _cumsum,
+    F.conv1d: _conv,
+    F.conv2d: _conv,
+    F.conv3d: _conv,
     torch.index_select: _index_select,
     torch.Size: lambda g, dims=(): tuple(dims),  # a shape with dynamic sizes: a tuple of them
     torch.addmm: _addmm,
