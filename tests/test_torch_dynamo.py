@@ -812,3 +812,42 @@ def test_a_convolutional_network_trains() -> None:
     for a, e in zip(other.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(a.grad, e.grad, rtol=1e-4, atol=1e-6)
     assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks
+
+
+def test_batch_norm_and_pooling_with_running_statistics() -> None:
+    """``nn.BatchNorm2d`` in training (its running statistics and counter, buffers updated in
+    place, copied back into the module after each call, as eager torch leaves them) and in
+    evaluation, with max, average and adaptive pooling: a ResNet stem, against an eager copy."""
+
+    class Stem(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 8, 3, stride=2, padding=1, bias=False)
+            self.norm = torch.nn.BatchNorm2d(8)
+            self.pool = torch.nn.MaxPool2d(3, stride=2, padding=1)
+            self.mean = torch.nn.AvgPool2d(2, count_include_pad=False, padding=1)
+            self.head = torch.nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.mean(self.pool(torch.relu(self.norm(self.conv(x)))))
+            return self.head(F.adaptive_avg_pool2d(h, 1).flatten(1))
+
+    torch.manual_seed(3)
+    eager = Stem()
+    other = copy.deepcopy(eager)
+    compiled = torch.compile(other, backend="rlx")
+    for step in range(2):
+        x = torch.randn(4, 3, 16, 16) + step
+        got, want = compiled(x), eager(x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        got.square().sum().backward()
+        want.square().sum().backward()
+    for (name, a), b in zip(eager.named_buffers(), other.buffers(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+    for (name, a), b in zip(eager.named_parameters(), other.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=name)
+    eager.eval()
+    other.eval()
+    x = torch.randn(2, 3, 16, 16)
+    torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=1e-5)
+    assert dynamo_backend.stats["eager"] == 0, dynamo_backend.fallbacks

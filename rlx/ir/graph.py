@@ -589,6 +589,32 @@ class Graph:
 
         return conv(self, x, weight, bias, stride, padding, dilation, groups)
 
+    def max_pool(
+        self,
+        x: object,
+        window: int | Sequence[int],
+        stride: int | Sequence[int] | None = None,
+        padding: int | Sequence[int] = 0,
+        dilation: int | Sequence[int] = 1,
+    ) -> Value:
+        """Max pooling as ``torch.nn.functional.max_pool1d/2d/3d``: see :func:`rlx.ops.conv.pool`."""
+        from rlx.ops.conv import pool
+
+        return pool(self, x, "max", window, stride, padding, dilation)
+
+    def avg_pool(
+        self,
+        x: object,
+        window: int | Sequence[int],
+        stride: int | Sequence[int] | None = None,
+        padding: int | Sequence[int] = 0,
+        count_include_pad: bool = True,
+    ) -> Value:
+        """Average pooling as ``torch.nn.functional.avg_pool1d/2d/3d``: see :func:`rlx.ops.conv.pool`."""
+        from rlx.ops.conv import pool
+
+        return pool(self, x, "avg", window, stride, padding, 1, count_include_pad)
+
     def clip(self, x: object, lo: object = None, hi: object = None) -> Value:
         """``numpy.clip`` / ``torch.clamp`` with torch's gradient (1 within the bounds)."""
         from rlx.ops.composite import clip

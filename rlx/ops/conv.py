@@ -1,5 +1,5 @@
-"""``conv``: N-d convolution (cross-correlation, as torch's ``F.conv1d/2d/3d``), built from the
-registered ops, with no op of its own.
+"""``conv`` and ``pool``: N-d convolution (cross-correlation, as torch's ``F.conv1d/2d/3d``) and
+max and average pooling, built from the registered ops, with no op of their own.
 
 It is im2col written in graph ops: the input padded with zeros (a ``concat``), channels moved
 last (a view), one strided slice per kernel offset (views), those slices concatenated along the
@@ -79,7 +79,7 @@ def conv(
     # Channels last, zero-padded: [N, *padded, C].
     last = graph.transpose(value, (0, *range(2, spatial + 2), 1))
     for axis, (low, high) in enumerate(pads, start=1):
-        last = _zero_pad(graph, last, axis, low, high)
+        last = _pad_with(graph, last, axis, low, high, 0.0)
     results = []
     per_group, outs_per_group = channels // groups, outputs // groups
     for group in range(groups):
@@ -135,17 +135,75 @@ def _padding(padding: object, spatial: int, reach: list[int], strides: list[int]
     return [(int(p[0]), int(p[1])) for p in pairs]
 
 
-def _zero_pad(graph: Graph, x: Value, axis: int, low: int, high: int) -> Value:
-    """``x`` with ``low`` and ``high`` zeros around ``axis``."""
-    if not low and not high:
-        return x
-    parts = []
+def pool(
+    graph: Graph,
+    x: object,
+    kind: str,
+    window: int | Sequence[int],
+    stride: int | Sequence[int] | None = None,
+    padding: int | Sequence[int] = 0,
+    dilation: int | Sequence[int] = 1,
+    count_include_pad: bool = True,
+) -> Value:
+    """Max or average pooling of ``x [N, C, *spatial]`` over windows of the spatial axes, as
+    ``torch.nn.functional.max_pool1d/2d/3d`` and ``avg_pool*d`` (floor mode): the windows are
+    strided slices of ``x`` padded with ``-inf`` (max) or zeros (average), combined by
+    ``maximum`` or summed; ``stride`` defaults to the window. An average over windows that reach
+    into the padding divides by the whole window, or with ``count_include_pad=False`` by the
+    entries inside ``x``."""
+    what = f"{kind}_pool"
+    value = as_value(graph, x, f"{what}: x")
+    spatial = value.ndim - 2
+    if spatial not in (1, 2, 3) or value.dtype != np.float32:
+        raise RlxValueError(f"{what}: x must be float32 [N, C, *spatial] with 1 to 3 spatial axes, got {value.type}")
+    sizes = [value.shape[2 + a] for a in range(spatial)]
+    if not all(isinstance(s, int) for s in sizes):
+        raise RlxValueError(f"{what}: the spatial axes must be static, got {value.type}")
+    taps = _per_axis("window", window, spatial, low=1)
+    strides = taps if stride is None else _per_axis("stride", stride, spatial, low=1)
+    dilations = _per_axis("dilation", dilation, spatial, low=1)
+    pads = _per_axis("padding", padding, spatial, low=0)
+    if any(2 * p > t for p, t in zip(pads, taps, strict=True)):
+        raise RlxValueError(f"{what}: padding {tuple(pads)} must be at most half the window {tuple(taps)} (as torch)")
+    reach = [d * (t - 1) for d, t in zip(dilations, taps, strict=True)]
+    out_sizes = [(s + 2 * p - r - 1) // st + 1 for s, p, r, st in zip(sizes, pads, reach, strides, strict=True)]  # type: ignore[operator]
+    if min(out_sizes) < 1:
+        raise RlxValueError(f"{what}: the window {tuple(taps)} does not fit x {value.type} padded by {tuple(pads)}")
+    fill = float("-inf") if kind == "max" else 0.0
+    padded = value
+    for axis, p in enumerate(pads, start=2):
+        padded = _pad_with(graph, padded, axis, p, p, fill)
+    windows = []
+    for offsets in itertools.product(*(range(t) for t in taps)):
+        index: list[object] = [slice(None), slice(None)]
+        for o, d, s, n in zip(offsets, dilations, strides, out_sizes, strict=True):
+            index.append(slice(o * d, o * d + (n - 1) * s + 1, s))
+        windows.append(padded[tuple(index)])
+    if kind == "max":
+        result = windows[0]
+        for part in windows[1:]:
+            result = graph.maximum(result, part)
+        return result
+    total = windows[0]
+    for part in windows[1:]:
+        total = total + part
+    if count_include_pad or not any(pads):
+        return total * (1.0 / len(windows))
+    # Entries of each window inside x: the same pooling of ones, computed now.
+    inside = np.pad(np.ones([int(s) for s in sizes], np.float64), [(p, p) for p in pads])
+    counts = np.zeros(out_sizes)
+    for offsets in itertools.product(*(range(t) for t in taps)):
+        counts += inside[tuple(slice(o * d, o * d + (n - 1) * s + 1, s)
+                               for o, d, s, n in zip(offsets, dilations, strides, out_sizes, strict=True))]  # fmt: skip
+    return total / graph.constant(counts.astype(np.float32))
+
+
+def _pad_with(graph: Graph, x: Value, axis: int, low: int, high: int, fill: float) -> Value:
+    """``x`` with ``low`` and ``high`` entries of ``fill`` around ``axis``."""
+    pieces = []
     for count in (low, high):
-        if count:
-            shape = list(x.shape)
-            shape[axis] = count
-            parts.append(graph.broadcast_to(graph.constant(np.float32(0.0)), tuple(shape)))
-        else:
-            parts.append(None)
-    pieces = [p for p in (parts[0], x, parts[1]) if p is not None]
-    return graph.concat(pieces, axis=axis)
+        shape = list(x.shape)
+        shape[axis] = count
+        pieces.append(graph.broadcast_to(graph.constant(np.float32(fill)), tuple(shape)) if count else None)
+    parts = [p for p in (pieces[0], x, pieces[1]) if p is not None]
+    return graph.concat(parts, axis=axis) if len(parts) > 1 else x

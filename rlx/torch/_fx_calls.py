@@ -569,6 +569,56 @@ def _conv(
     return g.conv(_float(x), _float(weight), bias, stride=stride, padding=padding, dilation=dilation, groups=groups)
 
 
+def _max_pool(
+    g: Graph,
+    x: Any,
+    kernel_size: Any,
+    stride: Any = None,
+    padding: Any = 0,
+    dilation: Any = 1,
+    ceil_mode: bool = False,
+    return_indices: bool = False,
+) -> Any:
+    """``F.max_pool1d/2d/3d`` (floor mode, no indices)."""
+    if ceil_mode or return_indices:
+        raise Unsupported("max pooling with ceil_mode or return_indices")
+    return g.max_pool(_float(x), kernel_size, stride or None, padding, dilation)
+
+
+def _avg_pool(
+    g: Graph,
+    x: Any,
+    kernel_size: Any,
+    stride: Any = None,
+    padding: Any = 0,
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    divisor_override: Any = None,
+) -> Any:
+    """``F.avg_pool1d/2d/3d`` (floor mode)."""
+    if ceil_mode or divisor_override is not None:
+        raise Unsupported("average pooling with ceil_mode or divisor_override")
+    return g.avg_pool(_float(x), kernel_size, stride or None, padding, count_include_pad)
+
+
+def _adaptive(kind: str) -> Callable[..., Any]:
+    """``F.adaptive_avg_pool*d`` / ``adaptive_max_pool*d`` where each output size divides its input
+    size: windows of ``input // output``, as torch's for such sizes (``1``: over the whole axis)."""
+
+    def handler(g: Graph, x: Any, output_size: Any, return_indices: bool = False) -> Any:
+        x = _float(x)
+        spatial = x.ndim - 2
+        wanted = [output_size] * spatial if type(output_size) is int else list(output_size)
+        sizes = [x.shape[2 + a] for a in range(spatial)]
+        wanted = [s if w is None else w for w, s in zip(wanted, sizes, strict=True)]
+        if return_indices or not all(isinstance(s, int) and s % w == 0 for s, w in zip(sizes, wanted, strict=True)):
+            raise Unsupported(f"adaptive pooling of {sizes} to {wanted} (only sizes that divide)")
+        window = [s // w for s, w in zip(sizes, wanted, strict=True)]
+        return g.max_pool(x, window) if kind == "max" else g.avg_pool(x, window)
+
+    return handler
+
+
 def _cumsum(g: Graph, x: Any, dim: int, *, dtype: torch.dtype | None = None, out: Any = None) -> Any:
     """``torch.cumsum``: bools and ints sum in int64, as torch's; ``dtype`` converts first."""
     check_kwargs({"out": out}, out=None)
@@ -1280,6 +1330,12 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     torch.clone: lambda g, x, memory_format=None: _float(x),
     torch.baddbmm: _baddbmm,
     torch.cumsum: _cumsum,
+    **{getattr(F, f"max_pool{n}d"): _max_pool for n in (1, 2, 3)},
+    **{getattr(F, f"avg_pool{n}d"): _avg_pool for n in (1, 2, 3)},
+    **{getattr(F, f"adaptive_avg_pool{n}d"): _adaptive("avg") for n in (1, 2, 3)},
+    **{getattr(F, f"adaptive_max_pool{n}d"): _adaptive("max") for n in (1, 2, 3)},
+    **{getattr(torch, f"max_pool{n}d"): _max_pool for n in (1, 2, 3)},
+    **{getattr(torch, f"avg_pool{n}d"): _avg_pool for n in (1,)},
     F.conv1d: _conv,
     F.conv2d: _conv,
     F.conv3d: _conv,

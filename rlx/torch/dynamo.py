@@ -116,6 +116,9 @@ class _Translation:
         self.keeps: dict[str, tuple[tuple[int | Size, ...], float]] = {}
         # Nodes that name one tensor updated in place (``x += y`` and x), bound to its last value.
         self.aliases: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+        # Inputs updated in place (running statistics): placeholder by position; the wrapper
+        # copies their final values into the caller's tensors after each call.
+        self.mutated: dict[int, torch.fx.Node] = {}
         placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
         if len(placeholders) != len(example_inputs):
             raise Unsupported(f"{len(placeholders)} placeholders for {len(example_inputs)} example inputs")
@@ -211,22 +214,35 @@ class _Translation:
     def _in_place(self, node: torch.fx.Node, target: Any) -> Any:
         """An in-place call (``x += y``, ``x.masked_fill_(m, 0)``, ``x[..., 0] = v``) as the
         out-of-place one, its result bound to the updated tensor's node too, so every later read
-        of it sees the new values. Where a graph input or a view is updated, or a view of the
-        tensor was taken (its reads would have to see the update as well), ``Unsupported``."""
-        name = getattr(node.target, "__name__", str(node.target))
+        of it sees the new values (see :meth:`_check_update` for the updates left to torch)."""
         updated = node.args[0] if node.args else None
-        if not isinstance(updated, torch.fx.Node) or updated.op not in ("call_function", "call_method"):
-            raise Unsupported(f"{name} of a graph input (the update would have to reach the caller)")
-        if _augmented(updated):  # ``x[i] += y``: the part's new value, which a setitem writes back
-            return self._call(node, target)
-        group = self.aliases.get(updated, [updated])
+        if isinstance(updated, torch.fx.Node) and _augmented(updated):
+            return self._call(node, target)  # ``x[i] += y``: the part's new value, which a setitem writes back
+        group = self._check_update(node, updated)
+        value = self._call(node, target)
+        self._bind(node, group, value)
+        return None if node.target is operator.setitem else value  # a setitem returns nothing
+
+    def _check_update(self, node: torch.fx.Node, updated: Any) -> list[torch.fx.Node]:
+        """The names of the tensor ``node`` updates in place, or ``Unsupported`` where the update
+        could not be a new value: of a parameter that requires a gradient, of a view made in the
+        graph (its base would have to see it), or of a tensor sharing its memory with another
+        (a view, ``y.contiguous()`` or ``y.float()`` of it, or it of them) that is an input or a
+        buffer, or that is read after the update. (One made after the update is made from the
+        new value, as in torch.) A graph input updated (a batch norm's running statistics, a
+        counter) becomes an output the wrapper copies into the caller's tensor."""
+        name = getattr(node.target, "__name__", str(node.target))
+        if not isinstance(updated, torch.fx.Node) or updated.op not in ("call_function", "call_method", "placeholder"):
+            raise Unsupported(f"{name} of {updated!r}")
         example = updated.meta.get("example_value")
-        if not isinstance(example, torch.Tensor) or example._is_view():
+        if updated.op == "placeholder":
+            position = [n for n in node.graph.nodes if n.op == "placeholder"].index(updated)
+            if not isinstance(example, torch.Tensor) or example.requires_grad or self.inputs[position] is None:
+                raise Unsupported(f"{name} of a graph input that requires a gradient")
+            self.mutated[position] = updated
+        elif not isinstance(example, torch.Tensor) or example._is_view():
             raise Unsupported(f"{name} of a view (the update would have to reach its base)")
-        # Another tensor of the graph in the same memory (a view, ``y.contiguous()`` or
-        # ``y.float()`` of it, or it of them) that is an input or a buffer, or that is read after
-        # the update, would see it: the update stays torch's. (One made after the update is made
-        # from the new value here, as in torch.)
+        group = self.aliases.get(updated, [updated])
         storage = StorageWeakRef(example.untyped_storage())
         names = [*group, node]  # the tensor's names once this update is made
         order = {n: i for i, n in enumerate(node.graph.nodes)}
@@ -241,16 +257,14 @@ class _Translation:
             outside = other.op in ("placeholder", "get_attr")
             if shared and (outside or any(order[user] > order[node] for user in other.users)):
                 raise Unsupported(f"{name} of a tensor sharing its memory with another (which would see it)")
-        value = self._call(node, target)
-        if node.target is operator.setitem:  # it returns nothing; the tensor holds the result
-            value, result = value, None
-        else:
-            result = value
+        return group
+
+    def _bind(self, node: torch.fx.Node, group: list[torch.fx.Node], value: Any) -> None:
+        """Every name of an updated tensor (and the updating node) now means ``value``."""
         group = [*group, node]
         for member in group:
             self.aliases[member] = group
             self.env[member] = value
-        return result
 
     def _call(self, node: torch.fx.Node, target: Any) -> Any:
         """A call node translated by the handler of ``target`` (the node's own, or the
@@ -279,6 +293,8 @@ class _Translation:
             return self._padded_embedding(*args, **kwargs)
         if node.target is F.dropout:
             return self._dropout(*args, **kwargs)
+        if node.target is F.batch_norm:
+            return self._batch_norm(node, *args, **kwargs)
         if node.target in _SDPA and _attention_dropout_p(args, kwargs):
             return self._attention_with_dropout(*args, **kwargs)
         if handler is None:
@@ -355,6 +371,60 @@ class _Translation:
         keep = self._keep_mask(x.shape, p)
         return self.graph.where(keep, x * (1.0 / (1.0 - float(p))), 0.0)
 
+    def _batch_norm(
+        self,
+        node: torch.fx.Node,
+        x: Any,
+        running_mean: Any,
+        running_var: Any,
+        weight: Any = None,
+        bias: Any = None,
+        training: bool = False,
+        momentum: float | None = 0.1,
+        eps: float = 1e-5,
+    ) -> Value:
+        """``F.batch_norm``: in training, each channel normalised by its batch mean and biased
+        variance, and the running statistics (inputs) updated in place, as torch's kernel does:
+        ``(1 - momentum) * running + momentum * batch``, the variance unbiased; in evaluation, by
+        the running statistics."""
+        g = self.graph
+        if not isinstance(x, Value) or x.dtype != np.float32 or x.ndim < 2:
+            raise Unsupported("batch_norm of other than a float tensor [N, C, ...]")
+        channels = x.shape[1]
+        axes = (0, *range(2, x.ndim))
+        shape = (1, channels, *(1,) * (x.ndim - 2))
+        if training:
+            mean = g.mean(x, axis=axes, keepdims=True)
+            centred = x - mean
+            var = g.mean(centred * centred, axis=axes, keepdims=True)
+            stats = [(1, "running_mean", running_mean, mean), (2, "running_var", running_var, var)]
+            if any(isinstance(s, Value) for _, _, s, _ in stats):
+                if momentum is None:
+                    raise Unsupported("batch_norm with momentum=None (a cumulative average)")
+                count = 1
+                for axis in axes:
+                    if not isinstance(x.shape[axis], int):
+                        raise Unsupported("batch_norm's running variance over a dynamic size")
+                    count *= int(x.shape[axis])
+                for slot, keyword, running, batch in stats:
+                    updated = node.args[slot] if len(node.args) > slot else node.kwargs.get(keyword)
+                    if not isinstance(running, Value) or not isinstance(updated, torch.fx.Node):
+                        raise Unsupported("batch_norm with one running statistic")
+                    group = self._check_update(node, updated)
+                    unbiased = count / (count - 1) if slot == 2 and count > 1 else 1.0
+                    fresh = g.reshape(batch, (channels,)) * (float(momentum) * unbiased)
+                    self._bind(updated, group, running * (1.0 - float(momentum)) + fresh)
+        else:
+            if not isinstance(running_mean, Value) or not isinstance(running_var, Value):
+                raise Unsupported("batch_norm in evaluation without running statistics")
+            mean, var = g.reshape(running_mean, shape), g.reshape(running_var, shape)
+        y = (x - mean) * g.rsqrt(var + float(eps))
+        if weight is not None:
+            y = y * g.reshape(weight, shape)
+        if bias is not None:
+            y = y + g.reshape(bias, shape)
+        return y
+
     def _keep_mask(self, shape: tuple[Any, ...], p: float) -> Value:
         """A bool input of ``shape`` the wrapper draws per call: True with probability 1 - p."""
         name = f"keep{len(self.keeps)}"
@@ -428,6 +498,13 @@ class _Translation:
         # what TorchDynamo traced each output as: a half-precision one is narrowed back per call
         narrowed = [_traced_dtype(node) if node is not None else None for node in self._output_nodes(len(values))]
         self.graph.output(**{name: v for name, v in zip(names, values, strict=True) if name is not None})
+        updates = {}  # inputs updated in place: their final values, copied into the caller's tensors
+        for position, placeholder in self.mutated.items():
+            final = self.env[placeholder]
+            if not isinstance(final, Value):
+                raise Unsupported(f"an input updated to a {type(final).__name__}")
+            updates[position] = f"updated{position}"
+            self.graph.output(**{updates[position]: final})
         function = CompiledGraph(self.graph)
         inputs, ranges, detached, keeps, widened = self.inputs, self.ranges, self.detached, self.keeps, self.widened
         pinned = self.pinned
@@ -463,7 +540,13 @@ class _Translation:
             for name, (shape, kept) in keeps.items():
                 draw = torch.empty(tuple(_evaluate(d, sizes) for d in shape)).bernoulli_(kept)
                 named[name] = draw.bool()
+            for position in updates:  # a copy: autograd may keep the input, and it is updated below
+                named[inputs[position]] = named[inputs[position]].clone()  # type: ignore[index]
             result = function(**named)
+            if updates:
+                with torch.no_grad():
+                    for position, name in updates.items():
+                        args[position].copy_(result[name])
             outs = [
                 result[name] if name is not None else _evaluate(v, sizes) for name, v in zip(names, values, strict=True)
             ]

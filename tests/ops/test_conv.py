@@ -46,9 +46,7 @@ def direct_conv(x: np.ndarray, w: np.ndarray, b: np.ndarray, case: dict) -> np.n
     padded = np.pad(x.astype(np.float64), [(0, 0), (0, 0), *pads])
     groups = case["groups"]
     per_group, outs = x.shape[1] // groups, w.shape[0] // groups
-    out_sizes = [
-        (padded.shape[2 + a] - dilation[a] * (taps[a] - 1) - 1) // stride[a] + 1 for a in range(spatial)
-    ]
+    out_sizes = [(padded.shape[2 + a] - dilation[a] * (taps[a] - 1) - 1) // stride[a] + 1 for a in range(spatial)]
     out = np.zeros((x.shape[0], w.shape[0], *out_sizes))
     for o in range(w.shape[0]):
         group = o // outs
@@ -126,3 +124,72 @@ def test_conv_errors_name_what_is_wrong() -> None:
         g.conv(x, g.input("w6", (6, 4, 3)))
     with pytest.raises(rlx.RlxValueError, match="bias must be"):
         g.conv(x, g.input("w7", (6, 4, 3, 3)), bias=g.input("b", (5,)))
+
+
+def _direct_pool(x: np.ndarray, kind: str, window: int, stride: int, padding: int, include_pad: bool) -> np.ndarray:
+    """Pooling by its definition over 2-d windows, in float64."""
+    fill = -np.inf if kind == "max" else 0.0
+    padded = np.pad(
+        x.astype(np.float64), [(0, 0), (0, 0), (padding, padding), (padding, padding)], constant_values=fill
+    )
+    inside = np.pad(np.ones(x.shape[2:]), padding)
+    rows = (padded.shape[2] - window) // stride + 1
+    cols = (padded.shape[3] - window) // stride + 1
+    out = np.zeros((*x.shape[:2], rows, cols))
+    for i, j in itertools.product(range(rows), range(cols)):
+        patch = padded[:, :, i * stride : i * stride + window, j * stride : j * stride + window]
+        if kind == "max":
+            out[:, :, i, j] = patch.max(axis=(2, 3))
+        else:
+            count = (
+                window * window
+                if include_pad
+                else inside[i * stride : i * stride + window, j * stride : j * stride + window].sum()
+            )
+            out[:, :, i, j] = patch.sum(axis=(2, 3)) / count
+    return out
+
+
+@pytest.mark.parametrize(
+    ("kind", "window", "stride", "padding", "include_pad"),
+    [
+        ("max", 3, 2, 1, True),
+        ("max", 2, 2, 0, True),
+        ("avg", 3, 1, 1, True),
+        ("avg", 3, 2, 1, False),
+        ("avg", 2, 2, 0, True),
+    ],
+)
+def test_pooling_matches_the_definition(kind: str, window: int, stride: int, padding: int, include_pad: bool) -> None:
+    rng = np.random.default_rng(11)
+    g = Graph("pool")
+    x = g.input("x", (2, 3, 9, 8))
+    if kind == "max":
+        y = g.max_pool(x, window, stride, padding)
+    else:
+        y = g.avg_pool(x, window, stride, padding, count_include_pad=include_pad)
+    weights = rng.standard_normal(y.shape)
+    loss = g.sum(y * g.constant(weights.astype(np.float32)))
+    (dx,) = rlx.grad(g, loss, [x])
+    g.output(y=y, dx=dx)
+    xv = rng.standard_normal((2, 3, 9, 8))
+    got = rlx.compile(g)(x=xv.astype(np.float32))
+    np.testing.assert_allclose(
+        got["y"], _direct_pool(xv, kind, window, stride, padding, include_pad), rtol=1e-5, atol=1e-6
+    )
+
+    def loss_of() -> float:
+        return float(np.sum(_direct_pool(xv, kind, window, stride, padding, include_pad) * weights))
+
+    np.testing.assert_allclose(got["dx"], central_differences(loss_of, xv), rtol=1e-4, atol=1e-4)
+
+
+def test_pooling_errors() -> None:
+    g = Graph("pool_errors")
+    x = g.input("x", (2, 3, 8, 8))
+    with pytest.raises(rlx.RlxValueError, match="at most half the window"):
+        g.max_pool(x, 2, padding=2)
+    with pytest.raises(rlx.RlxValueError, match="window must be an int >= 1"):
+        g.avg_pool(x, 0)
+    with pytest.raises(rlx.RlxValueError, match="does not fit"):
+        g.max_pool(x, 9)
