@@ -161,10 +161,6 @@ def _arg_infer(what: str, inputs: Sequence[TensorType], attrs: ArgAttrs) -> tupl
     require_float(what, "x", x)
     if not isinstance(attrs.axis, int) or isinstance(attrs.axis, bool) or not 0 <= attrs.axis < x.rank:
         raise RlxValueError(f"{what}: axis {attrs.axis!r} must be an int in [0, {x.rank}) for {x}")
-    if not isinstance(x.shape[attrs.axis], int):
-        raise RlxValueError(
-            f"{what}: the searched axis {attrs.axis} of {x} is symbolic; argmax and argmin search a static axis"
-        )
     return (TensorType(reduced_shape(x.shape, (attrs.axis,), attrs.keepdims), np.dtype(np.int64)),)
 
 
@@ -176,17 +172,22 @@ def _arg_reference(name: str):  # type: ignore[no-untyped-def]
 def _decompose_arg(name: str):  # type: ignore[no-untyped-def]
     """The first position holding the extremum, as NumPy's: ``min(where(x == peak, iota, n))``
     over the axis, with ``x != x`` beside the equality so that a NaN (which the max keeps) is
-    the peak found first. Built from ops that fuse into one loop nest per reduction."""
+    the peak found first. Built from ops that fuse into one loop nest per reduction. Along a
+    symbolic axis the positions are a running sum of ones (exact in float32 up to 2**24)."""
 
     def decompose(graph: Graph, node: Node) -> tuple[Value, ...]:
         x, attrs = node.inputs[0], node.attrs
         axis, length = attrs.axis, x.shape[attrs.axis]
-        assert isinstance(length, int)
         peak = graph.max(x if name == "argmax" else -x, axis=axis, keepdims=True)
         peak = peak if name == "argmax" else -peak
         hit = graph.logical_or(graph.equal(x, peak), graph.not_equal(x, x))
-        positions = np.arange(length, dtype=np.float32).reshape((length,) + (1,) * (x.ndim - axis - 1))
-        first = graph.min(graph.where(hit, graph.constant(positions), float(length)), axis=axis)
+        column = (length,) + (1,) * (x.ndim - axis - 1)
+        if isinstance(length, int):
+            positions = graph.constant(np.arange(length, dtype=np.float32).reshape(column))
+        else:
+            positions = graph.cumsum(graph.broadcast_to(graph.constant(np.float32(1.0)), column), axis=0) - 1.0
+        # Some entry is always hit (the peak, or a NaN): the fill is never the minimum.
+        first = graph.min(graph.where(hit, positions, float("inf")), axis=axis)
         found = graph.cast(first, "int64")
         return (graph.reshape(found, node.outputs[0].shape) if attrs.keepdims else found,)
 

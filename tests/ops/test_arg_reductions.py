@@ -44,8 +44,25 @@ def test_greedy_decoding_over_a_symbolic_length() -> None:
         np.testing.assert_array_equal(got["next_token"], array[:, -1].argmax(-1))
         np.testing.assert_array_equal(got["per_position"], array.argmax(2))
     assert exe.compile_count == 1
-    with pytest.raises(rlx.RlxValueError, match="symbolic"):
-        logits.argmax(axis=1)
+
+
+def test_search_along_a_symbolic_axis() -> None:
+    """The position along ``S`` itself (the best-scoring position of each sequence), and over
+    all entries: ties to the first, a NaN found first, as NumPy, one compilation for every ``S``."""
+    g = Graph("positions")
+    scores = g.input("scores", (2, "S", 3))
+    g.output(best=scores.argmax(axis=1), worst=g.argmin(scores, axis=1, keepdims=True), flat=scores.argmax())
+    exe = rlx.compile(g)
+    rng = np.random.default_rng(5)
+    for length in (1, 6, 70):
+        array = rng.integers(0, 3, (2, length, 3)).astype(np.float32)  # ties
+        if length > 1:
+            array[1, length - 1, 2] = np.nan
+        got = exe(scores=array)
+        np.testing.assert_array_equal(got["best"], np.argmax(array, axis=1))
+        np.testing.assert_array_equal(got["worst"], np.argmin(array, axis=1, keepdims=True))
+        np.testing.assert_array_equal(got["flat"], np.argmax(array))
+    assert exe.compile_count == 1
 
 
 def test_min_gradient_splits_ties_as_torch_amin() -> None:
