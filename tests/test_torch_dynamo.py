@@ -852,3 +852,21 @@ def test_batch_norm_and_pooling_with_running_statistics() -> None:
     x = torch.randn(2, 3, 16, 16)
     torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=1e-5)
     assert dynamo_backend.stats["eager"] == 0, dynamo_backend.fallbacks
+
+
+def test_splits_into_sections() -> None:
+    """``torch.tensor_split`` into sections (the first ones longer) and at indices; ``chunk`` of a
+    dynamic axis and a split into an empty part fall back with a warning naming why."""
+
+    def sections(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        a, b, c = torch.tensor_split(x, 3, dim=1)
+        d, e = x.tensor_split([2], dim=0)
+        return a * 2.0, b + c.sum(), d - 1.0, e
+
+    x = torch.randn(5, 7)
+    for got, want in zip(torch.compile(sections, backend="rlx")(x), sections(x), strict=True):
+        torch.testing.assert_close(got, want)
+    assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks
+    with pytest.warns(UserWarning, match="empty part"):
+        empty = torch.compile(lambda t: [p * 2.0 for p in t.tensor_split([0, 3], dim=1)], backend="rlx")(x)
+    assert [tuple(p.shape) for p in empty] == [(5, 0), (5, 3), (5, 4)]

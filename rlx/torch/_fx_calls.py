@@ -10,6 +10,7 @@ than torch (a keyword it does not honour, a dtype it does not hold): the graph t
 from __future__ import annotations
 
 import contextvars
+import itertools
 import math
 import operator
 from collections.abc import Callable, Sequence
@@ -1029,10 +1030,16 @@ def _divide(g: Graph, a: Any, b: Any, *, rounding_mode: str | None = None, out: 
     return g.where(inexact, quotient + 1, quotient)
 
 
+def _static_length(x: Value, dim: int, what: str) -> int:
+    length = x.shape[dim]
+    if not isinstance(length, int):
+        raise Unsupported(f"{what} along the dynamic axis {dim} ({length})")
+    return length
+
+
 def _split(g: Graph, x: Any, split_size: Any, dim: int = 0) -> Any:
     x = _float(x)
-    length = x.shape[dim]
-    assert isinstance(length, int)
+    length = _static_length(x, dim, "split")
     if type(split_size) is int:
         sizes = [min(split_size, length - start) for start in range(0, length, split_size)]
     else:
@@ -1042,9 +1049,24 @@ def _split(g: Graph, x: Any, split_size: Any, dim: int = 0) -> Any:
 
 def _chunk(g: Graph, x: Any, chunks: int, dim: int = 0) -> Any:
     x = _float(x)
-    length = x.shape[dim]
-    assert isinstance(length, int)
+    length = _static_length(x, dim, "chunk")
     return _split(g, x, -(-length // chunks), dim)
+
+
+def _tensor_split(g: Graph, x: Any, indices_or_sections: Any, dim: int = 0) -> Any:
+    """``torch.tensor_split``: ``n`` sections (the first ``length % n`` one longer) or the parts
+    between the given indices."""
+    x = _float(x)
+    length = _static_length(x, dim, "tensor_split")
+    if type(indices_or_sections) is int:
+        count = indices_or_sections
+        sizes = [length // count + (1 if part < length % count else 0) for part in range(count)]
+    else:
+        bounds = [0, *(min(max(int(i), 0), length) for i in indices_or_sections), length]
+        sizes = [b - a for a, b in itertools.pairwise(bounds)]
+    if any(size <= 0 for size in sizes):
+        raise Unsupported(f"tensor_split into an empty part ({sizes}): rlx has no empty values")
+    return g.split(x, sizes, axis=dim) if len(sizes) > 1 else (x,)
 
 
 def _cat(g: Graph, tensors: Sequence[Any], dim: int = 0, **kwargs: Any) -> Any:
@@ -1284,6 +1306,7 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     torch.stack: _stack,
     torch.split: _split,
     torch.chunk: _chunk,
+    torch.tensor_split: _tensor_split,
     torch.reshape: _reshape,
     torch.permute: _permute,
     torch.transpose: _transpose,
@@ -1386,6 +1409,7 @@ METHODS: dict[str, Callable[..., Any]] = {
     "size": _size,
     "split": _split,
     "chunk": _chunk,
+    "tensor_split": _tensor_split,
     "sum": _reduce("sum"),
     "mean": _reduce("mean"),
     "amax": _reduce_extremum("max"),

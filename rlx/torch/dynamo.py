@@ -66,7 +66,8 @@ def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable
     """A TorchDynamo backend: ``torch.compile(model, backend=rlx.torch.backend)``.
 
     Returns a function that runs the graph compiled by rlx, or ``gm.forward`` (eager PyTorch,
-    with a warning naming why) where the graph holds something rlx does not express.
+    with a warning naming why) where the graph holds something rlx does not express, or where
+    its translation failed unforeseen (the warning names the exception: a model still runs).
     """
     merges: dict[str, str] = {}
     try:
@@ -82,10 +83,12 @@ def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable
         return compiled
     except (Unsupported, RlxError) as why:
         reason = str(why)
-        fallbacks.append(reason)
-        stats["eager"] += 1
-        warnings.warn(f"rlx backend: this graph runs in eager PyTorch: {reason}", stacklevel=2)
-        return gm.forward  # type: ignore[no-any-return]
+    except Exception as why:  # a translation that failed in a way nobody foresaw: torch runs it
+        reason = f"the translation failed ({type(why).__name__}: {why})"
+    fallbacks.append(reason)
+    stats["eager"] += 1
+    warnings.warn(f"rlx backend: this graph runs in eager PyTorch: {reason}", stacklevel=2)
+    return gm.forward  # type: ignore[no-any-return]
 
 
 class _Translation:
