@@ -150,7 +150,8 @@ def pool(
     strided slices of ``x`` padded with ``-inf`` (max) or zeros (average), combined by
     ``maximum`` or summed; ``stride`` defaults to the window. An average over windows that reach
     into the padding divides by the whole window, or with ``count_include_pad=False`` by the
-    entries inside ``x``."""
+    entries inside ``x``. Where a window holds its maximum twice, the entries share its gradient
+    (``maximum``'s rule); torch's ``max_pool`` gives all of it to one of them."""
     what = f"{kind}_pool"
     value = as_value(graph, x, f"{what}: x")
     spatial = value.ndim - 2
