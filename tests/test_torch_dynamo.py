@@ -870,3 +870,43 @@ def test_splits_into_sections() -> None:
     with pytest.warns(UserWarning, match="empty part"):
         empty = torch.compile(lambda t: [p * 2.0 for p in t.tensor_split([0, 3], dim=1)], backend="rlx")(x)
     assert [tuple(p.shape) for p in empty] == [(5, 0), (5, 3), (5, 4)]
+
+
+LOSSES: list[tuple[str, Any]] = [
+    ("cross_entropy weights smoothing", lambda x, t, p: F.cross_entropy(x, t, weight=p[0].abs(), label_smoothing=0.1)),
+    ("cross_entropy sum ignore", lambda x, t, p: F.cross_entropy(x, t, ignore_index=2, reduction="sum")),
+    ("cross_entropy none", lambda x, t, p: F.cross_entropy(x, t, reduction="none") * p[1]),
+    ("cross_entropy classes on axis 1", lambda x, t, p: F.cross_entropy(x.view(2, 3, 5).transpose(1, 2), t.view(2, 3))),
+    ("nll_loss", lambda x, t, p: F.nll_loss(F.log_softmax(x, -1), t, weight=p[0].abs() + 0.5)),
+    ("mse_loss", lambda x, t, p: F.mse_loss(x, p[2])),
+    ("l1_loss sum", lambda x, t, p: F.l1_loss(x, p[2], reduction="sum")),
+    ("smooth_l1_loss", lambda x, t, p: F.smooth_l1_loss(x, p[2] * 3.0, beta=0.5)),
+    ("huber_loss", lambda x, t, p: F.huber_loss(x, p[2] * 3.0, delta=0.7)),
+    ("bce with logits",
+     lambda x, t, p: F.binary_cross_entropy_with_logits(x * 4.0, p[2].sigmoid(), pos_weight=p[0].abs())),
+    ("bce", lambda x, t, p: F.binary_cross_entropy(x.sigmoid(), p[2].sigmoid(), reduction="sum")),
+    ("kl_div batchmean", lambda x, t, p: F.kl_div(F.log_softmax(x, -1), F.softmax(p[2], -1), reduction="batchmean")),
+    ("logsumexp", lambda x, t, p: torch.logsumexp(x, dim=-1).sum() + x.logsumexp((0, 1))),
+    ("activations", lambda x, t, p: sum(
+        f(x).square().sum() for f in (F.logsigmoid, F.leaky_relu, F.elu, F.relu6, F.hardtanh, F.mish, F.hardswish,
+                                      F.hardsigmoid)
+    )),
+    ("glu and one_hot", lambda x, t, p: (F.glu(x[:, :4]) * F.one_hot(t, 5)[:, :2]).sum()),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "loss"), LOSSES, ids=[n for n, _ in LOSSES])
+def test_losses_and_activations(name: str, loss: Any) -> None:
+    """torch's losses (class weights, label smoothing, ignored targets, reductions, classes on
+    axis 1) and activations: values and gradients as eager torch's, the graph on rlx."""
+    torch.manual_seed(4)
+    x = torch.randn(6, 5, requires_grad=True)
+    targets = torch.tensor([0, 2, 4, 1, 2, 3])
+    extras = [torch.randn(5), torch.randn(6), torch.randn(6, 5)]
+    got, want = torch.compile(loss, backend="rlx")(x, targets, extras), loss(x, targets, extras)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    cotangent = torch.randn_like(want)
+    torch.testing.assert_close(
+        torch.autograd.grad(got, x, cotangent)[0], torch.autograd.grad(want, x, cotangent)[0], rtol=1e-4, atol=1e-5
+    )
+    assert dynamo_backend.stats["eager"] == 0, dynamo_backend.fallbacks

@@ -1180,33 +1180,208 @@ def _embedding(g: Graph, ids: Any, weight: Any, padding_idx: Any = None, max_nor
     return g.embedding(_float(weight), _float(ids))
 
 
+_LOSS_OPTIONS = ("size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+
+
 def _cross_entropy(g: Graph, logits: Any, target: Any, weight: Any = None, *rest: Any, **kwargs: Any) -> Any:
-    names = ("size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
-    options = dict(zip(names, rest, strict=False)) | kwargs
-    if weight is not None or options.get("size_average") is not None or options.get("reduce") is not None:
-        raise Unsupported("cross_entropy with class weights or legacy reduction arguments")
-    if options.get("reduction", "mean") != "mean" or options.get("label_smoothing", 0.0) != 0.0:
-        raise Unsupported("cross_entropy other than the mean without label smoothing")
-    logits, target = _float(logits), _float(target)
-    if logits.ndim > 2:  # torch: [N, C, d1...] puts classes on axis 1
-        raise Unsupported("cross_entropy with classes on axis 1 of a rank > 2 input")
-    # torch ignores targets equal to ignore_index (-100 unless given): they count for nothing,
-    # and the mean is over the others (NaN when there are none, as torch's). So not rlx's
-    # cross_entropy op, which refuses such targets: each row's negative log-likelihood picked by
-    # comparing its target with every class (an ignored target matches none), masked, summed. A
-    # counted target outside [0, C), which torch refuses, makes the loss NaN, never unseen.
+    """``F.cross_entropy`` with class indices: :func:`_negative_log_likelihood` of ``log_softmax``."""
+    options = dict(zip(_LOSS_OPTIONS, rest, strict=False)) | kwargs
+    logits = _classes_last(g, _float(logits), "cross_entropy")
+    return _negative_log_likelihood(g, g.log_softmax(logits, axis=-1), _float(target), weight, options)
+
+
+def _nll_loss(g: Graph, log_probs: Any, target: Any, weight: Any = None, *rest: Any, **kwargs: Any) -> Any:
+    """``F.nll_loss``: :func:`_negative_log_likelihood` of the given log-probabilities."""
+    options = dict(zip(_LOSS_OPTIONS[:4], rest, strict=False)) | kwargs
+    if "label_smoothing" in options:
+        raise Unsupported("nll_loss takes no label_smoothing")
+    return _negative_log_likelihood(g, _classes_last(g, _float(log_probs), "nll_loss"), _float(target), weight, options)
+
+
+def _classes_last(g: Graph, x: Value, what: str) -> Value:
+    """torch puts the classes of a ``[N, C, d1, ...]`` input on axis 1: moved last."""
+    if x.ndim <= 2:
+        return x
+    return g.transpose(x, (0, *range(2, x.ndim), 1))
+
+
+def _negative_log_likelihood(g: Graph, log_probs: Value, target: Value, weight: Any, options: dict[str, Any]) -> Any:
+    """torch's NLL of class indices: ``-w[t] * log_probs[t]`` per target, with ``label_smoothing``
+    mixing in ``-sum_c w[c] * log_probs[c] / C``; a target equal to ``ignore_index`` (-100 unless
+    given) counts for nothing (0 under ``reduction="none"``), and the mean divides by the weights
+    of the counted targets (NaN when there are none, as torch's). Not rlx's cross_entropy op,
+    which refuses such targets: each target is compared with every class (an ignored one
+    matches none). A counted target outside [0, C), which torch refuses, makes the loss NaN,
+    never unseen."""
+    if options.get("size_average") is not None or options.get("reduce") is not None:
+        raise Unsupported("a loss with the legacy size_average or reduce arguments")
+    reduction = options.get("reduction", "mean")
+    smoothing = float(options.get("label_smoothing", 0.0))
     ignore = int(options.get("ignore_index", -100))
-    classes = logits.shape[-1]
+    if reduction not in ("mean", "sum", "none"):
+        raise Unsupported(f"reduction={reduction!r}")
+    classes = log_probs.shape[-1]
     if not isinstance(classes, int):
-        raise Unsupported("cross_entropy over a dynamic number of classes")
-    column = g.expand_dims(target, -1)
-    picked = g.equal(column, g.constant(np.arange(classes, dtype=np.dtype(target.dtype)))).astype("float32")
-    rows = -g.sum(g.log_softmax(logits, axis=-1) * picked, axis=-1)
+        raise Unsupported("a loss over a dynamic number of classes")
+    picked = g.equal(g.expand_dims(target, -1), g.constant(np.arange(classes, dtype=np.dtype(target.dtype))))
+    picked = picked.astype("float32")
+    class_weights = None if weight is None else _value(g, weight)
+    row_weight = 1.0 if class_weights is None else g.sum(picked * class_weights, axis=-1)
+    loss = -g.sum(log_probs * picked, axis=-1) * row_weight
+    if smoothing:
+        spread = log_probs if class_weights is None else log_probs * class_weights
+        loss = loss * (1.0 - smoothing) - g.sum(spread, axis=-1) * (smoothing / classes)
     counted = g.not_equal(target, ignore)
-    weights = counted.astype("float32")
+    loss = g.where(counted, loss, 0.0)
     outside = g.logical_and(counted, g.logical_or(g.less(target, 0), g.greater_equal(target, classes)))
     poison = g.where(g.greater(g.sum(outside.astype("float32")), 0.0), float("nan"), 0.0)
-    return g.sum(rows * weights) / g.sum(weights) + poison
+    if reduction == "none":
+        return loss + poison
+    if reduction == "sum":
+        return g.sum(loss) + poison
+    total_weight = g.sum(counted.astype("float32") * row_weight)
+    return g.sum(loss) / total_weight + poison
+
+
+def _reduced(g: Graph, loss: Value, reduction: str, size_average: Any = None, reduce: Any = None) -> Value:
+    """A pointwise loss under torch's ``reduction``."""
+    if size_average is not None or reduce is not None:
+        raise Unsupported("a loss with the legacy size_average or reduce arguments")
+    if reduction == "mean":
+        return g.mean(loss)
+    if reduction == "sum":
+        return g.sum(loss)
+    if reduction == "none":
+        return loss
+    raise Unsupported(f"reduction={reduction!r}")
+
+
+def _pointwise_loss(kind: str) -> Callable[..., Any]:
+    """``F.mse_loss``, ``l1_loss``, ``smooth_l1_loss`` (``beta``) and ``huber_loss`` (``delta``)."""
+
+    def handler(
+        g: Graph,
+        x: Any,
+        target: Any,
+        size_average: Any = None,
+        reduce: Any = None,
+        reduction: str = "mean",
+        beta: float = 1.0,
+        *,
+        delta: float = 1.0,
+        weight: Any = None,
+    ) -> Any:
+        if weight is not None:
+            raise Unsupported(f"{kind} with weights")
+        x, target = _promoted(g, _value(g, x), _value(g, target))
+        diff = x - target
+        if kind == "mse":
+            loss = diff * diff
+        else:
+            distance = g.abs(diff)
+            if kind == "l1" or (kind == "smooth_l1" and beta == 0):
+                loss = distance
+            elif kind == "smooth_l1":
+                loss = g.where(g.less(distance, beta), 0.5 * distance * distance / beta, distance - 0.5 * beta)
+            else:
+                loss = g.where(g.less(distance, delta), 0.5 * distance * distance, delta * (distance - 0.5 * delta))
+        return _reduced(g, loss, reduction, size_average, reduce)
+
+    return handler
+
+
+def _binary_cross_entropy(with_logits: bool) -> Callable[..., Any]:
+    """``F.binary_cross_entropy_with_logits`` (``pos_weight``, stable in the logits) and
+    ``F.binary_cross_entropy`` (of probabilities, each log clamped at -100 as torch's)."""
+
+    def handler(
+        g: Graph,
+        x: Any,
+        target: Any,
+        weight: Any = None,
+        size_average: Any = None,
+        reduce: Any = None,
+        reduction: str = "mean",
+        pos_weight: Any = None,
+    ) -> Any:
+        x, target = _float(x), _value(g, target)
+        if with_logits:
+            # (1 - t) x + (1 + (p - 1) t) (log1p(exp(-|x|)) + max(-x, 0)), torch's formula.
+            softplus = g.log1p(g.exp(-g.abs(x))) + g.maximum(-x, 0.0)
+            scale = 1.0 if pos_weight is None else 1.0 + (_value(g, pos_weight) - 1.0) * target
+            loss = (1.0 - target) * x + scale * softplus
+        else:
+            if pos_weight is not None:
+                raise Unsupported("binary_cross_entropy takes no pos_weight")
+            log_p, log_q = g.maximum(g.log(x), -100.0), g.maximum(g.log(1.0 - x), -100.0)
+            loss = -(target * log_p + (1.0 - target) * log_q)
+        if weight is not None:
+            loss = loss * _value(g, weight)
+        return _reduced(g, loss, reduction, size_average, reduce)
+
+    return handler
+
+
+def _kl_div(
+    g: Graph,
+    x: Any,
+    target: Any,
+    size_average: Any = None,
+    reduce: Any = None,
+    reduction: str = "mean",
+    log_target: bool = False,
+) -> Any:
+    """``F.kl_div``: ``target * (log(target) - x)`` (0 where the target is 0), or with
+    ``log_target`` ``exp(target) * (target - x)``; ``"batchmean"`` divides the sum by the batch."""
+    x, target = _float(x), _value(g, target)
+    if log_target:
+        loss = g.exp(target) * (target - x)
+    else:
+        positive = g.greater(target, 0.0)
+        loss = g.where(positive, target * (g.log(g.where(positive, target, 1.0)) - x), 0.0)
+    if reduction == "batchmean":
+        if size_average is not None or reduce is not None:
+            raise Unsupported("a loss with the legacy size_average or reduce arguments")
+        return g.sum(loss) / float(x.shape[0]) if x.ndim and isinstance(x.shape[0], int) else g.sum(loss)
+    return _reduced(g, loss, reduction, size_average, reduce)
+
+
+def _logsumexp(g: Graph, x: Any, dim: Any, keepdim: bool = False) -> Any:
+    """``torch.logsumexp``: shifted by the maximum (a row of -inf gives -inf, not NaN)."""
+    x = _float(x)
+    axes = _axis_args(dim)
+    peak = g.max(x, axis=axes, keepdims=True)
+    shift = g.where(g.equal(peak, float("-inf")), 0.0, peak)
+    total = g.log(g.sum(g.exp(x - shift), axis=axes, keepdims=True)) + shift
+    return total if keepdim else g.squeeze(total, axes)
+
+
+def _glu(g: Graph, x: Any, dim: int = -1) -> Any:
+    first, second = g.split(_float(x), 2, axis=dim)
+    return first * g.sigmoid(second)
+
+
+def _one_hot(g: Graph, ids: Any, num_classes: int = -1) -> Any:
+    """``F.one_hot`` (int64, as torch's); the class count must be given (it is data otherwise)."""
+    if num_classes < 0:
+        raise Unsupported("one_hot without num_classes (the count would be read from the data)")
+    ids = _float(ids)
+    hit = g.equal(g.expand_dims(ids, -1), g.constant(np.arange(num_classes, dtype=np.dtype(ids.dtype))))
+    return hit.astype("int64")
+
+
+_ACTIVATIONS: dict[Any, Callable[..., Any]] = {
+    F.logsigmoid: lambda g, x: -g.softplus(-_float(x)),
+    F.leaky_relu: lambda g, x, negative_slope=0.01, inplace=False: g.where(
+        g.greater(_float(x), 0.0), x, x * float(negative_slope)
+    ),
+    F.elu: lambda g, x, alpha=1.0, inplace=False: g.where(g.greater(_float(x), 0.0), x, g.expm1(x) * float(alpha)),
+    F.relu6: lambda g, x, inplace=False: g.clip(_float(x), 0.0, 6.0),
+    F.hardtanh: lambda g, x, min_val=-1.0, max_val=1.0, inplace=False: g.clip(_float(x), min_val, max_val),
+    F.mish: lambda g, x, inplace=False: _float(x) * g.tanh(g.softplus(x)),
+    F.hardswish: lambda g, x, inplace=False: _float(x) * g.clip(x + 3.0, 0.0, 6.0) * (1.0 / 6.0),
+    F.hardsigmoid: lambda g, x, inplace=False: g.clip(_float(x) * (1.0 / 6.0) + 0.5, 0.0, 1.0),
+}
 
 
 def _sdpa(
@@ -1342,6 +1517,21 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     F.dropout: _dropout,
     F.embedding: _embedding,
     F.cross_entropy: _cross_entropy,
+    F.nll_loss: _nll_loss,
+    F.mse_loss: _pointwise_loss("mse"),
+    F.l1_loss: _pointwise_loss("l1"),
+    F.smooth_l1_loss: _pointwise_loss("smooth_l1"),
+    F.huber_loss: lambda g, x, target, reduction="mean", delta=1.0, weight=None: _pointwise_loss("huber")(
+        g, x, target, reduction=reduction, delta=delta, weight=weight
+    ),
+    F.binary_cross_entropy_with_logits: _binary_cross_entropy(True),
+    F.binary_cross_entropy: _binary_cross_entropy(False),
+    F.kl_div: _kl_div,
+    torch.logsumexp: _logsumexp,
+    F.glu: _glu,
+    F.one_hot: _one_hot,
+    torch.square: lambda g, x: _float(x) * x,
+    **_ACTIVATIONS,
     F.scaled_dot_product_attention: _sdpa,
     torch._C._nn.scaled_dot_product_attention: _sdpa,
     **{getattr(torch, name): _unary(name) for name in _ELEMENTWISE},
@@ -1426,6 +1616,8 @@ METHODS: dict[str, Callable[..., Any]] = {
     "unbind": _unbind,
     "gather": _gather,
     "cumsum": _cumsum,
+    "logsumexp": _logsumexp,
+    "square": lambda g, x: _float(x) * x,
     "baddbmm": _baddbmm,
     **{name: _compare(op) for name, op in _COMPARISONS.items()},
     "index_select": _index_select,
