@@ -121,6 +121,7 @@ SAMPLES: list[Sample] = [
     _binary("minimum"),
     _binary("floor_divide"),
     _binary("remainder"),
+    _binary("fmod"),
     *(_compare(op) for op in ("less", "less_equal", "greater", "greater_equal", "equal", "not_equal")),
     Sample("logical_and", lambda g: g.logical_and(g.input("a", (3, 4)) > 0.0, g.input("b", (4,)) > 0.0)),
     Sample("logical_or", lambda g: g.logical_or(g.input("a", (3, 4)) > 0.0, g.input("b", (4,)) > 0.0)),

@@ -599,6 +599,8 @@ def test_floor_division_remainder_and_rounding() -> None:
             i % 4,
             torch.div(i, -3, rounding_mode="trunc"),
             i.remainder(5),
+            torch.fmod(x, -1.3),
+            i.fmod(4),
             torch.floor(x),
             torch.round(x),
             x.ceil(),

@@ -679,6 +679,16 @@ class LaneMath:
     def remainder(self, a: ir.Value, b: ir.Value) -> ir.Value:
         return self._divmod(a, b)[1]
 
+    def fmod(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        """C's ``fmod``: the remainder of the quotient rounded toward 0, the dividend's sign (ints:
+        0 where the divisor is 0, as NumPy; no trap for ``min % -1``)."""
+        bld = self.b
+        if _is_float(a):
+            return bld.frem(a, b)
+        zero = ir.Constant(a.type, None)
+        unsafe = bld.or_(bld.icmp_signed("==", b, zero), bld.icmp_signed("==", b, self.const(-1, a)))
+        return bld.select(unsafe, zero, bld.srem(a, bld.select(unsafe, self.const(1, a), b)))
+
     def _divmod(self, a: ir.Value, b: ir.Value) -> tuple[ir.Value, ir.Value]:
         """Python's and NumPy's ``divmod``: the quotient rounded toward -inf, the remainder with
         the divisor's sign. Floats as NumPy's ``npy_divmod`` (from ``fmod``, so ``1 // 0.1`` is 9);

@@ -76,7 +76,7 @@ def _float_unary(what: str, inputs: Sequence[TensorType], attrs: object) -> tupl
 # Ops that also compute on integers (NumPy's wrapping arithmetic in the operands' own dtype):
 # positions and offsets of ids (``arange(S) + past``), and ``//`` and ``%`` (a position's row and
 # column in a grid, its place in a window). True division, powers and math stay float.
-INTEGER_ARITHMETIC = ("add", "sub", "mul", "maximum", "minimum", "neg", "abs", "floor_divide", "remainder")
+INTEGER_ARITHMETIC = ("add", "sub", "mul", "maximum", "minimum", "neg", "abs", "floor_divide", "remainder", "fmod")
 
 
 def _arithmetic_unary(what: str, inputs: Sequence[TensorType], attrs: object) -> tuple[TensorType, ...]:
@@ -201,6 +201,7 @@ BINARY_REFERENCE: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "minimum": np.minimum,
     "floor_divide": _quietly(np.floor_divide),  # ``a // b``: Python's and NumPy's, toward -inf
     "remainder": _quietly(np.remainder),  # ``a % b``: the divisor's sign, as Python, NumPy and torch
+    "fmod": _quietly(np.fmod),  # C's: the dividend's sign (torch.fmod, math.fmod)
 }
 
 COMPARE_REFERENCE: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
@@ -355,6 +356,8 @@ BINARY_GRAD: dict[str, GradFn] = {
     "floor_divide": no_gradient,  # piecewise constant
     # a % b = a - b * (a // b): torch's rule, the quotient held constant.
     "remainder": _binary_grad(lambda g, a, b, out, dy: (dy, -(dy * g.floor_divide(a, b)))),
+    # fmod(a, b) = a - b * trunc(a / b), the quotient held constant (torch's rule).
+    "fmod": _binary_grad(lambda g, a, b, out, dy: (dy, -(dy * g.trunc(a / b)))),
 }
 
 
@@ -507,6 +510,7 @@ SCALAR: dict[str, Callable[..., object]] = {
     "round": lambda e, x, attrs: e.rounded("roundeven", x),
     "floor_divide": lambda e, a, b, attrs: e.floor_divide(a, b),
     "remainder": lambda e, a, b, attrs: e.remainder(a, b),
+    "fmod": lambda e, a, b, attrs: e.fmod(a, b),
     "add": lambda e, a, b, attrs: e.add(a, b),
     "sub": lambda e, a, b, attrs: e.sub(a, b),
     "mul": lambda e, a, b, attrs: e.mul(a, b),

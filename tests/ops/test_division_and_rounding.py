@@ -1,4 +1,4 @@
-"""``//`` and ``%`` (``floor_divide``, ``remainder``) on ints and floats, and ``floor ceil trunc
+"""``//`` and ``%`` (``floor_divide``, ``remainder``) and ``fmod`` on ints and floats, ``floor ceil trunc
 round``: NumPy's results, edge cases included (division by zero, the divisor's sign, int overflow,
 halves, infinities and NaN), compiled (vectorised and scalar loops, one and two threads) and in
 the reference interpreter; ``remainder``'s gradient against central differences."""
@@ -23,7 +23,9 @@ def test_integer_floor_division_and_remainder_match_numpy(dtype: str) -> None:
     b[:4] = [-1, 1, -1, 0]  # min // -1 wraps to min, as in NumPy
     g = Graph("ints")
     x, y = g.input("a", (67,), dtype=dtype), g.input("b", (67,), dtype=dtype)
-    g.output(q=x // y, r=x % y, q3=x // 3, r3=x % -4, rq=100 // g.maximum(y, 1), rr=7 % g.minimum(y, -1))
+    g.output(
+        q=x // y, r=x % y, q3=x // 3, r3=x % -4, rq=100 // g.maximum(y, 1), rr=7 % g.minimum(y, -1), f=g.fmod(x, y)
+    )
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         want = {
             "q": a // b,
@@ -32,6 +34,7 @@ def test_integer_floor_division_and_remainder_match_numpy(dtype: str) -> None:
             "r3": a % np.asarray(-4, dtype),
             "rq": np.asarray(100, dtype) // np.maximum(b, 1),
             "rr": np.asarray(7, dtype) % np.minimum(b, -1),
+            "f": np.fmod(a, b),
         }
     for threads in (1, 2):
         got = rlx.compile(g, config=rlx.RuntimeConfig(num_threads=threads))(a=a, b=b)
@@ -52,9 +55,9 @@ def test_float_floor_division_and_remainder_match_numpy() -> None:
     a[: len(edge_a)], b[: len(edge_b)] = edge_a, edge_b
     g = Graph("floats")
     x, y = g.input("a", (70,)), g.input("b", (70,))
-    g.output(q=x // y, r=x % y, q2=x // 0.75, r2=2.5 % y)
+    g.output(q=x // y, r=x % y, q2=x // 0.75, r2=2.5 % y, f=g.fmod(x, y))
     with np.errstate(divide="ignore", invalid="ignore"):
-        want = {"q": a // b, "r": a % b, "q2": a // np.float32(0.75), "r2": np.float32(2.5) % b}
+        want = {"q": a // b, "r": a % b, "q2": a // np.float32(0.75), "r2": np.float32(2.5) % b, "f": np.fmod(a, b)}
     got = rlx.compile(g)(a=a, b=b)
     for name, expected in want.items():
         np.testing.assert_array_equal(got[name], expected, err_msg=name)  # the same float32 steps as NumPy's
@@ -78,6 +81,7 @@ def test_remainder_gradient_and_zero_gradients_of_steps() -> None:
     g = Graph("grad")
     a, b = g.input("a", (3, 4)), g.input("b", (4,))
     loss = g.sum((a % b) * (a % b)) + g.sum(g.floor(a) * b) + g.sum(g.round(a * 3.0) + a // b)
+    loss = loss + g.sum(g.fmod(a, b) * 2.0 * b)
     da, db = rlx.grad(g, loss, [a, b])
     g.output(loss=loss, da=da, db=db)
     rng = np.random.default_rng(3)
@@ -87,7 +91,8 @@ def test_remainder_gradient_and_zero_gradients_of_steps() -> None:
 
     def loss_of() -> float:
         r = np.remainder(av, bv)
-        return float(np.sum(r * r) + np.sum(np.floor(av) * bv) + np.sum(np.round(av * 3.0) + av // bv))
+        rounding = np.sum(np.round(av * 3.0) + av // bv) + np.sum(np.fmod(av, bv) * 2.0 * bv)
+        return float(np.sum(r * r) + np.sum(np.floor(av) * bv) + rounding)
 
     np.testing.assert_allclose(got["da"], central_differences(loss_of, av), rtol=1e-3, atol=1e-3)
     np.testing.assert_allclose(got["db"], central_differences(loss_of, bv), rtol=1e-3, atol=1e-3)
