@@ -106,6 +106,11 @@ SAMPLES: list[Sample] = [
     _unary("log1p", positive=True),
     _unary("expm1"),
     _unary("softplus"),
+    Sample(
+        "stop_gradient",
+        lambda g: g.stop_gradient(g.input("ids", (3, 4), "int64")).astype("float32") * g.input("x", (3, 4)),
+        int_high={"ids": 7},
+    ),
     _unary("floor"),
     _unary("ceil"),
     _unary("trunc"),

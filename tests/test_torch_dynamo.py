@@ -912,3 +912,52 @@ def test_losses_and_activations(name: str, loss: Any) -> None:
         torch.autograd.grad(got, x, cotangent)[0], torch.autograd.grad(want, x, cotangent)[0], rtol=1e-4, atol=1e-5
     )
     assert dynamo_backend.stats["eager"] == 0, dynamo_backend.fallbacks
+
+
+def test_triangles_rolls_upsampling_and_cosines() -> None:
+    """``tril``/``triu`` of values (at dynamic lengths too), ``roll`` (of static axes; along a
+    dynamic one it is left to torch, whose shift wraps by each call's length), nearest
+    ``interpolate`` by whole factors and ``cosine_similarity``: values and gradients as eager
+    torch's."""
+
+    def shapes(x: torch.Tensor, image: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        square = x @ x.transpose(-1, -2)
+        return (
+            torch.tril(square),
+            square.triu(1),
+            torch.roll(image, 2, dims=3),
+            x.roll((1, -1), (0, 2)),
+            torch.roll(image, 5),
+            F.interpolate(image, scale_factor=2),
+            F.interpolate(image, size=(6, 9)),
+            F.cosine_similarity(x, x.detach() * 2.0 - 0.5, dim=-1),  # detach: no gradient that way
+        )
+
+    compiled = torch.compile(shapes, backend="rlx")
+    for length in (4, 6, 5):
+        x = torch.randn(2, length, 3, requires_grad=True)
+        image = torch.randn(1, 2, 3, 3, requires_grad=True)
+        got, want = compiled(x, image), shapes(x, image)
+        for a, e in zip(got, want, strict=True):
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+        cotangents = [torch.randn_like(t) for t in want]
+        for a, e in zip(
+            torch.autograd.grad(got, (x, image), cotangents), torch.autograd.grad(want, (x, image), cotangents),
+            strict=True,
+        ):
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
+    assert dynamo_backend.stats["eager"] == 0, dynamo_backend.fallbacks
+
+
+def test_detach_stops_gradients() -> None:
+    """``x.detach()`` and ``torch.detach``: the values, with no gradient through them."""
+
+    def held(x: torch.Tensor) -> torch.Tensor:
+        target = (x * 2.0).detach()
+        return ((x - target) ** 2).sum() + (x * torch.detach(x.exp())).sum()
+
+    x = torch.randn(3, 4, requires_grad=True)
+    got, want = torch.compile(held, backend="rlx")(x), held(x)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got, x)[0], torch.autograd.grad(want, x)[0])
+    assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks

@@ -453,6 +453,12 @@ def gelu(graph: Graph, x: object, approximate: str = "none") -> Value:
     return _elementwise(graph, "gelu", [x], GeluAttrs(approximate))
 
 
+def stop_gradient(graph: Graph, x: object) -> Value:
+    """``x`` itself, through which no gradient flows (``jax.lax.stop_gradient``, torch's
+    ``detach``): a target held fixed, a running average, a straight-through estimator's branch."""
+    return graph.add_node(op_kind("stop_gradient"), [as_value(graph, x, "stop_gradient: x")], NoAttrs()).outputs[0]
+
+
 def cast(graph: Graph, x: object, dtype: object) -> Value:
     """``x`` converted to ``dtype`` (float32, int32, int64 or bool), as NumPy's ``astype``: a
     mask to float weights (``m.astype("float32")``), floats to ints toward zero (saturating, NaN
@@ -529,6 +535,7 @@ SCALAR: dict[str, Callable[..., object]] = {
     "logical_not": lambda e, x, attrs: e.logical("not", x),
     "where": lambda e, c, a, b, attrs: e.select(c, a, b),
     "cast": lambda e, x, attrs: e.convert(x, DTYPE_NAMES[attrs.dtype]),
+    "stop_gradient": lambda e, x, attrs: x,
 }
 
 
@@ -651,5 +658,17 @@ register_op(
         _cast_grad,
         scalar=SCALAR["cast"],
         builder=cast,
+    )
+)
+register_op(
+    OpDef(
+        "stop_gradient",
+        ("x",),
+        NoAttrs,
+        lambda what, inputs, attrs: (inputs[0],),  # any dtype: the value itself
+        lambda args, attrs, ctx: args[0],
+        no_gradient,  # the point of it: the cotangent stops here
+        scalar=SCALAR["stop_gradient"],
+        builder=stop_gradient,
     )
 )

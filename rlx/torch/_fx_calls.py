@@ -1356,6 +1356,94 @@ def _logsumexp(g: Graph, x: Any, dim: Any, keepdim: bool = False) -> Any:
     return total if keepdim else g.squeeze(total, axes)
 
 
+def _axis_positions(g: Graph, length: Dim) -> Value:
+    """``arange(length)`` as int64: a constant, or a range made per call for a dynamic length."""
+    if isinstance(length, int):
+        return g.constant(np.arange(length, dtype=np.int64))
+    return MAKE_RANGE.get()(0, poly(length))
+
+
+def _triangle(lower: bool) -> Callable[..., Any]:
+    """``torch.tril`` / ``triu`` of a value: zeros above (below) the ``diagonal``-th diagonal of
+    the last two axes, by a comparison of their positions (ranges made per call where dynamic)."""
+
+    def handler(g: Graph, x: Any, diagonal: int = 0) -> Any:
+        x = _float(x)
+        if x.ndim < 2:
+            raise Unsupported("tril/triu of a value of rank < 2")
+        rows = g.reshape(_axis_positions(g, x.shape[-2]), (x.shape[-2], 1))
+        columns = g.reshape(_axis_positions(g, x.shape[-1]), (1, x.shape[-1]))
+        offset = columns - rows
+        keep = g.less_equal(offset, diagonal) if lower else g.greater_equal(offset, diagonal)
+        zero = g.constant(np.zeros((), dtype=np.dtype(x.dtype)))
+        return g.where(keep, x, zero)
+
+    return handler
+
+
+def _roll(g: Graph, x: Any, shifts: Any, dims: Any = None) -> Any:
+    """``torch.roll``: along each axis the last ``shift`` entries moved to the front (a concat of
+    two slices); without ``dims``, of the flattened value."""
+    x = _float(x)
+    if dims is None:
+        flat = g.reshape(x, (-1,))
+        return g.reshape(_roll(g, flat, shifts, 0), x.shape)
+    shift_list = [shifts] if type(shifts) is int else list(shifts)
+    dim_list = [dims] if type(dims) is int else list(dims)
+    if len(shift_list) != len(dim_list):
+        raise Unsupported("roll with as many shifts as dims")
+    for shift, dim in zip(shift_list, dim_list, strict=True):
+        length = _static_length(x, dim, "roll")
+        shift %= length
+        if shift:
+            axis = dim % x.ndim
+            before = (slice(None),) * axis
+            x = g.concat([x[(*before, slice(length - shift, None))], x[(*before, slice(None, length - shift))]], axis)
+    return x
+
+
+def _interpolate(
+    g: Graph,
+    x: Any,
+    size: Any = None,
+    scale_factor: Any = None,
+    mode: str = "nearest",
+    align_corners: Any = None,
+    recompute_scale_factor: Any = None,
+    antialias: bool = False,
+) -> Any:
+    """``F.interpolate`` in ``"nearest"`` mode by whole factors (each entry repeated: a broadcast
+    and a reshape, views); other modes and fractional factors are left to torch."""
+    x = _float(x)
+    spatial = x.ndim - 2
+    if mode != "nearest" or antialias or spatial < 1:
+        raise Unsupported(f"interpolate in mode {mode!r}")
+    sizes = [x.shape[2 + a] for a in range(spatial)]
+    if not all(isinstance(s, int) for s in sizes):
+        raise Unsupported("interpolate of dynamic spatial sizes")
+    if size is not None:
+        wanted = [size] * spatial if type(size) is int else list(size)
+        factors = [w // s if w % s == 0 else 0 for w, s in zip(wanted, sizes, strict=True)]
+    else:
+        scales = [scale_factor] * spatial if isinstance(scale_factor, (int, float)) else list(scale_factor)
+        factors = [int(f) if float(f).is_integer() else 0 for f in scales]
+    if not all(f >= 1 for f in factors):
+        raise Unsupported("interpolate by a factor that is not a whole number")
+    lead = tuple(x.shape[:2])
+    spread = g.reshape(x, (*lead, *(d for s in sizes for d in (s, 1))))
+    repeated = g.broadcast_to(spread, (*lead, *(d for s, f in zip(sizes, factors, strict=True) for d in (s, f))))
+    return g.reshape(repeated, (*lead, *(s * f for s, f in zip(sizes, factors, strict=True))))
+
+
+def _cosine_similarity(g: Graph, a: Any, b: Any, dim: int = 1, eps: float = 1e-8) -> Any:
+    """``F.cosine_similarity``: each side divided by its norm (at least ``eps``), then summed
+    products, as torch computes it."""
+    a, b = _promoted(g, _value(g, a), _value(g, b))
+    unit_a = a / g.maximum(g.sqrt(g.sum(a * a, axis=dim, keepdims=True)), eps)
+    unit_b = b / g.maximum(g.sqrt(g.sum(b * b, axis=dim, keepdims=True)), eps)
+    return g.sum(unit_a * unit_b, axis=dim)
+
+
 def _glu(g: Graph, x: Any, dim: int = -1) -> Any:
     first, second = g.split(_float(x), 2, axis=dim)
     return first * g.sigmoid(second)
@@ -1530,6 +1618,11 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     F.kl_div: _kl_div,
     torch.logsumexp: _logsumexp,
     F.glu: _glu,
+    torch.tril: _triangle(lower=True),
+    torch.triu: _triangle(lower=False),
+    torch.roll: _roll,
+    F.interpolate: _interpolate,
+    F.cosine_similarity: _cosine_similarity,
     F.one_hot: _one_hot,
     torch.square: lambda g, x: _float(x) * x,
     **_ACTIVATIONS,
@@ -1542,6 +1635,7 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     torch.gather: _gather,
     "setitem": _setitem,  # rlx.torch.dynamo's translation of operator.setitem
     torch.clone: lambda g, x, memory_format=None: _float(x),
+    torch.detach: lambda g, x: g.stop_gradient(_float(x)),
     torch.baddbmm: _baddbmm,
     torch.cumsum: _cumsum,
     **{getattr(F, f"max_pool{n}d"): _max_pool for n in (1, 2, 3)},
@@ -1594,6 +1688,7 @@ METHODS: dict[str, Callable[..., Any]] = {
     "t": _t,
     "contiguous": _contiguous,
     "clone": lambda g, x, memory_format=None: _float(x),  # values are never updated in place
+    "detach": lambda g, x: g.stop_gradient(_float(x)),
     "unsqueeze": _unsqueeze,
     "squeeze": _squeeze,
     "flatten": _flatten,
@@ -1619,6 +1714,9 @@ METHODS: dict[str, Callable[..., Any]] = {
     "gather": _gather,
     "cumsum": _cumsum,
     "logsumexp": _logsumexp,
+    "tril": _triangle(lower=True),
+    "triu": _triangle(lower=False),
+    "roll": _roll,
     "square": lambda g, x: _float(x) * x,
     "baddbmm": _baddbmm,
     **{name: _compare(op) for name, op in _COMPARISONS.items()},

@@ -54,6 +54,7 @@ def test_gradient_sentinels_are_used_on_purpose() -> None:
         "input",
         "constant",
         "sign",
+        "stop_gradient",
         "floor",
         "ceil",
         "trunc",
