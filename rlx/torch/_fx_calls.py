@@ -1223,8 +1223,7 @@ def _negative_log_likelihood(g: Graph, log_probs: Value, target: Value, weight: 
     classes = log_probs.shape[-1]
     if not isinstance(classes, int):
         raise Unsupported("a loss over a dynamic number of classes")
-    picked = g.equal(g.expand_dims(target, -1), g.constant(np.arange(classes, dtype=np.dtype(target.dtype))))
-    picked = picked.astype("float32")
+    picked = _class_matches(g, target, classes).astype("float32")
     class_weights = None if weight is None else _value(g, weight)
     row_weight = 1.0 if class_weights is None else g.sum(picked * class_weights, axis=-1)
     loss = -g.sum(log_probs * picked, axis=-1) * row_weight
@@ -1356,7 +1355,7 @@ def _logsumexp(g: Graph, x: Any, dim: Any, keepdim: bool = False) -> Any:
     return total if keepdim else g.squeeze(total, axes)
 
 
-def _axis_positions(g: Graph, length: Dim) -> Value:
+def axis_positions(g: Graph, length: Dim) -> Value:
     """``arange(length)`` as int64: a constant, or a range made per call for a dynamic length."""
     if isinstance(length, int):
         return g.constant(np.arange(length, dtype=np.int64))
@@ -1371,8 +1370,8 @@ def _triangle(lower: bool) -> Callable[..., Any]:
         x = _float(x)
         if x.ndim < 2:
             raise Unsupported("tril/triu of a value of rank < 2")
-        rows = g.reshape(_axis_positions(g, x.shape[-2]), (x.shape[-2], 1))
-        columns = g.reshape(_axis_positions(g, x.shape[-1]), (1, x.shape[-1]))
+        rows = g.reshape(axis_positions(g, x.shape[-2]), (x.shape[-2], 1))
+        columns = g.reshape(axis_positions(g, x.shape[-1]), (1, x.shape[-1]))
         offset = columns - rows
         keep = g.less_equal(offset, diagonal) if lower else g.greater_equal(offset, diagonal)
         zero = g.constant(np.zeros((), dtype=np.dtype(x.dtype)))
@@ -1453,9 +1452,13 @@ def _one_hot(g: Graph, ids: Any, num_classes: int = -1) -> Any:
     """``F.one_hot`` (int64, as torch's); the class count must be given (it is data otherwise)."""
     if num_classes < 0:
         raise Unsupported("one_hot without num_classes (the count would be read from the data)")
-    ids = _float(ids)
-    hit = g.equal(g.expand_dims(ids, -1), g.constant(np.arange(num_classes, dtype=np.dtype(ids.dtype))))
-    return hit.astype("int64")
+    return _class_matches(g, _float(ids), num_classes).astype("int64")
+
+
+def _class_matches(g: Graph, ids: Value, classes: int) -> Value:
+    """``ids[..., None] == arange(classes)``: a one-hot by comparison, which reads no memory with
+    the ids (so they may be computed, and one outside the classes matches none)."""
+    return g.equal(g.expand_dims(ids, -1), g.constant(np.arange(classes, dtype=np.dtype(ids.dtype))))
 
 
 _ACTIVATIONS: dict[Any, Callable[..., Any]] = {

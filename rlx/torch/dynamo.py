@@ -49,6 +49,7 @@ from rlx.torch._fx_calls import (
     RANGES,
     SameSizes,
     Unsupported,
+    axis_positions,
     check_kwargs,
     constant_of,
     rlx_dim,
@@ -434,12 +435,6 @@ class _Translation:
         self.keeps[name] = (tuple(poly(d) for d in shape), 1.0 - float(p))
         return self.graph.input(name, shape, dtype="bool")
 
-    def _positions(self, length: Any) -> Value:
-        """``arange(length)`` as int64: a constant, or an input made per call for a dynamic length."""
-        if isinstance(length, int):
-            return self.graph.constant(np.arange(length, dtype=np.int64))
-        return self._arange(poly(length))
-
     def _attention_with_dropout(
         self,
         q: Any,
@@ -466,8 +461,8 @@ class _Translation:
         factor = 1.0 / math.sqrt(float(q.shape[3])) if scale is None else float(scale)
         scores = g.matmul(q, g.transpose(k, (0, 1, 3, 2))) * factor
         if is_causal:
-            rows = g.reshape(self._positions(q.shape[2]), (q.shape[2], 1))
-            visible = g.less_equal(g.reshape(self._positions(k.shape[2]), (1, k.shape[2])), rows)
+            rows = g.reshape(axis_positions(g, q.shape[2]), (q.shape[2], 1))
+            visible = g.less_equal(g.reshape(axis_positions(g, k.shape[2]), (1, k.shape[2])), rows)
             scores = g.where(visible, scores, float("-inf"))
         if attn_mask is not None:
             mask = attn_mask if isinstance(attn_mask, Value) else constant_of(g, attn_mask)
