@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import rlx
-from rlx import Graph, MaskKind, Value, Wrt
+from rlx import Graph, MaskKind, OpKind, Value, Wrt
 
 Built = Value | tuple[Value, ...]
 
@@ -84,6 +84,14 @@ def _flex_attention_bwd(g: Graph) -> Built:
     out, lse = g.attention(q, k, v, mask_mod=rlx.mods.causal_lower_right(4, 5), return_lse=True)
     dy = g.input("dy", (1, 4, 2, 2))
     return g.flex_attention_bwd(q, k, v, out, dy, lse, wrt=Wrt.ALL, mask_mod=out.node.attrs.mask_mod)
+
+
+def _conv_flipped_and_cropped(g: Graph) -> Built:
+    """A ``conv`` node as gradients make them: the kernel flipped, a pad negative (a crop)."""
+    from rlx.ops.conv import ConvAttrs
+
+    attrs = ConvAttrs((1, 2), (2, 1), (-1, 2), (1, -1), 1, True)
+    return g.add_node(OpKind.CONV, [g.input("x", (2, 2, 7, 6)), g.input("w", (3, 2, 2, 3))], attrs).outputs[0]
 
 
 SAMPLES: list[Sample] = [
@@ -190,6 +198,12 @@ SAMPLES: list[Sample] = [
             "mul(%i0, %i1); exp(%t0); greater(%t1, %i0); where(%t2, %t1, %i1)",
         ),
     ),
+    Sample("conv", lambda g: g.conv(g.input("x", (2, 4, 6, 5)), g.input("w", (3, 4, 3, 2)), stride=(2, 1), padding=1)),
+    Sample("conv", lambda g: g.conv(g.input("x", (2, 4, 7)), g.input("w", (4, 2, 3)), padding=[(2, 0)], groups=2),
+           label="grouped"),
+    Sample("conv", lambda g: g.conv(g.input("x", (2, 3, 5, 5)), g.input("w", (6, 1, 3, 3)), dilation=(1, 2),
+                                    padding=((1, 1), (2, 2)), groups=3), label="depthwise"),
+    Sample("conv", _conv_flipped_and_cropped, label="flipped-cropped"),
     Sample("attention", _attention),
     Sample("attention_bwd", _attention_bwd),
     Sample("flex_attention", _flex_attention),

@@ -40,6 +40,7 @@ REDUCE_OPS = frozenset({"sum", "max"})
 LEAF_OPS = frozenset({"input", "constant"})
 EXACT_COMPARISONS = frozenset({"equal", "not_equal"})
 SHARED_EXPRESSION_COST = 3  # see _materialise_shared_expressions
+WINDOWED_EXPRESSION_COST = 12  # see _materialise_windowed_expressions
 
 
 @dataclass(frozen=True)
@@ -283,12 +284,57 @@ def _materialise_shared_expressions(schedule: Schedule, order: list[Node], mater
     for root in _kernel_roots(schedule, order):
         for value in inline_values(schedule, root)[1:]:
             kernels_computing[value] = kernels_computing.get(value, 0) + 1
-    for value, count in kernels_computing.items():
-        op = value.node.op.value
-        if count < 2 or op in VIEW_OPS or op in LEAF_OPS:
-            continue
+    candidates = {
+        value: count
+        for value, count in kernels_computing.items()
+        if count >= 2 and value.node.op.value not in VIEW_OPS and value.node.op.value not in LEAF_OPS
+    }
+    stored = False
+    for value, count in candidates.items():
         if (count - 1) * (_full_size_reads(schedule, value) - 1) >= SHARED_EXPRESSION_COST:
             materialise(value)
+            stored = True
+    if not stored:
+        _materialise_windowed_expressions(schedule, candidates, materialise)
+
+
+def _materialise_windowed_expressions(schedule: Schedule, candidates: dict[Value, int], materialise) -> None:  # type: ignore[no-untyped-def]
+    """Give a buffer to an inline value that reads many windows of one buffer and that several
+    kernels recompute.
+
+    The rule above counts buffers, so a sum of 49 shifted windows of one padded input (a 7x7
+    depthwise convolution) counts once, and its gradient's 49 weight reductions each
+    recomputed the whole convolution: 49 x 49 loads per element. Windows of one buffer mostly
+    hit the same cache lines, so here each distinct view counts, at a higher bar
+    (``WINDOWED_EXPRESSION_COST``), and only the outermost such value is stored in a round (the
+    values inside it are then computed by its kernel alone; the next round looks again).
+    """
+    chosen = [
+        value
+        for value, count in candidates.items()
+        if (count - 1) * (_full_size_views(schedule, value) - 1) >= WINDOWED_EXPRESSION_COST
+    ]
+    inside: set[Value] = set()
+    for value in chosen:
+        inside.update(inline_values(schedule, value)[1:])
+    for value in chosen:
+        if value not in inside:
+            materialise(value)
+
+
+def _full_size_views(schedule: Schedule, value: Value) -> int:
+    """Distinct views of buffers at least as large as ``value`` that its inline expression loads."""
+    size = math.prod(value.static_shape) if value.type.is_static else None
+    count = 0
+    for inner in inline_values(schedule, value):
+        for operand in inner.node.inputs:
+            view = schedule.view(operand)
+            if view is None or operand.node.op.value == "constant":
+                continue
+            base = view.base
+            if size is None or not base.type.is_static or math.prod(base.static_shape) >= size:
+                count += 1
+    return count
 
 
 def _full_size_reads(schedule: Schedule, value: Value) -> int:

@@ -573,21 +573,22 @@ class Graph:
 
         return take(self, x, ids, axis)
 
-    def conv(
+    def conv_transpose(
         self,
         x: object,
         weight: object,
         bias: object = None,
         stride: int | Sequence[int] = 1,
-        padding: int | str | Sequence[int] | Sequence[tuple[int, int]] = 0,
-        dilation: int | Sequence[int] = 1,
+        padding: int | Sequence[int] = 0,
+        output_padding: int | Sequence[int] = 0,
         groups: int = 1,
+        dilation: int | Sequence[int] = 1,
     ) -> Value:
-        """Convolution as ``torch.nn.functional.conv1d/2d/3d`` (``x [N, C, *spatial]``, ``weight
-        [O, C/groups, *kernel]``): see :func:`rlx.ops.conv.conv`."""
-        from rlx.ops.conv import conv
+        """Transposed convolution as ``torch.nn.functional.conv_transpose1d/2d/3d`` (``x [N, C,
+        *spatial]``, ``weight [C, O/groups, *kernel]``): see :func:`rlx.ops.conv.conv_transpose`."""
+        from rlx.ops.conv import conv_transpose
 
-        return conv(self, x, weight, bias, stride, padding, dilation, groups)
+        return conv_transpose(self, x, weight, bias, stride, padding, output_padding, groups, dilation)
 
     def max_pool(
         self,

@@ -8,6 +8,7 @@ fused elementwise chains the ``fuse-elementwise`` pass makes.
 from rlx.ops import (
     attention,
     constant,
+    conv,
     elementwise,
     flex_attention,
     fused,
@@ -22,6 +23,7 @@ from rlx.ops import (
 __all__ = [
     "attention",
     "constant",
+    "conv",
     "elementwise",
     "flex_attention",
     "fused",

@@ -1,28 +1,55 @@
-"""``conv`` and ``pool``: N-d convolution (cross-correlation, as torch's ``F.conv1d/2d/3d``) and
-max and average pooling, built from the registered ops, with no op of their own.
+"""``conv``: N-d convolution (cross-correlation, as torch's ``F.conv1d/2d/3d``), its transpose
+(``conv_transpose``, as ``F.conv_transpose1d/2d/3d``), and max and average pooling.
 
-It is im2col written in graph ops: the input padded with zeros (a ``concat``), channels moved
-last (a view), one strided slice per kernel offset (views), those slices concatenated along the
-channels into the column matrix (one loop nest writes it), and one ``matmul`` of it with the
-weights reshaped to ``[prod(kernel) * C, O]``: a single BLAS product with the whole kernel in
-its inner dimension. Its gradients are those ops' (the slices' gradients place the columns'
-cotangents back, summed where windows overlap), so a convolution differentiates with no rule of
-its own, and the printed graph shows what it became.
+``conv`` is an op of its own, composite (as softmax): its shape rule, float64 reference and
+gradient rule live here, and the ``decompose`` pass rebuilds it as im2col written in graph ops:
+the input padded with zeros (a ``concat``), channels moved last (a view), one strided slice per
+kernel offset (views), those slices concatenated along the channels into the column matrix (one
+loop nest writes it), and one ``matmul`` of it with the weights reshaped to
+``[prod(kernel) * C, O]``: a single BLAS product with the whole kernel in its inner dimension.
+
+The op exists for its gradient. Differentiated through the im2col ops, the input's gradient is
+the column matrix's cotangent scattered back window by window: one padded copy of the input per
+kernel offset, summed (a 3x3 kernel: 18 kernels and nine full-size buffers). The rule here is
+the one of torch's ``convolution_backward`` and ``jax.lax.conv_general_dilated``'s transpose:
+the input's gradient is itself a convolution, of the output's gradient (dilated by the stride,
+padded by the kernel's reach less the padding) with the kernel flipped and its channel axes
+swapped: one more column matrix and one BLAS product. The weight's gradient is the column matrix
+of the forward times the output's gradient (the same helper builds both, so ``cse`` shares the
+matrix). Pooling has no op: its windows are strided slices combined by ``maximum`` or summed.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
-from rlx.ops._common import as_value, is_int
+from rlx.ir.opdef import EvalContext, OpDef, register_op
+from rlx.ir.types import TensorType
+from rlx.ops._common import F32, as_value, is_int, op_kind, require_float
 
 if TYPE_CHECKING:
-    from rlx.ir.graph import Graph, Value
+    from rlx.ir.graph import Graph, Node, Value
+
+
+@dataclass(frozen=True)
+class ConvAttrs:
+    """One entry per spatial axis. ``pads_low``/``pads_high`` are the zeros put before and after
+    the axis; a negative pad crops that many entries instead (the transpose of a convolution
+    padded by more than its kernel reaches). ``flip`` reverses the kernel along every spatial
+    axis (the input's gradient is such a convolution)."""
+
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+    pads_low: tuple[int, ...]
+    pads_high: tuple[int, ...]
+    groups: int = 1
+    flip: bool = False
 
 
 def conv(
@@ -42,68 +69,342 @@ def conv(
     per axis, ``(low, high)`` pairs per axis (as ``jax.lax.conv_general_dilated``), ``"valid"``
     (none) or ``"same"`` (the output as long as the input; stride 1, as torch). ``groups``
     splits the channels, as torch's (``groups == C`` is a depthwise convolution)."""
-    value = as_value(graph, x, "conv: x")
-    kernel = as_value(graph, weight, "conv: weight")
-    spatial = kernel.ndim - 2
-    if spatial not in (1, 2, 3) or value.ndim != spatial + 2:
-        raise RlxValueError(
-            f"conv: weight must be [O, C/groups, *kernel] with 1 to 3 kernel axes and x [N, C, *spatial] of the "
-            f"same count, got x {value.type} and weight {kernel.type}"
-        )
-    if value.dtype != np.float32 or kernel.dtype != np.float32:
-        raise RlxTypeError(f"conv: x and weight must be float32, got {value.type} and {kernel.type}")
-    sizes = [value.shape[2 + a] for a in range(spatial)]
-    taps = [kernel.shape[2 + a] for a in range(spatial)]
-    if not all(isinstance(s, int) for s in (*sizes, *taps, kernel.shape[0], kernel.shape[1], value.shape[1])):
-        raise RlxValueError(f"conv: channels, spatial axes and kernel must be static, got x {value.type}")
+    value, kernel, spatial = _operands(graph, x, weight, "conv")
     strides = _per_axis("stride", stride, spatial, low=1)
     dilations = _per_axis("dilation", dilation, spatial, low=1)
     if isinstance(groups, bool) or not is_int(groups) or groups < 1:
         raise RlxValueError(f"conv: groups must be a positive int, got {groups!r}")
-    channels, outputs = int(value.shape[1]), int(kernel.shape[0])
-    if channels % groups or outputs % groups or kernel.shape[1] != channels // groups:
-        raise RlxValueError(
-            f"conv: x has {channels} channels and weight is {kernel.type}: with groups={groups} the weight's "
-            f"second axis must be {channels // groups if channels % groups == 0 else 'C/groups'} and both channel "
-            "counts divisible by groups"
-        )
-    reach = [d * (t - 1) for d, t in zip(dilations, taps, strict=True)]  # type: ignore[operator]
+    taps = [int(t) for t in kernel.shape[2:]]  # type: ignore[arg-type]
+    reach = [d * (t - 1) for d, t in zip(dilations, taps, strict=True)]
     pads = _padding(padding, spatial, reach, strides)
-    padded = [s + lo + hi for s, (lo, hi) in zip(sizes, pads, strict=True)]  # type: ignore[operator]
-    out_sizes = [(p - r - 1) // s + 1 for p, r, s in zip(padded, reach, strides, strict=True)]
-    if min(out_sizes) < 1:
+    attrs = ConvAttrs(
+        tuple(strides), tuple(dilations), tuple(p[0] for p in pads), tuple(p[1] for p in pads), int(groups)
+    )
+    out = graph.add_node(op_kind("conv"), [value, kernel], attrs).outputs[0]
+    return _add_bias(graph, out, bias, "conv")
+
+
+def conv_transpose(
+    graph: Graph,
+    x: object,
+    weight: object,
+    bias: object = None,
+    stride: int | Sequence[int] = 1,
+    padding: int | Sequence[int] = 0,
+    output_padding: int | Sequence[int] = 0,
+    groups: int = 1,
+    dilation: int | Sequence[int] = 1,
+) -> Value:
+    """Transposed convolution of ``x [N, C, *spatial]`` with ``weight [C, O / groups, *kernel]``,
+    as ``torch.nn.functional.conv_transpose1d/2d/3d`` (same argument order): the gradient of a
+    ``conv`` with these arguments w.r.t. its input, ``[N, O, *out]`` with
+    ``out = (L - 1) * stride - 2 * padding + dilation * (kernel - 1) + output_padding + 1``."""
+    value, kernel, spatial = _operands(graph, x, weight, "conv_transpose")
+    strides = _per_axis("stride", stride, spatial, low=1)
+    dilations = _per_axis("dilation", dilation, spatial, low=1)
+    pads = _per_axis("padding", padding, spatial, low=0)
+    extra = _per_axis("output_padding", output_padding, spatial, low=0)
+    if isinstance(groups, bool) or not is_int(groups) or groups < 1:
+        raise RlxValueError(f"conv_transpose: groups must be a positive int, got {groups!r}")
+    channels = int(value.shape[1])  # type: ignore[arg-type]
+    if kernel.shape[0] != channels or channels % groups:
         raise RlxValueError(
-            f"conv: the kernel {tuple(taps)} (dilation {tuple(dilations)}) does not fit x {value.type} padded by "
-            f"{tuple(pads)}"
+            f"conv_transpose: weight must be [C, O/groups, *kernel] with C = {channels} (x's channels) divisible "
+            f"by groups={groups}, got {kernel.type}"
         )
-    # Channels last, zero-padded: [N, *padded, C].
-    last = graph.transpose(value, (0, *range(2, spatial + 2), 1))
-    for axis, (low, high) in enumerate(pads, start=1):
-        last = _pad_with(graph, last, axis, low, high, 0.0)
-    results = []
-    per_group, outs_per_group = channels // groups, outputs // groups
-    for group in range(groups):
-        source = last if groups == 1 else last[..., group * per_group : (group + 1) * per_group]
-        columns = []
-        for offsets in itertools.product(*(range(t) for t in taps)):  # type: ignore[arg-type]
-            index: list[object] = [slice(None)]
-            for o, d, s, n in zip(offsets, dilations, strides, out_sizes, strict=True):
-                start = o * d
-                index.append(slice(start, start + (n - 1) * s + 1, s))
-            columns.append(source[tuple(index)])
-        matrix = graph.concat(columns, axis=-1) if len(columns) > 1 else columns[0]  # [N, *out, K*Cg]
-        w = kernel if groups == 1 else kernel[group * outs_per_group : (group + 1) * outs_per_group]
-        # [Og, Cg, *kernel] -> [*kernel, Cg, Og] -> [K*Cg, Og], rows in the columns' order.
-        w = graph.reshape(graph.transpose(w, (*range(2, spatial + 2), 1, 0)), (-1, outs_per_group))
-        results.append(graph.matmul(matrix, w))
-    out = graph.concat(results, axis=-1) if groups > 1 else results[0]  # [N, *out, O]
-    out = graph.transpose(out, (0, spatial + 1, *range(1, spatial + 1)))
-    if bias is not None:
-        b = as_value(graph, bias, "conv: bias")
-        if b.shape != (outputs,):
-            raise RlxValueError(f"conv: bias must be [{outputs}], got {b.type}")
-        out = out + graph.reshape(b, (outputs, *(1,) * spatial))
+    if any(e >= max(s, d) for e, s, d in zip(extra, strides, dilations, strict=True)):
+        raise RlxValueError(
+            f"conv_transpose: output_padding {tuple(extra)} must be smaller than the stride or the dilation (as torch)"
+        )
+    taps = [int(t) for t in kernel.shape[2:]]  # type: ignore[arg-type]
+    sizes = [int(s) for s in value.shape[2:]]  # type: ignore[arg-type]
+    out_sizes = [
+        (n - 1) * s - 2 * p + d * (t - 1) + e + 1
+        for n, s, p, d, t, e in zip(sizes, strides, pads, dilations, taps, extra, strict=True)
+    ]
+    if min(out_sizes) < 1:
+        raise RlxValueError(f"conv_transpose: the output of x {value.type} would be empty ({tuple(out_sizes)})")
+    # The convolution it transposes: x's shape in, this output's shape out.
+    forward = ConvAttrs(tuple(strides), tuple(dilations), tuple(pads), tuple(pads), int(groups))
+    out = _input_gradient(graph, value, kernel, (value.shape[0], kernel.shape[1] * groups, *out_sizes), forward)
+    return _add_bias(graph, out, bias, "conv_transpose")
+
+
+def _operands(graph: Graph, x: object, weight: object, what: str) -> tuple[Value, Value, int]:
+    value = as_value(graph, x, f"{what}: x")
+    kernel = as_value(graph, weight, f"{what}: weight")
+    spatial = kernel.ndim - 2
+    layout = "[C, O/groups, *kernel]" if what == "conv_transpose" else "[O, C/groups, *kernel]"
+    if spatial not in (1, 2, 3) or value.ndim != spatial + 2:
+        raise RlxValueError(
+            f"{what}: weight must be {layout} with 1 to 3 kernel axes and x [N, C, *spatial] of the same count, "
+            f"got x {value.type} and weight {kernel.type}"
+        )
+    if value.dtype != np.float32 or kernel.dtype != np.float32:
+        raise RlxTypeError(f"{what}: x and weight must be float32, got {value.type} and {kernel.type}")
+    if not all(isinstance(d, int) for d in (*value.shape[1:], *kernel.shape)):
+        raise RlxValueError(f"{what}: channels, spatial axes and kernel must be static, got x {value.type}")
+    return value, kernel, spatial
+
+
+def _add_bias(graph: Graph, out: Value, bias: object, what: str) -> Value:
+    if bias is None:
+        return out
+    b = as_value(graph, bias, f"{what}: bias")
+    if b.shape != (out.shape[1],):
+        raise RlxValueError(f"{what}: bias must be [{out.shape[1]}], got {b.type}")
+    return out + graph.reshape(b, (out.shape[1], *(1,) * (out.ndim - 2)))
+
+
+# ----------------------------------------------------------------------------- the op
+
+
+def _out_sizes(sizes: Sequence[int], taps: Sequence[int], attrs: ConvAttrs) -> list[int]:
+    return [
+        (n + lo + hi - d * (t - 1) - 1) // s + 1
+        for n, t, s, d, lo, hi in zip(
+            sizes, taps, attrs.strides, attrs.dilations, attrs.pads_low, attrs.pads_high, strict=True
+        )
+    ]
+
+
+def _infer(what: str, inputs: Sequence[TensorType], attrs: ConvAttrs) -> tuple[TensorType, ...]:
+    x, w = inputs
+    require_float(what, "x", x)
+    require_float(what, "weight", w)
+    spatial = w.rank - 2
+    if spatial not in (1, 2, 3) or x.rank != spatial + 2:
+        raise RlxValueError(f"{what}: x [N, C, *spatial] and weight [O, C/groups, *kernel] (1 to 3 axes), got {x}, {w}")
+    fields = (attrs.strides, attrs.dilations, attrs.pads_low, attrs.pads_high)
+    if any(len(f) != spatial for f in fields) or min(attrs.strides + attrs.dilations) < 1 or attrs.groups < 1:
+        raise RlxValueError(f"{what}: strides, dilations and pads need {spatial} entries (strides, dilations >= 1)")
+    if not all(isinstance(d, int) for d in (*x.shape[1:], *w.shape)):
+        raise RlxValueError(f"{what}: channels, spatial axes and kernel must be static, got x {x} and weight {w}")
+    channels, outputs = int(x.shape[1]), int(w.shape[0])  # type: ignore[arg-type]
+    groups = attrs.groups
+    if channels % groups or outputs % groups or w.shape[1] != channels // groups:
+        second = channels // groups if channels % groups == 0 else "C/groups"
+        raise RlxValueError(
+            f"{what}: x has {channels} channels and weight is {w}: with groups={groups} the weight's second axis "
+            f"must be {second} and both channel counts divisible by groups"
+        )
+    out = _out_sizes(x.shape[2:], w.shape[2:], attrs)  # type: ignore[arg-type]
+    if min(out) < 1:
+        raise RlxValueError(f"{what}: the kernel {w.shape[2:]} does not fit x {x} padded by {fields[2:]}")
+    return (TensorType((x.shape[0], outputs, *out), F32),)
+
+
+def _padded_array(x: np.ndarray, low: Sequence[int], high: Sequence[int]) -> np.ndarray:
+    """``x`` with ``low``/``high`` zeros around each spatial axis (negative: entries cropped)."""
+    out = x
+    for axis, (lo, hi) in enumerate(zip(low, high, strict=True), start=2):
+        n = out.shape[axis]
+        shape = list(out.shape)
+        shape[axis] = n + lo + hi
+        result = np.zeros(shape, out.dtype)
+        first, last = max(lo, 0), min(n + lo + hi, n + lo)  # entries of the result inside x
+        if first < last:
+            target = [slice(None)] * out.ndim
+            source = [slice(None)] * out.ndim
+            target[axis], source[axis] = slice(first, last), slice(first - lo, last - lo)
+            result[tuple(target)] = out[tuple(source)]
+        out = result
     return out
+
+
+def _reference(args: Sequence[np.ndarray], attrs: ConvAttrs, ctx: EvalContext) -> np.ndarray:
+    x, w = args
+    spatial = w.ndim - 2
+    if attrs.flip:
+        w = w[(slice(None), slice(None), *(slice(None, None, -1),) * spatial)]
+    padded = _padded_array(x, attrs.pads_low, attrs.pads_high)
+    taps = w.shape[2:]
+    out_sizes = _out_sizes(x.shape[2:], taps, attrs)
+    groups, batch = attrs.groups, x.shape[0]
+    per_group, outs = x.shape[1] // groups, w.shape[0] // groups
+    padded = padded.reshape(batch, groups, per_group, *padded.shape[2:])
+    kernel = w.reshape(groups, outs, per_group, *taps)
+    out = np.zeros((batch, groups, outs, *out_sizes))
+    for offsets in itertools.product(*(range(t) for t in taps)):
+        window = tuple(
+            slice(o * d, o * d + (n - 1) * s + 1, s)
+            for o, d, s, n in zip(offsets, attrs.dilations, attrs.strides, out_sizes, strict=True)
+        )
+        patch = padded[(slice(None), slice(None), slice(None), *window)]  # [N, G, Cg, *out]
+        out += np.einsum("ngc...,goc->ngo...", patch, kernel[(slice(None),) * 3 + tuple(offsets)])
+    return out.reshape(batch, groups * outs, *out_sizes)
+
+
+def _grad(graph: Graph, node: Node, cts: Sequence[Value | None], needed: Sequence[bool]) -> list[Value | None]:
+    """The input's gradient is the transposed convolution of ``dy`` (:func:`_input_gradient`);
+    the weight's is the forward's column matrix times ``dy``, per group."""
+    dy = cts[0]
+    assert dy is not None
+    x, w = node.inputs
+    attrs: ConvAttrs = node.attrs
+    dx = _input_gradient(graph, dy, w, x.shape, attrs) if needed[0] else None
+    dw = _weight_gradient(graph, x, dy, w, attrs) if needed[1] else None
+    return [dx, dw]
+
+
+def _input_gradient(graph: Graph, dy: Value, w: Value, x_shape: tuple[object, ...], attrs: ConvAttrs) -> Value:
+    """The gradient w.r.t. the input ``[N, C, *L]`` of a convolution by ``w`` with ``attrs``,
+    given ``dy [N, O, *n]`` (what ``conv_transpose`` computes).
+
+    With stride 1 it is a convolution of ``dy`` with the kernel flipped and its channel axes
+    swapped, padded by the kernel's reach less the padding: entry ``i`` gathers
+    ``dy[i + lo - t*d] * w[t]``, so ``dy`` padded by ``P = (k-1)*d - lo`` before (and what makes
+    the length ``L`` after) read at ``i + u*d`` with ``u = k-1-t``. That is one column matrix of
+    ``dy`` and one BLAS product, a loop nest where the convolution is depthwise. With a larger
+    stride the same convolution would read ``dy`` dilated by zeros, a product ``stride**axes``
+    times larger than needed: there the gradient is that of the im2col decomposition (the
+    column matrix's cotangent ``dy @ W^T`` put back window by window), derived by autodiff.
+    """
+    spatial = w.ndim - 2
+    groups = attrs.groups
+    taps = [int(t) for t in w.shape[2:]]  # type: ignore[arg-type]
+    sizes = [int(s) for s in x_shape[2:]]  # type: ignore[call-overload]
+    if any(s != 1 for s in attrs.strides):
+        from rlx.autodiff import grad
+        from rlx.ops._common import zeros
+
+        # The values of x do not matter (the gradient is linear in dy): zeros of its shape.
+        source = zeros(graph, tuple(x_shape))  # type: ignore[arg-type]
+        (dx,) = grad(graph, _decomposed(graph, source, w, attrs), [source], dy)
+        return dx
+    outs, per_group = int(w.shape[0]) // groups, int(w.shape[1])  # type: ignore[call-overload]
+    # [O, Cg, *k] -> [G, Og, Cg, *k] -> [G, Cg, Og, *k] -> [C, Og, *k]: channels swapped per group.
+    swapped = graph.reshape(w, (groups, outs, per_group, *taps))
+    swapped = graph.transpose(swapped, (0, 2, 1, *range(3, spatial + 3)))
+    swapped = graph.reshape(swapped, (groups * per_group, outs, *taps))
+    low = tuple((t - 1) * d - lo for t, d, lo in zip(taps, attrs.dilations, attrs.pads_low, strict=True))
+    lengths = [int(n) for n in dy.shape[2:]]  # type: ignore[call-overload]
+    high = tuple(size + lo - n for size, lo, n in zip(sizes, attrs.pads_low, lengths, strict=True))
+    transposed = ConvAttrs((1,) * spatial, attrs.dilations, low, high, groups, not attrs.flip)
+    return graph.add_node(op_kind("conv"), [dy, swapped], transposed).outputs[0]
+
+
+def _weight_gradient(graph: Graph, x: Value, dy: Value, w: Value, attrs: ConvAttrs) -> Value:
+    """``dW`` per group: the forward's column matrix (built by the same calls, so ``cse`` shares
+    it) times ``dy``, both with their rows flattened: one BLAS product each."""
+    spatial = w.ndim - 2
+    groups = attrs.groups
+    taps = tuple(int(t) for t in w.shape[2:])  # type: ignore[arg-type]
+    outs, per_group = int(w.shape[0]) // groups, int(w.shape[1])  # type: ignore[call-overload]
+    last = graph.transpose(dy, (0, *range(2, spatial + 2), 1))  # [N, *out, O]
+    if per_group == 1 and outs == 1:  # depthwise: sums of products, one per kernel offset
+        padded = _padded(graph, x, attrs, channels_last=False)
+        entries = []
+        for offsets in _offsets(taps, attrs.flip):
+            window = _window(padded, offsets, attrs, dy.shape[2:], first_spatial=2)
+            entries.append(graph.sum(dy * window, axis=(0, *range(2, spatial + 2))))  # [C]
+        stacked = graph.stack(entries, axis=1)  # [C, K]
+        return graph.reshape(stacked, tuple(w.shape))
+    parts = []
+    for group, columns in enumerate(_column_matrices(graph, x, attrs, taps)):
+        rows = graph.reshape(columns, (-1, columns.shape[-1]))  # [N * out, K * Cg]
+        part = last if groups == 1 else last[..., group * outs : (group + 1) * outs]
+        product = graph.matmul(graph.transpose(rows, (1, 0)), graph.reshape(part, (-1, outs)))  # [K*Cg, Og]
+        # [K*Cg, Og] -> [*k, Cg, Og] -> [Og, Cg, *k]
+        product = graph.reshape(product, (*taps, per_group, outs))
+        parts.append(graph.transpose(product, (spatial + 1, spatial, *range(spatial))))
+    return graph.concat(parts, axis=0) if groups > 1 else parts[0]
+
+
+# ----------------------------------------------------------------------------- decomposition
+
+
+def _decompose(graph: Graph, node: Node) -> tuple[Value, ...]:
+    x, w = node.inputs
+    return (_decomposed(graph, x, w, node.attrs),)
+
+
+def _decomposed(graph: Graph, x: Value, w: Value, attrs: ConvAttrs) -> Value:
+    """The convolution in graph ops: im2col and one BLAS product per group, or, where every
+    output channel reads one input channel (depthwise), a sum of the windows times the weights
+    (one loop nest, no product)."""
+    spatial = w.ndim - 2
+    groups = attrs.groups
+    taps = tuple(int(t) for t in w.shape[2:])  # type: ignore[arg-type]
+    outs, per_group = int(w.shape[0]) // groups, int(w.shape[1])  # type: ignore[call-overload]
+    out_sizes = _out_sizes(x.shape[2:], taps, attrs)  # type: ignore[arg-type]
+    if per_group == 1 and outs == 1:
+        padded = _padded(graph, x, attrs, channels_last=False)
+        total: Value | None = None
+        for index, offsets in enumerate(_offsets(taps, attrs.flip)):
+            window = _window(padded, offsets, attrs, out_sizes, first_spatial=2)  # [N, C, *out]
+            weight = graph.reshape(w[(slice(None), 0, *np.unravel_index(index, taps))], (-1, *(1,) * spatial))
+            term = window * weight
+            total = term if total is None else total + term
+        assert total is not None
+        return total
+    results = []
+    for group, columns in enumerate(_column_matrices(graph, x, attrs, taps)):
+        kernel = w if groups == 1 else w[group * outs : (group + 1) * outs]
+        # [Og, Cg, *kernel] -> [*kernel, Cg, Og] -> [K*Cg, Og], rows in the columns' order.
+        kernel = graph.reshape(graph.transpose(kernel, (*range(2, spatial + 2), 1, 0)), (-1, outs))
+        results.append(graph.matmul(columns, kernel))
+    out = graph.concat(results, axis=-1) if groups > 1 else results[0]  # [N, *out, O]
+    return graph.transpose(out, (0, spatial + 1, *range(1, spatial + 1)))
+
+
+def _offsets(taps: Sequence[int], flip: bool) -> list[tuple[int, ...]]:
+    """The kernel offsets in the weight's order, each as the offset of the window it reads: a
+    flipped kernel's entry ``t`` reads the window at ``k - 1 - t``."""
+    offsets = list(itertools.product(*(range(t) for t in taps)))
+    return [tuple(t - 1 - o for o, t in zip(offset, taps, strict=True)) for offset in offsets] if flip else offsets
+
+
+def _padded(graph: Graph, x: Value, attrs: ConvAttrs, channels_last: bool) -> Value:
+    """``x`` padded (or cropped) around each spatial axis, channels moved last if asked."""
+    spatial = x.ndim - 2
+    if channels_last:
+        x = graph.transpose(x, (0, *range(2, spatial + 2), 1))
+    first = 1 if channels_last else 2
+    for axis, (lo, hi) in enumerate(zip(attrs.pads_low, attrs.pads_high, strict=True), start=first):
+        x = _pad_or_crop(graph, x, axis, lo, hi, 0.0)
+    return x
+
+
+def _window(
+    padded: Value, offsets: Sequence[int], attrs: ConvAttrs, out_sizes: Sequence[object], first_spatial: int
+) -> Value:
+    """The strided slice of ``padded`` that kernel offset ``offsets`` reads for every output."""
+    index: list[object] = [slice(None)] * first_spatial
+    for o, d, s, n in zip(offsets, attrs.dilations, attrs.strides, out_sizes, strict=True):
+        index.append(slice(o * d, o * d + (n - 1) * s + 1, s))  # type: ignore[operator]
+    return padded[tuple(index)]
+
+
+def _column_matrices(graph: Graph, x: Value, attrs: ConvAttrs, taps: tuple[int, ...]) -> list[Value]:
+    """Per group, the im2col matrix ``[N, *out, K * Cg]``: one window per kernel offset, channels last."""
+    groups = attrs.groups
+    per_group = int(x.shape[1]) // groups  # type: ignore[call-overload]
+    out_sizes = _out_sizes(x.shape[2:], taps, attrs)  # type: ignore[arg-type]
+    padded = _padded(graph, x, attrs, channels_last=True)  # [N, *padded, C]
+    matrices = []
+    for group in range(groups):
+        source = padded if groups == 1 else padded[..., group * per_group : (group + 1) * per_group]
+        columns = [
+            _window(source, offsets, attrs, out_sizes, first_spatial=1) for offsets in _offsets(taps, attrs.flip)
+        ]
+        matrices.append(graph.concat(columns, axis=-1) if len(columns) > 1 else columns[0])
+    return matrices
+
+
+register_op(
+    OpDef(
+        "conv",
+        ("x", "weight"),
+        ConvAttrs,
+        _infer,
+        _reference,
+        _grad,
+        builder=conv,
+        decompose=_decompose,
+        summary="N-d convolution (cross-correlation) as torch's F.conv*d",
+    )
+)
 
 
 def _per_axis(what: str, value: object, spatial: int, low: int) -> list[int]:
@@ -173,7 +474,7 @@ def pool(
     fill = float("-inf") if kind == "max" else 0.0
     padded = value
     for axis, p in enumerate(pads, start=2):
-        padded = _pad_with(graph, padded, axis, p, p, fill)
+        padded = _pad_or_crop(graph, padded, axis, p, p, fill)
     windows = []
     for offsets in itertools.product(*(range(t) for t in taps)):
         index: list[object] = [slice(None), slice(None)]
@@ -199,12 +500,24 @@ def pool(
     return total / graph.constant(counts.astype(np.float32))
 
 
-def _pad_with(graph: Graph, x: Value, axis: int, low: int, high: int, fill: float) -> Value:
-    """``x`` with ``low`` and ``high`` entries of ``fill`` around ``axis``."""
-    pieces = []
-    for count in (low, high):
-        shape = list(x.shape)
+def _pad_or_crop(graph: Graph, x: Value, axis: int, low: int, high: int, fill: float) -> Value:
+    """``x`` with ``low`` and ``high`` entries of ``fill`` around ``axis``; a negative count
+    crops that many entries instead (entry ``m`` of the result is ``x[m - low]``, or ``fill``
+    outside ``x``)."""
+    size = int(x.shape[axis])  # type: ignore[call-overload]
+    first, last = max(-low, 0), min(size, size + high)  # the entries of x that remain
+    length = size + low + high
+    shape = list(x.shape)
+
+    def filled(count: int) -> Value:
         shape[axis] = count
-        pieces.append(graph.broadcast_to(graph.constant(np.float32(fill)), tuple(shape)) if count else None)
-    parts = [p for p in (pieces[0], x, pieces[1]) if p is not None]
-    return graph.concat(parts, axis=axis) if len(parts) > 1 else x
+        return graph.broadcast_to(graph.constant(np.float32(fill)), tuple(shape))
+
+    if first >= last:
+        return filled(length)
+    index: list[object] = [slice(None)] * x.ndim
+    index[axis] = slice(first, last)
+    kept = x[tuple(index)] if (first, last) != (0, size) else x
+    before, after = max(low, 0), max(high, 0)
+    parts = [p for p in (filled(before) if before else None, kept, filled(after) if after else None) if p is not None]
+    return graph.concat(parts, axis=axis) if len(parts) > 1 else kept

@@ -107,6 +107,160 @@ def test_conv_gradients_against_central_differences() -> None:
         np.testing.assert_allclose(got[name], central_differences(loss_of, array), rtol=1e-3, atol=1e-3, err_msg=name)
 
 
+GRADIENT_CASES = [
+    {"x": (2, 4, 5, 6), "w": (6, 4, 3, 3), "stride": 1, "padding": 1, "dilation": 1, "groups": 1},
+    {"x": (2, 4, 6, 5), "w": (4, 2, 2, 3), "stride": 1, "padding": ((3, 0), (0, 2)), "dilation": (2, 1), "groups": 2},
+    {"x": (2, 3, 7, 6), "w": (3, 1, 3, 3), "stride": 1, "padding": "same", "dilation": 1, "groups": 3},
+    {"x": (1, 2, 9), "w": (6, 1, 2), "stride": 1, "padding": 0, "dilation": 3, "groups": 2},
+    {"x": (2, 3, 9), "w": (2, 3, 3), "stride": 2, "padding": ((2, 1),), "dilation": 1, "groups": 1},
+    {"x": (1, 2, 8, 7), "w": (2, 1, 3, 3), "stride": (2, 3), "padding": 1, "dilation": 1, "groups": 2},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", GRADIENT_CASES, ids=[str(c["x"]) + str(c["w"]) for c in GRADIENT_CASES])
+def test_conv_gradient_rules_against_central_differences(case: dict) -> None:
+    """Every route of the gradient rule: the transposed convolution (stride 1: im2col of dy, or a
+    loop nest where the convolution is depthwise, or grouped with a channel multiplier), and the
+    decomposition's gradient where the stride is larger."""
+    g = Graph("conv_grad_rules")
+    x, w = g.input("x", case["x"]), g.input("w", case["w"])
+    y = g.conv(x, w, None, case["stride"], case["padding"], case["dilation"], case["groups"])
+    weights = np.random.default_rng(11).standard_normal(y.shape)
+    loss = g.sum(y * y * g.constant(weights.astype(np.float32)))
+    dx, dw = rlx.grad(g, loss, [x, w])
+    g.output(dx=dx, dw=dw)
+    rng = np.random.default_rng(12)
+    xv, wv = rng.standard_normal(case["x"]), rng.standard_normal(case["w"])
+    bv = np.zeros(case["w"][0])
+    arrays = {"x": xv.astype(np.float32), "w": wv.astype(np.float32)}
+    got = rlx.compile(g)(**arrays)
+    reference = rlx.reference.run(g, **arrays)
+
+    def loss_of() -> float:
+        out = direct_conv(xv, wv, bv, case)
+        return float(np.sum(out * out * weights))
+
+    for name, array in (("dx", xv), ("dw", wv)):
+        want = central_differences(loss_of, array)
+        np.testing.assert_allclose(got[name], want, rtol=1e-3, atol=1e-3, err_msg=name)
+        np.testing.assert_allclose(reference[name], want, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_input_gradient_of_a_unit_stride_conv_is_a_conv() -> None:
+    """The rule's point: at stride 1 the input's gradient is one more convolution (three BLAS
+    products in all), not the columns' cotangent scattered back through a padded copy per offset."""
+    g = Graph("conv_grad_form")
+    x, w = g.input("x", (2, 8, 6, 6)), g.input("w", (8, 8, 3, 3))
+    loss = g.mean(g.conv(x, w, padding=1) ** 2)
+    dx, dw = rlx.grad(g, loss, [x, w])
+    g.output(dx=dx, dw=dw)
+    assert sum(node.op is rlx.OpKind.CONV for node in g.nodes) == 2
+    exe = rlx.compile(g)
+    assert sum(node.op is rlx.OpKind.MATMUL for node in exe.graph.nodes) == 3
+    widest = max(len(node.inputs) for node in exe.graph.nodes if node.op is rlx.OpKind.FUSED_ELEMENTWISE)
+    assert widest < 9  # no sum of nine padded windows
+
+
+def test_conv_second_order_gradient() -> None:
+    """The input's gradient is a convolution, so it differentiates again (a gradient penalty)."""
+    g = Graph("conv_second_order")
+    x, w = g.input("x", (1, 2, 5, 5)), g.input("w", (3, 2, 3, 3))
+    (dx,) = rlx.grad(g, g.sum(g.tanh(g.conv(x, w, padding=1))), [x])
+    (dw,) = rlx.grad(g, g.sum(dx * dx), [w])
+    g.output(dw=dw)
+    rng = np.random.default_rng(13)
+    xv, wv = rng.standard_normal((1, 2, 5, 5)), rng.standard_normal((3, 2, 3, 3)) * 0.5
+    got = rlx.compile(g)(x=xv.astype(np.float32), w=wv.astype(np.float32))["dw"]
+    case = {"stride": 1, "padding": 1, "dilation": 1, "groups": 1}
+
+    def penalty() -> float:  # d/dx sum(tanh(conv(x))) = conv^T(1 - tanh^2), by differences too
+        def inner() -> float:
+            return float(np.sum(np.tanh(direct_conv(xv, wv, np.zeros(3), case))))
+
+        return float(np.sum(central_differences(inner, xv, eps=1e-5) ** 2))
+
+    np.testing.assert_allclose(got, central_differences(penalty, wv, eps=1e-4), rtol=2e-3, atol=2e-3)
+
+
+def direct_conv_transpose(x: np.ndarray, w: np.ndarray, stride: tuple[int, ...], padding: tuple[int, ...],
+                          extra: tuple[int, ...], groups: int, dilation: tuple[int, ...]) -> np.ndarray:  # fmt: skip
+    """The definition by scattering: input entry ``i`` adds ``x[i] * w[t]`` at ``i*s + t*d - p``."""
+    spatial = x.ndim - 2
+    taps = w.shape[2:]
+    per_group, outs = x.shape[1] // groups, w.shape[1]
+    sizes = [(n - 1) * s - 2 * p + d * (t - 1) + e + 1
+             for n, s, p, d, t, e in zip(x.shape[2:], stride, padding, dilation, taps, extra, strict=True)]  # fmt: skip
+    out = np.zeros((x.shape[0], groups * outs, *sizes))
+    for c in range(x.shape[1]):
+        group = c // per_group
+        for i in itertools.product(*(range(n) for n in x.shape[2:])):
+            for t in itertools.product(*(range(k) for k in taps)):
+                at = [i[a] * stride[a] + t[a] * dilation[a] - padding[a] for a in range(spatial)]
+                if all(0 <= at[a] < sizes[a] for a in range(spatial)):
+                    out[(slice(None), slice(group * outs, (group + 1) * outs), *at)] += (
+                        x[(slice(None), c, *i)][:, None] * w[(c, slice(None), *t)][None, :]
+                    )
+    return out
+
+
+TRANSPOSE_CASES = [
+    {"x": (2, 4, 5, 4), "w": (4, 3, 3, 3), "stride": (1, 1), "padding": (1, 0), "extra": (0, 0), "groups": 1,
+     "dilation": (1, 1)},
+    {"x": (2, 4, 4, 3), "w": (4, 2, 3, 2), "stride": (2, 3), "padding": (1, 0), "extra": (1, 2), "groups": 2,
+     "dilation": (1, 1)},
+    {"x": (1, 3, 6), "w": (3, 2, 3), "stride": (1,), "padding": (3,), "extra": (1,), "groups": 1, "dilation": (2,)},
+    {"x": (2, 2, 5), "w": (2, 2, 4), "stride": (2,), "padding": (1,), "extra": (0,), "groups": 1, "dilation": (1,)},
+    {"x": (1, 2, 3, 2, 2), "w": (2, 1, 2, 2, 2), "stride": (2, 1, 1), "padding": (0, 1, 0), "extra": (1, 0, 0),
+     "groups": 2, "dilation": (1, 1, 1)},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", TRANSPOSE_CASES, ids=[str(c["x"]) + str(c["stride"]) for c in TRANSPOSE_CASES])
+def test_conv_transpose_matches_the_definition_torch_and_differences(case: dict) -> None:
+    rng = np.random.default_rng(14)
+    args = (case["stride"], case["padding"], case["extra"], case["groups"], case["dilation"])
+    g = Graph("conv_transpose")
+    x, w = g.input("x", case["x"]), g.input("w", case["w"])
+    bias = g.input("b", (case["w"][1] * case["groups"],))
+    y = g.conv_transpose(x, w, bias, *args)
+    weights = rng.standard_normal(y.shape)
+    dx, dw = rlx.grad(g, g.sum(y * g.constant(weights.astype(np.float32))), [x, w])
+    g.output(y=y, dx=dx, dw=dw)
+    xv, wv = rng.standard_normal(case["x"]), rng.standard_normal(case["w"])
+    bv = rng.standard_normal(y.shape[1])
+    want = direct_conv_transpose(xv, wv, *args) + bv.reshape(-1, *(1,) * (len(case["x"]) - 2))
+    got = rlx.compile(g)(x=xv.astype(np.float32), w=wv.astype(np.float32), b=bv.astype(np.float32))
+    assert got["y"].shape == want.shape
+    np.testing.assert_allclose(got["y"], want, rtol=1e-4, atol=1e-4)
+
+    def loss_of() -> float:
+        return float(np.sum(direct_conv_transpose(xv, wv, *args) * weights))
+
+    np.testing.assert_allclose(got["dx"], central_differences(loss_of, xv), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got["dw"], central_differences(loss_of, wv), rtol=1e-4, atol=1e-4)
+    torch = pytest.importorskip("torch")
+    functional = {1: torch.nn.functional.conv_transpose1d, 2: torch.nn.functional.conv_transpose2d,
+                  3: torch.nn.functional.conv_transpose3d}  # fmt: skip
+    expected = functional[len(case["x"]) - 2](
+        torch.from_numpy(xv), torch.from_numpy(wv), torch.from_numpy(bv), case["stride"], case["padding"],
+        case["extra"], case["groups"], case["dilation"],
+    )  # fmt: skip
+    np.testing.assert_allclose(got["y"], expected.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_conv_transpose_errors() -> None:
+    g = Graph("conv_transpose_errors")
+    x = g.input("x", (2, 4, 5, 5))
+    with pytest.raises(rlx.RlxValueError, match=r"weight must be \[C, O/groups"):
+        g.conv_transpose(x, g.input("w1", (3, 2, 3, 3)))
+    with pytest.raises(rlx.RlxValueError, match="output_padding"):
+        g.conv_transpose(x, g.input("w2", (4, 2, 3, 3)), stride=2, output_padding=2)
+    with pytest.raises(rlx.RlxValueError, match="empty"):
+        g.conv_transpose(x, g.input("w3", (4, 2, 1, 1)), padding=3)
+    with pytest.raises(rlx.RlxTypeError, match="float32"):
+        g.conv_transpose(x, g.input("w4", (4, 2, 3, 3), dtype="int32"))
+
+
 def test_conv_errors_name_what_is_wrong() -> None:
     g = Graph("conv_errors")
     x = g.input("x", (2, 4, 8, 8))
@@ -193,3 +347,29 @@ def test_pooling_errors() -> None:
         g.avg_pool(x, 0)
     with pytest.raises(rlx.RlxValueError, match="does not fit"):
         g.max_pool(x, 9)
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_conv_and_its_transpose_with_a_symbolic_batch(stride: int) -> None:
+    """One executable for every batch size: the forward, the transposed convolution and the
+    gradients of both against the float64 reference."""
+    g = Graph("conv_symbolic_batch")
+    x, w, wt = g.input("x", ("n", 4, 9, 8)), g.input("w", (6, 2, 3, 3)), g.input("wt", (6, 2, 3, 3))
+    y = g.conv(x, w, stride=stride, padding=1, groups=2)
+    z = g.conv_transpose(y, wt, stride=stride, padding=1, output_padding=stride - 1, groups=2)
+    dx, dw, dwt = rlx.grad(g, g.sum(z * z), [x, w, wt])
+    g.output(z=z, dx=dx, dw=dw, dwt=dwt)
+    exe = rlx.compile(g)
+    for n in (1, 3):
+        rng = np.random.default_rng(n)
+        arrays = {
+            "x": rng.standard_normal((n, 4, 9, 8), dtype=np.float32),
+            "w": rng.standard_normal((6, 2, 3, 3), dtype=np.float32),
+            "wt": rng.standard_normal((6, 2, 3, 3), dtype=np.float32),
+        }
+        got, want = exe(**arrays), rlx.reference.run(g, **arrays)
+        assert got["z"].shape == (n, 4, 9 + stride - 1, 8)
+        for name in want:
+            scale = float(np.max(np.abs(want[name])))
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5 * scale, err_msg=name)
+    assert exe.compile_count == 1

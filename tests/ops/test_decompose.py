@@ -29,6 +29,7 @@ def test_composites_are_the_expected_ones() -> None:
         "min",
         "argmax",
         "argmin",
+        "conv",
     }
 
 
