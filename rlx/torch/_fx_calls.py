@@ -570,6 +570,21 @@ def _conv(
     return g.conv(_float(x), _float(weight), bias, stride=stride, padding=padding, dilation=dilation, groups=groups)
 
 
+def _conv_transpose(
+    g: Graph,
+    x: Any,
+    weight: Any,
+    bias: Any = None,
+    stride: Any = 1,
+    padding: Any = 0,
+    output_padding: Any = 0,
+    groups: int = 1,
+    dilation: Any = 1,
+) -> Any:
+    """``F.conv_transpose1d/2d/3d``: rlx's ``conv_transpose`` (a convolution's input gradient)."""
+    return g.conv_transpose(_float(x), _float(weight), bias, stride, padding, output_padding, groups, dilation)
+
+
 def _max_pool(
     g: Graph,
     x: Any,
@@ -1143,10 +1158,20 @@ def _linear(g: Graph, x: Any, weight: Any, bias: Any = None) -> Any:
 
 
 def _layer_norm(g: Graph, x: Any, shape: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Any:
+    """``F.layer_norm`` over the last ``len(normalized_shape)`` axes: over several, those axes
+    are flattened into one (a view), and the weight and bias with them."""
     x = _float(x)
-    if len(tuple(shape)) != 1:
-        raise Unsupported("layer_norm over more than the last axis")
-    return g.layer_norm(x, weight if weight is not None else 1.0, bias, eps=eps)
+    count = len(tuple(shape))
+    if count == 1:
+        return g.layer_norm(x, weight if weight is not None else 1.0, bias, eps=eps)
+    trailing = x.shape[x.ndim - count :]
+    if not all(isinstance(d, int) for d in trailing):
+        raise Unsupported("layer_norm over several axes of dynamic size")
+    size = math.prod(trailing)  # type: ignore[arg-type]
+    flat = g.reshape(x, (*x.shape[: x.ndim - count], size))
+    w = g.reshape(_float(weight), (size,)) if weight is not None else 1.0
+    b = g.reshape(_float(bias), (size,)) if bias is not None else None
+    return g.reshape(g.layer_norm(flat, w, b, eps=eps), tuple(x.shape))
 
 
 def _rms_norm(g: Graph, x: Any, shape: Any, weight: Any = None, eps: float | None = None) -> Any:
@@ -1411,27 +1436,207 @@ def _interpolate(
     recompute_scale_factor: Any = None,
     antialias: bool = False,
 ) -> Any:
-    """``F.interpolate`` in ``"nearest"`` mode by whole factors (each entry repeated: a broadcast
-    and a reshape, views); other modes and fractional factors are left to torch."""
+    """``F.interpolate`` of static spatial sizes in the modes ``nearest``, ``nearest-exact``,
+    ``linear``, ``bilinear`` and ``trilinear`` (``align_corners`` either way), as torch samples:
+    nearest by whole factors repeats each entry (a broadcast and a reshape, views); otherwise
+    each axis in turn gathers the source entries its positions read (two, weighted, in the
+    linear modes). ``bicubic``, ``area`` and antialiasing are left to torch."""
     x = _float(x)
     spatial = x.ndim - 2
-    if mode != "nearest" or antialias or spatial < 1:
-        raise Unsupported(f"interpolate in mode {mode!r}")
+    linear = {"linear": 1, "bilinear": 2, "trilinear": 3}
+    if antialias or spatial < 1 or (mode not in ("nearest", "nearest-exact") and linear.get(mode) != spatial):
+        raise Unsupported(f"interpolate in mode {mode!r} of {spatial} spatial axes")
     sizes = [x.shape[2 + a] for a in range(spatial)]
     if not all(isinstance(s, int) for s in sizes):
         raise Unsupported("interpolate of dynamic spatial sizes")
     if size is not None:
-        wanted = [size] * spatial if type(size) is int else list(size)
-        factors = [w // s if w % s == 0 else 0 for w, s in zip(wanted, sizes, strict=True)]
+        wanted = [int(size)] * spatial if not isinstance(size, (tuple, list)) else [int(v) for v in size]
+        scales = [float(s) / w for s, w in zip(sizes, wanted, strict=True)]  # source step per output entry
     else:
-        scales = [scale_factor] * spatial if isinstance(scale_factor, (int, float)) else list(scale_factor)
-        factors = [int(f) if float(f).is_integer() else 0 for f in scales]
-    if not all(f >= 1 for f in factors):
-        raise Unsupported("interpolate by a factor that is not a whole number")
-    lead = tuple(x.shape[:2])
-    spread = g.reshape(x, (*lead, *(d for s in sizes for d in (s, 1))))
-    repeated = g.broadcast_to(spread, (*lead, *(d for s, f in zip(sizes, factors, strict=True) for d in (s, f))))
-    return g.reshape(repeated, (*lead, *(s * f for s, f in zip(sizes, factors, strict=True))))
+        factors = [scale_factor] * spatial if not isinstance(scale_factor, (tuple, list)) else list(scale_factor)
+        wanted = [math.floor(s * float(f)) for s, f in zip(sizes, factors, strict=True)]
+        scales = (
+            [float(s) / w for s, w in zip(sizes, wanted, strict=True)]
+            if recompute_scale_factor
+            else [1.0 / float(f) for f in factors]
+        )
+    if min(wanted) < 1:
+        raise Unsupported("interpolate to an empty size")
+    if (
+        mode == "nearest"
+        and all(w % s == 0 for w, s in zip(wanted, sizes, strict=True))
+        and all(abs(scale * (w // s) - 1.0) < 1e-12 for scale, w, s in zip(scales, wanted, sizes, strict=True))
+    ):
+        factors = [w // s for w, s in zip(wanted, sizes, strict=True)]
+        lead = tuple(x.shape[:2])
+        spread = g.reshape(x, (*lead, *(d for s in sizes for d in (s, 1))))
+        repeated = g.broadcast_to(spread, (*lead, *(d for s, f in zip(sizes, factors, strict=True) for d in (s, f))))
+        return g.reshape(repeated, (*lead, *(s * f for s, f in zip(sizes, factors, strict=True))))
+    out = x
+    for axis, (n, w, scale) in enumerate(zip(sizes, wanted, scales, strict=True), start=2):
+        positions = np.arange(w, dtype=np.float64)
+        if mode in ("nearest", "nearest-exact"):  # the source entry at (or, exact, nearest to) each position
+            shifted = positions + 0.5 if mode == "nearest-exact" else positions
+            picked = np.minimum(np.floor(shifted * np.float32(scale)), n - 1).astype(np.int64)
+            out = g.take(out, g.constant(picked), axis)
+            continue
+        if align_corners:
+            source = positions * ((n - 1) / (w - 1) if w > 1 else 0.0)
+        else:
+            source = np.maximum((positions + 0.5) * np.float32(scale) - 0.5, 0.0)
+        low = np.minimum(np.floor(source), n - 1).astype(np.int64)
+        high = np.minimum(low + 1, n - 1)
+        weight = (source - low).astype(np.float32).reshape(w, *(1,) * (x.ndim - axis - 1))
+        first, second = g.take(out, g.constant(low), axis), g.take(out, g.constant(high), axis)
+        out = first + (second - first) * g.constant(weight)
+    return out
+
+
+def _variance(root: bool) -> Callable[..., Any]:
+    """``torch.var``/``torch.std`` and their methods: ``dim``, ``correction`` (``unbiased`` in
+    the older spelling, positional too) and ``keepdim``, as torch's (a correction of 1 by
+    default: ``n - 1`` in the denominator)."""
+
+    def handler(g: Graph, x: Any, *args: Any, **kwargs: Any) -> Any:
+        dim, correction, keepdim = None, 1, False
+        if args and type(args[0]) is bool:  # var(unbiased)
+            correction, args = int(args[0]), args[1:]
+        elif args:
+            dim, args = args[0], args[1:]
+            if args and type(args[0]) is bool:  # var(dim, unbiased, keepdim)
+                correction, args = int(args[0]), args[1:]
+            if args:
+                keepdim, args = args[0], args[1:]
+        if args:
+            raise Unsupported("var/std with more positional arguments")
+        dim = kwargs.pop("dim", dim)
+        if "unbiased" in kwargs:
+            correction = int(bool(kwargs.pop("unbiased")))
+        correction = kwargs.pop("correction", correction)
+        keepdim = kwargs.pop("keepdim", keepdim)
+        check_kwargs(kwargs)
+        ddof = 1 if correction is None else correction
+        if not (type(ddof) is int or (isinstance(ddof, float) and ddof.is_integer())):
+            raise Unsupported(f"var/std with correction={correction!r}")
+        value = g.var(_float(x), axis=_axis_args(dim), keepdims=bool(keepdim), ddof=int(ddof))
+        return g.sqrt(value) if root else value
+
+    return handler
+
+
+def _flip(g: Graph, x: Any, *dims: Any) -> Any:
+    """``torch.flip``: each named axis read backwards (a gather by reversed positions)."""
+    axes = dims[0] if len(dims) == 1 and isinstance(dims[0], (tuple, list)) else dims
+    value = _float(x)
+    for axis in {int(a) % value.ndim for a in axes}:
+        size = value.shape[axis]
+        if not isinstance(size, int):
+            raise Unsupported("flip along a dynamic axis")
+        if size > 1:
+            value = g.take(value, g.constant(np.arange(size - 1, -1, -1, dtype=np.int64)), axis=axis)
+    return value
+
+
+def _unfold(g: Graph, x: Any, kernel_size: Any, dilation: Any = 1, padding: Any = 0, stride: Any = 1) -> Any:
+    """``F.unfold`` (im2col): ``[N, C, H, W] -> [N, C * kh * kw, L]``, channel-major as torch's,
+    the windows strided slices of the zero-padded input stacked along a new axis."""
+    x = _float(x)
+    if x.ndim != 4 or not all(isinstance(d, int) for d in x.shape[1:]):
+        raise Unsupported("unfold of other than a [N, C, H, W] tensor of static channels and sizes")
+
+    def pair(v: Any) -> tuple[int, int]:
+        return (int(v), int(v)) if not isinstance(v, (tuple, list)) else (int(v[0]), int(v[1]))
+
+    taps, dilations, pads, strides = pair(kernel_size), pair(dilation), pair(padding), pair(stride)
+    padded = x
+    for axis, p in zip((2, 3), pads, strict=True):
+        if p:
+            shape = list(padded.shape)
+            shape[axis] = p
+            zeros = g.broadcast_to(g.constant(0.0), tuple(shape))
+            padded = g.concat([zeros, padded, zeros], axis=axis)
+    outs = [
+        (n + 2 * p - d * (t - 1) - 1) // s + 1
+        for n, p, d, t, s in zip(x.shape[2:], pads, dilations, taps, strides, strict=True)
+    ]
+    if min(outs) < 1:
+        raise Unsupported("unfold with a kernel larger than the padded input")
+    windows = [
+        padded[:, :, i * dilations[0] : i * dilations[0] + (outs[0] - 1) * strides[0] + 1 : strides[0],
+               j * dilations[1] : j * dilations[1] + (outs[1] - 1) * strides[1] + 1 : strides[1]]
+        for i in range(taps[0])
+        for j in range(taps[1])
+    ]  # fmt: skip
+    stacked = g.stack(windows, axis=2)  # [N, C, kh * kw, oh, ow]
+    return g.reshape(stacked, (x.shape[0], x.shape[1] * taps[0] * taps[1], outs[0] * outs[1]))
+
+
+def _pixel_shuffle(g: Graph, x: Any, upscale_factor: int) -> Any:
+    """``F.pixel_shuffle``: ``[*, C*r*r, H, W] -> [*, C, H*r, W*r]``, a reshape, a transpose and
+    a reshape."""
+    x = _float(x)
+    r = int(upscale_factor)
+    *lead, channels, height, width = x.shape
+    if not isinstance(channels, int) or channels % (r * r):
+        raise Unsupported("pixel_shuffle of a channel count not divisible by the factor squared")
+    split = g.reshape(x, (*lead, channels // (r * r), r, r, height, width))
+    n = len(lead)
+    moved = g.transpose(split, (*range(n), n, n + 3, n + 1, n + 4, n + 2))
+    return g.reshape(moved, (*lead, channels // (r * r), height * r, width * r))
+
+
+def _pixel_unshuffle(g: Graph, x: Any, downscale_factor: int) -> Any:
+    """``F.pixel_unshuffle``: ``[*, C, H*r, W*r] -> [*, C*r*r, H, W]`` (the inverse)."""
+    x = _float(x)
+    r = int(downscale_factor)
+    *lead, channels, height, width = x.shape
+    if not (isinstance(height, int) and isinstance(width, int)) or height % r or width % r:
+        raise Unsupported("pixel_unshuffle of sizes not divisible by the factor")
+    split = g.reshape(x, (*lead, channels, height // r, r, width // r, r))
+    n = len(lead)
+    moved = g.transpose(split, (*range(n), n, n + 2, n + 4, n + 1, n + 3))
+    return g.reshape(moved, (*lead, channels * r * r, height // r, width // r))
+
+
+def _group_norm(g: Graph, x: Any, num_groups: int, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Any:
+    """``F.group_norm``: each sample's channels in ``num_groups`` groups, each group normalised
+    over its channels and spatial entries (biased variance), then a per-channel scale and shift."""
+    x = _float(x)
+    if x.ndim < 2:
+        raise Unsupported("group_norm of a tensor without channels")
+    batch, channels, *spatial = x.shape
+    groups = int(num_groups)
+    if not all(isinstance(d, int) for d in (channels, *spatial)) or channels % groups:
+        raise Unsupported("group_norm with dynamic channels or spatial sizes, or channels not divisible by groups")
+    flat = g.reshape(x, (batch, groups, -1))
+    normed = g.reshape(g.layer_norm(flat, 1.0, None, eps=float(eps)), tuple(x.shape))
+    per_channel = (channels, *(1,) * len(spatial))
+    if weight is not None:
+        normed = normed * g.reshape(_float(weight), per_channel)
+    if bias is not None:
+        normed = normed + g.reshape(_float(bias), per_channel)
+    return normed
+
+
+def _instance_norm(
+    g: Graph,
+    x: Any,
+    running_mean: Any = None,
+    running_var: Any = None,
+    weight: Any = None,
+    bias: Any = None,
+    use_input_stats: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> Any:
+    """``F.instance_norm`` with the input's own statistics (``nn.InstanceNorm*d`` without
+    running statistics): a group norm with one channel per group."""
+    if running_mean is not None or running_var is not None or not use_input_stats:
+        raise Unsupported("instance_norm with running statistics")
+    channels = _float(x).shape[1]
+    if not isinstance(channels, int):
+        raise Unsupported("instance_norm of a dynamic channel count")
+    return _group_norm(g, x, channels, weight, bias, eps)
 
 
 def _cosine_similarity(g: Graph, a: Any, b: Any, dim: int = 1, eps: float = 1e-8) -> Any:
@@ -1597,6 +1802,14 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     torch.nn.functional.linear: _linear,
     torch._C._nn.linear: _linear,
     F.layer_norm: _layer_norm,
+    F.group_norm: _group_norm,
+    F.instance_norm: _instance_norm,
+    F.pixel_shuffle: _pixel_shuffle,
+    F.unfold: _unfold,
+    F.pixel_unshuffle: _pixel_unshuffle,
+    torch.flip: _flip,
+    torch.var: _variance(root=False),
+    torch.std: _variance(root=True),
     F.gelu: _gelu,
     torch._C._nn.gelu: _gelu,
     F.silu: _unary("silu"),
@@ -1650,6 +1863,9 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     F.conv1d: _conv,
     F.conv2d: _conv,
     F.conv3d: _conv,
+    F.conv_transpose1d: _conv_transpose,
+    F.conv_transpose2d: _conv_transpose,
+    F.conv_transpose3d: _conv_transpose,
     torch.index_select: _index_select,
     torch.Size: lambda g, dims=(): tuple(dims),  # a shape with dynamic sizes: a tuple of them
     torch.addmm: _addmm,
@@ -1720,6 +1936,9 @@ METHODS: dict[str, Callable[..., Any]] = {
     "tril": _triangle(lower=True),
     "triu": _triangle(lower=False),
     "roll": _roll,
+    "flip": _flip,
+    "var": _variance(root=False),
+    "std": _variance(root=True),
     "square": lambda g, x: _float(x) * x,
     "baddbmm": _baddbmm,
     **{name: _compare(op) for name, op in _COMPARISONS.items()},
