@@ -30,7 +30,22 @@ from llvmlite import ir
 
 from rlx.bind import index_sources
 from rlx.codegen.expf import define_expf, define_softmax_expf
-from rlx.codegen.irutil import CONTRACT, F32, I1, I8, I32, I64, REDUCE, alloca_entry, declare, gep, i64, intrinsic, smin
+from rlx.codegen.irutil import (
+    CONTRACT,
+    F32,
+    I1,
+    I8,
+    I32,
+    I64,
+    REDUCE,
+    alloca_entry,
+    clamp,
+    declare,
+    gep,
+    i64,
+    intrinsic,
+    smin,
+)
 from rlx.codegen.schedule import (
     Kernel,
     Schedule,
@@ -43,7 +58,7 @@ from rlx.codegen.schedule import (
 from rlx.codegen.sizes import Size, SizeLike, ceil_div, emit_size, nominal
 from rlx.codegen.vector import WIDTH, any_lane, fold_max_ignoring_nan, max_ignoring_nan, splat, sum_lanes
 from rlx.codegen.views import View
-from rlx.ir.dims import product
+from rlx.ir.dims import product, total
 from rlx.ir.graph import Node, Value
 from rlx.ir.types import Dim
 
@@ -258,6 +273,8 @@ class FusedEmitter:
             return self.load(reshaped, idx, value.dtype)
         if op in ("sum", "max"):
             return self.reduce(value, idx)
+        if op == "concat":
+            return self.concat(value, idx)
         if op == "embedding":
             return self.embedding(value, idx)
         definition = node.op.definition
@@ -275,6 +292,62 @@ class FusedEmitter:
         """The index of an operand of ``shape`` that broadcasts to the current one (right-aligned)."""
         lead = len(idx) - len(shape)
         return tuple(ZERO if size == 1 else idx[lead + i] for i, size in enumerate(shape))
+
+    def concat(self, value: Value, idx: tuple[Ix, ...]) -> Lane:
+        """A ``concat`` read inline (the gradient of a slice or a pad: its parts and zeros): the
+        part the index falls in. A static index picks it; otherwise every part is read at the
+        index clamped into it and the right one selected (zeros cost nothing to read), lane by
+        lane where the vector lanes run along the joined axis."""
+        axis = value.node.attrs.axis
+        ix = idx[axis]
+        parts = value.node.inputs
+        starts = _part_starts(value)
+        if ix.loop is None and isinstance(ix.add, int) and all(isinstance(s, int) for s in starts):
+            position = ix.add
+            for part, start in reversed(list(zip(parts, starts, strict=True))):
+                if position >= start:  # type: ignore[operator]
+                    return self.eval(part, _replace(idx, axis, Ix(None, position - start, 0)))  # type: ignore[operator]
+        if ix.loop is not None and ix.loop.vector:
+            lanes = [self._concat_at(value, _replace(idx, axis, _lane_of(self.b, ix, lane))) for lane in range(WIDTH)]
+            math_ = LaneMath(self, 1)
+            element = lanes[0].value.type
+            scalars = [math_.widen(lane) if lane.width == 1 else lane.value for lane in lanes]
+            if any(lane.width != 1 for lane in lanes):  # another axis is vectorised too: cannot be
+                raise AssertionError("concat: two vectorised axes")
+            return Lane(_pack(self.b, scalars, element), WIDTH, lanes[0].kind)
+        return self._concat_at(value, idx)
+
+    def _concat_at(self, value: Value, idx: tuple[Ix, ...]) -> Lane:
+        """The concat at an index whose entry along the joined axis is one scalar. The positions
+        are computed here (an index entry's value may have been computed here too), so the parts
+        are read at an index of this depth."""
+        b = self.b
+        axis = value.node.attrs.axis
+        position = self._scalar_position(idx[axis])
+        here = len(self.stack)
+        reads: list[tuple[Lane, ir.Value]] = []
+        for part, first in zip(value.node.inputs, _part_starts(value), strict=True):
+            start, size = self.size(first), self.size(part.shape[axis])
+            clamped = clamp(b, b.sub(position, start), i64(0), b.sub(size, i64(1)))
+            below = b.icmp_signed("<", position, b.add(start, size))
+            reads.append((self.eval(part, _replace(idx, axis, Ix(None, clamped, here))), below))
+        width = max(lane.width for lane, _ in reads)
+        math_ = LaneMath(self, width)
+        result = math_.widen(reads[-1][0])
+        for lane, below in reversed(reads[:-1]):
+            result = b.select(below, math_.widen(lane), result)
+        return Lane(result, width, reads[0][0].kind)
+
+    def _scalar_position(self, ix: Ix) -> ir.Value:
+        """An index entry with no vector lanes as one i64 value."""
+        add = ix.add
+        if isinstance(add, _AddLater):
+            term: ir.Value = self.b.add(add.value, i64(add.amount))
+        elif isinstance(add, int):
+            term = i64(add)
+        else:
+            term = add
+        return term if ix.loop is None else self.b.add(ix.loop.var, term)
 
     def reduce(self, value: Value, idx: tuple[Ix, ...]) -> Lane:
         """``sum`` / ``max`` over the reduced axes: nested loops, the innermost one vectorised."""
@@ -856,6 +929,17 @@ def _pack(b: ir.IRBuilder, lanes: list[ir.Value], element: ir.Type) -> ir.Value:
     for i, lane in enumerate(lanes):
         vector = b.insert_element(vector, lane, ir.Constant(I32, i))
     return vector
+
+
+def _replace(idx: tuple[Ix, ...], axis: int, entry: Ix) -> tuple[Ix, ...]:
+    return (*idx[:axis], entry, *idx[axis + 1 :])
+
+
+def _part_starts(value: Value) -> list[SizeLike]:
+    """Where each part of a concat starts along its axis (symbolic after a symbolic part)."""
+    axis = value.node.attrs.axis
+    parts = value.node.inputs
+    return [total([part.shape[axis] for part in parts[:i]]) for i in range(len(parts))]
 
 
 def _lane_of(b: ir.IRBuilder, ix: Ix, lane: int) -> Ix:

@@ -22,6 +22,7 @@ matrix). Pooling has no op: its windows are strided slices combined by ``maximum
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -257,21 +258,15 @@ def _input_gradient(graph: Graph, dy: Value, w: Value, x_shape: tuple[object, ..
     the length ``L`` after) read at ``i + u*d`` with ``u = k-1-t``. That is one column matrix of
     ``dy`` and one BLAS product, a loop nest where the convolution is depthwise. With a larger
     stride the same convolution would read ``dy`` dilated by zeros, a product ``stride**axes``
-    times larger than needed: there the gradient is that of the im2col decomposition (the
-    column matrix's cotangent ``dy @ W^T`` put back window by window), derived by autodiff.
+    times larger than needed: there :func:`_strided_input_gradient` puts the column matrix's
+    cotangent back by phases.
     """
     spatial = w.ndim - 2
     groups = attrs.groups
     taps = [int(t) for t in w.shape[2:]]  # type: ignore[arg-type]
     sizes = [int(s) for s in x_shape[2:]]  # type: ignore[call-overload]
     if any(s != 1 for s in attrs.strides):
-        from rlx.autodiff import grad
-        from rlx.ops._common import zeros
-
-        # The values of x do not matter (the gradient is linear in dy): zeros of its shape.
-        source = zeros(graph, tuple(x_shape))  # type: ignore[arg-type]
-        (dx,) = grad(graph, _decomposed(graph, source, w, attrs), [source], dy)
-        return dx
+        return _strided_input_gradient(graph, dy, w, sizes, attrs)
     outs, per_group = int(w.shape[0]) // groups, int(w.shape[1])  # type: ignore[call-overload]
     # [O, Cg, *k] -> [G, Og, Cg, *k] -> [G, Cg, Og, *k] -> [C, Og, *k]: channels swapped per group.
     swapped = graph.reshape(w, (groups, outs, per_group, *taps))
@@ -282,6 +277,67 @@ def _input_gradient(graph: Graph, dy: Value, w: Value, x_shape: tuple[object, ..
     high = tuple(size + lo - n for size, lo, n in zip(sizes, attrs.pads_low, lengths, strict=True))
     transposed = ConvAttrs((1,) * spatial, attrs.dilations, low, high, groups, not attrs.flip)
     return graph.add_node(op_kind("conv"), [dy, swapped], transposed).outputs[0]
+
+
+def _strided_input_gradient(graph: Graph, dy: Value, w: Value, sizes: list[int], attrs: ConvAttrs) -> Value:
+    """The input's gradient of a strided convolution: the column matrix's cotangent
+    ``dy @ W^T`` (one BLAS product per group) put back where each kernel offset read, by phases.
+
+    Along an axis of stride ``s``, kernel offset ``o`` read the padded input at ``j*s + o*d``:
+    the positions of phase ``r = o*d mod s``, shifted by ``o*d // s`` on that phase's grid. So
+    each phase of the padded gradient is a sum of the offsets' blocks, each padded by its shift
+    (concats of zeros, read inline), and the phases interleave by one reshape: one loop nest
+    writes the whole gradient. Differentiating through the strided slices instead put every
+    offset's block into a copy dilated by zeros, then padded, then summed: several full-size
+    buffers per kernel offset.
+    """
+    spatial = w.ndim - 2
+    groups = attrs.groups
+    taps = tuple(int(t) for t in w.shape[2:])  # type: ignore[arg-type]
+    outs, per_group = int(w.shape[0]) // groups, int(w.shape[1])  # type: ignore[call-overload]
+    lengths = [int(n) for n in dy.shape[2:]]  # type: ignore[call-overload]
+    padded = [size + lo + hi for size, lo, hi in zip(sizes, attrs.pads_low, attrs.pads_high, strict=True)]
+    steps = [-(-p // s) for p, s in zip(padded, attrs.strides, strict=True)]  # phase grid lengths
+    last = graph.transpose(dy, (0, *range(2, spatial + 2), 1))  # [N, *n, O]
+    batch = dy.shape[0]
+    parts = []
+    for group in range(groups):
+        kernel = w if groups == 1 else w[group * outs : (group + 1) * outs]
+        matrix = graph.reshape(graph.transpose(kernel, (*range(2, spatial + 2), 1, 0)), (-1, outs))  # [K*Cg, Og]
+        part = last if groups == 1 else last[..., group * outs : (group + 1) * outs]
+        columns = graph.matmul(part, graph.transpose(matrix, (1, 0)))  # [N, *n, K*Cg]
+        blocks = graph.split(columns, len(_offsets(taps, attrs.flip)), axis=-1) if math.prod(taps) > 1 else (columns,)
+        phases: dict[tuple[int, ...], Value] = {}
+        for block, offsets in zip(blocks, _offsets(taps, attrs.flip), strict=True):
+            reach = [o * d for o, d in zip(offsets, attrs.dilations, strict=True)]
+            phase = tuple(r % s for r, s in zip(reach, attrs.strides, strict=True))
+            placed = block
+            for axis, (r, s, n, q) in enumerate(zip(reach, attrs.strides, lengths, steps, strict=True), start=1):
+                placed = _pad_or_crop(graph, placed, axis, r // s, q - n - r // s, 0.0)
+            phases[phase] = placed if phase not in phases else phases[phase] + placed
+        # Interleave: [N, q1, s1, q2, s2, ..., Cg] -> [N, q1*s1, q2*s2, ..., Cg].
+        grid = (batch, *(d for q in steps for d in (q, 1)), per_group)
+        pieces = {}
+        for phase in itertools.product(*(range(s) for s in attrs.strides)):
+            found = phases.get(phase)
+            if found is None:
+                pieces[phase] = graph.broadcast_to(graph.constant(np.float32(0.0)), grid)
+            else:
+                pieces[phase] = graph.reshape(found, grid)
+        for axis in reversed(range(spatial)):
+            merged: dict[tuple[int, ...], Value] = {}
+            for phase in itertools.product(*(range(s) for s in attrs.strides[:axis])):
+                run = [pieces[(*phase, r)] for r in range(attrs.strides[axis])]
+                merged[phase] = graph.concat(run, axis=2 + 2 * axis) if len(run) > 1 else run[0]
+            pieces = merged
+        whole = graph.reshape(
+            pieces[()], (batch, *(q * s for q, s in zip(steps, attrs.strides, strict=True)), per_group)
+        )
+        for axis, (size, lo, q, s) in enumerate(zip(sizes, attrs.pads_low, steps, attrs.strides, strict=True), start=1):
+            whole = _pad_or_crop(graph, whole, axis, -lo, size - q * s + lo, 0.0)
+        parts.append(whole)
+    out = graph.concat(parts, axis=-1) if groups > 1 else parts[0]  # [N, *L, C]
+    return graph.transpose(out, (0, spatial + 1, *range(1, spatial + 1)))
 
 
 def _weight_gradient(graph: Graph, x: Value, dy: Value, w: Value, attrs: ConvAttrs) -> Value:
@@ -472,23 +528,17 @@ def pool(
     if min(out_sizes) < 1:
         raise RlxValueError(f"{what}: the window {tuple(taps)} does not fit x {value.type} padded by {tuple(pads)}")
     fill = float("-inf") if kind == "max" else 0.0
-    padded = value
-    for axis, p in enumerate(pads, start=2):
-        padded = _pad_or_crop(graph, padded, axis, p, p, fill)
-    windows = []
-    for offsets in itertools.product(*(range(t) for t in taps)):
-        index: list[object] = [slice(None), slice(None)]
-        for o, d, s, n in zip(offsets, dilations, strides, out_sizes, strict=True):
-            index.append(slice(o * d, o * d + (n - 1) * s + 1, s))
-        windows.append(padded[tuple(index)])
+    windows = _phase_windows(graph, value, taps, strides, dilations, pads, out_sizes, fill)
+    channels_first = (0, spatial + 1, *range(1, spatial + 1))  # the windows are channels-last
     if kind == "max":
         result = windows[0]
         for part in windows[1:]:
             result = graph.maximum(result, part)
-        return result
+        return graph.transpose(result, channels_first)
     total = windows[0]
     for part in windows[1:]:
         total = total + part
+    total = graph.transpose(total, channels_first)
     if count_include_pad or not any(pads):
         return total * (1.0 / len(windows))
     # Entries of each window inside x: the same pooling of ones, computed now.
@@ -498,6 +548,44 @@ def pool(
         counts += inside[tuple(slice(o * d, o * d + (n - 1) * s + 1, s)
                                for o, d, s, n in zip(offsets, dilations, strides, out_sizes, strict=True))]  # fmt: skip
     return total / graph.constant(counts.astype(np.float32))
+
+
+def _phase_windows(
+    graph: Graph,
+    x: Value,
+    taps: Sequence[int],
+    strides: Sequence[int],
+    dilations: Sequence[int],
+    pads: Sequence[int],
+    out_sizes: Sequence[int],
+    fill: float,
+) -> list[Value]:
+    """The windows a pooling reads, one per kernel offset, each ``[N, *out, C]``.
+
+    ``x`` goes channels-last, is padded with ``fill`` (and up to a multiple of the stride), and
+    is viewed as ``[N, q1, s1, q2, s2, ..., C]``: offset ``o`` reads phase ``o*d mod s`` of each
+    axis from ``o*d // s`` on, a unit-stride slice. So a window's gradient is its cotangent
+    padded on the phase grid and placed in its phase (concats along axes that are not the
+    last, read inline), and the windows' gradients sum in one loop nest; strided slices would
+    have put each into a copy dilated by zeros first.
+    """
+    spatial = x.ndim - 2
+    last = graph.transpose(x, (0, *range(2, spatial + 2), 1))  # [N, *spatial, C]
+    steps = []
+    for axis, (p, s) in enumerate(zip(pads, strides, strict=True), start=1):
+        length = int(last.shape[axis]) + 2 * p  # type: ignore[call-overload]
+        steps.append(-(-length // s))
+        last = _pad_or_crop(graph, last, axis, p, p + steps[-1] * s - length, fill)
+    grid = graph.reshape(
+        last, (x.shape[0], *(d for q, s in zip(steps, strides, strict=True) for d in (q, s)), x.shape[1])
+    )
+    windows = []
+    for offsets in itertools.product(*(range(t) for t in taps)):
+        index: list[object] = [slice(None)]
+        for o, d, s, n in zip(offsets, dilations, strides, out_sizes, strict=True):
+            index.extend((slice((o * d) // s, (o * d) // s + n), (o * d) % s))
+        windows.append(grid[tuple(index)])
+    return windows
 
 
 def _pad_or_crop(graph: Graph, x: Value, axis: int, low: int, high: int, fill: float) -> Value:

@@ -37,6 +37,7 @@ class _Training:
     forward: Executable
     backward: Executable
     saved: tuple[str, ...]
+    grad_names: dict[str, str]  # input name -> its gradient's output name in ``backward``
 
 
 def _saved_values(joint: Graph, cotangents: Iterable[str]) -> list[Value]:
@@ -135,6 +136,7 @@ class CompiledGraph:
         # The backward graph's names: a cotangent input per float output, a gradient per input.
         self.cotangent_names: dict[str, str] = {}
         self.grad_names: dict[str, str] = {}
+        self._trainings: dict[tuple[str, ...], _Training | None] = {}  # by the inputs given gradients
         self.names = list(self.graph.inputs)
         self.outputs = list(self.graph.outputs)
 
@@ -157,22 +159,37 @@ class CompiledGraph:
             self._backward_function = CompiledGraph(self.backward_graph)
         return self._backward_function
 
-    @functools.cached_property
+    @property
     def training(self) -> _Training | None:
-        """The forward that also returns what the backward reads, and that backward: a training
+        """:meth:`training_for` every float input."""
+        return self.training_for(self.float_inputs)
+
+    @property
+    def float_inputs(self) -> tuple[str, ...]:
+        return tuple(name for name in self.names if self.graph.inputs[name].dtype == np.float32)
+
+    def training_for(self, wanted: tuple[str, ...]) -> _Training | None:
+        """The forward that also returns what the backward reads, and that backward, for the
+        gradients of the float inputs ``wanted`` (those that require one: a model's data and
+        frozen weights get none, so their gradients are neither built nor computed). A training
         step computes the forward once (the backward graph alone recomputes it). None where the
         graph has no backward (no float output or input), or one ``rlx.grad`` cannot build (a
         backward graph with attention's backward in it, differentiated again): its error is
         raised when a backward runs, as before, not by the forward."""
-        if not self.differentiable:
-            return None
-        try:
-            joint = self.backward_graph
-        except RlxError:
-            return None
-        return self._split(joint)
+        if wanted in self._trainings:
+            return self._trainings[wanted]
+        training = None
+        if self.differentiable and wanted:
+            try:
+                joint, grad_names = self._backward_graph(wanted)
+            except RlxError:
+                joint = None
+            if joint is not None:
+                training = self._split(joint, grad_names)
+        self._trainings[wanted] = training
+        return training
 
-    def _split(self, joint: Graph) -> _Training:
+    def _split(self, joint: Graph, grad_names: dict[str, str]) -> _Training:
         saved = _saved_values(joint, self.cotangent_names.values())
         names: list[str] = []
         forward = joint.copy()
@@ -187,13 +204,19 @@ class CompiledGraph:
             forward.output(**{name: Value(forward.node(value.node.id), value.index)})
             original = Value(backward.node(value.node.id), value.index)
             backward.replace_all_uses_with(original, backward.input(name, value.shape, value.dtype))
-        return _Training(rlx.compile(forward), rlx.compile(backward), tuple(names))
+        return _Training(rlx.compile(forward), rlx.compile(backward), tuple(names), grad_names)
 
     @functools.cached_property
     def backward_graph(self) -> Graph:
         """The graph's inputs, a cotangent input per float output, and a gradient output per
         float input (the forward's outputs are not outputs here: a backward graph of this graph,
         for a second derivative, names its cotangents after them)."""
+        graph, grad_names = self._backward_graph(self.float_inputs)
+        self.grad_names.update(grad_names)
+        return graph
+
+    def _backward_graph(self, wanted: tuple[str, ...]) -> tuple[Graph, dict[str, str]]:
+        """The backward graph with gradients of the inputs ``wanted`` only, and their names."""
         g = self.graph.copy()
         total: Value | None = None
         for name, value in list(g.outputs.items()):
@@ -202,13 +225,14 @@ class CompiledGraph:
                 cotangent = self.cotangent_names[name] = _fresh(_COTANGENT + name, g.inputs)
                 term = g.sum(value * g.input(cotangent, value.shape))
                 total = term if total is None else total + term
-        xs = [g.inputs[name] for name in self.names if g.inputs[name].dtype == np.float32]
+        xs = [g.inputs[name] for name in wanted]
         if total is None or not xs:
             raise RlxValueError("rlx.torch.compile: nothing to differentiate (no float outputs or no float inputs)")
+        grad_names = {}
         for x, grad in zip(xs, rlx.grad(g, total, xs), strict=True):
-            name = self.grad_names[x.node.attrs.name] = _fresh(_GRAD + x.node.attrs.name, g.outputs)
+            name = grad_names[x.node.attrs.name] = _fresh(_GRAD + x.node.attrs.name, g.outputs)
             g.output(**{name: grad})
-        return g
+        return g, grad_names
 
     @_eager_under_torch_compile
     def __call__(self, *args: Any, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -250,13 +274,18 @@ class _GraphFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, compiled: CompiledGraph, recorded: bool, *tensors: torch.Tensor) -> Any:
         arrays = {name: _array(t) for name, t in zip(compiled.names, tensors, strict=True)}
-        ctx.saved_arrays, ctx.backward_exe = {}, None
-        training = compiled.training if recorded else None
+        ctx.saved_arrays, ctx.backward_exe, ctx.grad_names = {}, None, None
+        wanted = tuple(
+            name
+            for name, t in zip(compiled.names, tensors, strict=True)
+            if t.requires_grad and compiled.graph.inputs[name].dtype == np.float32
+        )
+        training = compiled.training_for(wanted) if recorded else None
         if training is not None:
             # Training: the forward also returns what the backward reads, held until it runs.
             result = training.forward(**arrays)
             ctx.saved_arrays = {name: result.pop(name) for name in training.saved}
-            ctx.backward_exe = training.backward
+            ctx.backward_exe, ctx.grad_names = training.backward, training.grad_names
         else:
             result = compiled.forward(**arrays)
         ctx.compiled = compiled
@@ -282,30 +311,34 @@ class _GraphFunction(torch.autograd.Function):
         dtypes = dict(zip(compiled.names, ctx.dtypes, strict=True))
         wanted = [name for name, needed in zip(compiled.names, ctx.needs_input_grad[2:], strict=True) if needed]
         if torch.is_grad_enabled():  # create_graph=True: the backward graph runs as a torch function
-            grads = compiled.backward_function()(**inputs)
+            function = compiled.backward_function()
+            grads = function(**{name: inputs[name] for name in function.names})
             found = {name: grads[compiled.grad_names[name]].to(dtypes[name]) for name in wanted}
         else:
             # From the values the training forward saved, else the backward graph that recomputes them.
-            exe = ctx.backward_exe or compiled.backward_executable()
+            exe, grad_names = ctx.backward_exe, ctx.grad_names
+            if exe is None or not set(wanted) <= set(grad_names):
+                exe, grad_names = compiled.backward_executable(), compiled.grad_names
             arrays = {name: _array(tensor) for name, tensor in inputs.items()} | ctx.saved_arrays
             results = exe(**{name: arrays[name] for name in exe.graph.inputs})
-            found = {name: _tensor(results[compiled.grad_names[name]], dtypes[name]) for name in wanted}
+            found = {name: _tensor(results[grad_names[name]], dtypes[name]) for name in wanted}
         return (None, None, *(found.get(name) for name in compiled.names))
 
 
 def _backward_inputs(
     compiled: CompiledGraph, ctx: Any, cotangents: tuple[torch.Tensor | None, ...]
 ) -> dict[str, torch.Tensor]:
-    """The backward graph's inputs: the forward's, and a cotangent per float output (zeros for
-    one autograd left undefined)."""
-    graph = compiled.backward_graph  # (built on first use, naming the cotangents)
+    """What backward graphs read: the forward's inputs, and a cotangent per float output (zeros
+    for one autograd left undefined); each backward takes the ones it declares."""
+    if not compiled.cotangent_names:
+        compiled.backward_graph  # noqa: B018  (built on first use, naming the cotangents)
     inputs = dict(zip(compiled.names, ctx.saved_tensors, strict=True))
     for name, ct in zip(compiled.outputs, cotangents, strict=True):
         if name in compiled.cotangent_names:
             if ct is None:  # float32 whatever torch's default dtype
                 ct = torch.zeros(ctx.shapes[name], dtype=torch.float32, device="cpu")
             inputs[compiled.cotangent_names[name]] = ct
-    return {name: inputs[name] for name in graph.inputs}
+    return inputs
 
 
 def compile(graph: Graph) -> CompiledGraph:

@@ -373,3 +373,36 @@ def test_conv_and_its_transpose_with_a_symbolic_batch(stride: int) -> None:
             scale = float(np.max(np.abs(want[name])))
             np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5 * scale, err_msg=name)
     assert exe.compile_count == 1
+
+
+@pytest.mark.parametrize(
+    ("kind", "shape", "window", "stride", "padding", "dilation"),
+    [("max", (2, 3, 17), 3, 3, 1, 2), ("max", (1, 2, 7, 9, 6), (2, 3, 2), (2, 2, 3), (1, 1, 0), 1),
+     ("avg", (1, 2, 7, 9, 6), (3, 2, 2), (1, 2, 2), (1, 1, 0), 1), ("avg", (2, 3, 10), 4, 3, 2, 1)],
+)  # fmt: skip
+def test_pooling_in_one_three_axes_against_torch(
+    kind: str, shape: tuple[int, ...], window: object, stride: object, padding: object, dilation: object
+) -> None:
+    """Pooling over 1 and 3 axes, strided, dilated, padded: values and gradients as torch's (and
+    the compiled gradient as the float64 reference's)."""
+    torch = pytest.importorskip("torch")
+    g = Graph("pool_axes")
+    x = g.input("x", shape)
+    y = g.max_pool(x, window, stride, padding, dilation) if kind == "max" else g.avg_pool(x, window, stride, padding)
+    weights = np.random.default_rng(15).standard_normal(y.shape).astype(np.float32)
+    (dx,) = rlx.grad(g, g.sum(y * g.constant(weights)), [x])
+    g.output(y=y, dx=dx)
+    xv = np.random.default_rng(16).standard_normal(shape).astype(np.float32)
+    got = rlx.compile(g)(x=xv)
+    np.testing.assert_allclose(got["dx"], rlx.reference.run(g, x=xv)["dx"], rtol=1e-5, atol=1e-6)
+    spatial = len(shape) - 2
+    xt = torch.tensor(xv, requires_grad=True)
+    if kind == "max":
+        function = getattr(torch.nn.functional, f"max_pool{spatial}d")
+        yt = function(xt, window, stride, padding, dilation)
+    else:
+        function = getattr(torch.nn.functional, f"avg_pool{spatial}d")
+        yt = function(xt, window, stride, padding)
+    (yt * torch.from_numpy(weights)).sum().backward()
+    np.testing.assert_allclose(got["y"], yt.detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["dx"], xt.grad.numpy(), rtol=1e-5, atol=1e-5)
