@@ -267,6 +267,8 @@ def _materialise_reductions_inside_loops_they_skip(schedule: Schedule, order: li
     mean in ``x - mean(x)`` once per row. Stored once, each is a load.
     """
     for root in _kernel_roots(schedule, order):
+        if all(d == 1 for d in root.shape):
+            continue  # one element (a loss): nothing is computed twice
         for value in inline_values(schedule, root)[1:]:
             node = reduction_of(value)
             if node is None:
