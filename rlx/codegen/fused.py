@@ -308,13 +308,11 @@ class FusedEmitter:
                 if position >= start:  # type: ignore[operator]
                     return self.eval(part, _replace(idx, axis, Ix(None, position - start, 0)))  # type: ignore[operator]
         if ix.loop is not None and ix.loop.vector:
+            # Only this axis runs along the vector loop, so each lane's read is one scalar.
             lanes = [self._concat_at(value, _replace(idx, axis, _lane_of(self.b, ix, lane))) for lane in range(WIDTH)]
-            math_ = LaneMath(self, 1)
-            element = lanes[0].value.type
-            scalars = [math_.widen(lane) if lane.width == 1 else lane.value for lane in lanes]
-            if any(lane.width != 1 for lane in lanes):  # another axis is vectorised too: cannot be
-                raise AssertionError("concat: two vectorised axes")
-            return Lane(_pack(self.b, scalars, element), WIDTH, lanes[0].kind)
+            assert all(lane.width == 1 for lane in lanes)
+            packed = _pack(self.b, [lane.value for lane in lanes], lanes[0].value.type)
+            return Lane(packed, WIDTH, lanes[0].kind)
         return self._concat_at(value, idx)
 
     def _concat_at(self, value: Value, idx: tuple[Ix, ...]) -> Lane:
