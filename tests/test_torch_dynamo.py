@@ -1064,3 +1064,42 @@ def test_interpolate_modes_sample_as_torch(mode: str, corners: bool | None, shap
             torch.autograd.grad(got, x, cotangent)[0], torch.autograd.grad(want, x, cotangent)[0], rtol=1e-4, atol=1e-5
         )
     assert dynamo_backend.stats["eager"] == 0, dynamo_backend.fallbacks
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_multi_head_attention_modules(need_weights: bool) -> None:
+    """``nn.MultiheadAttention`` (batch first and not, separate key/value widths, a bool causal
+    ``attn_mask``, a bool ``key_padding_mask``, a float mask per head, the averaged weights
+    returned): outputs and gradients as eager torch's, all on rlx."""
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+            self.second = torch.nn.MultiheadAttention(16, 2, kdim=8, vdim=12)
+
+        def forward(self, x: torch.Tensor, memory: torch.Tensor, values: torch.Tensor, pad: torch.Tensor) -> Any:
+            length = x.shape[1]
+            causal = torch.triu(torch.ones(length, length, dtype=torch.bool), 1)
+            a, wa = self.first(x, x, x, attn_mask=causal, key_padding_mask=pad, need_weights=need_weights)
+            keys = memory.shape[0]
+            bias = torch.linspace(-1.0, 1.0, 2 * x.shape[0] * length * keys).view(-1, length, keys)
+            b, wb = self.second(a.transpose(0, 1), memory, values, attn_mask=bias, need_weights=need_weights,
+                                average_attn_weights=False)  # fmt: skip
+            loss = (b**2).mean()
+            return (loss, wa, wb) if need_weights else loss
+
+    torch.manual_seed(6)
+    eager = Net()
+    other = copy.deepcopy(eager)
+    x, memory, values = torch.randn(3, 5, 16), torch.randn(7, 3, 8), torch.randn(7, 3, 12)
+    pad = torch.zeros(3, 5, dtype=torch.bool)
+    pad[1, 3:] = True  # trailing padding: every query keeps a visible key
+    got, want = torch.compile(other, backend="rlx")(x, memory, values, pad), eager(x, memory, values, pad)
+    for a, e in zip(got if need_weights else (got,), want if need_weights else (want,), strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+    (got[0] if need_weights else got).backward()
+    (want[0] if need_weights else want).backward()
+    for a, e in zip(other.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, e.grad, rtol=1e-4, atol=1e-6)
+    assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks

@@ -1492,6 +1492,87 @@ def _interpolate(
     return out
 
 
+def _multi_head_attention(
+    g: Graph,
+    query: Any,
+    key: Any,
+    value: Any,
+    embed_dim_to_check: int,
+    num_heads: int,
+    in_proj_weight: Any,
+    in_proj_bias: Any,
+    bias_k: Any,
+    bias_v: Any,
+    add_zero_attn: bool,
+    dropout_p: float,
+    out_proj_weight: Any,
+    out_proj_bias: Any,
+    training: bool = True,
+    key_padding_mask: Any = None,
+    need_weights: bool = True,
+    attn_mask: Any = None,
+    use_separate_proj_weight: bool = False,
+    q_proj_weight: Any = None,
+    k_proj_weight: Any = None,
+    v_proj_weight: Any = None,
+    static_k: Any = None,
+    static_v: Any = None,
+    average_attn_weights: bool = True,
+    is_causal: bool = False,
+) -> Any:
+    """``F.multi_head_attention_forward`` (``nn.MultiheadAttention``; ``[L, N, E]`` tensors):
+    the projections, attention (SDPA's kernels, or, when the weights are asked for, the softmax
+    written out so they can be returned, averaged over heads as torch does) and the output
+    projection. Masks as torch's: a bool ``attn_mask`` or ``key_padding_mask`` is True where a
+    query may NOT attend; float ones are added."""
+    if bias_k is not None or bias_v is not None or add_zero_attn or static_k is not None or static_v is not None:
+        raise Unsupported("multi-head attention with bias_k/bias_v, add_zero_attn or static keys")
+    if dropout_p and training:
+        raise Unsupported("attention dropout")
+    q_in, k_in, v_in = _float(query), _float(key), _float(value)
+    if q_in.ndim != 3:
+        raise Unsupported("unbatched multi-head attention")
+    heads, width = int(num_heads), int(embed_dim_to_check)
+    if use_separate_proj_weight:
+        weights = [_float(q_proj_weight), _float(k_proj_weight), _float(v_proj_weight)]
+    else:
+        weights = list(g.split(_float(in_proj_weight), 3, axis=0))
+    biases = list(g.split(_float(in_proj_bias), 3, axis=0)) if in_proj_bias is not None else [None] * 3
+
+    def heads_first(x: Value, w: Value, b: Value | None) -> Value:
+        projected = _linear(g, x, w, b)  # [L, N, E]
+        split = g.reshape(projected, (x.shape[0], x.shape[1], heads, width // heads))
+        return g.transpose(split, (1, 2, 0, 3))  # [N, H, L, Dh]
+
+    q, k, v = (heads_first(x, w, b) for x, w, b in zip((q_in, k_in, v_in), weights, biases, strict=True))
+    batch, length, keys = q.shape[0], q.shape[2], k.shape[2]
+    added: Value | None = None
+    for mask, shape in ((attn_mask, None), (key_padding_mask, (batch, 1, 1, keys))):
+        if mask is None:
+            continue
+        m = _value(g, mask)
+        if not isinstance(m, Value):
+            raise Unsupported("a number as an attention mask")
+        term = g.where(m, float("-inf"), 0.0) if np.dtype(m.dtype) == np.bool_ else m
+        if shape is not None:
+            term = g.reshape(term, shape)
+        elif term.ndim == 3:  # [N * H, L, S]
+            term = g.reshape(term, (batch, heads, length, keys))
+        added = term if added is None else added + term
+    if not need_weights:
+        out = _sdpa(g, q, k, v, attn_mask=added, is_causal=bool(is_causal) and added is None)
+        attention_weights = None
+    else:
+        scores = g.matmul(q, g.transpose(k, (0, 1, 3, 2))) * (1.0 / math.sqrt(width // heads))
+        if added is not None:
+            scores = scores + added
+        probabilities = g.softmax(scores, axis=-1)
+        out = g.matmul(probabilities, v)
+        attention_weights = g.mean(probabilities, axis=1) if average_attn_weights else probabilities
+    merged = g.reshape(g.transpose(out, (2, 0, 1, 3)), (length, batch, width))  # [L, N, E]
+    return _linear(g, merged, out_proj_weight, out_proj_bias), attention_weights
+
+
 def _variance(root: bool) -> Callable[..., Any]:
     """``torch.var``/``torch.std`` and their methods: ``dim``, ``correction`` (``unbiased`` in
     the older spelling, positional too) and ``keepdim``, as torch's (a correction of 1 by
@@ -1803,6 +1884,7 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     torch._C._nn.linear: _linear,
     F.layer_norm: _layer_norm,
     F.group_norm: _group_norm,
+    F.multi_head_attention_forward: _multi_head_attention,
     F.instance_norm: _instance_norm,
     F.pixel_shuffle: _pixel_shuffle,
     F.unfold: _unfold,
