@@ -352,15 +352,11 @@ def _materialise_windowed_expressions(schedule: Schedule, candidates: dict[Value
 
 def _full_size_views(schedule: Schedule, value: Value) -> int:
     """Distinct views of buffers at least as large as ``value`` that its inline expression loads."""
-    size = math.prod(value.static_shape) if value.type.is_static else None
     count = 0
     for inner in inline_values(schedule, value):
         for operand in inner.node.inputs:
             view = schedule.view(operand)
-            if view is None or operand.node.op.value == "constant":
-                continue
-            base = view.base
-            if size is None or not base.type.is_static or math.prod(base.static_shape) >= size:
+            if view is not None and operand.node.op.value != "constant" and _as_large(view.base, value):
                 count += 1
     return count
 
@@ -370,12 +366,16 @@ def _full_size_reads(schedule: Schedule, value: Value) -> int:
     (symbolic sizes count as large)."""
     if not value.type.is_static:
         return len(inline_reads(schedule, value))
-    size = math.prod(value.static_shape)
     return sum(
-        1
-        for base in inline_reads(schedule, value)
-        if base.node.op.value != "constant" and (not base.type.is_static or math.prod(base.static_shape) >= size)
+        1 for base in inline_reads(schedule, value) if base.node.op.value != "constant" and _as_large(base, value)
     )
+
+
+def _as_large(base: Value, value: Value) -> bool:
+    """Whether buffer ``base`` holds at least as many elements as ``value`` (symbolic sizes count as large)."""
+    if not value.type.is_static or not base.type.is_static:
+        return True
+    return math.prod(base.static_shape) >= math.prod(value.static_shape)
 
 
 def _base(schedule: Schedule, value: Value) -> Value:

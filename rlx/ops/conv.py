@@ -32,7 +32,7 @@ import numpy as np
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.opdef import EvalContext, OpDef, register_op
 from rlx.ir.types import TensorType
-from rlx.ops._common import F32, as_value, is_int, op_kind, require_float
+from rlx.ops._common import F32, as_value, is_int, op_kind, require_float, zeros
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Node, Value
@@ -302,28 +302,23 @@ def _strided_input_gradient(graph: Graph, dy: Value, w: Value, sizes: list[int],
     batch = dy.shape[0]
     parts = []
     for group in range(groups):
-        kernel = w if groups == 1 else w[group * outs : (group + 1) * outs]
-        matrix = graph.reshape(graph.transpose(kernel, (*range(2, spatial + 2), 1, 0)), (-1, outs))  # [K*Cg, Og]
+        matrix = _kernel_matrix(graph, w, group, groups)  # [K*Cg, Og]
         part = last if groups == 1 else last[..., group * outs : (group + 1) * outs]
         columns = graph.matmul(part, graph.transpose(matrix, (1, 0)))  # [N, *n, K*Cg]
         blocks = graph.split(columns, len(_offsets(taps, attrs.flip)), axis=-1) if math.prod(taps) > 1 else (columns,)
         phases: dict[tuple[int, ...], Value] = {}
         for block, offsets in zip(blocks, _offsets(taps, attrs.flip), strict=True):
-            reach = [o * d for o, d in zip(offsets, attrs.dilations, strict=True)]
-            phase = tuple(r % s for r, s in zip(reach, attrs.strides, strict=True))
+            phase, shift = _phase(offsets, attrs.dilations, attrs.strides)
             placed = block
-            for axis, (r, s, n, q) in enumerate(zip(reach, attrs.strides, lengths, steps, strict=True), start=1):
-                placed = _pad_or_crop(graph, placed, axis, r // s, q - n - r // s, 0.0)
+            for axis, (a, n, q) in enumerate(zip(shift, lengths, steps, strict=True), start=1):
+                placed = _pad_or_crop(graph, placed, axis, a, q - n - a, 0.0)
             phases[phase] = placed if phase not in phases else phases[phase] + placed
         # Interleave: [N, q1, s1, q2, s2, ..., Cg] -> [N, q1*s1, q2*s2, ..., Cg].
         grid = (batch, *(d for q in steps for d in (q, 1)), per_group)
         pieces = {}
         for phase in itertools.product(*(range(s) for s in attrs.strides)):
             found = phases.get(phase)
-            if found is None:
-                pieces[phase] = graph.broadcast_to(graph.constant(np.float32(0.0)), grid)
-            else:
-                pieces[phase] = graph.reshape(found, grid)
+            pieces[phase] = zeros(graph, grid) if found is None else graph.reshape(found, grid)
         for axis in reversed(range(spatial)):
             merged: dict[tuple[int, ...], Value] = {}
             for phase in itertools.product(*(range(s) for s in attrs.strides[:axis])):
@@ -396,12 +391,28 @@ def _decomposed(graph: Graph, x: Value, w: Value, attrs: ConvAttrs) -> Value:
         return total
     results = []
     for group, columns in enumerate(_column_matrices(graph, x, attrs, taps)):
-        kernel = w if groups == 1 else w[group * outs : (group + 1) * outs]
-        # [Og, Cg, *kernel] -> [*kernel, Cg, Og] -> [K*Cg, Og], rows in the columns' order.
-        kernel = graph.reshape(graph.transpose(kernel, (*range(2, spatial + 2), 1, 0)), (-1, outs))
-        results.append(graph.matmul(columns, kernel))
+        results.append(graph.matmul(columns, _kernel_matrix(graph, w, group, groups)))
     out = graph.concat(results, axis=-1) if groups > 1 else results[0]  # [N, *out, O]
     return graph.transpose(out, (0, spatial + 1, *range(1, spatial + 1)))
+
+
+def _kernel_matrix(graph: Graph, w: Value, group: int, groups: int) -> Value:
+    """Group ``group``'s weights ``[Og, Cg, *kernel] -> [*kernel, Cg, Og] -> [K*Cg, Og]``: rows in
+    the column matrices' order (kernel offset, then channel)."""
+    outs = int(w.shape[0]) // groups  # type: ignore[call-overload]
+    kernel = w if groups == 1 else w[group * outs : (group + 1) * outs]
+    return graph.reshape(graph.transpose(kernel, (*range(2, w.ndim), 1, 0)), (-1, outs))
+
+
+def _phase(
+    offsets: Sequence[int], dilations: Sequence[int], strides: Sequence[int]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Where kernel offset ``offsets`` reads along strided axes: at ``j*s + o*d``, which is phase
+    ``o*d mod s`` of each axis, from ``o*d // s`` on along that phase's grid."""
+    reach = [o * d for o, d in zip(offsets, dilations, strict=True)]
+    phase = tuple(r % s for r, s in zip(reach, strides, strict=True))
+    shift = tuple(r // s for r, s in zip(reach, strides, strict=True))
+    return phase, shift
 
 
 def _offsets(taps: Sequence[int], flip: bool) -> list[tuple[int, ...]]:
@@ -581,9 +592,10 @@ def _phase_windows(
     )
     windows = []
     for offsets in itertools.product(*(range(t) for t in taps)):
+        phase, shift = _phase(offsets, dilations, strides)
         index: list[object] = [slice(None)]
-        for o, d, s, n in zip(offsets, dilations, strides, out_sizes, strict=True):
-            index.extend((slice((o * d) // s, (o * d) // s + n), (o * d) % s))
+        for r, a, n in zip(phase, shift, out_sizes, strict=True):
+            index.extend((slice(a, a + n), r))
         windows.append(grid[tuple(index)])
     return windows
 
