@@ -146,6 +146,65 @@ def test_conv_gradient_rules_against_central_differences(case: dict) -> None:
         np.testing.assert_allclose(reference[name], want, rtol=1e-4, atol=1e-4, err_msg=name)
 
 
+LAYOUT_CASES = [
+    {"x": (2, 4, 5, 10), "w": (6, 2, 3, 3), "stride": 1, "padding": 1, "dilation": 1, "groups": 2},
+    {"x": (2, 3, 9, 20), "w": (4, 3, 3, 3), "stride": 2, "padding": ((1, 0), (2, 1)), "dilation": (1, 2),
+     "groups": 1},
+    {"x": (1, 2, 11), "w": (3, 2, 4), "stride": 1, "padding": "same", "dilation": 2, "groups": 1},
+    {"x": (1, 2, 3, 4, 9), "w": (4, 1, 2, 2, 3), "stride": 1, "padding": (1, 0, 1), "dilation": 1, "groups": 2},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("planes", [True, False], ids=["planes", "channels_last"])
+@pytest.mark.parametrize("case", LAYOUT_CASES, ids=[str(c["x"]) + str(c["w"]) for c in LAYOUT_CASES])
+def test_both_column_layouts_against_the_definition(case: dict, planes: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """im2col writes planes (``[N, G, Cg*K, P]``) where the output's last axis fills the vector
+    lanes and channels last otherwise (:func:`rlx.ops.conv._columns_as_planes`): each layout,
+    forced on the same convolutions, gives the definition's values and gradients."""
+    from rlx.ops import conv as conv_module
+
+    monkeypatch.setattr(conv_module, "PLANE_MIN_RUN", 1 if planes else 1 << 30)
+    g = Graph("conv_layouts")
+    x, w, b = g.input("x", case["x"]), g.input("w", case["w"]), g.input("b", (case["w"][0],))
+    y = g.conv(x, w, b, case["stride"], case["padding"], case["dilation"], case["groups"])
+    weights = np.random.default_rng(13).standard_normal(y.shape)
+    loss = g.sum(y * y * g.constant(weights.astype(np.float32)))
+    dx, dw = rlx.grad(g, loss, [x, w])
+    g.output(y=y, dx=dx, dw=dw)
+    exe = rlx.compile(g)
+    transposes = [kernel.name for kernel in exe.kernels if "transpose" in kernel.name]  # copies, not views
+    rng = np.random.default_rng(14)
+    xv, wv, bv = rng.standard_normal(case["x"]), rng.standard_normal(case["w"]), rng.standard_normal(case["w"][0])
+    got = exe(x=xv.astype(np.float32), w=wv.astype(np.float32), b=bv.astype(np.float32))
+    np.testing.assert_allclose(got["y"], direct_conv(xv, wv, bv, case), rtol=1e-4, atol=1e-4)
+
+    def loss_of() -> float:
+        out = direct_conv(xv, wv, bv, case)
+        return float(np.sum(out * out * weights))
+
+    for name, array in (("dx", xv), ("dw", wv)):
+        np.testing.assert_allclose(got[name], central_differences(loss_of, array), rtol=1e-3, atol=1e-3, err_msg=name)
+    if planes and case["stride"] == 1 and case["groups"] == 1:  # planes in, planes out: no copy moves channels
+        assert not transposes, transposes
+
+
+def test_a_wide_stem_writes_planes_and_one_product() -> None:
+    """A 7x7 stride-2 stem over 3 channels (an image model's first layer): the columns as planes,
+    one product for the whole batch, and the output in NCHW as the product leaves it."""
+    g = Graph("stem")
+    x, w = g.input("x", (2, 3, 32, 32)), g.input("w", (16, 3, 7, 7))
+    g.output(y=g.conv(x, w, stride=2, padding=3))
+    exe = rlx.compile(g)
+    products = [node for node in exe.graph.nodes if node.op is rlx.OpKind.MATMUL]
+    assert len(products) == 1 and products[0].outputs[0].shape == (2, 1, 16, 256)
+    assert not any("transpose" in kernel.name for kernel in exe.kernels), exe.kernels
+    rng = np.random.default_rng(15)
+    xv, wv = rng.standard_normal((2, 3, 32, 32)), rng.standard_normal((16, 3, 7, 7))
+    case = {"stride": 2, "padding": 3, "dilation": 1, "groups": 1}
+    got = exe(x=xv.astype(np.float32), w=wv.astype(np.float32))["y"]
+    np.testing.assert_allclose(got, direct_conv(xv, wv, np.zeros(16), case), rtol=1e-4, atol=1e-4)
+
+
 def test_input_gradient_of_a_unit_stride_conv_is_a_conv() -> None:
     """The rule's point: at stride 1 the input's gradient is one more convolution (three BLAS
     products in all), not the columns' cotangent scattered back through a padded copy per offset."""
