@@ -573,8 +573,8 @@ def pool(
     strided slices of ``x`` padded with ``-inf`` (max) or zeros (average), combined by
     ``maximum`` or summed; ``stride`` defaults to the window. An average over windows that reach
     into the padding divides by the whole window, or with ``count_include_pad=False`` by the
-    entries inside ``x``. Where a window holds its maximum twice, the entries share its gradient
-    (``maximum``'s rule); torch's ``max_pool`` gives all of it to one of them."""
+    entries inside ``x``. Where a window holds its maximum twice, the first entry (in the window's
+    row-major order) gets all its gradient, as in torch's ``max_pool`` (:func:`_first_maximum`)."""
     what = f"{kind}_pool"
     value = as_value(graph, x, f"{what}: x")
     spatial = value.ndim - 2
@@ -597,10 +597,7 @@ def pool(
     windows = _phase_windows(graph, value, taps, strides, dilations, pads, out_sizes, fill)
     channels_first = (0, spatial + 1, *range(1, spatial + 1))  # the windows are channels-last
     if kind == "max":
-        result = windows[0]
-        for part in windows[1:]:
-            result = graph.maximum(result, part)
-        return graph.transpose(result, channels_first)
+        return graph.transpose(_first_maximum(graph, windows), channels_first)
     total = windows[0]
     for part in windows[1:]:
         total = total + part
@@ -614,6 +611,39 @@ def pool(
         counts += inside[tuple(slice(o * d, o * d + (n - 1) * s + 1, s)
                                for o, d, s, n in zip(offsets, dilations, strides, out_sizes, strict=True))]  # fmt: skip
     return total / graph.constant(counts.astype(np.float32))
+
+
+def _first_maximum(graph: Graph, windows: Sequence[Value]) -> Value:
+    """The elementwise maximum of ``windows``, whose gradient goes, as in torch's ``max_pool``,
+    all to the first window (in the kernel's row-major order) that holds the maximum.
+
+    ``maximum``'s own rule splits a tie in halves, and a chain of them splits a three-way tie
+    1/4, 1/4, 1/2: after a ReLU, whole windows of zeros tie, and such gradients differed from
+    torch's everywhere. Here the first window equal to the maximum is found (the least ``k``
+    with ``windows[k] == max``) and the result is that window's value, selected, so autodiff
+    sends ``dy`` to it alone. A window holding NaN gives NaN and its gradient to its last NaN,
+    as torch's kernels do (they take a value when it is greater than the maximum so far or NaN).
+    """
+    largest = windows[0]
+    for part in windows[1:]:
+        largest = graph.maximum(largest, part)
+    if len(windows) == 1:
+        return largest
+    held = graph.stop_gradient(largest)
+    count = float(len(windows))
+    first: Value | None = None  # the least k with windows[k] == max, else count
+    last_nan: Value | None = None  # the greatest k with windows[k] NaN, else -1
+    for k, part in enumerate(windows):
+        index = graph.where(graph.equal(part, held), float(k), count)
+        first = index if first is None else graph.minimum(first, index)
+        nan = graph.where(graph.not_equal(part, part), float(k), -1.0)
+        last_nan = nan if last_nan is None else graph.maximum(last_nan, nan)
+    assert first is not None and last_nan is not None
+    chosen = graph.where(graph.less(last_nan, 0.0), first, last_nan)
+    selected = graph.where(graph.equal(chosen, 0.0), windows[0], 0.0)
+    for k, part in enumerate(windows[1:], start=1):
+        selected = graph.where(graph.equal(chosen, float(k)), part, selected)
+    return selected
 
 
 def _phase_windows(

@@ -465,3 +465,55 @@ def test_pooling_in_one_three_axes_against_torch(
     (yt * torch.from_numpy(weights)).sum().backward()
     np.testing.assert_allclose(got["y"], yt.detach().numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got["dx"], xt.grad.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def first_maximum_pooling(
+    x: np.ndarray, dy: np.ndarray, window: int, stride: int, padding: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """torch's max_pool2d and its backward by their definition: each window gives the entry its
+    scan (row-major, padding skipped) keeps, one greater than the maximum so far or NaN, and
+    that entry gets the window's ``dy``. Returns the pooled values and ``dx``."""
+    dx = np.zeros_like(x, dtype=np.float64)
+    y = np.zeros(dy.shape, dtype=np.float64)
+    for n, c, i, j in itertools.product(*(range(s) for s in dy.shape)):
+        best, at = -np.inf, None
+        for a, b in itertools.product(range(window), range(window)):
+            r, s = i * stride - padding + a, j * stride - padding + b
+            if 0 <= r < x.shape[2] and 0 <= s < x.shape[3]:
+                value = x[n, c, r, s]
+                if at is None or value > best or np.isnan(value):
+                    best, at = value, (r, s)
+        assert at is not None
+        dx[n, c, at[0], at[1]] += dy[n, c, i, j]
+        y[n, c, i, j] = x[n, c, at[0], at[1]]
+    return y, dx
+
+
+@pytest.mark.parametrize(("window", "stride", "padding"), [(3, 2, 1), (2, 2, 0), (3, 1, 1)])
+def test_max_pool_gives_a_tied_window_its_first_maximum(window: int, stride: int, padding: int) -> None:
+    """After a ReLU whole windows tie at 0: as in torch, the first maximum in the window gets all
+    of ``dy`` (``maximum``'s own rule would split it), and a window with NaN gives NaN and its
+    gradient to its last NaN."""
+    shape = (2, 3, 7, 8)
+    g = Graph("pool_ties")
+    x = g.input("x", shape)
+    y = g.max_pool(x, window, stride, padding)
+    dy = g.input("dy", y.shape)
+    (dx,) = rlx.grad(g, y, [x], dy)
+    g.output(y=y, dx=dx)
+    rng = np.random.default_rng(17)
+    xv = np.maximum(rng.integers(-2, 3, shape), 0).astype(np.float32)  # ties everywhere
+    xv[0, 0, 1, 1] = xv[0, 0, 1, 2] = xv[1, 2, 4, 4] = np.nan
+    dyv = rng.standard_normal(y.shape).astype(np.float32)
+    got = rlx.compile(g)(x=xv, dy=dyv)
+    values, want = first_maximum_pooling(xv, dyv, window, stride, padding)
+    assert np.isnan(values).any()
+    np.testing.assert_array_equal(got["y"], values)  # NaN where the window holds one
+    np.testing.assert_allclose(got["dx"], want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(rlx.reference.run(g, x=xv, dy=dyv)["dx"], want, rtol=1e-6, atol=1e-6)
+    torch = pytest.importorskip("torch")
+    xt = torch.tensor(xv, requires_grad=True)
+    yt = torch.nn.functional.max_pool2d(xt, window, stride, padding)
+    yt.backward(torch.from_numpy(dyv))
+    np.testing.assert_array_equal(got["y"], yt.detach().numpy())
+    np.testing.assert_allclose(got["dx"], xt.grad.numpy(), rtol=1e-6, atol=1e-6)
