@@ -885,6 +885,38 @@ def test_batch_norm_and_pooling_with_running_statistics() -> None:
     assert dynamo_backend.stats["eager"] == 0, dynamo_backend.fallbacks
 
 
+def test_pooling_in_ceil_mode_and_adaptive_to_any_size() -> None:
+    """Pooling as older image models write it: ``MaxPool2d(ceil_mode=True)`` (GoogLeNet,
+    SqueezeNet), an average with ``divisor_override``, and adaptive pooling to sizes that do not
+    divide the input (7x7 from 10x10, average and max): one graph, values and gradients as eager."""
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 6, 3, padding=1)
+            self.pool = torch.nn.MaxPool2d(3, stride=2, ceil_mode=True)
+            self.mean = torch.nn.AvgPool2d(3, stride=2, padding=1, ceil_mode=True, divisor_override=5)
+            self.head = torch.nn.Linear(6 * 7 * 7 * 2, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.conv(x))
+            a = F.adaptive_avg_pool2d(self.pool(h), 7)
+            b = F.adaptive_max_pool2d(self.mean(h) + h[:, :, ::2, ::2], (7, None))[..., :7]
+            return self.head(torch.cat([a, b], dim=1).flatten(1))
+
+    torch.manual_seed(4)
+    eager = Net()
+    other = copy.deepcopy(eager)
+    x = torch.randn(2, 3, 21, 21)
+    got, want = torch.compile(other, backend="rlx")(x), eager(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    for (name, a), b in zip(eager.named_parameters(), other.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks
+
+
 def test_splits_into_sections() -> None:
     """``torch.tensor_split`` into sections (the first ones longer) and at indices; ``chunk`` of a
     dynamic axis and a split into an empty part fall back with a warning naming why."""

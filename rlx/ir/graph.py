@@ -597,11 +597,12 @@ class Graph:
         stride: int | Sequence[int] | None = None,
         padding: int | Sequence[int] = 0,
         dilation: int | Sequence[int] = 1,
+        ceil_mode: bool = False,
     ) -> Value:
         """Max pooling as ``torch.nn.functional.max_pool1d/2d/3d``: see :func:`rlx.ops.conv.pool`."""
         from rlx.ops.conv import pool
 
-        return pool(self, x, "max", window, stride, padding, dilation)
+        return pool(self, x, "max", window, stride, padding, dilation, ceil_mode=ceil_mode)
 
     def avg_pool(
         self,
@@ -610,11 +611,27 @@ class Graph:
         stride: int | Sequence[int] | None = None,
         padding: int | Sequence[int] = 0,
         count_include_pad: bool = True,
+        ceil_mode: bool = False,
+        divisor_override: int | None = None,
     ) -> Value:
         """Average pooling as ``torch.nn.functional.avg_pool1d/2d/3d``: see :func:`rlx.ops.conv.pool`."""
         from rlx.ops.conv import pool
 
-        return pool(self, x, "avg", window, stride, padding, 1, count_include_pad)
+        return pool(self, x, "avg", window, stride, padding, 1, count_include_pad, ceil_mode, divisor_override)
+
+    def adaptive_max_pool(self, x: object, output_size: int | Sequence[int | None]) -> Value:
+        """Adaptive max pooling as ``torch.nn.functional.adaptive_max_pool1d/2d/3d``: see
+        :func:`rlx.ops.conv.adaptive_pool`."""
+        from rlx.ops.conv import adaptive_pool
+
+        return adaptive_pool(self, x, "max", output_size)
+
+    def adaptive_avg_pool(self, x: object, output_size: int | Sequence[int | None]) -> Value:
+        """Adaptive average pooling as ``torch.nn.functional.adaptive_avg_pool1d/2d/3d``: see
+        :func:`rlx.ops.conv.adaptive_pool`."""
+        from rlx.ops.conv import adaptive_pool
+
+        return adaptive_pool(self, x, "avg", output_size)
 
     def clip(self, x: object, lo: object = None, hi: object = None) -> Value:
         """``numpy.clip`` / ``torch.clamp`` with torch's gradient (1 within the bounds)."""

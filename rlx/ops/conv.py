@@ -567,14 +567,19 @@ def pool(
     padding: int | Sequence[int] = 0,
     dilation: int | Sequence[int] = 1,
     count_include_pad: bool = True,
+    ceil_mode: bool = False,
+    divisor_override: int | None = None,
 ) -> Value:
     """Max or average pooling of ``x [N, C, *spatial]`` over windows of the spatial axes, as
-    ``torch.nn.functional.max_pool1d/2d/3d`` and ``avg_pool*d`` (floor mode): the windows are
-    strided slices of ``x`` padded with ``-inf`` (max) or zeros (average), combined by
-    ``maximum`` or summed; ``stride`` defaults to the window. An average over windows that reach
-    into the padding divides by the whole window, or with ``count_include_pad=False`` by the
-    entries inside ``x``. Where a window holds its maximum twice, the first entry (in the window's
-    row-major order) gets all its gradient, as in torch's ``max_pool`` (:func:`_first_maximum`)."""
+    ``torch.nn.functional.max_pool1d/2d/3d`` and ``avg_pool*d``: the windows are strided slices
+    of ``x`` padded with ``-inf`` (max) or zeros (average), combined by ``maximum`` or summed;
+    ``stride`` defaults to the window. With ``ceil_mode`` the output takes one more window
+    where the last would only partly fit, as long as it starts inside ``x`` or its left
+    padding (torch's rule). An average divides by the window's entries inside ``x`` and its
+    padding (never those past the padding, which only ``ceil_mode`` reaches), by the entries
+    inside ``x`` alone with ``count_include_pad=False``, or by ``divisor_override``. Where a
+    window holds its maximum twice, the first entry (in the window's row-major order) gets all
+    its gradient, as in torch's ``max_pool`` (:func:`_first_maximum`)."""
     what = f"{kind}_pool"
     value = as_value(graph, x, f"{what}: x")
     spatial = value.ndim - 2
@@ -587,14 +592,24 @@ def pool(
     strides = taps if stride is None else _per_axis("stride", stride, spatial, low=1)
     dilations = _per_axis("dilation", dilation, spatial, low=1)
     pads = _per_axis("padding", padding, spatial, low=0)
+    if divisor_override is not None and (not is_int(divisor_override) or int(divisor_override) < 1):
+        raise RlxValueError(f"{what}: divisor_override must be a positive int or None, got {divisor_override!r}")
     if any(2 * p > t for p, t in zip(pads, taps, strict=True)):
         raise RlxValueError(f"{what}: padding {tuple(pads)} must be at most half the window {tuple(taps)} (as torch)")
     reach = [d * (t - 1) for d, t in zip(dilations, taps, strict=True)]
-    out_sizes = [(s + 2 * p - r - 1) // st + 1 for s, p, r, st in zip(sizes, pads, reach, strides, strict=True)]  # type: ignore[operator]
+    out_sizes = [
+        _pooled_size(int(n), p, r, st, ceil_mode)  # type: ignore[call-overload]
+        for n, p, r, st in zip(sizes, pads, reach, strides, strict=True)
+    ]
     if min(out_sizes) < 1:
         raise RlxValueError(f"{what}: the window {tuple(taps)} does not fit x {value.type} padded by {tuple(pads)}")
+    # Past the right padding: what ceil_mode's last window reaches beyond it (entries of no count).
+    beyond = [
+        max(0, (o - 1) * st + r + 1 - (int(n) + 2 * p))  # type: ignore[call-overload]
+        for o, st, r, n, p in zip(out_sizes, strides, reach, sizes, pads, strict=True)
+    ]
     fill = float("-inf") if kind == "max" else 0.0
-    windows = _phase_windows(graph, value, taps, strides, dilations, pads, out_sizes, fill)
+    windows = _phase_windows(graph, value, taps, strides, dilations, pads, beyond, out_sizes, fill)
     channels_first = (0, spatial + 1, *range(1, spatial + 1))  # the windows are channels-last
     if kind == "max":
         return graph.transpose(_first_maximum(graph, windows), channels_first)
@@ -602,15 +617,96 @@ def pool(
     for part in windows[1:]:
         total = total + part
     total = graph.transpose(total, channels_first)
-    if count_include_pad or not any(pads):
+    if divisor_override is not None:
+        return total * (1.0 / int(divisor_override))
+    if (count_include_pad or not any(pads)) and not any(beyond):
         return total * (1.0 / len(windows))
-    # Entries of each window inside x: the same pooling of ones, computed now.
-    inside = np.pad(np.ones([int(s) for s in sizes], np.float64), [(p, p) for p in pads])
+    # Entries each window divides by: the same pooling of ones (of x, or of x and its padding).
+    if count_include_pad:
+        ones = [int(n) + 2 * p for n, p in zip(sizes, pads, strict=True)]  # type: ignore[call-overload]
+        inside = np.pad(np.ones(ones), [(0, extra) for extra in beyond])
+    else:
+        inside = np.pad(np.ones([int(n) for n in sizes]), [(p, p + e) for p, e in zip(pads, beyond, strict=True)])  # type: ignore[call-overload]
     counts = np.zeros(out_sizes)
     for offsets in itertools.product(*(range(t) for t in taps)):
         counts += inside[tuple(slice(o * d, o * d + (n - 1) * s + 1, s)
                                for o, d, s, n in zip(offsets, dilations, strides, out_sizes, strict=True))]  # fmt: skip
     return total / graph.constant(counts.astype(np.float32))
+
+
+def adaptive_pool(graph: Graph, x: object, kind: str, output_size: int | Sequence[int | None]) -> Value:
+    """Adaptive max or average pooling of ``x [N, C, *spatial]`` to ``output_size`` (an int, or
+    one per spatial axis, None keeping that axis), as ``torch.nn.functional.adaptive_max_pool*d``
+    and ``adaptive_avg_pool*d``: output ``i`` of an axis of length ``L`` pools entries
+    ``floor(i*L/out)`` to ``ceil((i+1)*L/out)``. Where every output size divides its axis the
+    windows are equal and strided (:func:`pool`); otherwise the axes are pooled one after the
+    other (the last first), each as ``K`` (the longest window) gathers of one entry per window, a shorter
+    window repeating its last entry (which changes neither a maximum nor which entry is first)
+    and an average counting only its own. The maximum's gradient goes to the window's first
+    maximum in row-major order, as torch's."""
+    what = f"adaptive_{kind}_pool"
+    value = as_value(graph, x, f"{what}: x")
+    spatial = value.ndim - 2
+    if spatial not in (1, 2, 3) or value.dtype != np.float32:
+        raise RlxValueError(f"{what}: x must be float32 [N, C, *spatial] with 1 to 3 spatial axes, got {value.type}")
+    sizes = [value.shape[2 + a] for a in range(spatial)]
+    if not all(isinstance(n, int) for n in sizes):
+        raise RlxValueError(f"{what}: the spatial axes must be static, got {value.type}")
+    wanted = [output_size] * spatial if is_int(output_size) else list(output_size)  # type: ignore[arg-type]
+    if len(wanted) != spatial:
+        raise RlxValueError(f"{what}: output_size needs {spatial} entries, got {output_size!r}")
+    outs = [int(n) if w is None else w for w, n in zip(wanted, sizes, strict=True)]  # type: ignore[call-overload]
+    if not all(is_int(o) and not isinstance(o, bool) and int(o) >= 1 for o in outs):
+        raise RlxValueError(f"{what}: output sizes must be ints >= 1 (or None), got {output_size!r}")
+    if all(int(n) % int(o) == 0 for n, o in zip(sizes, outs, strict=True)):  # type: ignore[call-overload]
+        window = [int(n) // int(o) for n, o in zip(sizes, outs, strict=True)]  # type: ignore[call-overload]
+        return pool(graph, value, kind, window)
+    result = value
+    # The last axis first: a maximum then keeps each row's first entry, and the first row of those,
+    # the window's first maximum in row-major order (torch's).
+    for axis in reversed(range(2, spatial + 2)):
+        length, out = int(sizes[axis - 2]), int(outs[axis - 2])  # type: ignore[call-overload]
+        result = _adaptive_axis(graph, result, kind, axis, length, out)
+    return result
+
+
+def _adaptive_axis(graph: Graph, x: Value, kind: str, axis: int, length: int, out: int) -> Value:
+    """Adaptive pooling along one axis (see :func:`adaptive_pool`)."""
+    starts = [i * length // out for i in range(out)]
+    ends = [-(-(i + 1) * length // out) for i in range(out)]
+    longest = max(e - s for s, e in zip(starts, ends, strict=True))
+
+    def entry(position: int) -> Value:
+        index: list[object] = [slice(None)] * x.ndim
+        index[axis] = slice(position, position + 1)
+        return x[tuple(index)]
+
+    gathers = []
+    for offset in range(longest):
+        picked = [entry(min(s + offset, e - 1)) for s, e in zip(starts, ends, strict=True)]
+        gathers.append(graph.concat(picked, axis=axis) if len(picked) > 1 else picked[0])
+    if kind == "max":
+        return _first_maximum(graph, gathers)
+    shape = [1] * x.ndim
+    shape[axis] = out
+    total: Value | None = None
+    for offset, gathered in enumerate(gathers):
+        inside = np.array([offset < e - s for s, e in zip(starts, ends, strict=True)], np.float32).reshape(shape)
+        term = gathered if inside.all() else gathered * graph.constant(inside)
+        total = term if total is None else total + term
+    assert total is not None
+    counts = np.array([e - s for s, e in zip(starts, ends, strict=True)], np.float32).reshape(shape)
+    return total / graph.constant(counts)
+
+
+def _pooled_size(size: int, pad: int, reach: int, stride: int, ceil_mode: bool) -> int:
+    """Windows along one axis, as torch's ``pooling_output_shape``: in ceil mode one more where
+    the last would only partly fit, unless it would start past ``x`` and its left padding."""
+    span = size + 2 * pad - reach - 1
+    if not ceil_mode or span < 0:
+        return span // stride + 1
+    count = -(-span // stride) + 1
+    return count - 1 if (count - 1) * stride >= size + pad else count
 
 
 def _first_maximum(graph: Graph, windows: Sequence[Value]) -> Value:
@@ -653,12 +749,14 @@ def _phase_windows(
     strides: Sequence[int],
     dilations: Sequence[int],
     pads: Sequence[int],
+    beyond: Sequence[int],
     out_sizes: Sequence[int],
     fill: float,
 ) -> list[Value]:
     """The windows a pooling reads, one per kernel offset, each ``[N, *out, C]``.
 
-    ``x`` goes channels-last, is padded with ``fill`` (and up to a multiple of the stride), and
+    ``x`` goes channels-last, is padded with ``fill`` (``pads`` on both sides, ``beyond`` more
+    after: ceil mode's last windows), and up to a multiple of the stride, and
     is viewed as ``[N, q1, s1, q2, s2, ..., C]``: offset ``o`` reads phase ``o*d mod s`` of each
     axis from ``o*d // s`` on, a unit-stride slice. So a window's gradient is its cotangent
     padded on the phase grid and placed in its phase (concats along axes that are not the
@@ -668,10 +766,10 @@ def _phase_windows(
     spatial = x.ndim - 2
     last = graph.transpose(x, (0, *range(2, spatial + 2), 1))  # [N, *spatial, C]
     steps = []
-    for axis, (p, s) in enumerate(zip(pads, strides, strict=True), start=1):
-        length = int(last.shape[axis]) + 2 * p  # type: ignore[call-overload]
+    for axis, (p, extra, s) in enumerate(zip(pads, beyond, strides, strict=True), start=1):
+        length = int(last.shape[axis]) + 2 * p + extra  # type: ignore[call-overload]
         steps.append(-(-length // s))
-        last = _pad_or_crop(graph, last, axis, p, p + steps[-1] * s - length, fill)
+        last = _pad_or_crop(graph, last, axis, p, p + extra + steps[-1] * s - length, fill)
     grid = graph.reshape(
         last, (x.shape[0], *(d for q, s in zip(steps, strides, strict=True) for d in (q, s)), x.shape[1])
     )

@@ -595,10 +595,10 @@ def _max_pool(
     ceil_mode: bool = False,
     return_indices: bool = False,
 ) -> Any:
-    """``F.max_pool1d/2d/3d`` (floor mode, no indices)."""
-    if ceil_mode or return_indices:
-        raise Unsupported("max pooling with ceil_mode or return_indices")
-    return g.max_pool(_float(x), kernel_size, stride or None, padding, dilation)
+    """``F.max_pool1d/2d/3d`` (no indices)."""
+    if return_indices:
+        raise Unsupported("max pooling with return_indices")
+    return g.max_pool(_float(x), kernel_size, stride or None, padding, dilation, ceil_mode)
 
 
 def _avg_pool(
@@ -611,26 +611,18 @@ def _avg_pool(
     count_include_pad: bool = True,
     divisor_override: Any = None,
 ) -> Any:
-    """``F.avg_pool1d/2d/3d`` (floor mode)."""
-    if ceil_mode or divisor_override is not None:
-        raise Unsupported("average pooling with ceil_mode or divisor_override")
-    return g.avg_pool(_float(x), kernel_size, stride or None, padding, count_include_pad)
+    """``F.avg_pool1d/2d/3d``."""
+    return g.avg_pool(_float(x), kernel_size, stride or None, padding, count_include_pad, ceil_mode, divisor_override)
 
 
 def _adaptive(kind: str) -> Callable[..., Any]:
-    """``F.adaptive_avg_pool*d`` / ``adaptive_max_pool*d`` where each output size divides its input
-    size: windows of ``input // output``, as torch's for such sizes (``1``: over the whole axis)."""
+    """``F.adaptive_avg_pool*d`` / ``adaptive_max_pool*d`` (no indices): :func:`rlx.ops.conv.adaptive_pool`."""
 
     def handler(g: Graph, x: Any, output_size: Any, return_indices: bool = False) -> Any:
+        if return_indices:
+            raise Unsupported("adaptive pooling with return_indices")
         x = _float(x)
-        spatial = x.ndim - 2
-        wanted = [output_size] * spatial if type(output_size) is int else list(output_size)
-        sizes = [x.shape[2 + a] for a in range(spatial)]
-        wanted = [s if w is None else w for w, s in zip(wanted, sizes, strict=True)]
-        if return_indices or not all(isinstance(s, int) and s % w == 0 for s, w in zip(sizes, wanted, strict=True)):
-            raise Unsupported(f"adaptive pooling of {sizes} to {wanted} (only sizes that divide)")
-        window = [s // w for s, w in zip(sizes, wanted, strict=True)]
-        return g.max_pool(x, window) if kind == "max" else g.avg_pool(x, window)
+        return g.adaptive_max_pool(x, output_size) if kind == "max" else g.adaptive_avg_pool(x, output_size)
 
     return handler
 

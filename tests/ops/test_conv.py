@@ -517,3 +517,121 @@ def test_max_pool_gives_a_tied_window_its_first_maximum(window: int, stride: int
     yt.backward(torch.from_numpy(dyv))
     np.testing.assert_array_equal(got["y"], yt.detach().numpy())
     np.testing.assert_allclose(got["dx"], xt.grad.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def direct_pooling(x: np.ndarray, kind: str, window: int, stride: int, padding: int, ceil_mode: bool,
+                   count_include_pad: bool = True, divisor: int | None = None) -> np.ndarray:  # fmt: skip
+    """torch's 2-d pooling by its definition (``pooling_output_shape`` and the CPU kernels'
+    window bounds): float64, ``x [N, C, H, W]``."""
+
+    def size(n: int) -> int:
+        span = n + 2 * padding - window
+        if not ceil_mode:
+            return span // stride + 1
+        out = -(-span // stride) + 1
+        return out - 1 if (out - 1) * stride >= n + padding else out
+
+    rows, cols = size(x.shape[2]), size(x.shape[3])
+    out = np.zeros((*x.shape[:2], rows, cols))
+    for i, j in itertools.product(range(rows), range(cols)):
+        r0, c0 = i * stride - padding, j * stride - padding
+        r1, c1 = min(r0 + window, x.shape[2] + padding), min(c0 + window, x.shape[3] + padding)
+        whole = (r1 - r0) * (c1 - c0)
+        patch = x[:, :, max(r0, 0) : min(r1, x.shape[2]), max(c0, 0) : min(c1, x.shape[3])]
+        if kind == "max":
+            out[:, :, i, j] = patch.max(axis=(2, 3))
+        else:
+            count = divisor or (whole if count_include_pad else patch.shape[2] * patch.shape[3])
+            out[:, :, i, j] = patch.sum(axis=(2, 3)) / count
+    return out
+
+
+@pytest.mark.parametrize(
+    ("kind", "window", "stride", "padding", "include_pad", "divisor"),
+    [("max", 3, 2, 1, True, None), ("max", 2, 2, 0, True, None), ("max", 3, 3, 0, True, None),
+     ("avg", 3, 2, 1, True, None), ("avg", 3, 2, 1, False, None), ("avg", 2, 3, 1, True, None),
+     ("avg", 3, 2, 0, True, 4)],
+)  # fmt: skip
+@pytest.mark.parametrize("ceil_mode", [True, False])
+def test_pooling_in_ceil_mode_and_with_a_divisor(
+    kind: str, window: int, stride: int, padding: int, include_pad: bool, divisor: int | None, ceil_mode: bool
+) -> None:
+    """``ceil_mode`` takes one more window where the last only partly fits (not one starting past
+    the input and its left padding); an average divides by the entries of ``x`` and its padding
+    the window covers (never past the padding), by those of ``x`` alone, or by ``divisor_override``:
+    values against the definition, gradients against central differences."""
+    shape = (2, 2, 8, 7)
+    g = Graph("pool_ceil")
+    x = g.input("x", shape)
+    if kind == "max":
+        y = g.max_pool(x, window, stride, padding, ceil_mode=ceil_mode)
+    else:
+        y = g.avg_pool(x, window, stride, padding, include_pad, ceil_mode, divisor)
+    weights = np.random.default_rng(18).standard_normal(y.shape)
+    (dx,) = rlx.grad(g, g.sum(y * g.constant(weights.astype(np.float32))), [x])
+    g.output(y=y, dx=dx)
+    xv = np.random.default_rng(19).standard_normal(shape)
+    got = rlx.compile(g)(x=xv.astype(np.float32))
+    want = direct_pooling(xv, kind, window, stride, padding, ceil_mode, include_pad, divisor)
+    assert got["y"].shape == want.shape
+    np.testing.assert_allclose(got["y"], want, rtol=1e-5, atol=1e-6)
+
+    def loss() -> float:
+        return float(
+            np.sum(direct_pooling(xv, kind, window, stride, padding, ceil_mode, include_pad, divisor) * weights)
+        )
+
+    np.testing.assert_allclose(got["dx"], central_differences(loss, xv), rtol=1e-3, atol=1e-4)
+
+
+def direct_adaptive(x: np.ndarray, kind: str, outs: tuple[int, ...]) -> np.ndarray:
+    """torch's adaptive pooling by its definition: output ``i`` of an axis of length ``L`` pools
+    entries ``floor(i*L/out)`` to ``ceil((i+1)*L/out)``."""
+    spatial = x.ndim - 2
+    out = np.zeros((*x.shape[:2], *outs))
+    for position in itertools.product(*(range(o) for o in outs)):
+        window = tuple(
+            slice(i * n // o, -(-(i + 1) * n // o)) for i, n, o in zip(position, x.shape[2:], outs, strict=True)
+        )
+        patch = x[(slice(None), slice(None), *window)]
+        axes = tuple(range(2, spatial + 2))
+        out[(slice(None), slice(None), *position)] = patch.max(axis=axes) if kind == "max" else patch.mean(axis=axes)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["max", "avg"])
+@pytest.mark.parametrize(
+    ("shape", "output_size", "outs"),
+    [((2, 3, 10), 4, (4,)), ((2, 2, 7, 9), (3, None), (3, 9)), ((1, 2, 5, 5), 7, (7, 7)),
+     ((1, 2, 5, 6, 7), (2, 3, 4), (2, 3, 4)), ((2, 2, 8, 6), (4, 2), (4, 2))],
+)  # fmt: skip
+def test_adaptive_pooling_against_the_definition(
+    kind: str, shape: tuple[int, ...], output_size: object, outs: tuple[int, ...]
+) -> None:
+    """Adaptive pooling to sizes that do not divide the axes (windows of different lengths,
+    overlapping where the output is longer), and to sizes that do: values against the
+    definition, gradients against central differences; a tied maximum's gradient goes to the
+    window's first (row-major), as torch's."""
+    g = Graph("adaptive")
+    x = g.input("x", shape)
+    y = g.adaptive_max_pool(x, output_size) if kind == "max" else g.adaptive_avg_pool(x, output_size)  # type: ignore[arg-type]
+    weights = np.random.default_rng(20).standard_normal(y.shape)
+    (dx,) = rlx.grad(g, g.sum(y * g.constant(weights.astype(np.float32))), [x])
+    g.output(y=y, dx=dx)
+    xv = np.random.default_rng(21).standard_normal(shape)
+    got = rlx.compile(g)(x=xv.astype(np.float32))
+    np.testing.assert_allclose(got["y"], direct_adaptive(xv, kind, outs), rtol=1e-5, atol=1e-6)
+
+    def loss() -> float:
+        return float(np.sum(direct_adaptive(xv, kind, outs) * weights))
+
+    np.testing.assert_allclose(got["dx"], central_differences(loss, xv), rtol=1e-3, atol=1e-4)
+    if kind == "max":
+        torch = pytest.importorskip("torch")
+        ties = np.maximum(np.round(xv), 0).astype(np.float32)
+        got = rlx.compile(g)(x=ties)
+        xt = torch.tensor(ties, requires_grad=True)
+        yt = getattr(torch.nn.functional, f"adaptive_max_pool{len(shape) - 2}d")(xt, output_size)
+        (yt * torch.from_numpy(weights.astype(np.float32))).sum().backward()
+        np.testing.assert_array_equal(got["y"], yt.detach().numpy())
+        np.testing.assert_allclose(got["dx"], xt.grad.numpy(), rtol=1e-6, atol=1e-6)
