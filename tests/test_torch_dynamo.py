@@ -1067,7 +1067,9 @@ def test_norms_shuffles_flips_and_variances() -> None:
 @pytest.mark.parametrize(
     ("mode", "corners", "shape"),
     [("nearest", None, (2, 3, 4, 5)), ("nearest-exact", None, (2, 3, 4, 5)), ("bilinear", False, (2, 3, 4, 5)),
-     ("bilinear", True, (2, 3, 4, 5)), ("linear", False, (2, 3, 6)), ("trilinear", True, (1, 2, 3, 4, 3))],
+     ("bilinear", True, (2, 3, 4, 5)), ("linear", False, (2, 3, 6)), ("trilinear", True, (1, 2, 3, 4, 3)),
+     ("bicubic", False, (2, 3, 4, 5)), ("bicubic", True, (2, 3, 4, 5)), ("area", None, (2, 3, 4, 5)),
+     ("area", None, (1, 2, 6)), ("area", None, (1, 2, 3, 4, 3))],
 )  # fmt: skip
 def test_interpolate_modes_sample_as_torch(mode: str, corners: bool | None, shape: tuple[int, ...]) -> None:
     """``F.interpolate`` by sizes and by factors (whole, fractional, below 1, recomputed): the

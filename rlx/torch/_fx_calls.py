@@ -1429,14 +1429,16 @@ def _interpolate(
     antialias: bool = False,
 ) -> Any:
     """``F.interpolate`` of static spatial sizes in the modes ``nearest``, ``nearest-exact``,
-    ``linear``, ``bilinear`` and ``trilinear`` (``align_corners`` either way), as torch samples:
-    nearest by whole factors repeats each entry (a broadcast and a reshape, views); otherwise
-    each axis in turn gathers the source entries its positions read (two, weighted, in the
-    linear modes). ``bicubic``, ``area`` and antialiasing are left to torch."""
+    ``linear``, ``bilinear``, ``trilinear``, ``bicubic`` (``align_corners`` either way) and
+    ``area``, as torch samples: nearest by whole factors repeats each entry (a broadcast and a
+    reshape, views); otherwise each axis in turn gathers the source entries its positions read
+    (two, weighted, in the linear modes; four, with torch's cubic convolution weights and the
+    border entries repeated, in bicubic). ``area`` is adaptive average pooling to the new size,
+    as torch's. Antialiasing is left to torch."""
     x = _float(x)
     spatial = x.ndim - 2
-    linear = {"linear": 1, "bilinear": 2, "trilinear": 3}
-    if antialias or spatial < 1 or (mode not in ("nearest", "nearest-exact") and linear.get(mode) != spatial):
+    linear = {"linear": 1, "bilinear": 2, "trilinear": 3, "bicubic": 2}
+    if antialias or spatial < 1 or (mode not in ("nearest", "nearest-exact", "area") and linear.get(mode) != spatial):
         raise Unsupported(f"interpolate in mode {mode!r} of {spatial} spatial axes")
     sizes = [x.shape[2 + a] for a in range(spatial)]
     if not all(isinstance(s, int) for s in sizes):
@@ -1454,6 +1456,8 @@ def _interpolate(
         )
     if min(wanted) < 1:
         raise Unsupported("interpolate to an empty size")
+    if mode == "area":
+        return g.adaptive_avg_pool(x, wanted)
     if (
         mode == "nearest"
         and all(w % s == 0 for w, s in zip(wanted, sizes, strict=True))
@@ -1472,6 +1476,9 @@ def _interpolate(
             picked = np.minimum(np.floor(shifted * np.float32(scale)), n - 1).astype(np.int64)
             out = g.take(out, g.constant(picked), axis)
             continue
+        if mode == "bicubic":
+            out = _cubic_axis(g, out, axis, n, w, scale, bool(align_corners))
+            continue
         if align_corners:
             source = positions * ((n - 1) / (w - 1) if w > 1 else 0.0)
         else:
@@ -1481,6 +1488,38 @@ def _interpolate(
         weight = (source - low).astype(np.float32).reshape(w, *(1,) * (x.ndim - axis - 1))
         first, second = g.take(out, g.constant(low), axis), g.take(out, g.constant(high), axis)
         out = first + (second - first) * g.constant(weight)
+    return out
+
+
+CUBIC_A = -0.75  # torch's cubic convolution constant (upsample_bicubic2d)
+
+
+def _cubic_axis(g: Graph, x: Any, axis: int, n: int, w: int, scale: float, align_corners: bool) -> Any:
+    """One axis of bicubic interpolation as torch's ``upsample_bicubic2d``: the source position of
+    each output (float32 arithmetic, unclamped without ``align_corners``), its four neighbours
+    ``floor - 1 .. floor + 2`` clamped into the axis, weighted by Keys' cubic convolution."""
+    positions = np.arange(w, dtype=np.float32)
+    if align_corners:
+        source = positions * np.float32((n - 1) / (w - 1) if w > 1 else 0.0)
+    else:
+        source = (positions + np.float32(0.5)) * np.float32(scale) - np.float32(0.5)
+    floor = np.floor(source)
+    t = (source - floor).astype(np.float64)
+    a = CUBIC_A
+
+    def near(d: np.ndarray) -> np.ndarray:  # |d| <= 1
+        return ((a + 2) * d - (a + 3)) * d * d + 1
+
+    def far(d: np.ndarray) -> np.ndarray:  # 1 < |d| < 2
+        return ((a * d - 5 * a) * d + 8 * a) * d - 4 * a
+
+    weights = [far(t + 1), near(t), near(1 - t), far(2 - t)]
+    shape = (w, *(1,) * (x.ndim - axis - 1))
+    out = None
+    for offset, weight in zip((-1, 0, 1, 2), weights, strict=True):
+        index = np.clip(floor.astype(np.int64) + offset, 0, n - 1)
+        term = g.take(x, g.constant(index), axis) * g.constant(weight.astype(np.float32).reshape(shape))
+        out = term if out is None else out + term
     return out
 
 
