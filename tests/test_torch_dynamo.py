@@ -315,6 +315,18 @@ def test_padding_rows_and_default_ignore_index() -> None:
     assert torch.count_nonzero(got_grads[0][0]) == 0  # the padding row
     assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks
 
+    def computed(scale: torch.Tensor) -> torch.Tensor:  # a table that is no input, ids a constant
+        return F.embedding(torch.tensor([[0, 2], [2, 1]]), table.weight * scale, padding_idx=2).square().sum()
+
+    scale = torch.tensor(1.5, requires_grad=True)
+    got, want = torch.compile(computed, backend="rlx")(scale), computed(scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, e in zip(
+        torch.autograd.grad(got, [scale, table.weight]), torch.autograd.grad(want, [scale, table.weight]), strict=True
+    ):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)
+    assert dynamo_backend.stats["eager"] == 0, dynamo_backend.fallbacks
+
 
 EINSUMS = [
     ("bhqd,bhkd->bhqk", [(2, 3, 4, 5), (2, 3, 6, 5)]),

@@ -1088,10 +1088,24 @@ def _cat(g: Graph, tensors: Sequence[Any], dim: int = 0, **kwargs: Any) -> Any:
 
 def _pad(g: Graph, x: Any, pad: Sequence[int], mode: str = "constant", value: float | None = None) -> Any:
     """``F.pad`` with a constant: blocks of ``value`` concatenated before and after each axis
-    named, from the last axis backwards (``(left, right, top, bottom, ...)``), as torch pairs them."""
+    named, from the last axis backwards (``(left, right, top, bottom, ...)``), as torch pairs them;
+    a negative pad crops. The modes ``reflect``, ``replicate`` and ``circular``:
+    :func:`rlx.torch._fx_extras.padded`."""
     x = _float(x)
-    if mode != "constant" or len(pad) % 2 or not all(type(p) is int and p >= 0 for p in pad):
-        raise Unsupported(f"pad {tuple(pad)} in mode {mode!r} (only non-negative constant padding)")
+    if mode in ("reflect", "replicate", "circular"):
+        from rlx.torch._fx_extras import padded
+
+        return padded(g, x, pad, mode)
+    if mode != "constant" or len(pad) % 2 or not all(type(p) is int for p in pad):
+        raise Unsupported(f"pad {tuple(pad)} in mode {mode!r}")
+    if any(p < 0 for p in pad):  # crop first, then pad what is positive
+        index: list[object] = [slice(None)] * x.ndim
+        for pair in range(len(pad) // 2):
+            before, after = pad[2 * pair], pad[2 * pair + 1]
+            length = _static_length(x, x.ndim - 1 - pair, "pad")
+            index[x.ndim - 1 - pair] = slice(max(-before, 0), length - max(-after, 0))
+        x = x[tuple(index)]
+        pad = [max(p, 0) for p in pad]
     fill = np.array(0 if value is None else value, dtype=np.dtype(x.dtype))
     for pair in range(len(pad) // 2):
         axis = x.ndim - 1 - pair
@@ -1192,9 +1206,15 @@ def _embedding(g: Graph, ids: Any, weight: Any, padding_idx: Any = None, max_nor
         raise Unsupported("embedding with max_norm")
     if rest and len(rest) >= 2 and (rest[1] or (len(rest) > 2 and rest[2])):
         raise Unsupported("embedding with scale_grad_by_freq or sparse")
-    if padding_idx is not None:  # rlx.torch.dynamo translates it (the row gets no gradient)
-        raise Unsupported("embedding with padding_idx of a table that is not an input")
-    return g.embedding(_float(weight), _float(ids))
+    table = _float(weight)
+    if padding_idx is not None:  # that row gets no gradient (its value is read as it is)
+        rows = table.shape[0]
+        if not isinstance(rows, int):
+            raise Unsupported("embedding with padding_idx of a table of dynamic rows")
+        mask = np.zeros((rows, 1), np.bool_)
+        mask[int(padding_idx) % rows] = True
+        table = g.where(g.constant(mask), g.stop_gradient(table), table)
+    return g.embedding(table, _float(ids))
 
 
 _LOSS_OPTIONS = ("size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
@@ -1605,35 +1625,42 @@ def _multi_head_attention(
 
 
 def _variance(root: bool) -> Callable[..., Any]:
-    """``torch.var``/``torch.std`` and their methods: ``dim``, ``correction`` (``unbiased`` in
-    the older spelling, positional too) and ``keepdim``, as torch's (a correction of 1 by
-    default: ``n - 1`` in the denominator)."""
+    """``torch.var``/``torch.std`` and their methods (see :func:`variance_arguments`)."""
 
     def handler(g: Graph, x: Any, *args: Any, **kwargs: Any) -> Any:
-        dim, correction, keepdim = None, 1, False
-        if args and type(args[0]) is bool:  # var(unbiased)
-            correction, args = int(args[0]), args[1:]
-        elif args:
-            dim, args = args[0], args[1:]
-            if args and type(args[0]) is bool:  # var(dim, unbiased, keepdim)
-                correction, args = int(args[0]), args[1:]
-            if args:
-                keepdim, args = args[0], args[1:]
-        if args:
-            raise Unsupported("var/std with more positional arguments")
-        dim = kwargs.pop("dim", dim)
-        if "unbiased" in kwargs:
-            correction = int(bool(kwargs.pop("unbiased")))
-        correction = kwargs.pop("correction", correction)
-        keepdim = kwargs.pop("keepdim", keepdim)
-        check_kwargs(kwargs)
-        ddof = 1 if correction is None else correction
-        if not (type(ddof) is int or (isinstance(ddof, float) and ddof.is_integer())):
-            raise Unsupported(f"var/std with correction={correction!r}")
-        value = g.var(_float(x), axis=_axis_args(dim), keepdims=bool(keepdim), ddof=int(ddof))
+        dim, ddof, keepdim = variance_arguments(args, kwargs)
+        value = g.var(_float(x), axis=dim, keepdims=keepdim, ddof=ddof)
         return g.sqrt(value) if root else value
 
     return handler
+
+
+def variance_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int, bool]:
+    """``(dim, ddof, keepdim)`` of a ``var``/``std`` call: ``dim``, ``correction`` (``unbiased``
+    in the older spelling, positional too) and ``keepdim``, as torch's (a correction of 1 by
+    default: ``n - 1`` in the denominator)."""
+    dim, correction, keepdim = None, 1, False
+    if args and type(args[0]) is bool:  # var(unbiased)
+        correction, args = int(args[0]), args[1:]
+    elif args:
+        dim, args = args[0], args[1:]
+        if args and type(args[0]) is bool:  # var(dim, unbiased, keepdim)
+            correction, args = int(args[0]), args[1:]
+        if args:
+            keepdim, args = args[0], args[1:]
+    if args:
+        raise Unsupported("var/std with more positional arguments")
+    kwargs = dict(kwargs)
+    dim = kwargs.pop("dim", dim)
+    if "unbiased" in kwargs:
+        correction = int(bool(kwargs.pop("unbiased")))
+    correction = kwargs.pop("correction", correction)
+    keepdim = kwargs.pop("keepdim", keepdim)
+    check_kwargs(kwargs)
+    ddof = 1 if correction is None else correction
+    if not (type(ddof) is int or (isinstance(ddof, float) and ddof.is_integer())):
+        raise Unsupported(f"var/std with correction={correction!r}")
+    return _axis_args(dim), int(ddof), bool(keepdim)
 
 
 def _flip(g: Graph, x: Any, *dims: Any) -> Any:

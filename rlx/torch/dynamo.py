@@ -39,6 +39,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from rlx.errors import RlxError
 from rlx.ir.dims import Size, poly
 from rlx.ir.graph import Graph, Value
+from rlx.torch import _fx_extras
 from rlx.torch._fx_calls import (
     DTYPES,
     EXPECTED_SHAPE,
@@ -113,8 +114,6 @@ class _Translation:
         # name -> (start, end, dtype) as polynomials in the symbols.
         self.ranges: dict[str, tuple[int | Size, int | Size, torch.dtype]] = {}
         self.range_starts: dict[Value, int | Size] = {}
-        # Inputs the wrapper passes detached: name -> the placeholder whose tensor they copy.
-        self.detached: dict[str, int] = {}
         # Dropout's keep masks, drawn by the wrapper per call with torch's generator:
         # name -> (shape as polynomials, probability of keeping).
         self.keeps: dict[str, tuple[tuple[int | Size, ...], float]] = {}
@@ -275,10 +274,10 @@ class _Translation:
         out-of-place call an in-place one stands for)."""
         args, kwargs = self._load(node.args), self._load(node.kwargs)
         if node.op == "call_function":
-            handler = FUNCTIONS.get(target)
+            handler = FUNCTIONS.get(target) or _fx_extras.FUNCTIONS.get(target)
             what = getattr(node.target, "__name__", str(node.target))
         elif node.op == "call_method":
-            handler = METHODS.get(str(target))
+            handler = METHODS.get(str(target)) or _fx_extras.METHODS.get(str(target))
             what = f"Tensor.{node.target}"
         elif node.op == "get_attr":
             attribute = _attribute(self.gm, str(node.target))
@@ -293,8 +292,6 @@ class _Translation:
             return _fold(node, args, kwargs)
         if node.target is torch.arange:
             return self._arange(*args, **kwargs)
-        if node.target is F.embedding and (args[2:3] or [kwargs.get("padding_idx")])[0] is not None:
-            return self._padded_embedding(*args, **kwargs)
         if node.target is F.dropout:
             return self._dropout(*args, **kwargs)
         if node.target is F.batch_norm:
@@ -342,23 +339,6 @@ class _Translation:
         if dtype in (torch.int32, torch.int64):
             self.range_starts[value] = start  # indexing by it is a slice (_fx_calls._as_range)
         return value
-
-    def _padded_embedding(self, ids: Any, weight: Any, padding_idx: int, *rest: Any, **kwargs: Any) -> Value:
-        """``F.embedding`` with ``padding_idx``: that row of the table gets no gradient. It is
-        read from a second input, the same parameter passed detached, so ``rlx.grad`` sends the
-        row's gradient nowhere (rlx has no stop-gradient op of its own)."""
-        if not isinstance(weight, Value) or weight not in self.graph.inputs.values():
-            raise Unsupported("embedding with padding_idx of a table that is not an input")
-        source = next(p for p, name in enumerate(self.inputs) if name and self.graph.inputs[name] == weight)
-        frozen = f"detached{len(self.detached)}"
-        self.detached[frozen] = source
-        table = self.graph.input(frozen, weight.shape, dtype=DTYPES[torch.float32])
-        rows = weight.shape[0]
-        assert isinstance(rows, int)  # a parameter's shape
-        mask = np.zeros((rows, 1), np.bool_)
-        mask[padding_idx % rows] = True
-        merged = self.graph.where(self.graph.constant(mask), table, weight)
-        return FUNCTIONS[F.embedding](self.graph, ids, merged, None, *rest, **kwargs)
 
     def _dropout(self, x: Any, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
         """``F.dropout`` while training: a bool input the wrapper draws per call, as torch does
@@ -484,7 +464,7 @@ class _Translation:
 
     def compiled(self) -> Callable[..., Any]:
         """The function TorchDynamo calls: binds the arguments, makes the per-call inputs (ranges,
-        dropout masks, detached copies), runs the rlx graph and returns what the FX graph returns
+        dropout masks), runs the rlx graph and returns what the FX graph returns
         (tensors, and sizes as ints)."""
         results = _nested(self.results, lambda a: constant_of(self.graph, a) if isinstance(a, torch.Tensor) else a)
         single = not isinstance(results, (tuple, list))
@@ -504,7 +484,7 @@ class _Translation:
             updates[position] = f"updated{position}"
             self.graph.output(**{updates[position]: final})
         function = CompiledGraph(self.graph)
-        inputs, ranges, detached, keeps, widened = self.inputs, self.ranges, self.detached, self.keeps, self.widened
+        inputs, ranges, keeps, widened = self.inputs, self.ranges, self.keeps, self.widened
         pinned = self.pinned
         checks = [
             (self.original_sources[a], self.original_sources[b])
@@ -530,8 +510,6 @@ class _Translation:
             named = {name: arg for name, arg in zip(inputs, args, strict=True) if name is not None}
             for position in widened:
                 named[inputs[position]] = args[position].float()  # type: ignore[index]
-            for name, position in detached.items():
-                named[name] = args[position].detach()
             sizes = {symbol: _size_of(args, source) for symbol, source in sources.items()}
             for name, (start, end, dtype) in ranges.items():
                 named[name] = torch.arange(_evaluate(start, sizes), _evaluate(end, sizes), dtype=dtype)

@@ -1,0 +1,373 @@
+"""More torch calls of a TorchDynamo graph, each as rlx ops: padding modes, vector norms and
+distances, a few activations, losses and tensor utilities (see :mod:`rlx.torch._fx_calls`, whose
+tables include these).
+
+Each follows torch's definition, including its gradient where the plain composition would give
+another (``cdist`` at a zero distance, ``sign``), and raises :class:`Unsupported` for what it
+does not cover, so that the graph runs eagerly rather than computing something else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from rlx.ir.graph import Graph, Value
+from rlx.torch._fx_calls import (
+    Unsupported,
+    _axis_args,
+    _float,
+    _promoted,
+    _static_length,
+    _value,
+    variance_arguments,
+)
+
+SELU_ALPHA = 1.6732632423543772848170429916717
+SELU_SCALE = 1.0507009873554804934193349852946
+
+
+# ----------------------------------------------------------------------------- padding
+
+
+def pad_indices(length: int, before: int, after: int, mode: str) -> np.ndarray:
+    """Which entry of an axis of ``length`` each padded position reads, as torch's ``reflect``
+    (mirrored without repeating the edge), ``replicate`` (the edge repeated) and ``circular``
+    (wrapped around); negative pads crop."""
+    positions = np.arange(-before, length + after)
+    if mode == "replicate":
+        return np.clip(positions, 0, length - 1)
+    if mode == "circular":
+        if before > length or after > length:
+            raise Unsupported(f"circular padding by more than the axis ({before}, {after} of {length})")
+        return positions % length
+    if before >= length or after >= length:
+        raise Unsupported(f"reflect padding of {length} entries by ({before}, {after}): torch needs less than the axis")
+    period = 2 * (length - 1) if length > 1 else 1
+    folded = np.abs(positions) % period
+    return np.where(folded < length, folded, period - folded)
+
+
+def padded(g: Graph, x: Any, pad: Sequence[int], mode: str) -> Value:
+    """``F.pad`` in the modes ``reflect``, ``replicate`` and ``circular``: each padded axis (from
+    the last backwards, ``(left, right, top, bottom, ...)``) gathers the entries it reads."""
+    value = _float(x)
+    if len(pad) % 2 or len(pad) // 2 > value.ndim or not all(type(p) is int for p in pad):
+        raise Unsupported(f"pad {tuple(pad)} of a {value.ndim}-d tensor")
+    for pair in range(len(pad) // 2):
+        axis = value.ndim - 1 - pair
+        before, after = pad[2 * pair], pad[2 * pair + 1]
+        if before == after == 0:
+            continue
+        length = _static_length(value, axis, f"{mode} padding")
+        value = g.take(value, g.constant(pad_indices(length, before, after, mode)), axis=axis)
+    return value
+
+
+# ----------------------------------------------------------------------------- elementwise
+
+
+def sign(g: Graph, x: Any) -> Value:
+    """``torch.sign``: 1, -1 or 0 (NaN gives 0, as torch's), with no gradient."""
+    value = _float(x)
+    return g.where(g.greater(value, 0.0), 1.0, g.where(g.less(value, 0.0), -1.0, 0.0))
+
+
+def nan_to_num(g: Graph, x: Any, nan: float = 0.0, posinf: float | None = None, neginf: float | None = None) -> Value:
+    """``torch.nan_to_num``: NaN, +inf and -inf replaced (by default with 0 and float32's extremes)."""
+    value = _float(x)
+    top = float(np.finfo(np.float32).max) if posinf is None else float(posinf)
+    bottom = float(np.finfo(np.float32).min) if neginf is None else float(neginf)
+    value = g.where(g.not_equal(value, value), float(nan), value)
+    value = g.where(g.equal(value, float("inf")), top, value)
+    return g.where(g.equal(value, float("-inf")), bottom, value)
+
+
+def prelu(g: Graph, x: Any, weight: Any) -> Value:
+    """``F.prelu``: ``x`` where positive, else ``weight * x``, one weight per channel (axis 1) or
+    one for all."""
+    value, slope = _float(x), _float(weight)
+    if slope.ndim != 1:
+        raise Unsupported(f"prelu weight of shape {slope.shape}")
+    if slope.shape[0] != 1:
+        if value.ndim < 2 or value.shape[1] != slope.shape[0]:
+            raise Unsupported(f"prelu of {value.shape} with {slope.shape[0]} weights")
+        slope = g.reshape(slope, (slope.shape[0], *(1,) * (value.ndim - 2)))
+    return g.where(g.greater(value, 0.0), value, value * slope)
+
+
+def lerp(g: Graph, start: Any, end: Any, weight: Any) -> Value:
+    """``torch.lerp``: ``start + weight * (end - start)``."""
+    a, b = _promoted(g, _value(g, start), _value(g, end))
+    return a + _value(g, weight) * (b - a)
+
+
+def addcmul(g: Graph, x: Any, a: Any, b: Any, *, value: float = 1.0) -> Value:
+    """``torch.addcmul``: ``x + value * a * b``."""
+    return _value(g, x) + _value(g, a) * _value(g, b) * float(value)
+
+
+def addcdiv(g: Graph, x: Any, a: Any, b: Any, *, value: float = 1.0) -> Value:
+    """``torch.addcdiv``: ``x + value * a / b``."""
+    return _value(g, x) + _value(g, a) / _value(g, b) * float(value)
+
+
+def _shrink(hard: bool) -> Callable[..., Any]:
+    """``F.hardshrink`` (``x`` outside ``[-lambd, lambd]``, else 0) and ``F.softshrink`` (moved
+    toward 0 by ``lambd``)."""
+
+    def handler(g: Graph, x: Any, lambd: float = 0.5) -> Value:
+        value = _float(x)
+        outside = g.greater(g.abs(value), float(lambd))
+        if hard:
+            return g.where(outside, value, 0.0)
+        return g.where(outside, value - sign(g, value) * float(lambd), 0.0)
+
+    return handler
+
+
+ACTIVATIONS: dict[Any, Callable[..., Any]] = {
+    F.selu: lambda g, x, inplace=False: g.where(
+        g.greater(_float(x), 0.0), x * SELU_SCALE, g.expm1(x) * (SELU_ALPHA * SELU_SCALE)
+    ),
+    F.celu: lambda g, x, alpha=1.0, inplace=False: g.where(
+        g.greater(_float(x), 0.0), x, g.expm1(x * (1.0 / alpha)) * float(alpha)
+    ),
+    F.softsign: lambda g, x: _float(x) / (g.abs(x) + 1.0),
+    F.tanhshrink: lambda g, x: _float(x) - g.tanh(x),
+    F.hardshrink: _shrink(hard=True),
+    F.softshrink: _shrink(hard=False),
+    F.threshold: lambda g, x, threshold, value, inplace=False: g.where(
+        g.greater(_float(x), float(threshold)), x, float(value)
+    ),
+    torch.threshold: lambda g, x, threshold, value: g.where(g.greater(_float(x), float(threshold)), x, float(value)),
+    F.rrelu: lambda g, x, lower=1.0 / 8, upper=1.0 / 3, training=False, inplace=False: _rrelu(
+        g, x, lower, upper, training
+    ),
+    F.prelu: prelu,
+}
+
+
+def _rrelu(g: Graph, x: Any, lower: float, upper: float, training: bool) -> Value:
+    """``F.rrelu`` in evaluation: a leaky ReLU of slope ``(lower + upper) / 2`` (training draws
+    slopes at random: left to torch)."""
+    if training:
+        raise Unsupported("rrelu while training (random slopes)")
+    value = _float(x)
+    return g.where(g.greater_equal(value, 0.0), value, value * ((lower + upper) / 2))
+
+
+# ----------------------------------------------------------------------------- norms, distances
+
+
+def vector_norm(g: Graph, x: Any, ord: Any = 2, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Value:
+    """``torch.linalg.vector_norm``: ``(sum |x|^p)^(1/p)`` over ``dim`` (all by default), the
+    largest or least ``|x|`` for ``inf``/``-inf``, the count of nonzeros for 0."""
+    if dtype is not None:
+        raise Unsupported("vector_norm with a dtype")
+    value = _float(x)
+    axes = _axis_args(dim)
+    if ord in (float("inf"), "inf"):
+        return g.max(g.abs(value), axis=axes, keepdims=keepdim)
+    if ord in (float("-inf"), "-inf"):
+        return -g.max(-g.abs(value), axis=axes, keepdims=keepdim)
+    p = float(ord)
+    if p == 0:
+        return g.sum(g.where(g.not_equal(value, 0.0), 1.0, 0.0), axis=axes, keepdims=keepdim)
+    if p == 2:
+        return _safe_sqrt(g, g.sum(value * value, axis=axes, keepdims=keepdim))
+    if p == 1:
+        return g.sum(g.abs(value), axis=axes, keepdims=keepdim)
+    return g.pow(g.sum(g.pow(g.abs(value), p), axis=axes, keepdims=keepdim), 1.0 / p)
+
+
+def _safe_sqrt(g: Graph, squares: Value) -> Value:
+    """``sqrt`` whose gradient is 0 (not inf times 0) where the sum of squares is 0: torch's norm
+    gradient at the origin."""
+    positive = g.greater(squares, 0.0)
+    return g.where(positive, g.sqrt(g.where(positive, squares, 1.0)), 0.0)
+
+
+def norm(g: Graph, x: Any, ord: Any = None, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Value:
+    """``torch.linalg.norm``: a vector norm over one axis (or of a 1-d tensor, or over all axes
+    with neither ``ord`` nor ``dim``), the Frobenius norm of matrices; other matrix norms (nuclear,
+    spectral, by columns or rows) are left to torch."""
+    value = _float(x)
+    axes = _axis_args(dim)
+    if ord is None or ord == "fro":
+        if ord == "fro" and not (axes is None or (isinstance(axes, tuple) and len(axes) == 2)):
+            raise Unsupported(f"the Frobenius norm over {axes}")
+        return vector_norm(g, value, 2, axes, keepdim, dtype=dtype)
+    if type(axes) is int or (axes is None and value.ndim == 1):
+        return vector_norm(g, value, ord, axes, keepdim, dtype=dtype)
+    raise Unsupported(f"the matrix norm ord={ord!r}")
+
+
+def legacy_norm(g: Graph, x: Any, p: Any = "fro", dim: Any = None, keepdim: bool = False, dtype: Any = None) -> Value:
+    """``torch.norm`` / ``Tensor.norm``: ``p`` a number (a vector norm over ``dim``, or of all
+    entries) or ``"fro"``."""
+    if p == "fro" or p is None:
+        p = 2
+    if isinstance(p, str):
+        raise Unsupported(f"torch.norm with p={p!r}")
+    return vector_norm(g, x, p, dim, keepdim, dtype=dtype)
+
+
+def cdist(g: Graph, x1: Any, x2: Any, p: float = 2.0, compute_mode: Any = None) -> Value:
+    """``torch.cdist``: ``[..., P, M]`` and ``[..., R, M]`` to the ``p``-norm distances ``[..., P,
+    R]``. The Euclidean one as ``|a|^2 + |b|^2 - 2 a.b`` (one product, as torch computes it from
+    25 rows on), clamped at 0, with a zero gradient at a zero distance (torch's)."""
+    a, b = _float(x1), _float(x2)
+    if a.ndim < 2 or b.ndim < 2:
+        raise Unsupported("cdist of tensors of fewer than 2 axes")
+    if p == 2:
+        squares = g.sum(a * a, axis=-1, keepdims=True) + _last_two_swapped(g, g.sum(b * b, axis=-1, keepdims=True))
+        return _safe_sqrt(g, g.maximum(squares - 2.0 * g.matmul(a, _last_two_swapped(g, b)), 0.0))
+    difference = g.abs(g.expand_dims(a, -2) - g.expand_dims(b, -3))  # [..., P, R, M]
+    return vector_norm(g, difference, p, -1)
+
+
+def _last_two_swapped(g: Graph, x: Value) -> Value:
+    return g.transpose(x, (*range(x.ndim - 2), x.ndim - 1, x.ndim - 2))
+
+
+def pdist(g: Graph, x: Any, p: float = 2.0) -> Value:
+    """``F.pdist``: the distances of every pair of rows ``i < j`` of ``[N, M]``, row-major."""
+    value = _float(x)
+    rows = _static_length(value, 0, "pdist")
+    pairs = np.array([i * rows + j for i in range(rows) for j in range(i + 1, rows)], np.int64)
+    if p == 2:  # directly: the product form loses the small distances to rounding
+        difference = g.expand_dims(value, 1) - g.expand_dims(value, 0)
+        distances = _safe_sqrt(g, g.sum(difference * difference, axis=-1))
+    else:
+        distances = cdist(g, value, value, p)
+    return g.take(g.reshape(distances, (rows * rows,)), g.constant(pairs), axis=0)
+
+
+# ----------------------------------------------------------------------------- tensor utilities
+
+
+def outer(g: Graph, a: Any, b: Any) -> Value:
+    """``torch.outer`` / ``torch.ger`` of two vectors."""
+    first, second = _float(a), _float(b)
+    if first.ndim != 1 or second.ndim != 1:
+        raise Unsupported("outer of tensors that are not vectors")
+    return g.expand_dims(first, 1) * g.expand_dims(second, 0)
+
+
+def diag(g: Graph, x: Any, diagonal: int = 0) -> Value:
+    """``torch.diag``: a vector's square matrix with it on diagonal ``diagonal``, or a matrix's
+    diagonal ``diagonal`` as a vector."""
+    value = _float(x)
+    if value.ndim == 1:
+        length = _static_length(value, 0, "diag")
+        size, shift = length + abs(diagonal), max(diagonal, 0)
+        on = np.zeros((size, size), np.bool_)
+        on[np.arange(length) + max(-diagonal, 0), np.arange(length) + shift] = True
+        by_column = g.take(value, g.constant(np.clip(np.arange(size) - shift, 0, length - 1)), axis=0)
+        return g.where(g.constant(on), g.broadcast_to(by_column, (size, size)), 0.0)
+    if value.ndim != 2:
+        raise Unsupported(f"diag of a {value.ndim}-d tensor")
+    height, width = _static_length(value, 0, "diag"), _static_length(value, 1, "diag")
+    first_row, first_column = max(-diagonal, 0), max(diagonal, 0)
+    length = max(min(height - first_row, width - first_column), 0)
+    if length == 0:
+        raise Unsupported("an empty diagonal")
+    flat = [(first_row + i) * width + first_column + i for i in range(length)]
+    return g.take(g.reshape(value, (height * width,)), g.constant(np.array(flat, np.int64)), axis=0)
+
+
+def narrow(g: Graph, x: Any, dim: int, start: int, length: int) -> Value:
+    """``torch.narrow``: ``length`` entries of axis ``dim`` from ``start`` (a slice, a view)."""
+    value = _float(x)
+    if type(start) is not int or type(length) is not int:
+        raise Unsupported("narrow by dynamic bounds")
+    axis = dim % value.ndim
+    size = _static_length(value, axis, "narrow")
+    first = start % size if start < 0 else start
+    index: list[object] = [slice(None)] * value.ndim
+    index[axis] = slice(first, first + length)
+    return value[tuple(index)]
+
+
+def repeat(g: Graph, x: Any, *sizes: Any) -> Value:
+    """``Tensor.repeat``: the tensor tiled ``sizes`` times along each axis (new leading axes where
+    there are more sizes than axes): per axis a broadcast beside it and a reshape."""
+    counts = list(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)) else list(sizes)
+    value = _float(x)
+    if len(counts) < value.ndim or not all(type(c) is int and c >= 1 for c in counts):
+        raise Unsupported(f"repeat{tuple(counts)} of a {value.ndim}-d tensor")
+    value = g.reshape(value, (*(1,) * (len(counts) - value.ndim), *value.shape))
+    for axis, count in enumerate(counts):
+        if count == 1:
+            continue
+        shape = list(value.shape)
+        spread = g.expand_dims(value, axis)
+        tiled = g.broadcast_to(spread, (*shape[:axis], count, *shape[axis:]))
+        value = g.reshape(tiled, (*shape[:axis], count * shape[axis], *shape[axis + 1 :]))  # type: ignore[operator]
+    return value
+
+
+def channel_shuffle(g: Graph, x: Any, groups: int) -> Value:
+    """``F.channel_shuffle``: ``[N, C, ...]`` viewed as ``[N, groups, C / groups, ...]``, the two
+    channel axes swapped, flattened back (ShuffleNet)."""
+    value = _float(x)
+    channels = _static_length(value, 1, "channel_shuffle")
+    if type(groups) is not int or groups < 1 or channels % groups:
+        raise Unsupported(f"channel_shuffle of {channels} channels into {groups} groups")
+    rest = tuple(value.shape[2:])
+    split = g.reshape(value, (value.shape[0], groups, channels // groups, *rest))
+    swapped = g.transpose(split, (0, 2, 1, *range(3, split.ndim)))
+    return g.reshape(swapped, (value.shape[0], channels, *rest))
+
+
+def moments(root: bool) -> Callable[..., Any]:
+    """``torch.var_mean`` / ``torch.std_mean``: the variance (or deviation) and the mean over the
+    same axes (see :func:`rlx.torch._fx_calls.variance_arguments`)."""
+
+    def handler(g: Graph, x: Any, *args: Any, **kwargs: Any) -> tuple[Value, Value]:
+        dim, ddof, keepdim = variance_arguments(args, kwargs)
+        value = _float(x)
+        spread = g.var(value, axis=dim, keepdims=keepdim, ddof=ddof)
+        return (g.sqrt(spread) if root else spread), g.mean(value, axis=dim, keepdims=keepdim)
+
+    return handler
+
+
+FUNCTIONS: dict[Any, Callable[..., Any]] = {
+    **ACTIVATIONS,
+    torch.sign: sign,
+    torch.nan_to_num: nan_to_num,
+    torch.lerp: lerp,
+    torch.addcmul: addcmul,
+    torch.addcdiv: addcdiv,
+    torch.linalg.vector_norm: vector_norm,
+    torch.linalg.norm: norm,
+    torch.norm: legacy_norm,
+    torch.cdist: cdist,
+    F.pdist: pdist,
+    torch.outer: outer,
+    torch.ger: outer,
+    torch.diag: diag,
+    torch.narrow: narrow,
+    torch.channel_shuffle: channel_shuffle,
+    torch.var_mean: moments(root=False),
+    torch.std_mean: moments(root=True),
+}
+
+METHODS: dict[str, Callable[..., Any]] = {
+    "sign": sign,
+    "nan_to_num": nan_to_num,
+    "lerp": lerp,
+    "addcmul": addcmul,
+    "addcdiv": addcdiv,
+    "norm": legacy_norm,
+    "outer": outer,
+    "diag": diag,
+    "narrow": narrow,
+    "repeat": repeat,
+}

@@ -1,0 +1,97 @@
+"""The TorchDynamo backend's less common translations (:mod:`rlx.torch._fx_extras`): padding
+modes, norms and distances, activations, tensor utilities. Each call is compiled alone and must
+run on rlx (no fallback) with eager torch's values and gradients, at the edges where the plain
+formula would differ (a zero distance, NaN, a sign at 0)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dynamo_backend = pytest.importorskip("rlx.torch.dynamo")
+F = torch.nn.functional
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> None:
+    torch._dynamo.reset()
+    dynamo_backend.fallbacks.clear()
+    dynamo_backend.stats.update(compiled=0, eager=0)
+
+
+def _inputs(kind: str) -> Any:
+    generator = torch.Generator().manual_seed(7)
+    shapes = {"matrix": (4, 6), "image": (2, 3, 8, 8), "vector": (5,), "row": (1, 4, 6)}
+    return torch.randn(*shapes[kind], generator=generator)
+
+
+REFLECT, REPLICATE, PRELU = torch.nn.ReflectionPad2d(2), torch.nn.ReplicationPad2d((1, 0, 2, 3)), torch.nn.PReLU(3)
+
+CASES: list[tuple[str, str, Callable[..., Any]]] = [
+    ("pad reflect", "image", lambda a: F.pad(a, (1, 2, 2, 1), mode="reflect")),
+    ("pad reflect 1d long", "row", lambda a: F.pad(a, (3, 5), mode="reflect")),
+    ("pad replicate", "image", lambda a: F.pad(a, (1, 2, 3, 1), mode="replicate")),
+    ("pad circular", "image", lambda a: F.pad(a, (1, 2, 8, 1), mode="circular")),
+    ("pad negative crops", "image", lambda a: F.pad(a, (-1, 2, 1, -2))),
+    ("ReflectionPad2d", "image", REFLECT),
+    ("ReplicationPad2d", "image", REPLICATE),
+    ("selu", "matrix", F.selu),
+    ("celu", "matrix", lambda a: F.celu(a, 0.7)),
+    ("softsign", "matrix", F.softsign),
+    ("tanhshrink", "matrix", F.tanhshrink),
+    ("hardshrink", "matrix", lambda a: F.hardshrink(a, 0.4)),
+    ("softshrink", "matrix", lambda a: F.softshrink(a, 0.4)),
+    ("threshold", "matrix", lambda a: F.threshold(a, 0.1, -2.0)),
+    ("rrelu evaluating", "matrix", lambda a: F.rrelu(a, training=False)),
+    ("prelu one weight", "matrix", lambda a: F.prelu(a, torch.tensor([0.25]))),
+    ("PReLU per channel", "image", PRELU),
+    ("sign", "matrix", lambda a: a * torch.sign(a) + a.sign()),
+    ("nan_to_num of log", "matrix", lambda a: torch.nan_to_num(torch.log(a))),
+    ("lerp", "matrix", lambda a: torch.lerp(a, a.flip(0), 0.3) + a.lerp(a * 2, torch.full((6,), 0.7))),
+    ("addcmul addcdiv", "matrix", lambda a: torch.addcmul(a, a, a.flip(0), value=0.5) + a.addcdiv(a, a.exp())),
+    ("vector_norm", "matrix", lambda a: torch.linalg.vector_norm(a, ord=3, dim=1).sum() + torch.linalg.vector_norm(a)),
+    ("vector_norm inf", "matrix", lambda a: torch.linalg.vector_norm(a, ord=float("inf"), dim=0)),
+    (
+        "linalg.norm",
+        "matrix",
+        lambda a: torch.linalg.norm(a, dim=1) + torch.linalg.norm(a) + torch.linalg.norm(a, 1, 1),
+    ),
+    ("torch.norm", "matrix", lambda a: torch.norm(a, dim=1) + a.norm(p=1)),
+    ("cdist", "matrix", lambda a: torch.cdist(a, a.flip(0) * 2)),
+    ("cdist of itself", "matrix", lambda a: torch.cdist(a, a)),  # zero distances: gradient 0
+    ("cdist p=1 batched", "matrix", lambda a: torch.cdist(a[None], a[None] + 1, p=1)),
+    ("pdist", "matrix", F.pdist),
+    ("outer", "vector", lambda a: torch.outer(a, a * 2)),
+    ("diag of a vector", "vector", lambda a: torch.diag(a) + torch.diag(a, 1)[1:, :-1]),
+    ("diag of a matrix", "matrix", lambda a: torch.diag(a) + torch.diag(a, 2)[:2].sum() + a.diag(-1)[:1].sum()),
+    ("narrow", "matrix", lambda a: a.narrow(1, 1, 3) + torch.narrow(a, 1, -4, 3)),
+    ("repeat", "matrix", lambda a: a.repeat(2, 3)),
+    ("repeat with new axes", "matrix", lambda a: a.repeat(2, 1, 1)),
+    ("var_mean", "matrix", lambda a: torch.var_mean(a, dim=0)[0] + torch.var_mean(a, dim=0)[1]),
+    ("std_mean", "matrix", lambda a: sum(torch.std_mean(a, 1, keepdim=True, correction=0))),
+    ("channel_shuffle", "image", lambda a: F.channel_shuffle(a.repeat(1, 2, 1, 1), 2)),
+]
+
+
+@pytest.mark.parametrize(("name", "kind", "function"), CASES, ids=[case[0] for case in CASES])
+def test_translation_matches_eager(name: str, kind: str, function: Callable[..., Any]) -> None:
+    x = _inputs(kind).requires_grad_()
+    got, want = torch.compile(function, backend="rlx")(x), function(x)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, equal_nan=True)
+    cotangent = torch.randn_like(want)
+    torch.testing.assert_close(
+        torch.autograd.grad(got, x, cotangent)[0], torch.autograd.grad(want, x, cotangent)[0], rtol=1e-3, atol=1e-4
+    )
+    assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks
+
+
+def test_what_torch_refuses_or_rlx_leaves_falls_back() -> None:
+    """A nuclear norm (no SVD in rlx) runs eagerly, with a warning naming why."""
+    x = _inputs("matrix").requires_grad_()
+    with pytest.warns(UserWarning, match="nuc"):
+        torch.testing.assert_close(torch.compile(lambda a: torch.linalg.norm(a, "nuc"), backend="rlx")(x),
+                                   torch.linalg.norm(x, "nuc"))  # fmt: skip
+    assert dynamo_backend.stats["eager"] == 1
