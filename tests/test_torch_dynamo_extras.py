@@ -29,6 +29,10 @@ def _inputs(kind: str) -> Any:
 
 
 REFLECT, REPLICATE, PRELU = torch.nn.ReflectionPad2d(2), torch.nn.ReplicationPad2d((1, 0, 2, 3)), torch.nn.PReLU(3)
+BILINEAR, RESPONSE_NORM = torch.nn.Bilinear(6, 6, 3), torch.nn.LocalResponseNorm(3, alpha=0.1)
+SIGNS = torch.tensor([1, -1, 1, -1])
+LABELS = torch.tensor([[1, -1, 1, 1, -1, 1]] * 4)
+BAGS = torch.tensor([[0, 2], [1, 3]])
 
 CASES: list[tuple[str, str, Callable[..., Any]]] = [
     ("pad reflect", "image", lambda a: F.pad(a, (1, 2, 2, 1), mode="reflect")),
@@ -73,7 +77,28 @@ CASES: list[tuple[str, str, Callable[..., Any]]] = [
     ("var_mean", "matrix", lambda a: torch.var_mean(a, dim=0)[0] + torch.var_mean(a, dim=0)[1]),
     ("std_mean", "matrix", lambda a: sum(torch.std_mean(a, 1, keepdim=True, correction=0))),
     ("channel_shuffle", "image", lambda a: F.channel_shuffle(a.repeat(1, 2, 1, 1), 2)),
-]
+    ("pairwise_distance", "matrix", lambda a: F.pairwise_distance(a, a.flip(0)) + F.pairwise_distance(a, a, p=1)),
+    ("cosine_embedding_loss", "matrix", lambda a: F.cosine_embedding_loss(a, a.flip(0), SIGNS, margin=0.1)),
+    ("cosine_embedding_loss none", "matrix", lambda a: F.cosine_embedding_loss(a, a.flip(0), SIGNS, reduction="none")),
+    ("triplet_margin_loss", "matrix", lambda a: F.triplet_margin_loss(a, a.flip(0), a.roll(1, 0))),
+    ("triplet swap p=1", "matrix", lambda a: F.triplet_margin_loss(a, a.flip(0), a.roll(1, 0), swap=True, p=1)),
+    ("margin_ranking_loss", "matrix", lambda a: F.margin_ranking_loss(a[:, 0], a[:, 1], SIGNS.float(), margin=0.2)),
+    ("hinge_embedding_loss", "matrix", lambda a: F.hinge_embedding_loss(a, LABELS)),
+    ("soft_margin_loss", "matrix", lambda a: F.soft_margin_loss(a, LABELS.float())),
+    ("multi_margin_loss", "matrix", lambda a: F.multi_margin_loss(a, torch.tensor([0, 1, 2, 5]))),
+    ("multi_margin_loss p=2 weighted", "matrix",
+     lambda a: F.multi_margin_loss(a, torch.tensor([0, 1, 2, 5]), p=2, margin=0.5, weight=torch.arange(1.0, 7.0))),
+    ("Bilinear", "matrix", lambda a: BILINEAR(a, a.flip(0))),
+    ("LocalResponseNorm", "image", RESPONSE_NORM),
+    ("local_response_norm even", "image", lambda a: F.local_response_norm(a, 2)),
+    ("embedding_bag mean", "matrix", lambda a: F.embedding_bag(BAGS, a, mode="mean")),
+    ("embedding_bag max", "matrix", lambda a: F.embedding_bag(BAGS, a, mode="max")),
+    ("embedding_bag weighted", "matrix",
+     lambda a: F.embedding_bag(BAGS, a, mode="sum", per_sample_weights=torch.tensor([[1.0, 2], [3, 4]]))),
+    ("fold", "image", lambda a: F.fold(a.reshape(2, 12, 16), (5, 5), 2)),
+    ("fold strided", "image", lambda a: F.fold(a.reshape(2, 12, 16), (8, 8), 2, stride=2)),
+    ("fold of unfold", "image", lambda a: F.fold(F.unfold(a, 3, padding=1, stride=2), (8, 8), 3, padding=1, stride=2)),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("name", "kind", "function"), CASES, ids=[case[0] for case in CASES])

@@ -9,6 +9,7 @@ does not cover, so that the graph runs eagerly rather than computing something e
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from rlx.torch._fx_calls import (
     _axis_args,
     _float,
     _promoted,
+    _reduced,
     _static_length,
     _value,
     variance_arguments,
@@ -338,6 +340,218 @@ def moments(root: bool) -> Callable[..., Any]:
     return handler
 
 
+# ----------------------------------------------------------------------------- losses, layers
+
+
+def pairwise_distance(g: Graph, x1: Any, x2: Any, p: float = 2.0, eps: float = 1e-6, keepdim: bool = False) -> Value:
+    """``F.pairwise_distance``: the ``p``-norm of ``x1 - x2 + eps`` over the last axis."""
+    a, b = _promoted(g, _value(g, x1), _value(g, x2))
+    return vector_norm(g, a - b + float(eps), p, -1, keepdim)
+
+
+def cosine_embedding_loss(
+    g: Graph, x1: Any, x2: Any, target: Any, margin: float = 0.0, *legacy: Any, reduction: str = "mean"
+) -> Value:
+    """``F.cosine_embedding_loss``: ``1 - cos`` where the target is 1, ``max(0, cos - margin)``
+    where it is -1, the cosine over axis 1 with torch's 1e-12 added to each squared norm."""
+    if legacy:
+        raise Unsupported("cosine_embedding_loss with the legacy size_average or reduce arguments")
+    a, b = _promoted(g, _value(g, x1), _value(g, x2))
+    axis = a.ndim - 1 if a.ndim == 1 else 1
+    products = g.sum(a * b, axis=axis)
+    norms = g.sqrt((g.sum(a * a, axis=axis) + 1e-12) * (g.sum(b * b, axis=axis) + 1e-12))
+    cosine = products / norms
+    y = _value(g, target)
+    positive = g.where(g.equal(y, 1), 1.0 - cosine, 0.0)
+    negative = g.where(g.equal(y, -1), g.maximum(cosine - float(margin), 0.0), 0.0)
+    return _reduced(g, positive + negative, reduction)
+
+
+def triplet_margin_loss(
+    g: Graph,
+    anchor: Any,
+    positive: Any,
+    negative: Any,
+    margin: float = 1.0,
+    p: float = 2.0,
+    eps: float = 1e-6,
+    swap: bool = False,
+    *legacy: Any,
+    reduction: str = "mean",
+) -> Value:
+    """``F.triplet_margin_loss``: ``max(0, margin + d(a, p) - d(a, n))`` with the pairwise
+    distance ``d`` (``swap``: the lesser of ``d(a, n)`` and ``d(p, n)``)."""
+    if legacy:
+        raise Unsupported("triplet_margin_loss with the legacy size_average or reduce arguments")
+    near = pairwise_distance(g, anchor, positive, p, eps)
+    far = pairwise_distance(g, anchor, negative, p, eps)
+    if swap:
+        far = g.minimum(far, pairwise_distance(g, positive, negative, p, eps))
+    return _reduced(g, g.maximum(near - far + float(margin), 0.0), reduction)
+
+
+def margin_ranking_loss(
+    g: Graph, x1: Any, x2: Any, target: Any, margin: float = 0.0, *legacy: Any, reduction: str = "mean"
+) -> Value:
+    """``F.margin_ranking_loss``: ``max(0, -y (x1 - x2) + margin)``."""
+    if legacy:
+        raise Unsupported("margin_ranking_loss with the legacy size_average or reduce arguments")
+    a, b = _promoted(g, _value(g, x1), _value(g, x2))
+    return _reduced(g, g.maximum(-_value(g, target) * (a - b) + float(margin), 0.0), reduction)
+
+
+def hinge_embedding_loss(
+    g: Graph, x: Any, target: Any, margin: float = 1.0, *legacy: Any, reduction: str = "mean"
+) -> Value:
+    """``F.hinge_embedding_loss``: ``x`` where the target is not -1, plus ``max(0, margin - x)``
+    where it is not 1, as torch adds them."""
+    if legacy:
+        raise Unsupported("hinge_embedding_loss with the legacy size_average or reduce arguments")
+    value, y = _float(x), _value(g, target)
+    kept = g.where(g.not_equal(y, -1), value, 0.0)
+    hinge = g.where(g.not_equal(y, 1), g.maximum(float(margin) - value, 0.0), 0.0)
+    return _reduced(g, kept + hinge, reduction)
+
+
+def soft_margin_loss(g: Graph, x: Any, target: Any, *legacy: Any, reduction: str = "mean") -> Value:
+    """``F.soft_margin_loss``: ``log(1 + exp(-y x))``."""
+    if legacy:
+        raise Unsupported("soft_margin_loss with the legacy size_average or reduce arguments")
+    return _reduced(g, g.softplus(-_value(g, target) * _float(x)), reduction)
+
+
+def multi_margin_loss(
+    g: Graph,
+    x: Any,
+    target: Any,
+    p: int = 1,
+    margin: float = 1.0,
+    weight: Any = None,
+    *legacy: Any,
+    reduction: str = "mean",
+) -> Value:
+    """``F.multi_margin_loss`` of ``[N, C]`` scores (or ``[C]``): per row ``sum over i != y of
+    max(0, margin - x[y] + x[i])^p / C`` (times ``weight[y]``)."""
+    if legacy or p not in (1, 2):
+        raise Unsupported("multi_margin_loss with p other than 1 or 2, or the legacy arguments")
+    scores, y = _float(x), _float(target)
+    if scores.ndim not in (1, 2):
+        raise Unsupported(f"multi_margin_loss of {scores.ndim}-d scores")
+    classes = _static_length(scores, -1, "multi_margin_loss")
+    chosen = g.one_hot(y, classes)  # [N, C] bool? as int64: compared below
+    hit = g.equal(chosen, 1)
+    correct = g.sum(g.where(hit, scores, 0.0), axis=-1, keepdims=True)
+    margins = g.maximum(float(margin) - correct + scores, 0.0)
+    if p == 2:
+        margins = margins * margins
+    if weight is not None:
+        margins = margins * g.take(_float(weight), y, axis=0)[..., None]
+    loss = g.sum(g.where(hit, 0.0, margins), axis=-1) * (1.0 / classes)
+    return _reduced(g, loss, reduction)
+
+
+def bilinear(g: Graph, x1: Any, x2: Any, weight: Any, bias: Any = None) -> Value:
+    """``F.bilinear``: ``y[..., o] = x1 W[o] x2 + b[o]`` (one product ``x1 @ W`` over the output
+    features, then a weighted sum with ``x2``)."""
+    a, b, w = _float(x1), _float(x2), _float(weight)
+    if w.ndim != 3:
+        raise Unsupported(f"bilinear weight of shape {w.shape}")
+    outs, width = w.shape[0], w.shape[2]
+    lead = tuple(a.shape[:-1])
+    rows = g.reshape(a, (-1, a.shape[-1]))  # [R, in1]
+    projected = g.matmul(rows, w)  # [O, R, in2]
+    paired = g.sum(projected * g.reshape(b, (1, -1, width)), axis=-1)  # [O, R]
+    out = g.reshape(g.transpose(paired, (1, 0)), (*lead, outs))
+    return out if bias is None else out + _float(bias)
+
+
+def local_response_norm(g: Graph, x: Any, size: int, alpha: float = 1e-4, beta: float = 0.75, k: float = 1.0) -> Value:
+    """``F.local_response_norm``: ``x / (k + alpha * mean of x^2 over size channels)^beta``, the
+    channel window zero-padded ``size // 2`` before and ``(size - 1) // 2`` after, as torch's."""
+    value = _float(x)
+    if value.ndim < 3:
+        raise Unsupported(f"local_response_norm of a {value.ndim}-d tensor")
+    channels = _static_length(value, 1, "local_response_norm")
+    squares = value * value
+    positions = np.arange(channels)
+    window = np.zeros((channels, channels), np.float32)  # window[c, d]: channel d counts for c
+    for offset in range(-(size // 2), (size - 1) // 2 + 1):
+        inside = (positions + offset >= 0) & (positions + offset < channels)
+        window[positions[inside], positions[inside] + offset] = 1.0 / size
+    moved = g.transpose(squares, (*range(2, value.ndim), 0, 1))  # [..., N, C]
+    averaged = g.matmul(moved, g.constant(window.T))  # [..., N, C]
+    back = g.transpose(averaged, (value.ndim - 2, value.ndim - 1, *range(value.ndim - 2)))
+    return value / g.pow(back * float(alpha) + float(k), float(beta))
+
+
+def embedding_bag(
+    g: Graph,
+    ids: Any,
+    weight: Any,
+    offsets: Any = None,
+    max_norm: Any = None,
+    norm_type: float = 2,
+    scale_grad_by_freq: bool = False,
+    mode: str = "mean",
+    sparse: bool = False,
+    per_sample_weights: Any = None,
+    include_last_offset: bool = False,
+    padding_idx: Any = None,
+) -> Value:
+    """``F.embedding_bag`` of bags of one length (``ids [B, L]``, no offsets): the rows summed,
+    averaged or maximised per bag (``per_sample_weights`` scale them, with ``sum``)."""
+    if offsets is not None or max_norm is not None or scale_grad_by_freq or padding_idx is not None:
+        raise Unsupported("embedding_bag with offsets, max_norm, scale_grad_by_freq or padding_idx")
+    rows = g.embedding(_float(weight), _float(ids))
+    if rows.ndim != 3:
+        raise Unsupported("embedding_bag of ids that are not [bags, length]")
+    if per_sample_weights is not None:
+        if mode != "sum":
+            raise Unsupported("per_sample_weights outside mode 'sum'")
+        rows = rows * g.expand_dims(_float(per_sample_weights), -1)
+    if mode == "sum":
+        return g.sum(rows, axis=1)
+    if mode == "mean":
+        return g.mean(rows, axis=1)
+    if mode == "max":
+        return g.max(rows, axis=1)
+    raise Unsupported(f"embedding_bag mode {mode!r}")
+
+
+def fold(
+    g: Graph, x: Any, output_size: Any, kernel_size: Any, dilation: Any = 1, padding: Any = 0, stride: Any = 1
+) -> Value:
+    """``F.fold`` (col2im, the transpose of ``F.unfold``): ``[N, C * kh * kw, L]`` summed back
+    into ``[N, C, H, W]``, as a transposed convolution whose kernel picks each column's entry
+    (one weight of 1 per channel and kernel offset, grouped by channel)."""
+    value = _float(x)
+    if value.ndim != 3:
+        raise Unsupported(f"fold of a {value.ndim}-d tensor (only [N, C * kh * kw, L])")
+
+    def pair(v: Any) -> tuple[int, int]:
+        return (int(v), int(v)) if type(v) is int else (int(v[0]), int(v[1]))
+
+    (height, width), (kh, kw), dil, pad, step = (pair(v) for v in (output_size, kernel_size, dilation, padding, stride))
+    blocks = [
+        (n + 2 * p - d * (k - 1) - 1) // s + 1
+        for n, p, d, k, s in zip((height, width), pad, dil, (kh, kw), step, strict=True)
+    ]
+    taps = kh * kw
+    rows = _static_length(value, 1, "fold")
+    if rows % taps or value.shape[2] != blocks[0] * blocks[1]:
+        raise Unsupported(f"fold of {value.shape} into {(height, width)} by a {(kh, kw)} kernel")
+    channels = rows // taps
+    columns = g.reshape(value, (value.shape[0], rows, blocks[0], blocks[1]))
+    picks = np.zeros((rows, 1, kh, kw), np.float32)
+    for c, i, j in itertools.product(range(channels), range(kh), range(kw)):
+        picks[c * taps + i * kw + j, 0, i, j] = 1.0
+    extra = tuple(
+        n + 2 * p - ((b - 1) * s + d * (k - 1) + 1)
+        for n, p, b, s, d, k in zip((height, width), pad, blocks, step, dil, (kh, kw), strict=True)
+    )
+    return g.conv_transpose(columns, g.constant(picks), None, step, pad, extra, channels, dil)
+
+
 FUNCTIONS: dict[Any, Callable[..., Any]] = {
     **ACTIVATIONS,
     torch.sign: sign,
@@ -355,6 +569,19 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     torch.diag: diag,
     torch.narrow: narrow,
     torch.channel_shuffle: channel_shuffle,
+    F.pairwise_distance: pairwise_distance,
+    torch.pairwise_distance: pairwise_distance,
+    F.cosine_embedding_loss: cosine_embedding_loss,
+    F.triplet_margin_loss: triplet_margin_loss,
+    F.margin_ranking_loss: margin_ranking_loss,
+    F.hinge_embedding_loss: hinge_embedding_loss,
+    F.soft_margin_loss: soft_margin_loss,
+    F.multi_margin_loss: multi_margin_loss,
+    F.bilinear: bilinear,
+    torch.bilinear: bilinear,
+    F.local_response_norm: local_response_norm,
+    F.embedding_bag: embedding_bag,
+    F.fold: fold,
     torch.var_mean: moments(root=False),
     torch.std_mean: moments(root=True),
 }
