@@ -33,6 +33,7 @@ BILINEAR, RESPONSE_NORM = torch.nn.Bilinear(6, 6, 3), torch.nn.LocalResponseNorm
 SIGNS = torch.tensor([1, -1, 1, -1])
 LABELS = torch.tensor([[1, -1, 1, 1, -1, 1]] * 4)
 BAGS = torch.tensor([[0, 2], [1, 3]])
+DESTINATIONS = torch.tensor([0, 2, 2, 1, 3, 0, 2])
 
 CASES: list[tuple[str, str, Callable[..., Any]]] = [
     ("pad reflect", "image", lambda a: F.pad(a, (1, 2, 2, 1), mode="reflect")),
@@ -98,6 +99,11 @@ CASES: list[tuple[str, str, Callable[..., Any]]] = [
     ("fold", "image", lambda a: F.fold(a.reshape(2, 12, 16), (5, 5), 2)),
     ("fold strided", "image", lambda a: F.fold(a.reshape(2, 12, 16), (8, 8), 2, stride=2)),
     ("fold of unfold", "image", lambda a: F.fold(F.unfold(a, 3, padding=1, stride=2), (8, 8), 3, padding=1, stride=2)),
+    ("index_add", "matrix", lambda a: torch.zeros(4, 6).index_add(0, torch.tensor([0, 2, 2, 1]), a)),
+    ("index_add alpha axis 1", "matrix", lambda a: a.index_add(1, torch.tensor([5, 0, 5]), a[:, :3] * 2, alpha=0.5)),
+    ("index_add_ messages", "matrix",  # a graph network's sum of messages at their destinations
+     lambda a: torch.zeros(5, 6).index_add_(0, DESTINATIONS, a[DESTINATIONS % 4])),
+    ("index_add axis 2", "image", lambda a: a.index_add(2, torch.tensor([1, 1, 7]), a[:, :, :3])),
 ]  # fmt: skip
 
 

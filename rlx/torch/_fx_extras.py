@@ -552,6 +552,23 @@ def fold(
     return g.conv_transpose(columns, g.constant(picks), None, step, pad, extra, channels, dil)
 
 
+def index_add(g: Graph, x: Any, dim: int, index: Any, source: Any, *, alpha: float = 1) -> Value:
+    """``torch.index_add``: ``source``'s slices along ``dim`` added into ``x`` at ``index`` (repeated
+    indices add up), as a graph neural network's message sums write it: the scatter-add of rows
+    that is ``embedding``'s gradient, with ``dim`` moved first. An index outside ``x`` is an error
+    at call time, as torch's."""
+    value, rows, ids = _float(x), _float(source), _float(index)
+    if ids.ndim != 1 or rows.ndim != value.ndim:
+        raise Unsupported("index_add by other than a 1-d index into a tensor of the source's rank")
+    axis = dim % value.ndim
+    order = (axis, *(a for a in range(value.ndim) if a != axis))
+    moved = g.transpose(rows, order)  # [L, ...]
+    count = value.shape[axis]
+    summed = g.embedding_grad(g.reshape(moved, (moved.shape[0], -1)), ids, count)  # type: ignore[arg-type]
+    placed = g.transpose(g.reshape(summed, (count, *moved.shape[1:])), tuple(int(i) for i in np.argsort(order)))
+    return value + (placed if alpha == 1 else placed * float(alpha))
+
+
 FUNCTIONS: dict[Any, Callable[..., Any]] = {
     **ACTIVATIONS,
     torch.sign: sign,
@@ -582,6 +599,7 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     F.local_response_norm: local_response_norm,
     F.embedding_bag: embedding_bag,
     F.fold: fold,
+    torch.index_add: index_add,
     torch.var_mean: moments(root=False),
     torch.std_mean: moments(root=True),
 }
@@ -597,4 +615,5 @@ METHODS: dict[str, Callable[..., Any]] = {
     "diag": diag,
     "narrow": narrow,
     "repeat": repeat,
+    "index_add": index_add,
 }

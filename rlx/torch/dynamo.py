@@ -562,6 +562,7 @@ _IN_PLACE: dict[Any, Any] = {
     "div_": "div",
     "masked_fill_": "masked_fill",
     "clamp_": "clamp",
+    "index_add_": "index_add",
 }
 """In-place calls and the calls whose result they equal (``x += y`` is ``x + y`` bound to x)."""
 
