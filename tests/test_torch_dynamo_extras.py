@@ -104,6 +104,10 @@ CASES: list[tuple[str, str, Callable[..., Any]]] = [
     ("index_add_ messages", "matrix",  # a graph network's sum of messages at their destinations
      lambda a: torch.zeros(5, 6).index_add_(0, DESTINATIONS, a[DESTINATIONS % 4])),
     ("index_add axis 2", "image", lambda a: a.index_add(2, torch.tensor([1, 1, 7]), a[:, :, :3])),
+    ("scatter_add_ of expanded ids", "matrix",
+     lambda a: torch.zeros(5, 6).scatter_add_(0, DESTINATIONS.unsqueeze(-1).expand(7, 6), a[DESTINATIONS % 4])),
+    ("scatter_add of a constant index", "matrix",
+     lambda a: a.scatter_add(1, torch.tensor([5, 0, 5])[None].expand(4, 3), a[:, :3])),
 ]  # fmt: skip
 
 
@@ -119,10 +123,15 @@ def test_translation_matches_eager(name: str, kind: str, function: Callable[...,
     assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks
 
 
-def test_what_torch_refuses_or_rlx_leaves_falls_back() -> None:
-    """A nuclear norm (no SVD in rlx) runs eagerly, with a warning naming why."""
+def test_what_rlx_leaves_falls_back() -> None:
+    """A nuclear norm (no SVD in rlx) and a scatter by an index that varies along two axes run
+    eagerly, with a warning naming why."""
     x = _inputs("matrix").requires_grad_()
     with pytest.warns(UserWarning, match="nuc"):
         torch.testing.assert_close(torch.compile(lambda a: torch.linalg.norm(a, "nuc"), backend="rlx")(x),
                                    torch.linalg.norm(x, "nuc"))  # fmt: skip
-    assert dynamo_backend.stats["eager"] == 1
+    index = torch.tensor([[5, 0, 5], [1, 2, 3], [0, 0, 0], [4, 4, 1]])
+    with pytest.warns(UserWarning, match="varies along more than one axis"):
+        torch.testing.assert_close(torch.compile(lambda a: a.scatter_add(1, index, a[:, :3]), backend="rlx")(x),
+                                   x.scatter_add(1, index, x[:, :3]))  # fmt: skip
+    assert dynamo_backend.stats["eager"] == 2

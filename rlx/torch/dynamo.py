@@ -563,6 +563,7 @@ _IN_PLACE: dict[Any, Any] = {
     "masked_fill_": "masked_fill",
     "clamp_": "clamp",
     "index_add_": "index_add",
+    "scatter_add_": "scatter_add",
 }
 """In-place calls and the calls whose result they equal (``x += y`` is ``x + y`` bound to x)."""
 
