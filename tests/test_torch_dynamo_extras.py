@@ -25,6 +25,10 @@ def _fresh_dynamo() -> None:
 def _inputs(kind: str) -> Any:
     generator = torch.Generator().manual_seed(7)
     shapes = {"matrix": (4, 6), "image": (2, 3, 8, 8), "vector": (5,), "row": (1, 4, 6)}
+    if kind == "theta":  # an affine map near the identity (no sample lands on a pixel exactly)
+        return torch.eye(2, 3).expand(2, 2, 3) + 0.2 * torch.randn(2, 2, 3, generator=generator)
+    if kind == "grid":
+        return GRID.clone()
     return torch.randn(*shapes[kind], generator=generator)
 
 
@@ -34,6 +38,8 @@ SIGNS = torch.tensor([1, -1, 1, -1])
 LABELS = torch.tensor([[1, -1, 1, 1, -1, 1]] * 4)
 BAGS = torch.tensor([[0, 2], [1, 3]])
 DESTINATIONS = torch.tensor([0, 2, 2, 1, 3, 0, 2])
+SAMPLED = torch.randn(2, 3, 7, 9, generator=torch.Generator().manual_seed(10))
+GRID = torch.rand(2, 5, 6, 2, generator=torch.Generator().manual_seed(11)) * 2.4 - 1.2  # some points outside
 
 CASES: list[tuple[str, str, Callable[..., Any]]] = [
     ("pad reflect", "image", lambda a: F.pad(a, (1, 2, 2, 1), mode="reflect")),
@@ -108,6 +114,14 @@ CASES: list[tuple[str, str, Callable[..., Any]]] = [
      lambda a: torch.zeros(5, 6).scatter_add_(0, DESTINATIONS.unsqueeze(-1).expand(7, 6), a[DESTINATIONS % 4])),
     ("scatter_add of a constant index", "matrix",
      lambda a: a.scatter_add(1, torch.tensor([5, 0, 5])[None].expand(4, 3), a[:, :3])),
+    *[(f"affine_grid corners={corners}", "theta", lambda t, c=corners: F.affine_grid(t, (2, 3, 5, 6), align_corners=c))
+      for corners in (False, True)],
+    *[(f"grid_sample {mode} {padding} corners={corners} by {by}", by,
+       lambda a, m=mode, p=padding, c=corners, by=by: F.grid_sample(
+           a if by == "image" else SAMPLED, GRID if by == "image" else a, mode=m, padding_mode=p, align_corners=c))
+      for mode in ("bilinear", "nearest") for padding in ("zeros", "border") for corners in (False, True)
+      for by in ("image", "grid")],
+    ("spatial transformer", "theta", lambda t: F.grid_sample(SAMPLED, F.affine_grid(t, (2, 3, 7, 9), False), align_corners=False)),  # noqa: E501
 ]  # fmt: skip
 
 

@@ -23,6 +23,7 @@ from rlx.torch._fx_calls import (
     _axis_args,
     _constant_array,
     _float,
+    _gather_elements,
     _promoted,
     _reduced,
     _static_length,
@@ -601,6 +602,88 @@ def _broadcast_line(g: Graph, index: Value, axis: int) -> Value | None:
     return g.reshape(base, (index.shape[axis],))
 
 
+# ----------------------------------------------------------------------------- spatial transformers
+
+
+def _normalized_positions(length: int, align_corners: bool) -> np.ndarray:
+    """Where each of ``length`` pixels lies in ``[-1, 1]``: the corners' centres at -1 and 1 with
+    ``align_corners``, else the corners' outer edges there."""
+    if align_corners:
+        return np.linspace(-1.0, 1.0, length) if length > 1 else np.zeros(1)
+    return (2.0 * np.arange(length) + 1.0) / length - 1.0
+
+
+def affine_grid(g: Graph, theta: Any, size: Any, align_corners: Any = None) -> Value:
+    """``F.affine_grid`` of 2-d images: ``theta [N, 2, 3]`` applied to every output pixel's
+    normalised ``(x, y, 1)``, ``[N, H, W, 2]`` (one product)."""
+    matrix = _float(theta)
+    shape = [int(d) for d in size]
+    if len(shape) != 4 or matrix.ndim != 3 or tuple(matrix.shape[1:]) != (2, 3):
+        raise Unsupported(f"affine_grid of size {tuple(shape)} (only 2-d images, theta [N, 2, 3])")
+    height, width = shape[2], shape[3]
+    xs, ys = _normalized_positions(width, bool(align_corners)), _normalized_positions(height, bool(align_corners))
+    base = np.stack([np.tile(xs, height), np.repeat(ys, width), np.ones(height * width)], axis=1)
+    points = g.matmul(g.constant(base.astype(np.float32)), g.transpose(matrix, (0, 2, 1)))  # [N, H*W, 2]
+    return g.reshape(points, (shape[0], height, width, 2))
+
+
+def grid_sample(
+    g: Graph, x: Any, grid: Any, mode: str = "bilinear", padding_mode: str = "zeros", align_corners: Any = None
+) -> Value:
+    """``F.grid_sample`` of 2-d images (``x [N, C, H, W]``, ``grid [N, Ho, Wo, 2]`` of normalised
+    ``(x, y)``): bilinear or nearest sampling, the pixels outside read as zeros or as the border's,
+    as torch's. Each corner is a gather of single elements at a computed position, so the input
+    gets the scattered gradient and the grid the gradient of the weights. Reflection padding and
+    bicubic sampling are left to torch."""
+    image, points = _float(x), _float(grid)
+    if (
+        image.ndim != 4
+        or points.ndim != 4
+        or mode not in ("bilinear", "nearest")
+        or padding_mode not in ("zeros", "border")
+    ):
+        raise Unsupported(f"grid_sample in mode {mode!r}, padding {padding_mode!r} of {image.ndim - 2}-d images")
+    batch, channels = image.shape[0], image.shape[1]
+    height, width = _static_length(image, 2, "grid_sample"), _static_length(image, 3, "grid_sample")
+    rows, columns = points.shape[1], points.shape[2]
+    gx, gy = points[..., 0], points[..., 1]  # [N, Ho, Wo]
+
+    def unnormalized(coordinate: Value, length: int) -> Value:
+        if align_corners:
+            place = (coordinate + 1.0) * ((length - 1) / 2.0)
+        else:
+            place = ((coordinate + 1.0) * length - 1.0) * 0.5
+        return g.clip(place, 0.0, float(length - 1)) if padding_mode == "border" else place
+
+    ix, iy = unnormalized(gx, width), unnormalized(gy, height)
+    flat = g.reshape(image, (batch, channels, height * width))
+
+    def corner(cx: Value, cy: Value) -> Value:
+        """The pixels at integer positions ``(cx, cy)`` ([N, C, Ho, Wo]; zeros outside)."""
+        inside = g.logical_and(
+            g.logical_and(g.greater_equal(cx, 0.0), g.less_equal(cx, float(width - 1))),
+            g.logical_and(g.greater_equal(cy, 0.0), g.less_equal(cy, float(height - 1))),
+        )
+        position = g.clip(cy, 0.0, float(height - 1)) * float(width) + g.clip(cx, 0.0, float(width - 1))
+        ids = g.reshape(position.astype("int64"), (batch, 1, -1))  # type: ignore[arg-type]
+        picked = _gather_elements(g, flat, 2, g.broadcast_to(ids, (batch, channels, ids.shape[2])))
+        values = g.reshape(picked, (batch, channels, rows, columns))
+        return g.where(g.expand_dims(inside, 1), values, 0.0)
+
+    if mode == "nearest":
+        return corner(g.round(ix), g.round(iy))
+    x0, y0 = g.floor(ix), g.floor(iy)
+    wx, wy = ix - x0, iy - y0  # weights of the far corners; floor has no gradient, so these carry the grid's
+    x1, y1 = x0 + 1.0, y0 + 1.0
+    total = None
+    for cx, cy, weight in ((x0, y0, (1.0 - wx) * (1.0 - wy)), (x1, y0, wx * (1.0 - wy)),
+                           (x0, y1, (1.0 - wx) * wy), (x1, y1, wx * wy)):  # fmt: skip
+        term = corner(cx, cy) * g.expand_dims(weight, 1)
+        total = term if total is None else total + term
+    assert total is not None
+    return total
+
+
 FUNCTIONS: dict[Any, Callable[..., Any]] = {
     **ACTIVATIONS,
     torch.sign: sign,
@@ -633,6 +716,8 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     F.fold: fold,
     torch.index_add: index_add,
     torch.scatter_add: scatter_add,
+    F.affine_grid: affine_grid,
+    F.grid_sample: grid_sample,
     torch.var_mean: moments(root=False),
     torch.std_mean: moments(root=True),
 }
