@@ -60,6 +60,7 @@ CASES: list[tuple[str, str, Callable[..., Any]]] = [
     ("prelu one weight", "matrix", lambda a: F.prelu(a, torch.tensor([0.25]))),
     ("PReLU per channel", "image", PRELU),
     ("sign", "matrix", lambda a: a * torch.sign(a) + a.sign()),
+    ("frac", "matrix", lambda a: torch.frac(a * 3.0) + (a * 2.0).frac()),
     ("nan_to_num of log", "matrix", lambda a: torch.nan_to_num(torch.log(a))),
     ("lerp", "matrix", lambda a: torch.lerp(a, a.flip(0), 0.3) + a.lerp(a * 2, torch.full((6,), 0.7))),
     ("addcmul addcdiv", "matrix", lambda a: torch.addcmul(a, a, a.flip(0), value=0.5) + a.addcdiv(a, a.exp())),

@@ -687,6 +687,7 @@ def grid_sample(
 FUNCTIONS: dict[Any, Callable[..., Any]] = {
     **ACTIVATIONS,
     torch.sign: sign,
+    torch.frac: lambda g, x: _float(x) - g.trunc(x),
     torch.nan_to_num: nan_to_num,
     torch.lerp: lerp,
     torch.addcmul: addcmul,
@@ -724,6 +725,7 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
 
 METHODS: dict[str, Callable[..., Any]] = {
     "sign": sign,
+    "frac": lambda g, x: _float(x) - g.trunc(x),
     "nan_to_num": nan_to_num,
     "lerp": lerp,
     "addcmul": addcmul,
