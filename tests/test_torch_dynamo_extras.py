@@ -192,3 +192,35 @@ def test_a_graph_convolutional_network_trains_on_rlx() -> None:
     for (name, a), b in zip(eager.named_parameters(), other.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
     assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks
+
+
+RANDOM_CALLS: list[tuple[str, Callable[..., Any]]] = [
+    ("rand", lambda a: a * torch.rand(4, 6)),
+    ("randn of a tuple", lambda a: a + torch.randn((4, 6))),
+    ("randint low high", lambda a: a * torch.randint(0, 3, (4, 6))),
+    ("randint high", lambda a: a * torch.randint(5, (4, 1))),
+    ("rand_like randn_like", lambda a: a * torch.rand_like(a) + torch.randn_like(a)),
+    ("between dropouts", lambda a: F.dropout(a, 0.3) * torch.rand(4, 6) + F.dropout(a * torch.randn(6), 0.5)),
+    ("targets drawn in the graph", lambda a: F.binary_cross_entropy_with_logits(a, torch.rand(4, 6))),
+]
+
+
+@pytest.mark.parametrize(("name", "function"), RANDOM_CALLS, ids=[case[0] for case in RANDOM_CALLS])
+def test_random_draws_in_the_graph_are_eagers(name: str, function: Callable[..., Any]) -> None:
+    """``torch.rand``/``randn``/``randint`` inside a compiled function are inputs the wrapper draws
+    per call from torch's generator, in the graph's order (dropout's masks among them): under one
+    seed the values are eager torch's, and the next call draws new ones."""
+    x = _inputs("matrix").requires_grad_()
+    compiled = torch.compile(function, backend="rlx")
+    torch.manual_seed(5)
+    got = compiled(x)
+    torch.manual_seed(5)
+    want = function(x)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    cotangent = torch.randn_like(want)
+    torch.manual_seed(6)
+    got_grad = torch.autograd.grad(compiled(x), x, cotangent)[0]
+    torch.manual_seed(6)
+    torch.testing.assert_close(got_grad, torch.autograd.grad(function(x), x, cotangent)[0], rtol=1e-5, atol=1e-6)
+    assert not torch.equal(compiled(x), compiled(x))  # fresh draws each call
+    assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks

@@ -29,6 +29,7 @@ import math
 import operator
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -114,9 +115,10 @@ class _Translation:
         # name -> (start, end, dtype) as polynomials in the symbols.
         self.ranges: dict[str, tuple[int | Size, int | Size, torch.dtype]] = {}
         self.range_starts: dict[Value, int | Size] = {}
-        # Dropout's keep masks, drawn by the wrapper per call with torch's generator:
-        # name -> (shape as polynomials, probability of keeping).
-        self.keeps: dict[str, tuple[tuple[int | Size, ...], float]] = {}
+        # Random inputs the wrapper draws per call with torch's generator, in the order the graph
+        # draws them (as eager torch would): dropout's keep masks and torch.rand/randn/randint.
+        # name -> (shape as polynomials, Draw).
+        self.keeps: dict[str, tuple[tuple[int | Size, ...], Draw]] = {}
         # Nodes that name one tensor updated in place (``x += y`` and x), bound to its last value.
         self.aliases: dict[torch.fx.Node, list[torch.fx.Node]] = {}
         # Inputs updated in place (running statistics): placeholder by position; the wrapper
@@ -292,6 +294,8 @@ class _Translation:
             return _fold(node, args, kwargs)
         if node.target is torch.arange:
             return self._arange(*args, **kwargs)
+        if node.target in _DRAWS:
+            return self._random(node.target, *args, **kwargs)
         if node.target is F.dropout:
             return self._dropout(*args, **kwargs)
         if node.target is F.batch_norm:
@@ -411,9 +415,47 @@ class _Translation:
 
     def _keep_mask(self, shape: tuple[Any, ...], p: float) -> Value:
         """A bool input of ``shape`` the wrapper draws per call: True with probability 1 - p."""
+        return self._drawn(shape, Draw("bernoulli", torch.bool, (1.0 - float(p),)))
+
+    def _drawn(self, shape: tuple[Any, ...], draw: Draw) -> Value:
+        """An input of ``shape`` the wrapper draws per call (see :class:`Draw`)."""
         name = f"keep{len(self.keeps)}"
-        self.keeps[name] = (tuple(poly(d) for d in shape), 1.0 - float(p))
-        return self.graph.input(name, shape, dtype="bool")
+        self.keeps[name] = (tuple(poly(d) for d in shape), draw)
+        return self.graph.input(name, shape, dtype=DTYPES[draw.dtype])
+
+    def _random(self, target: Any, *args: Any, **kwargs: Any) -> Value:
+        """``torch.rand``/``randn``/``randint`` (and ``rand_like``/``randn_like``) inside the graph:
+        an input the wrapper draws per call from torch's generator, in graph order, so under one
+        seed the values are eager torch's. An explicit ``generator`` is left to torch."""
+        for key in ("device", "layout", "pin_memory", "memory_format"):
+            kwargs.pop(key, None)
+        check_kwargs({k: v for k, v in kwargs.items() if k != "dtype"}, requires_grad=False, generator=None)
+        name = target.__name__
+        if name.endswith("_like"):
+            (like,) = args
+            if not isinstance(like, Value):
+                raise Unsupported(f"{name} of a {type(like).__name__}")
+            shape: tuple[Any, ...] = tuple(like.shape)
+            bounds: tuple[Any, ...] = ()
+        else:
+            if name == "randint":
+                bounds, args = ((0, args[0]), args[1:]) if len(args) == 2 else (tuple(args[:2]), args[2:])
+                if "size" in kwargs:
+                    args = (kwargs.pop("size"),)
+            else:
+                bounds = ()
+                if "size" in kwargs:
+                    args = (kwargs.pop("size"),)
+            shape = tuple(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else tuple(args)
+        if not all(type(b) is int for b in bounds):
+            raise Unsupported(f"{name} with bounds {bounds}")
+        if not all(type(d) is int or isinstance(d, Size) for d in shape):
+            raise Unsupported(f"{name} of the shape {shape}")
+        kind = name.removesuffix("_like")
+        dtype = kwargs.pop("dtype", None) or (torch.int64 if kind == "randint" else torch.float32)
+        if dtype not in DTYPES or (kind != "randint" and dtype != torch.float32):
+            raise Unsupported(f"{name} of {dtype}")
+        return self._drawn(tuple(rlx_dim(d) for d in shape), Draw(kind, dtype, bounds))
 
     def _attention_with_dropout(
         self,
@@ -513,9 +555,8 @@ class _Translation:
             sizes = {symbol: _size_of(args, source) for symbol, source in sources.items()}
             for name, (start, end, dtype) in ranges.items():
                 named[name] = torch.arange(_evaluate(start, sizes), _evaluate(end, sizes), dtype=dtype)
-            for name, (shape, kept) in keeps.items():
-                draw = torch.empty(tuple(_evaluate(d, sizes) for d in shape)).bernoulli_(kept)
-                named[name] = draw.bool()
+            for name, (shape, draw) in keeps.items():
+                named[name] = draw.sample(tuple(_evaluate(d, sizes) for d in shape))
             for position in updates:  # a copy: autograd may keep the input, and it is updated below
                 named[inputs[position]] = named[inputs[position]].clone()  # type: ignore[index]
             result = function(**named)
@@ -584,6 +625,26 @@ def _nested(value: Any, fn: Callable[[Any], Any]) -> Any:
         return {k: _nested(v, fn) for k, v in value.items()}
     return fn(value)
 
+
+@dataclass(frozen=True)
+class Draw:
+    """How the wrapper draws one random input per call: ``bernoulli`` (a keep mask, ``args`` the
+    probability of True), ``rand``, ``randn`` or ``randint`` (``args`` its low and high), as the
+    torch call of that name would with the default generator."""
+
+    kind: str
+    dtype: torch.dtype
+    args: tuple[Any, ...] = ()
+
+    def sample(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.kind == "bernoulli":
+            return torch.empty(shape).bernoulli_(self.args[0]).bool()
+        if self.kind == "randint":
+            return torch.randint(self.args[0], self.args[1], shape, dtype=self.dtype)
+        return torch.rand(shape) if self.kind == "rand" else torch.randn(shape)
+
+
+_DRAWS = (torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like)
 
 _RANDOM = ("rand", "bernoulli", "dropout", "normal", "multinomial", "poisson", "exponential", "uniform")
 
