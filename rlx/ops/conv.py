@@ -439,9 +439,10 @@ def _plane_columns(graph: Graph, x: Value, attrs: ConvAttrs, taps: tuple[int, ..
     groups = attrs.groups
     batch, channels = x.shape[0], int(x.shape[1])  # type: ignore[call-overload]
     per_group = channels // groups
-    padded = graph.reshape(x, (batch, groups, per_group, *x.shape[2:]))  # [N, G, Cg, *sizes]
-    for axis, (lo, hi) in enumerate(zip(attrs.pads_low, attrs.pads_high, strict=True), start=3):
-        padded = _pad_or_crop(graph, padded, axis, lo, hi, 0.0)
+    # The groups split off x itself (a view of its buffer), not off the padded value: reshaping a
+    # pad (a concat read inline) would copy it.
+    grouped = graph.reshape(x, (batch, groups, per_group, *x.shape[2:]))  # [N, G, Cg, *sizes]
+    padded = _spatially_padded(graph, grouped, attrs, first=3)
     shape = (batch, groups, per_group, 1, *out_sizes)
     windows = [
         graph.reshape(_window(padded, offsets, attrs, out_sizes, first_spatial=3), shape)
@@ -481,8 +482,12 @@ def _padded(graph: Graph, x: Value, attrs: ConvAttrs, channels_last: bool) -> Va
     """``x`` padded (or cropped) around each spatial axis, channels moved last if asked."""
     spatial = x.ndim - 2
     if channels_last:
-        x = graph.transpose(x, (0, *range(2, spatial + 2), 1))
-    first = 1 if channels_last else 2
+        return _spatially_padded(graph, graph.transpose(x, (0, *range(2, spatial + 2), 1)), attrs, first=1)
+    return _spatially_padded(graph, x, attrs, first=2)
+
+
+def _spatially_padded(graph: Graph, x: Value, attrs: ConvAttrs, first: int) -> Value:
+    """``x`` padded (or cropped) by ``attrs`` along its spatial axes, which start at ``first``."""
     for axis, (lo, hi) in enumerate(zip(attrs.pads_low, attrs.pads_high, strict=True), start=first):
         x = _pad_or_crop(graph, x, axis, lo, hi, 0.0)
     return x
@@ -581,13 +586,8 @@ def pool(
     window holds its maximum twice, the first entry (in the window's row-major order) gets all
     its gradient, as in torch's ``max_pool`` (:func:`_first_maximum`)."""
     what = f"{kind}_pool"
-    value = as_value(graph, x, f"{what}: x")
-    spatial = value.ndim - 2
-    if spatial not in (1, 2, 3) or value.dtype != np.float32:
-        raise RlxValueError(f"{what}: x must be float32 [N, C, *spatial] with 1 to 3 spatial axes, got {value.type}")
-    sizes = [value.shape[2 + a] for a in range(spatial)]
-    if not all(isinstance(s, int) for s in sizes):
-        raise RlxValueError(f"{what}: the spatial axes must be static, got {value.type}")
+    value, sizes = _pooled_input(graph, x, what)
+    spatial = len(sizes)
     taps = _per_axis("window", window, spatial, low=1)
     strides = taps if stride is None else _per_axis("stride", stride, spatial, low=1)
     dilations = _per_axis("dilation", dilation, spatial, low=1)
@@ -597,15 +597,12 @@ def pool(
     if any(2 * p > t for p, t in zip(pads, taps, strict=True)):
         raise RlxValueError(f"{what}: padding {tuple(pads)} must be at most half the window {tuple(taps)} (as torch)")
     reach = [d * (t - 1) for d, t in zip(dilations, taps, strict=True)]
-    out_sizes = [
-        _pooled_size(int(n), p, r, st, ceil_mode)  # type: ignore[call-overload]
-        for n, p, r, st in zip(sizes, pads, reach, strides, strict=True)
-    ]
+    out_sizes = [_pooled_size(n, p, r, st, ceil_mode) for n, p, r, st in zip(sizes, pads, reach, strides, strict=True)]
     if min(out_sizes) < 1:
         raise RlxValueError(f"{what}: the window {tuple(taps)} does not fit x {value.type} padded by {tuple(pads)}")
     # Past the right padding: what ceil_mode's last window reaches beyond it (entries of no count).
     beyond = [
-        max(0, (o - 1) * st + r + 1 - (int(n) + 2 * p))  # type: ignore[call-overload]
+        max(0, (o - 1) * st + r + 1 - (n + 2 * p))
         for o, st, r, n, p in zip(out_sizes, strides, reach, sizes, pads, strict=True)
     ]
     fill = float("-inf") if kind == "max" else 0.0
@@ -623,10 +620,10 @@ def pool(
         return total * (1.0 / len(windows))
     # Entries each window divides by: the same pooling of ones (of x, or of x and its padding).
     if count_include_pad:
-        ones = [int(n) + 2 * p for n, p in zip(sizes, pads, strict=True)]  # type: ignore[call-overload]
+        ones = [n + 2 * p for n, p in zip(sizes, pads, strict=True)]
         inside = np.pad(np.ones(ones), [(0, extra) for extra in beyond])
     else:
-        inside = np.pad(np.ones([int(n) for n in sizes]), [(p, p + e) for p, e in zip(pads, beyond, strict=True)])  # type: ignore[call-overload]
+        inside = np.pad(np.ones(sizes), [(p, p + e) for p, e in zip(pads, beyond, strict=True)])
     counts = np.zeros(out_sizes)
     for offsets in itertools.product(*(range(t) for t in taps)):
         counts += inside[tuple(slice(o * d, o * d + (n - 1) * s + 1, s)
@@ -640,33 +637,27 @@ def adaptive_pool(graph: Graph, x: object, kind: str, output_size: int | Sequenc
     and ``adaptive_avg_pool*d``: output ``i`` of an axis of length ``L`` pools entries
     ``floor(i*L/out)`` to ``ceil((i+1)*L/out)``. Where every output size divides its axis the
     windows are equal and strided (:func:`pool`); otherwise the axes are pooled one after the
-    other (the last first), each as ``K`` (the longest window) gathers of one entry per window, a shorter
-    window repeating its last entry (which changes neither a maximum nor which entry is first)
+    other (the last first), each as ``K`` (the longest window) gathers of one entry per window, a
+    shorter window repeating its last entry (which changes neither a maximum nor which entry is first)
     and an average counting only its own. The maximum's gradient goes to the window's first
     maximum in row-major order, as torch's."""
     what = f"adaptive_{kind}_pool"
-    value = as_value(graph, x, f"{what}: x")
-    spatial = value.ndim - 2
-    if spatial not in (1, 2, 3) or value.dtype != np.float32:
-        raise RlxValueError(f"{what}: x must be float32 [N, C, *spatial] with 1 to 3 spatial axes, got {value.type}")
-    sizes = [value.shape[2 + a] for a in range(spatial)]
-    if not all(isinstance(n, int) for n in sizes):
-        raise RlxValueError(f"{what}: the spatial axes must be static, got {value.type}")
+    value, sizes = _pooled_input(graph, x, what)
+    spatial = len(sizes)
     wanted = [output_size] * spatial if is_int(output_size) else list(output_size)  # type: ignore[arg-type]
     if len(wanted) != spatial:
         raise RlxValueError(f"{what}: output_size needs {spatial} entries, got {output_size!r}")
-    outs = [int(n) if w is None else w for w, n in zip(wanted, sizes, strict=True)]  # type: ignore[call-overload]
+    outs = [n if w is None else w for w, n in zip(wanted, sizes, strict=True)]
     if not all(is_int(o) and not isinstance(o, bool) and int(o) >= 1 for o in outs):
         raise RlxValueError(f"{what}: output sizes must be ints >= 1 (or None), got {output_size!r}")
-    if all(int(n) % int(o) == 0 for n, o in zip(sizes, outs, strict=True)):  # type: ignore[call-overload]
-        window = [int(n) // int(o) for n, o in zip(sizes, outs, strict=True)]  # type: ignore[call-overload]
+    if all(n % int(o) == 0 for n, o in zip(sizes, outs, strict=True)):  # type: ignore[call-overload]
+        window = [n // int(o) for n, o in zip(sizes, outs, strict=True)]  # type: ignore[call-overload]
         return pool(graph, value, kind, window)
     result = value
     # The last axis first: a maximum then keeps each row's first entry, and the first row of those,
     # the window's first maximum in row-major order (torch's).
     for axis in reversed(range(2, spatial + 2)):
-        length, out = int(sizes[axis - 2]), int(outs[axis - 2])  # type: ignore[call-overload]
-        result = _adaptive_axis(graph, result, kind, axis, length, out)
+        result = _adaptive_axis(graph, result, kind, axis, sizes[axis - 2], int(outs[axis - 2]))  # type: ignore[call-overload]
     return result
 
 
@@ -697,6 +688,19 @@ def _adaptive_axis(graph: Graph, x: Value, kind: str, axis: int, length: int, ou
     assert total is not None
     counts = np.array([e - s for s, e in zip(starts, ends, strict=True)], np.float32).reshape(shape)
     return total / graph.constant(counts)
+
+
+def _pooled_input(graph: Graph, x: object, what: str) -> tuple[Value, list[int]]:
+    """The value a pooling reads, checked (float32 ``[N, C, *spatial]``, 1 to 3 static spatial
+    axes), and its spatial sizes."""
+    value = as_value(graph, x, f"{what}: x")
+    spatial = value.ndim - 2
+    if spatial not in (1, 2, 3) or value.dtype != np.float32:
+        raise RlxValueError(f"{what}: x must be float32 [N, C, *spatial] with 1 to 3 spatial axes, got {value.type}")
+    sizes = [value.shape[2 + a] for a in range(spatial)]
+    if not all(isinstance(n, int) for n in sizes):
+        raise RlxValueError(f"{what}: the spatial axes must be static, got {value.type}")
+    return value, [int(n) for n in sizes]  # type: ignore[call-overload]
 
 
 def _pooled_size(size: int, pad: int, reach: int, stride: int, ceil_mode: bool) -> int:

@@ -27,6 +27,7 @@ from rlx.torch._fx_calls import (
     _promoted,
     _reduced,
     _static_length,
+    _transpose,
     _value,
     variance_arguments,
 )
@@ -134,6 +135,16 @@ def _shrink(hard: bool) -> Callable[..., Any]:
     return handler
 
 
+def _threshold(g: Graph, x: Any, threshold: float, value: float) -> Value:
+    """``F.threshold``: ``x`` where above ``threshold``, else ``value``."""
+    return g.where(g.greater(_float(x), float(threshold)), x, float(value))
+
+
+def frac(g: Graph, x: Any) -> Value:
+    """``torch.frac``: ``x - trunc(x)`` (gradient 1: trunc has none)."""
+    return _float(x) - g.trunc(x)
+
+
 ACTIVATIONS: dict[Any, Callable[..., Any]] = {
     F.selu: lambda g, x, inplace=False: g.where(
         g.greater(_float(x), 0.0), x * SELU_SCALE, g.expm1(x) * (SELU_ALPHA * SELU_SCALE)
@@ -145,10 +156,8 @@ ACTIVATIONS: dict[Any, Callable[..., Any]] = {
     F.tanhshrink: lambda g, x: _float(x) - g.tanh(x),
     F.hardshrink: _shrink(hard=True),
     F.softshrink: _shrink(hard=False),
-    F.threshold: lambda g, x, threshold, value, inplace=False: g.where(
-        g.greater(_float(x), float(threshold)), x, float(value)
-    ),
-    torch.threshold: lambda g, x, threshold, value: g.where(g.greater(_float(x), float(threshold)), x, float(value)),
+    F.threshold: lambda g, x, threshold, value, inplace=False: _threshold(g, x, threshold, value),
+    torch.threshold: _threshold,
     F.rrelu: lambda g, x, lower=1.0 / 8, upper=1.0 / 3, training=False, inplace=False: _rrelu(
         g, x, lower, upper, training
     ),
@@ -229,14 +238,10 @@ def cdist(g: Graph, x1: Any, x2: Any, p: float = 2.0, compute_mode: Any = None) 
     if a.ndim < 2 or b.ndim < 2:
         raise Unsupported("cdist of tensors of fewer than 2 axes")
     if p == 2:
-        squares = g.sum(a * a, axis=-1, keepdims=True) + _last_two_swapped(g, g.sum(b * b, axis=-1, keepdims=True))
-        return _safe_sqrt(g, g.maximum(squares - 2.0 * g.matmul(a, _last_two_swapped(g, b)), 0.0))
+        squares = g.sum(a * a, axis=-1, keepdims=True) + _transpose(g, g.sum(b * b, axis=-1, keepdims=True), -1, -2)
+        return _safe_sqrt(g, g.maximum(squares - 2.0 * g.matmul(a, _transpose(g, b, -1, -2)), 0.0))
     difference = g.abs(g.expand_dims(a, -2) - g.expand_dims(b, -3))  # [..., P, R, M]
     return vector_norm(g, difference, p, -1)
-
-
-def _last_two_swapped(g: Graph, x: Value) -> Value:
-    return g.transpose(x, (*range(x.ndim - 2), x.ndim - 1, x.ndim - 2))
 
 
 def pdist(g: Graph, x: Any, p: float = 2.0) -> Value:
@@ -351,13 +356,19 @@ def pairwise_distance(g: Graph, x1: Any, x2: Any, p: float = 2.0, eps: float = 1
     return vector_norm(g, a - b + float(eps), p, -1, keepdim)
 
 
+def _legacy_reduced(g: Graph, loss: Value, reduction: str, legacy: tuple[Any, ...]) -> Value:
+    """:func:`rlx.torch._fx_calls._reduced` of a loss whose positional arguments after its own
+    are ``legacy`` (torch's ``size_average`` and ``reduce``, which ``_reduced`` refuses unless None)."""
+    if len(legacy) > 2:
+        raise Unsupported("a loss with its reduction passed by position")
+    return _reduced(g, loss, reduction, *legacy)
+
+
 def cosine_embedding_loss(
     g: Graph, x1: Any, x2: Any, target: Any, margin: float = 0.0, *legacy: Any, reduction: str = "mean"
 ) -> Value:
     """``F.cosine_embedding_loss``: ``1 - cos`` where the target is 1, ``max(0, cos - margin)``
     where it is -1, the cosine over axis 1 with torch's 1e-12 added to each squared norm."""
-    if legacy:
-        raise Unsupported("cosine_embedding_loss with the legacy size_average or reduce arguments")
     a, b = _promoted(g, _value(g, x1), _value(g, x2))
     axis = a.ndim - 1 if a.ndim == 1 else 1
     products = g.sum(a * b, axis=axis)
@@ -366,7 +377,7 @@ def cosine_embedding_loss(
     y = _value(g, target)
     positive = g.where(g.equal(y, 1), 1.0 - cosine, 0.0)
     negative = g.where(g.equal(y, -1), g.maximum(cosine - float(margin), 0.0), 0.0)
-    return _reduced(g, positive + negative, reduction)
+    return _legacy_reduced(g, positive + negative, reduction, legacy)
 
 
 def triplet_margin_loss(
@@ -383,23 +394,19 @@ def triplet_margin_loss(
 ) -> Value:
     """``F.triplet_margin_loss``: ``max(0, margin + d(a, p) - d(a, n))`` with the pairwise
     distance ``d`` (``swap``: the lesser of ``d(a, n)`` and ``d(p, n)``)."""
-    if legacy:
-        raise Unsupported("triplet_margin_loss with the legacy size_average or reduce arguments")
     near = pairwise_distance(g, anchor, positive, p, eps)
     far = pairwise_distance(g, anchor, negative, p, eps)
     if swap:
         far = g.minimum(far, pairwise_distance(g, positive, negative, p, eps))
-    return _reduced(g, g.maximum(near - far + float(margin), 0.0), reduction)
+    return _legacy_reduced(g, g.maximum(near - far + float(margin), 0.0), reduction, legacy)
 
 
 def margin_ranking_loss(
     g: Graph, x1: Any, x2: Any, target: Any, margin: float = 0.0, *legacy: Any, reduction: str = "mean"
 ) -> Value:
     """``F.margin_ranking_loss``: ``max(0, -y (x1 - x2) + margin)``."""
-    if legacy:
-        raise Unsupported("margin_ranking_loss with the legacy size_average or reduce arguments")
     a, b = _promoted(g, _value(g, x1), _value(g, x2))
-    return _reduced(g, g.maximum(-_value(g, target) * (a - b) + float(margin), 0.0), reduction)
+    return _legacy_reduced(g, g.maximum(-_value(g, target) * (a - b) + float(margin), 0.0), reduction, legacy)
 
 
 def hinge_embedding_loss(
@@ -407,19 +414,15 @@ def hinge_embedding_loss(
 ) -> Value:
     """``F.hinge_embedding_loss``: ``x`` where the target is not -1, plus ``max(0, margin - x)``
     where it is not 1, as torch adds them."""
-    if legacy:
-        raise Unsupported("hinge_embedding_loss with the legacy size_average or reduce arguments")
     value, y = _float(x), _value(g, target)
     kept = g.where(g.not_equal(y, -1), value, 0.0)
     hinge = g.where(g.not_equal(y, 1), g.maximum(float(margin) - value, 0.0), 0.0)
-    return _reduced(g, kept + hinge, reduction)
+    return _legacy_reduced(g, kept + hinge, reduction, legacy)
 
 
 def soft_margin_loss(g: Graph, x: Any, target: Any, *legacy: Any, reduction: str = "mean") -> Value:
     """``F.soft_margin_loss``: ``log(1 + exp(-y x))``."""
-    if legacy:
-        raise Unsupported("soft_margin_loss with the legacy size_average or reduce arguments")
-    return _reduced(g, g.softplus(-_value(g, target) * _float(x)), reduction)
+    return _legacy_reduced(g, g.softplus(-_value(g, target) * _float(x)), reduction, legacy)
 
 
 def multi_margin_loss(
@@ -434,14 +437,13 @@ def multi_margin_loss(
 ) -> Value:
     """``F.multi_margin_loss`` of ``[N, C]`` scores (or ``[C]``): per row ``sum over i != y of
     max(0, margin - x[y] + x[i])^p / C`` (times ``weight[y]``)."""
-    if legacy or p not in (1, 2):
-        raise Unsupported("multi_margin_loss with p other than 1 or 2, or the legacy arguments")
+    if p not in (1, 2):
+        raise Unsupported(f"multi_margin_loss with p={p}")
     scores, y = _float(x), _float(target)
     if scores.ndim not in (1, 2):
         raise Unsupported(f"multi_margin_loss of {scores.ndim}-d scores")
     classes = _static_length(scores, -1, "multi_margin_loss")
-    chosen = g.one_hot(y, classes)  # [N, C] bool? as int64: compared below
-    hit = g.equal(chosen, 1)
+    hit = g.equal(g.one_hot(y, classes), 1)  # [N, C]: the target's class
     correct = g.sum(g.where(hit, scores, 0.0), axis=-1, keepdims=True)
     margins = g.maximum(float(margin) - correct + scores, 0.0)
     if p == 2:
@@ -449,7 +451,7 @@ def multi_margin_loss(
     if weight is not None:
         margins = margins * g.take(_float(weight), y, axis=0)[..., None]
     loss = g.sum(g.where(hit, 0.0, margins), axis=-1) * (1.0 / classes)
-    return _reduced(g, loss, reduction)
+    return _legacy_reduced(g, loss, reduction, legacy)
 
 
 def bilinear(g: Graph, x1: Any, x2: Any, weight: Any, bias: Any = None) -> Value:
@@ -687,7 +689,7 @@ def grid_sample(
 FUNCTIONS: dict[Any, Callable[..., Any]] = {
     **ACTIVATIONS,
     torch.sign: sign,
-    torch.frac: lambda g, x: _float(x) - g.trunc(x),
+    torch.frac: frac,
     torch.nan_to_num: nan_to_num,
     torch.lerp: lerp,
     torch.addcmul: addcmul,
@@ -725,7 +727,7 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
 
 METHODS: dict[str, Callable[..., Any]] = {
     "sign": sign,
-    "frac": lambda g, x: _float(x) - g.trunc(x),
+    "frac": frac,
     "nan_to_num": nan_to_num,
     "lerp": lerp,
     "addcmul": addcmul,

@@ -118,7 +118,7 @@ class _Translation:
         # Random inputs the wrapper draws per call with torch's generator, in the order the graph
         # draws them (as eager torch would): dropout's keep masks and torch.rand/randn/randint.
         # name -> (shape as polynomials, Draw).
-        self.keeps: dict[str, tuple[tuple[int | Size, ...], Draw]] = {}
+        self.draws: dict[str, tuple[tuple[int | Size, ...], Draw]] = {}
         # Nodes that name one tensor updated in place (``x += y`` and x), bound to its last value.
         self.aliases: dict[torch.fx.Node, list[torch.fx.Node]] = {}
         # Inputs updated in place (running statistics): placeholder by position; the wrapper
@@ -419,8 +419,8 @@ class _Translation:
 
     def _drawn(self, shape: tuple[Any, ...], draw: Draw) -> Value:
         """An input of ``shape`` the wrapper draws per call (see :class:`Draw`)."""
-        name = f"keep{len(self.keeps)}"
-        self.keeps[name] = (tuple(poly(d) for d in shape), draw)
+        name = f"draw{len(self.draws)}"
+        self.draws[name] = (tuple(poly(d) for d in shape), draw)
         return self.graph.input(name, shape, dtype=DTYPES[draw.dtype])
 
     def _random(self, target: Any, *args: Any, **kwargs: Any) -> Value:
@@ -437,17 +437,14 @@ class _Translation:
                 raise Unsupported(f"{name} of a {type(like).__name__}")
             shape: tuple[Any, ...] = tuple(like.shape)
             bounds: tuple[Any, ...] = ()
-        else:
-            if name == "randint":
-                bounds, args = ((0, args[0]), args[1:]) if len(args) == 2 else (tuple(args[:2]), args[2:])
-                if "size" in kwargs:
-                    args = (kwargs.pop("size"),)
-            else:
-                bounds = ()
-                if "size" in kwargs:
-                    args = (kwargs.pop("size"),)
+        elif name == "randint":  # randint(high, size) or randint(low, high, size)
+            *limits, size = args
+            bounds = (0, *limits) if len(limits) == 1 else tuple(limits)
+            shape = tuple(size)
+        else:  # rand(*size) or rand(size)
+            bounds = ()
             shape = tuple(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else tuple(args)
-        if not all(type(b) is int for b in bounds):
+        if not all(type(b) is int for b in bounds) or len(bounds) not in (0, 2):
             raise Unsupported(f"{name} with bounds {bounds}")
         if not all(type(d) is int or isinstance(d, Size) for d in shape):
             raise Unsupported(f"{name} of the shape {shape}")
@@ -526,7 +523,7 @@ class _Translation:
             updates[position] = f"updated{position}"
             self.graph.output(**{updates[position]: final})
         function = CompiledGraph(self.graph)
-        inputs, ranges, keeps, widened = self.inputs, self.ranges, self.keeps, self.widened
+        inputs, ranges, draws, widened = self.inputs, self.ranges, self.draws, self.widened
         pinned = self.pinned
         checks = [
             (self.original_sources[a], self.original_sources[b])
@@ -537,9 +534,9 @@ class _Translation:
             raise Unsupported(f"merged sizes {self.merges} that the inputs do not all carry")
         eager = self.gm.forward
         size_outputs = [v for v in values if isinstance(v, Size)]
-        sources = self._symbol_sources() if ranges or keeps or size_outputs else {}
+        sources = self._symbol_sources() if ranges or draws or size_outputs else {}
         needed = {symbol for start, end, _ in ranges.values() for symbol in poly_symbols(start, end)}
-        needed |= {symbol for shape, _ in keeps.values() for symbol in poly_symbols(*shape)}
+        needed |= {symbol for shape, _ in draws.values() for symbol in poly_symbols(*shape)}
         needed |= poly_symbols(*size_outputs)
         if needed - set(sources):
             raise Unsupported(f"sizes {sorted(needed - set(sources))} that no input carries")
@@ -555,7 +552,7 @@ class _Translation:
             sizes = {symbol: _size_of(args, source) for symbol, source in sources.items()}
             for name, (start, end, dtype) in ranges.items():
                 named[name] = torch.arange(_evaluate(start, sizes), _evaluate(end, sizes), dtype=dtype)
-            for name, (shape, draw) in keeps.items():
+            for name, (shape, draw) in draws.items():
                 named[name] = draw.sample(tuple(_evaluate(d, sizes) for d in shape))
             for position in updates:  # a copy: autograd may keep the input, and it is updated below
                 named[inputs[position]] = named[inputs[position]].clone()  # type: ignore[index]
