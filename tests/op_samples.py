@@ -26,13 +26,14 @@ class Sample:
     label: str = ""
     int_high: dict[str, int] = field(default_factory=dict)  # int inputs: entries drawn from [0, high)
     positive: frozenset[str] = frozenset()  # float inputs drawn away from 0 and > 0 (log, sqrt, pow)
+    domain: tuple[float, float] | None = None  # every float input drawn uniformly from here (asin, acosh)
 
     @property
     def id(self) -> str:
         return f"{self.op}-{self.label}" if self.label else self.op
 
 
-def _unary(op: str, positive: bool = False, **kwargs: object) -> Sample:
+def _unary(op: str, positive: bool = False, domain: tuple[float, float] | None = None, **kwargs: object) -> Sample:
     def build(g: Graph) -> Built:
         return getattr(g, op)(g.input("x", (3, 4)), **kwargs)
 
@@ -41,6 +42,7 @@ def _unary(op: str, positive: bool = False, **kwargs: object) -> Sample:
         build,
         label="-".join(f"{k}={v}" for k, v in kwargs.items()),
         positive=frozenset({"x"}) if positive else frozenset(),
+        domain=domain,
     )
 
 
@@ -111,6 +113,18 @@ SAMPLES: list[Sample] = [
     _unary("erf"),
     _unary("sin"),
     _unary("cos"),
+    _unary("tan"),
+    _unary("atan"),
+    _unary("asin", domain=(-0.9, 0.9)),
+    _unary("acos", domain=(-0.9, 0.9)),
+    _unary("sinh"),
+    _unary("cosh"),
+    _unary("asinh"),
+    _unary("acosh", domain=(1.2, 3.0)),
+    _unary("atanh", domain=(-0.9, 0.9)),
+    _unary("log2", positive=True),
+    _unary("log10", positive=True),
+    _unary("exp2"),
     _unary("log1p", positive=True),
     _unary("expm1"),
     _unary("softplus"),
@@ -135,6 +149,7 @@ SAMPLES: list[Sample] = [
     _binary("floor_divide"),
     _binary("remainder"),
     _binary("fmod"),
+    _binary("atan2"),
     *(_compare(op) for op in ("less", "less_equal", "greater", "greater_equal", "equal", "not_equal")),
     Sample("logical_and", lambda g: g.logical_and(g.input("a", (3, 4)) > 0.0, g.input("b", (4,)) > 0.0)),
     Sample("logical_or", lambda g: g.logical_or(g.input("a", (3, 4)) > 0.0, g.input("b", (4,)) > 0.0)),
@@ -186,6 +201,18 @@ SAMPLES: list[Sample] = [
     Sample("argmin", lambda g: g.argmin(g.input("x", (2, 3, 4)), axis=None, keepdims=True)),
     Sample("cumsum", lambda g: g.cumsum(g.input("x", (2, 3, 4)), axis=1)),
     Sample("cumsum", lambda g: g.cumsum(g.input("x", (3, 5)), axis=-1, reverse=True), label="reverse"),
+    Sample("cumprod", lambda g: g.cumprod(g.input("x", (2, 3, 4)), axis=1)),
+    Sample(
+        "take_along_axis",
+        lambda g: g.take_along_axis(g.input("x", (3, 4, 2)), g.input("ids", (3, 5, 1), "int64"), axis=1),
+        int_high={"ids": 4},
+    ),
+    Sample(
+        "scatter_add_along_axis",
+        lambda g: g.scatter_add_along_axis(g.input("x", (3, 5)), g.input("ids", (3, 5), "int32"), axis=1, size=4),
+        int_high={"ids": 4},
+    ),
+    Sample("cumprod", lambda g: g.cumprod(g.input("x", (3, 5)), axis=-1, reverse=True), label="reverse"),
     Sample("softmax", lambda g: g.softmax(g.input("x", (2, 3, 4)), axis=1)),
     Sample("log_softmax", lambda g: g.log_softmax(g.input("x", (2, 3, 4)))),
     Sample("rms_norm", lambda g: g.rms_norm(g.input("x", (2, 3, 4)), g.input("w", (4,)), eps=1e-6)),
@@ -199,10 +226,18 @@ SAMPLES: list[Sample] = [
         ),
     ),
     Sample("conv", lambda g: g.conv(g.input("x", (2, 4, 6, 5)), g.input("w", (3, 4, 3, 2)), stride=(2, 1), padding=1)),
-    Sample("conv", lambda g: g.conv(g.input("x", (2, 4, 7)), g.input("w", (4, 2, 3)), padding=[(2, 0)], groups=2),
-           label="grouped"),
-    Sample("conv", lambda g: g.conv(g.input("x", (2, 3, 5, 5)), g.input("w", (6, 1, 3, 3)), dilation=(1, 2),
-                                    padding=((1, 1), (2, 2)), groups=3), label="depthwise"),
+    Sample(
+        "conv",
+        lambda g: g.conv(g.input("x", (2, 4, 7)), g.input("w", (4, 2, 3)), padding=[(2, 0)], groups=2),
+        label="grouped",
+    ),
+    Sample(
+        "conv",
+        lambda g: g.conv(
+            g.input("x", (2, 3, 5, 5)), g.input("w", (6, 1, 3, 3)), dilation=(1, 2), padding=((1, 1), (2, 2)), groups=3
+        ),
+        label="depthwise",
+    ),
     Sample("conv", _conv_flipped_and_cropped, label="flipped-cropped"),
     Sample("attention", _attention),
     Sample("attention_bwd", _attention_bwd),
@@ -217,6 +252,8 @@ def sample_inputs(graph: Graph, sample: Sample, rng: np.random.Generator) -> dic
     for name, value in graph.inputs.items():
         if value.dtype.kind == "i":
             arrays[name] = rng.integers(0, sample.int_high[name], value.shape).astype(value.dtype)
+        elif sample.domain is not None:
+            arrays[name] = rng.uniform(*sample.domain, value.shape)
         elif name in sample.positive:
             arrays[name] = rng.uniform(0.5, 2.0, value.shape)
         else:

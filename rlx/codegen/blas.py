@@ -71,6 +71,17 @@ def load_blas() -> Blas:
     return Blas(path, library, address(SGEMM), address(SGEMV), address(OMATCOPY), corename)
 
 
+# The C math library's float functions that elementwise ops call lane by lane (off the hot
+# paths: exp, tanh, erf and the like are computed inline), by the op's name.
+LIBM = {
+    name: f"{name}f"
+    for name in (
+        "log", "pow", "sin", "cos", "tan", "log1p", "expm1", "atan2", "atan", "asin", "acos",
+        "sinh", "cosh", "asinh", "acosh", "atanh", "log2", "log10", "exp2",
+    )
+}  # fmt: skip
+
+
 @functools.cache
 def libc_symbol(name: str) -> int:
     """Address of a C library function (pthread_create, pthread_join) for the JIT to call."""

@@ -29,6 +29,7 @@ import numpy as np
 from llvmlite import ir
 
 from rlx.bind import index_sources
+from rlx.codegen.blas import LIBM
 from rlx.codegen.expf import define_expf, define_softmax_expf
 from rlx.codegen.irutil import (
     CONTRACT,
@@ -62,7 +63,6 @@ from rlx.ir.dims import product, total
 from rlx.ir.graph import Node, Value
 from rlx.ir.types import Dim
 
-LIBM = {"log": "logf", "pow": "powf", "sin": "sinf", "cos": "cosf", "log1p": "log1pf", "expm1": "expm1f"}
 MIN_ITEM_ELEMENTS = 1 << 14  # elements per parallel work item at least: thread overhead pays off
 # -log(erfc(t)) on [0.875, 4] as a degree-8 polynomial in t (least squares in Chebyshev form, then
 # converted): 1 - exp(-Q(t)) is erf(t) to about 1 ulp there.
@@ -277,6 +277,8 @@ class FusedEmitter:
             return self.concat(value, idx)
         if op == "embedding":
             return self.embedding(value, idx)
+        if op == "take_along_axis":
+            return self.take_along_axis(value, idx)
         definition = node.op.definition
         assert definition.scalar is not None, f"no scalar formula for {op}"
         operands = [self.eval(v, self._broadcast_index(idx, v.shape)) for v in node.inputs]
@@ -450,6 +452,34 @@ class FusedEmitter:
             col = idx[-1]
             lanes.append(self.load(view, (Ix(None, scalar_row, 0), _lane_of(self.b, col, lane)), table.dtype))
         values = [lane.value for lane in lanes]  # f32, or an int or bool table's i64 / i1
+        return Lane(_pack(self.b, values, values[0].type), WIDTH, lanes[0].kind)
+
+    def take_along_axis(self, value: Value, idx: tuple[Ix, ...]) -> Lane:
+        """``x`` at the index with its ``axis`` entry replaced by the id there (broadcast axes of
+        either operand read at 0); lane by lane where the ids vary along the vector loop."""
+        node = value.node
+        x, ids = node.inputs
+        axis = node.attrs.axis
+        at = self.eval(ids, tuple(ZERO if size == 1 else ix for ix, size in zip(idx, ids.shape, strict=True)))
+        view = self.schedule.view(x)
+        assert view is not None
+        level = max((ix.level for ix in idx), default=0)
+
+        def index(position: ir.Value, where: tuple[Ix, ...]) -> tuple[Ix, ...]:
+            return tuple(
+                Ix(None, position, level) if a == axis else (ZERO if size == 1 else ix)
+                for a, (ix, size) in enumerate(zip(where, x.shape, strict=True))
+            )
+
+        if at.width == 1:
+            (checked,) = self._checked_rows(node, [at.value], x.shape[axis])
+            return self.load(view, index(checked, idx), x.dtype)
+        positions = [self.b.extract_element(at.value, ir.Constant(I32, lane)) for lane in range(WIDTH)]
+        lanes = []
+        for lane, position in enumerate(self._checked_rows(node, positions, x.shape[axis])):
+            scalar_idx = tuple(_lane_of(self.b, ix, lane) for ix in idx)
+            lanes.append(self.load(view, index(position, scalar_idx), x.dtype))
+        values = [lane.value for lane in lanes]
         return Lane(_pack(self.b, values, values[0].type), WIDTH, lanes[0].kind)
 
     def _checked_rows(self, node: Node, rows: list[ir.Value], count: Dim) -> list[ir.Value]:

@@ -24,22 +24,11 @@ from typing import Any
 import llvmlite
 import llvmlite.binding as llvm
 
-from rlx.codegen.blas import OMATCOPY, SGEMM, SGEMV, libc_symbol, load_blas
+from rlx.codegen.blas import LIBM, OMATCOPY, SGEMM, SGEMV, libc_symbol, load_blas
 from rlx.errors import RlxError
 
 ENTRY = "rlx_entry"
-_IMPORTED_LIBC = (
-    "pthread_create",
-    "pthread_join",
-    "sched_yield",
-    "logf",
-    "powf",
-    "sinf",
-    "cosf",
-    "log1pf",
-    "expm1f",
-    "clock_gettime",
-)
+_IMPORTED_LIBC = ("pthread_create", "pthread_join", "sched_yield", "clock_gettime", *LIBM.values())
 _library_ids = itertools.count()
 _lock = threading.RLock()
 # LLVM's boolean options, on while rlx compiles any module (and only then: they are process-wide

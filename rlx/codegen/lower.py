@@ -40,7 +40,7 @@ from rlx.codegen.lower_attention import (
 )
 from rlx.codegen.lower_gemm import emit_gemm_item, gemm_spec
 from rlx.codegen.lower_scan import emit_scan_item
-from rlx.codegen.lower_scatter import emit_scatter_item
+from rlx.codegen.lower_scatter import emit_scatter_along_axis_item, emit_scatter_item
 from rlx.codegen.memory_plan import MemoryPlan
 from rlx.codegen.parallel import Step, emit_team, forward_to, share_identical_items
 from rlx.codegen.schedule import Kernel, Schedule, attention_batch_stride
@@ -580,15 +580,15 @@ class _Lowering:
                 pointers.append(self.sizes)
             items = gemm.emit_items(self.b, self.entry_symbols())
             self.call(item_fn, pointers, items, False, str(node.id))
-        elif op == "cumsum":
+        elif op in ("cumsum", "cumprod"):
             x = node.inputs[0]
-            axis, reverse = node.attrs.axis, node.attrs.reverse
+            axis, reverse, multiplies = node.attrs.axis, node.attrs.reverse, op == "cumprod"
             symbols = self.table_symbols
-            name = f"cumsum.{node.id}"
+            name = f"{op}.{node.id}"
             item_fn = self.item_function(
-                ("cumsum", x.shape, axis, reverse, x.dtype.str, symbols),
+                (op, x.shape, axis, reverse, x.dtype.str, symbols),
                 name,
-                lambda: emit_scan_item(self.module, x.shape, axis, reverse, x.dtype, name, symbols),
+                lambda: emit_scan_item(self.module, x.shape, axis, reverse, multiplies, x.dtype, name, symbols),
             )
             pointers = [self.view_pointer(x), self.base_pointer(node.outputs[0])]
             if self.sizes is not None:
@@ -611,6 +611,24 @@ class _Lowering:
             if checked:
                 pointers.append(self.fault_word(node))
             self.call(item_fn, pointers, 1, True, str(node.id))
+        elif op == "scatter_add_along_axis":
+            updates, indices = node.inputs
+            axis, symbols = node.attrs.axis, self.table_symbols
+            checked = bool(index_sources(indices)[1])  # computed ids: checked as they are read
+            name = f"scatter_add_along_axis.{node.id}"
+            item_fn = self.item_function(
+                (op, updates.shape, axis, node.attrs.size, indices.dtype.itemsize, symbols, checked),
+                name,
+                lambda: emit_scatter_along_axis_item(
+                    self.module, updates.shape, axis, node.attrs.size, indices.dtype.itemsize, name, symbols, checked
+                ),
+            )
+            pointers = [self.view_pointer(updates), self.view_pointer(indices), self.base_pointer(node.outputs[0])]
+            if self.sizes is not None:
+                pointers.append(self.sizes)
+            if checked:
+                pointers.append(self.fault_word(node))
+            self.call(item_fn, pointers, product(updates.shape[:axis]), False, str(node.id))
         else:
             raise AssertionError(f"no lowering for {op}")
 

@@ -1,10 +1,10 @@
-"""``cumsum``: a kernel of its own, one work item per run of the scanned axis.
+"""``cumsum`` and ``cumprod``: a kernel of their own, one work item per run of the scanned axis.
 
 The operand and the result are dense ``[outer, n, inner]`` (the scheduler copies a strided
 operand first). An item walks its ``n`` rows in order (from the end with ``reverse``), each row
-the previous row's sums plus its own entries: float rows vectorised across ``inner``, int rows
-(int32 or int64 in, int64 out) one entry at a time. The order of additions is fixed, so results
-do not depend on the thread count.
+the previous row's sums (products) with its own entries: float rows vectorised across ``inner``, int rows
+(int32 or int64 in, int64 out, wrapping) one entry at a time. The order of operations is fixed,
+so results do not depend on the thread count.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from llvmlite import ir
 from rlx.codegen.irutil import I32, I64, PTR, VOID, for_range, gep, i64
 from rlx.codegen.sizes import emit_size, load_symbols
 from rlx.codegen.vector import Lanes, vector_loop
-from rlx.ir.dims import product
+from rlx.ir.dims import product as dims_product
 from rlx.ir.types import Dim
 
 
@@ -24,12 +24,14 @@ def emit_scan_item(
     shape: tuple[Dim, ...],
     axis: int,
     reverse: bool,
+    product: bool,
     source: np.dtype,
     name: str,
     symbols: tuple[str, ...] = (),
 ) -> ir.Function:
     """``void item(ptr args, i64 item, ptr scratch)``; args = [x, out] (then, with ``symbols``,
-    the call's sizes table); item ``i`` scans ``x[i, :, :]`` of ``x`` seen as ``[outer, n, inner]``."""
+    the call's sizes table); item ``i`` scans ``x[i, :, :]`` of ``x`` seen as ``[outer, n, inner]``,
+    running products with ``product``, else sums."""
     fn = ir.Function(module, ir.FunctionType(VOID, [PTR, I64, PTR]), name=name)
     fn.linkage = "internal"
     args, item = fn.args[0], fn.args[1]
@@ -40,7 +42,7 @@ def emit_scan_item(
     x_ptr = b.load(gep(b, args, [i64(0)], PTR), typ=PTR, name="x")
     out_ptr = b.load(gep(b, args, [i64(1)], PTR), typ=PTR, name="out")
     steps = emit_size(b, shape[axis], sizes)
-    inner = emit_size(b, product(shape[axis + 1 :]), sizes)
+    inner = emit_size(b, dims_product(shape[axis + 1 :]), sizes)
     base = b.mul(item, b.mul(steps, inner), name="base")
     floats = source == np.float32
     element = ir.FloatType() if floats else (I32 if source == np.int32 else I64)
@@ -57,7 +59,8 @@ def emit_scan_item(
             def body(b: ir.IRBuilder, j: ir.Value, lanes: Lanes) -> None:
                 value = lanes.load(b, x_ptr, b.add(row, j))
                 if previous is not None:
-                    value = b.fadd(lanes.load(b, out_ptr, b.add(previous, j)), value)
+                    before = lanes.load(b, out_ptr, b.add(previous, j))
+                    value = b.fmul(before, value) if product else b.fadd(before, value)
                 lanes.store(b, value, out_ptr, b.add(row, j))
 
             vector_loop(b, i64(0), inner, "col", body)
@@ -66,7 +69,8 @@ def emit_scan_item(
             value = b.load(gep(b, x_ptr, [b.add(row, j)], element), typ=element)
             value = b.sext(value, I64) if element == I32 else value
             if previous is not None:
-                value = b.add(b.load(gep(b, out_ptr, [b.add(previous, j)], I64), typ=I64), value)
+                before = b.load(gep(b, out_ptr, [b.add(previous, j)], I64), typ=I64)
+                value = b.mul(before, value) if product else b.add(before, value)
             b.store(value, gep(b, out_ptr, [b.add(row, j)], I64))
 
     add_rows(row_at(i64(0)), None)

@@ -33,7 +33,17 @@ from rlx.ops.flex_attention import flex_slots
 
 # Ops lowered by a kernel of their own; their results and operands are buffers.
 CALL_OUT_OPS = frozenset(
-    {"matmul", "attention", "attention_bwd", "flex_attention", "flex_attention_bwd", "embedding_grad", "cumsum"}
+    {
+        "matmul",
+        "attention",
+        "attention_bwd",
+        "flex_attention",
+        "flex_attention_bwd",
+        "embedding_grad",
+        "scatter_add_along_axis",
+        "cumsum",
+        "cumprod",
+    }
 )
 VIEW_OPS = frozenset({"reshape", "transpose", "split", "broadcast_to"})
 REDUCE_OPS = frozenset({"sum", "max"})
@@ -200,8 +210,8 @@ def _decide_buffers(schedule: Schedule, order: list[Node], materialise, needs_bu
             # inline, the part each index falls in (a slice's or a pad's gradient costs no copy).
             if node.outputs[0] not in schedule.materialised:
                 materialise(node.outputs[0])
-        elif op == "embedding":
-            needs_buffer(node.inputs[0])  # table rows are loaded at ids computed inline
+        elif op in ("embedding", "take_along_axis"):
+            needs_buffer(node.inputs[0])  # table rows (entries) are loaded at ids computed inline
         elif op in EXACT_COMPARISONS:
             # ``x == max(x)`` (a max's gradient) holds only if both sides see the same bits of x:
             # x recomputed inline in two kernels may round differently (a reduction inside it),

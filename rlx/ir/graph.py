@@ -107,6 +107,9 @@ class Value:
     def cumsum(self, axis: int | None = None) -> Value:
         return self.graph.cumsum(self, axis)
 
+    def cumprod(self, axis: int | None = None) -> Value:
+        return self.graph.cumprod(self, axis)
+
     def argmax(self, axis: int | None = None, keepdims: bool = False) -> Value:
         return self.graph.argmax(self, axis=axis, keepdims=keepdims)
 

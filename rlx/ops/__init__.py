@@ -1,7 +1,7 @@
 """Every op rlx knows, one definition each (see :mod:`rlx.ir.opdef`); importing this registers them.
 
 The modules are grouped by kind: graph inputs and constants, elementwise math, reductions,
-softmax and norms, matmul, element-moving views, integer-indexed ops, attention, and the
+softmax and norms, matmul, element-moving views, integer-indexed ops and gathers, attention, and the
 fused elementwise chains the ``fuse-elementwise`` pass makes.
 """
 
@@ -12,6 +12,7 @@ from rlx.ops import (
     elementwise,
     flex_attention,
     fused,
+    gather,
     index,
     matmul,
     movement,
@@ -27,6 +28,7 @@ __all__ = [
     "elementwise",
     "flex_attention",
     "fused",
+    "gather",
     "index",
     "matmul",
     "movement",

@@ -171,6 +171,18 @@ UNARY_REFERENCE: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "erf": _erf,
     "sin": np.sin,
     "cos": np.cos,
+    "tan": np.tan,
+    "atan": np.arctan,
+    "asin": np.arcsin,
+    "acos": np.arccos,
+    "sinh": np.sinh,
+    "cosh": np.cosh,
+    "asinh": np.arcsinh,
+    "acosh": np.arccosh,
+    "atanh": np.arctanh,
+    "log2": np.log2,
+    "log10": np.log10,
+    "exp2": np.exp2,
     "log1p": np.log1p,
     "expm1": np.expm1,
     "softplus": lambda x: np.logaddexp(0.0, x),
@@ -202,6 +214,7 @@ BINARY_REFERENCE: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "floor_divide": _quietly(np.floor_divide),  # ``a // b``: Python's and NumPy's, toward -inf
     "remainder": _quietly(np.remainder),  # ``a % b``: the divisor's sign, as Python, NumPy and torch
     "fmod": _quietly(np.fmod),  # C's: the dividend's sign (torch.fmod, math.fmod)
+    "atan2": np.arctan2,  # the angle of the point (b, a): numpy.arctan2(a, b), torch.atan2(a, b)
 }
 
 COMPARE_REFERENCE: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
@@ -304,6 +317,18 @@ UNARY_GRAD: dict[str, GradFn] = {
     "erf": _unary_grad(lambda g, x, y, dy: dy * (2.0 / math.sqrt(math.pi)) * g.exp(-(x * x))),
     "sin": _unary_grad(lambda g, x, y, dy: dy * g.cos(x)),
     "cos": _unary_grad(lambda g, x, y, dy: -(dy * g.sin(x))),
+    "tan": _unary_grad(lambda g, x, y, dy: dy * (1.0 + y * y)),
+    "atan": _unary_grad(lambda g, x, y, dy: dy / (1.0 + x * x)),
+    "asin": _unary_grad(lambda g, x, y, dy: dy * g.rsqrt(1.0 - x * x)),
+    "acos": _unary_grad(lambda g, x, y, dy: -(dy * g.rsqrt(1.0 - x * x))),
+    "sinh": _unary_grad(lambda g, x, y, dy: dy * g.cosh(x)),
+    "cosh": _unary_grad(lambda g, x, y, dy: dy * g.sinh(x)),
+    "asinh": _unary_grad(lambda g, x, y, dy: dy * g.rsqrt(x * x + 1.0)),
+    "acosh": _unary_grad(lambda g, x, y, dy: dy * g.rsqrt(x * x - 1.0)),
+    "atanh": _unary_grad(lambda g, x, y, dy: dy / (1.0 - x * x)),
+    "log2": _unary_grad(lambda g, x, y, dy: dy / (x * math.log(2.0))),
+    "log10": _unary_grad(lambda g, x, y, dy: dy / (x * math.log(10.0))),
+    "exp2": _unary_grad(lambda g, x, y, dy: dy * y * math.log(2.0)),
     "log1p": _unary_grad(lambda g, x, y, dy: dy / (1.0 + x)),
     "expm1": _unary_grad(lambda g, x, y, dy: dy * (y + 1.0)),
     "softplus": _unary_grad(lambda g, x, y, dy: dy * g.sigmoid(x)),
@@ -338,6 +363,12 @@ def _pow_grads(g: Graph, a: Value, b: Value, out: Value, dy: Value) -> tuple[Val
     return da, db
 
 
+def _atan2_grads(g: Graph, a: Value, b: Value, out: Value, dy: Value) -> tuple[Value, Value]:
+    """d atan2(a, b) = (b da - a db) / (a^2 + b^2): torch's rule, NaN at the origin as torch's."""
+    scale = dy / (a * a + b * b)
+    return scale * b, -(scale * a)
+
+
 def _extremum_grads(g: Graph, a: Value, b: Value, out: Value, dy: Value, a_wins: Value) -> tuple[Value, Value]:
     """Ties split the gradient evenly between a and b (torch's rule for maximum and minimum)."""
     tie = g.equal(a, b)
@@ -358,6 +389,7 @@ BINARY_GRAD: dict[str, GradFn] = {
     "remainder": _binary_grad(lambda g, a, b, out, dy: (dy, -(dy * g.floor_divide(a, b)))),
     # fmod(a, b) = a - b * trunc(a / b), the quotient held constant (torch's rule).
     "fmod": _binary_grad(lambda g, a, b, out, dy: (dy, -(dy * g.trunc(a / b)))),
+    "atan2": _binary_grad(_atan2_grads),
 }
 
 
@@ -489,6 +521,12 @@ def _binary_ref(
 # ``scalar(e, *operands, attrs)``: how codegen computes one element (or one vector of lanes).
 # ``e`` is the code emitter: arithmetic on lanes of f32, bool (i1) or int (i64) values.
 
+
+def _libm(name: str) -> Callable[..., object]:
+    """One element by the C math library's float function of the op's name."""
+    return lambda e, x, attrs: e.call(name, x)
+
+
 SCALAR: dict[str, Callable[..., object]] = {
     "neg": lambda e, x, attrs: e.neg(x),
     "exp": lambda e, x, attrs: e.exp(x),
@@ -508,6 +546,10 @@ SCALAR: dict[str, Callable[..., object]] = {
     "erf": lambda e, x, attrs: e.erf(x),
     "sin": lambda e, x, attrs: e.call("sin", x),
     "cos": lambda e, x, attrs: e.call("cos", x),
+    **{
+        name: _libm(name)
+        for name in ("tan", "atan", "asin", "acos", "sinh", "cosh", "asinh", "acosh", "atanh", "log2", "log10", "exp2")
+    },
     "log1p": lambda e, x, attrs: e.call("log1p", x),
     "expm1": lambda e, x, attrs: e.call("expm1", x),
     "floor": lambda e, x, attrs: e.rounded("floor", x),
@@ -522,6 +564,7 @@ SCALAR: dict[str, Callable[..., object]] = {
     "mul": lambda e, a, b, attrs: e.mul(a, b),
     "div": lambda e, a, b, attrs: e.div(a, b),
     "pow": lambda e, a, b, attrs: e.call("pow", a, b),
+    "atan2": lambda e, a, b, attrs: e.call("atan2", a, b),
     "maximum": lambda e, a, b, attrs: e.maximum(a, b),
     "minimum": lambda e, a, b, attrs: e.minimum(a, b),
     "less": lambda e, a, b, attrs: e.compare("<", a, b),

@@ -189,6 +189,12 @@ _COMPARISONS = {
 """torch's comparison functions and methods by name, and rlx's op of each."""
 
 
+def _atan2(g: Graph, a: Any, b: Any, **kwargs: Any) -> Any:
+    """``torch.atan2(a, b)``: the angle of the point ``(b, a)``, float for ints as torch's."""
+    check_kwargs(kwargs, out=None)
+    return g.atan2(*_promoted(g, _value(g, a), _value(g, b), true_division=True))
+
+
 def _unary(name: str) -> Callable[..., Any]:
     def handler(g: Graph, x: Any, **kwargs: Any) -> Any:
         check_kwargs(kwargs, inplace=False)
@@ -1871,7 +1877,10 @@ def _sdpa(
 _ELEMENTWISE = [
     *("exp", "log", "sqrt", "rsqrt", "abs", "tanh", "sigmoid", "relu", "sin", "cos", "log1p", "expm1", "erf"),
     *("floor", "ceil", "trunc", "round"),
+    *("tan", "atan", "asin", "acos", "sinh", "cosh", "asinh", "acosh", "atanh", "log2", "log10", "exp2"),
 ]
+# torch's NumPy-style names of the same functions (``torch.arcsin``, ``x.arctan2(y)``)
+_ARC_ALIASES = {f"arc{name[1:]}": name for name in ("asin", "acos", "atan", "asinh", "acosh", "atanh")}
 
 FUNCTIONS: dict[Any, Callable[..., Any]] = {
     operator.add: _binary("add"),
@@ -1985,6 +1994,9 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     F.scaled_dot_product_attention: _sdpa,
     torch._C._nn.scaled_dot_product_attention: _sdpa,
     **{getattr(torch, name): _unary(name) for name in _ELEMENTWISE},
+    **{getattr(torch, alias): _unary(name) for alias, name in _ARC_ALIASES.items()},
+    torch.atan2: _atan2,
+    torch.arctan2: _atan2,
     torch.nn.functional.sigmoid: _unary("sigmoid"),
     torch.unbind: _unbind,
     torch.einsum: _einsum,
@@ -2099,4 +2111,7 @@ METHODS: dict[str, Callable[..., Any]] = {
     "long": _method_cast(torch.int64),
     "bool": _method_cast(torch.bool),
     **{name: _unary(name) for name in _ELEMENTWISE},
+    **{alias: _unary(name) for alias, name in _ARC_ALIASES.items()},
+    "atan2": _atan2,
+    "arctan2": _atan2,
 }
