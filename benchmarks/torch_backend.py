@@ -95,36 +95,47 @@ def build_model(torch: Any, width: int, heads: int, kv_heads: int, layers: int, 
 class Step:
     """One training step of ``model`` (forward, loss, backward) with gradients cleared untimed."""
 
-    def __init__(self, model: Any, module: Any, ids: Any, targets: Any) -> None:
-        self.model, self.module, self.ids, self.targets = model, module, ids, targets
+    def __init__(self, model: Any, module: Any, *inputs: Any) -> None:
+        self.model, self.module, self.inputs = model, module, inputs
 
     def setup(self) -> None:
         for p in self.module.parameters():
             p.grad = None
 
     def run(self) -> object:
-        loss = self.model(self.ids, self.targets)
+        loss = self.model(*self.inputs)
         loss.backward()
         return loss
 
 
 def run_shape(torch: Any, shape: tuple[int, ...], args: argparse.Namespace) -> dict[str, Any]:
-    import copy
-
-    import rlx.torch.dynamo as rlx_dynamo
-
     batch, length, width, heads, kv_heads, layers, vocab = shape
     torch.manual_seed(0)
     base = build_model(torch, width, heads, kv_heads, layers, vocab)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (batch, length), generator=gen)
     targets = torch.randint(0, vocab, (batch, length), generator=gen)
+    result = compare_steps(torch, base, (ids, targets), args, str(shape))
+    return {"shape": dict(zip(("B", "S", "E", "H", "Hkv", "layers", "vocab"), shape, strict=True)), **result}
+
+
+def compare_steps(
+    torch: Any, base: Any, inputs: tuple[Any, ...], args: argparse.Namespace, what: str, tolerance: float = 1e-3
+) -> dict[str, Any]:
+    """A training step of ``base`` on ``inputs`` in torch eager, through rlx's backend and (unless
+    ``--no-inductor``) through inductor: the gradients compared with eager's first (an error if
+    any part of the model fell back to eager torch, or if a gradient differs from eager's by more
+    than ``tolerance`` of its largest entry), then timed interleaved."""
+    import copy
+
+    import rlx.torch.dynamo as rlx_dynamo
+
     modules = {"torch eager": base, "rlx backend": copy.deepcopy(base)}
     models = {"torch eager": base, "rlx backend": torch.compile(modules["rlx backend"], backend="rlx", dynamic=False)}
     if not args.no_inductor:
         modules["torch.compile"] = copy.deepcopy(base)
         models["torch.compile"] = torch.compile(modules["torch.compile"], dynamic=False)
-    steps = {name: Step(models[name], modules[name], ids, targets) for name in models}
+    steps = {name: Step(models[name], modules[name], *inputs) for name in models}
     first = {}
     eager_before = rlx_dynamo.stats["eager"]
     for name, step in steps.items():
@@ -144,13 +155,12 @@ def run_shape(torch: Any, shape: tuple[int, ...], args: argparse.Namespace) -> d
             scale = max(float(want.abs().max()), 1e-30)
             worst = max(worst, float((p.grad - want).abs().max()) / scale)
         errors[name] = worst
-        if worst > 1e-3:
-            raise RuntimeError(f"{name} disagrees with torch eager on {shape}: relative error {worst:.2e}")
+        if worst > tolerance:
+            raise RuntimeError(f"{name} disagrees with torch eager on {what}: relative error {worst:.2e}")
     bursts = h.time_bursts(steps, args.repeat, args.gap, args.warm)
     cold = {name: float(np.median(s)) for name, s in bursts.cold.items()}
     warm = {name: float(np.median(s)) for name, s in bursts.warm.items() if s}
     return {
-        "shape": dict(zip(("B", "S", "E", "H", "Hkv", "layers", "vocab"), shape, strict=True)),
         "median_s": cold,
         "warm_median_s": warm,
         "samples_s": bursts.cold,

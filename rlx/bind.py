@@ -325,24 +325,36 @@ def _native_byte_order(name: str, array: np.ndarray, expected: TensorType) -> np
     )
 
 
-def index_sources(value: Value) -> tuple[list[Value], list[Value]]:
+def index_sources(value: Value, slices_computed: bool = False) -> tuple[list[Value], list[Value]]:
     """Where the entries of an index operand come from, traced back through view ops (reshape,
     transpose, split, concat, broadcast): ``(graph inputs and constants, values computed by other
-    ops)``."""
+    ops)``.
+
+    A slice (``split``) reads only part of its operand, whose other entries need not be ids at
+    all (``targets = tokens[:, 1:]`` of a row that holds a marker elsewhere). With
+    ``slices_computed`` an input or constant read through a slice counts as computed, so a kernel
+    that checks the ids it reads checks exactly those; without, the whole input is checked."""
     from rlx.ir.ops import OpKind
 
     given: list[Value] = []
     computed: list[Value] = []
-    pending = [value]
+    pending = [(value, False)]
     while pending:
-        source = pending.pop()
+        source, sliced = pending.pop()
         if source.node.op in (OpKind.INPUT, OpKind.CONSTANT):
-            given.append(source)
+            (computed if sliced and slices_computed else given).append(source)
         elif source.node.op.definition.view:
-            pending.extend(source.node.inputs)
+            partial = sliced or source.node.op is OpKind.SPLIT
+            pending.extend((operand, partial) for operand in source.node.inputs)
         else:
             computed.append(source)
     return given, computed
+
+
+def checked_in_kernel(value: Value) -> bool:
+    """Whether a kernel that reads memory at the ids ``value`` holds must check each one: ids the
+    graph computes, or that it slices out of an input (see :func:`index_sources`)."""
+    return bool(index_sources(value, slices_computed=True)[1])
 
 
 def index_bounds(graph: Graph) -> list[tuple[Value, Dim, str]]:
@@ -361,7 +373,7 @@ def index_bounds(graph: Graph) -> list[tuple[Value, Dim, str]]:
             operand = node.inputs[definition.slot_of(index.operand)]
             limit = index.limit(node)
             what = index.describe(node)
-            given, computed = index_sources(operand)
+            given, computed = index_sources(operand, slices_computed=index.checked_in_kernel)
             bounds.extend((source, limit, what) for source in given)
             if computed and not index.checked_in_kernel:
                 producer = computed[0].node

@@ -202,6 +202,8 @@ SAMPLES: list[Sample] = [
     Sample("cumsum", lambda g: g.cumsum(g.input("x", (2, 3, 4)), axis=1)),
     Sample("cumsum", lambda g: g.cumsum(g.input("x", (3, 5)), axis=-1, reverse=True), label="reverse"),
     Sample("cumprod", lambda g: g.cumprod(g.input("x", (2, 3, 4)), axis=1)),
+    Sample("sort", lambda g: g.sort(g.input("x", (3, 5)), axis=0)),
+    Sample("sort", lambda g: g.topk(g.input("x", (2, 7)), 3)[0], label="topk"),
     Sample(
         "take_along_axis",
         lambda g: g.take_along_axis(g.input("x", (3, 4, 2)), g.input("ids", (3, 5, 1), "int64"), axis=1),

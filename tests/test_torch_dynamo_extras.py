@@ -115,6 +115,8 @@ CASES: list[tuple[str, str, Callable[..., Any]]] = [
      lambda a: torch.zeros(5, 6).scatter_add_(0, DESTINATIONS.unsqueeze(-1).expand(7, 6), a[DESTINATIONS % 4])),
     ("scatter_add of a constant index", "matrix",
      lambda a: a.scatter_add(1, torch.tensor([5, 0, 5])[None].expand(4, 3), a[:, :3])),
+    ("scatter_add by an index varying along two axes", "matrix",
+     lambda a: a.scatter_add(1, torch.tensor([[5, 0, 5], [1, 2, 3], [0, 0, 0], [4, 4, 1]]), a[:, :3])),
     *[(f"affine_grid corners={corners}", "theta", lambda t, c=corners: F.affine_grid(t, (2, 3, 5, 6), align_corners=c))
       for corners in (False, True)],
     *[(f"grid_sample {mode} {padding} corners={corners} by {by}", by,
@@ -139,16 +141,16 @@ def test_translation_matches_eager(name: str, kind: str, function: Callable[...,
 
 
 def test_what_rlx_leaves_falls_back() -> None:
-    """A nuclear norm (no SVD in rlx) and a scatter by an index that varies along two axes run
-    eagerly, with a warning naming why."""
+    """A nuclear norm (no SVD in rlx) and a scatter of a tensor (whose result torch leaves
+    undefined where indices repeat) run eagerly, with a warning naming why."""
     x = _inputs("matrix").requires_grad_()
     with pytest.warns(UserWarning, match="nuc"):
         torch.testing.assert_close(torch.compile(lambda a: torch.linalg.norm(a, "nuc"), backend="rlx")(x),
                                    torch.linalg.norm(x, "nuc"))  # fmt: skip
     index = torch.tensor([[5, 0, 5], [1, 2, 3], [0, 0, 0], [4, 4, 1]])
-    with pytest.warns(UserWarning, match="varies along more than one axis"):
-        torch.testing.assert_close(torch.compile(lambda a: a.scatter_add(1, index, a[:, :3]), backend="rlx")(x),
-                                   x.scatter_add(1, index, x[:, :3]))  # fmt: skip
+    with pytest.warns(UserWarning, match="scatter of a tensor"):
+        torch.testing.assert_close(torch.compile(lambda a: a.scatter(1, index, a[:, :3] * 2), backend="rlx")(x),
+                                   x.scatter(1, index, x[:, :3] * 2))  # fmt: skip
     assert dynamo_backend.stats["eager"] == 2
 
 

@@ -679,8 +679,9 @@ class Executable:
         program.entry(local.pointers_address, arena_address)
 
     def _raise_index_fault(self, sizes: Mapping[str, int]) -> None:
-        """``RlxValueError`` if a kernel reported an id the graph computed outside its range (the
-        kernel read row 0 instead, so the call's results are not returned)."""
+        """``RlxValueError`` if a kernel reported an id outside its range (one the graph computed,
+        or sliced out of an input; the kernel read row 0 instead, so the call's results are not
+        returned)."""
         program, local = self._program, self._arenas
         start = local.offset + program.call_data_offset
         for fault in program.index_faults:
@@ -688,7 +689,7 @@ class Executable:
             if bad:
                 limit = dim_size(fault.limit, sizes)
                 raise RlxValueError(
-                    f"{fault.what}, computed by the graph in this call: {bad} is out of range [0, {limit})"
+                    f"{fault.what}, computed or sliced by the graph in this call: {bad} is out of range [0, {limit})"
                 )
 
     def _outputs(self) -> OutputPool:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from llvmlite import ir
 
-from rlx.bind import index_sources
+from rlx.bind import checked_in_kernel
 from rlx.codegen.blas import LIBM
 from rlx.codegen.expf import define_expf, define_softmax_expf
 from rlx.codegen.irutil import (
@@ -487,7 +487,7 @@ class FusedEmitter:
         the call); else each one outside ``[0, count)`` replaced by row 0, and the last such id
         stored into the node's fault word (:class:`rlx.codegen.lower.IndexFault`). Branch-free:
         the store goes to a stack slot when every id is good."""
-        if self.fault_word is None or not index_sources(node.inputs[1])[1]:
+        if self.fault_word is None or not checked_in_kernel(node.inputs[1]):
             return rows
         b = self.b
         limit = self.size(count)

@@ -28,7 +28,7 @@ from rlx.codegen.blas import LIBM, OMATCOPY, SGEMM, SGEMV, libc_symbol, load_bla
 from rlx.errors import RlxError
 
 ENTRY = "rlx_entry"
-_IMPORTED_LIBC = ("pthread_create", "pthread_join", "sched_yield", "clock_gettime", *LIBM.values())
+_IMPORTED_LIBC = ("pthread_create", "pthread_join", "sched_yield", "clock_gettime", "qsort_r", *LIBM.values())
 _library_ids = itertools.count()
 _lock = threading.RLock()
 # LLVM's boolean options, on while rlx compiles any module (and only then: they are process-wide

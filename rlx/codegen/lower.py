@@ -22,7 +22,7 @@ import numpy as np
 from llvmlite import binding as llvm
 from llvmlite import ir
 
-from rlx.bind import index_sources
+from rlx.bind import checked_in_kernel
 from rlx.codegen.blas import load_blas, refuse_beyond_blas
 from rlx.codegen.fused import FusedEmitter, plan_chunking
 from rlx.codegen.irutil import I8, I64, PTR, VOID, alloca_entry, clock, declare, gep, i64
@@ -41,6 +41,7 @@ from rlx.codegen.lower_attention import (
 from rlx.codegen.lower_gemm import emit_gemm_item, gemm_spec
 from rlx.codegen.lower_scan import emit_scan_item
 from rlx.codegen.lower_scatter import emit_scatter_along_axis_item, emit_scatter_item
+from rlx.codegen.lower_sort import emit_sort_item
 from rlx.codegen.memory_plan import MemoryPlan
 from rlx.codegen.parallel import Step, emit_team, forward_to, share_identical_items
 from rlx.codegen.schedule import Kernel, Schedule, attention_batch_stride
@@ -600,7 +601,7 @@ class _Lowering:
             out = node.outputs[0]
             rows, width = out.shape
             symbols = self.table_symbols
-            checked = bool(index_sources(node.inputs[1])[1])  # computed ids: checked as they are read
+            checked = checked_in_kernel(node.inputs[1])  # computed ids: checked as they are read
             item_fn = emit_scatter_item(
                 self.module, dy, ids, (rows, width), ids.base.dtype.itemsize, f"embedding_grad.{node.id}", symbols,
                 checked,
@@ -611,10 +612,23 @@ class _Lowering:
             if checked:
                 pointers.append(self.fault_word(node))
             self.call(item_fn, pointers, 1, True, str(node.id))
+        elif op == "sort":
+            x = node.inputs[0]
+            symbols, descending = self.table_symbols, node.attrs.descending
+            name = f"sort.{node.id}"
+            item_fn = self.item_function(
+                (op, x.shape, x.dtype.str, descending, symbols),
+                name,
+                lambda: emit_sort_item(self.module, x.shape, x.dtype, descending, name, symbols),
+            )
+            pointers = [self.view_pointer(x), *(self.base_pointer(v) for v in node.outputs)]
+            if self.sizes is not None:
+                pointers.append(self.sizes)
+            self.call(item_fn, pointers, product(x.shape[:-1]), False, str(node.id))
         elif op == "scatter_add_along_axis":
             updates, indices = node.inputs
             axis, symbols = node.attrs.axis, self.table_symbols
-            checked = bool(index_sources(indices)[1])  # computed ids: checked as they are read
+            checked = checked_in_kernel(indices)  # computed ids: checked as they are read
             name = f"scatter_add_along_axis.{node.id}"
             item_fn = self.item_function(
                 (op, updates.shape, axis, node.attrs.size, indices.dtype.itemsize, symbols, checked),

@@ -43,6 +43,7 @@ CALL_OUT_OPS = frozenset(
         "scatter_add_along_axis",
         "cumsum",
         "cumprod",
+        "sort",
     }
 )
 VIEW_OPS = frozenset({"reshape", "transpose", "split", "broadcast_to"})

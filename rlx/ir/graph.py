@@ -576,6 +576,18 @@ class Graph:
 
         return take(self, x, ids, axis)
 
+    def argsort(self, x: object, axis: int = -1, descending: bool = False) -> Value:
+        """``numpy.argsort(kind="stable")``: the int64 positions that sort ``x`` along ``axis``."""
+        from rlx.ops.sort import argsort
+
+        return argsort(self, x, axis, descending)
+
+    def topk(self, x: object, k: int, axis: int = -1, largest: bool = True) -> tuple[Value, Value]:
+        """``torch.topk``: the ``k`` largest (smallest) entries along ``axis`` and their positions."""
+        from rlx.ops.sort import topk
+
+        return topk(self, x, k, axis, largest)
+
     def conv_transpose(
         self,
         x: object,

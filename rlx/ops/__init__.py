@@ -19,6 +19,7 @@ from rlx.ops import (
     reduce,
     scan,
     softmax,
+    sort,
 )
 
 __all__ = [
@@ -35,4 +36,5 @@ __all__ = [
     "reduce",
     "scan",
     "softmax",
+    "sort",
 ]

@@ -947,12 +947,9 @@ def _gathered_range(x: Value, axis: int, array: np.ndarray) -> Value | None:
 
 
 def _gather_elements(g: Graph, x: Value, axis: int, index: Value) -> Value:
-    """``torch.gather`` by any index: ``x`` (its other axes cut to the index's) as a table of
-    single elements, read at ``index + L * position`` (``L`` the gathered axis's length,
-    ``position`` the flat index of the other axes). An index outside ``[0, L)`` becomes -1, so
-    it cannot land in another position's elements: the gather's kernel then reports it as an
-    error of the call, as torch raises one."""
-    others = [a for a in range(x.ndim) if a != axis]
+    """``torch.gather`` by any index: ``take_along_axis`` of ``x`` with its other axes cut to the
+    index's (torch reads only that corner). An index outside ``[0, L)`` is an error of the call,
+    as torch raises one."""
     cut = []
     for a in range(x.ndim):
         want, have = index.shape[a], x.shape[a]
@@ -964,26 +961,8 @@ def _gather_elements(g: Graph, x: Value, axis: int, index: Value) -> Value:
             raise SameSizes(want, have)  # an index as long as the input, in every call torch runs
         else:
             raise Unsupported(f"gather by an index of shape {index.shape} from {x.shape} (axis {a})")
-    part = x[tuple(cut)]
-    order = (*others, axis)
-    front = g.transpose(part, order) if order != tuple(range(x.ndim)) else part
-    ids = g.transpose(index, order) if order != tuple(range(x.ndim)) else index
-    ids = ids.astype("int64") if ids.dtype != np.int64 else ids
-    leading = tuple(front.shape[:-1])
-    length = front.shape[-1]
-    if not isinstance(length, int):
-        raise Unsupported(f"gather along an axis of dynamic length {length}")
-    if all(isinstance(d, int) for d in leading):
-        offsets = g.constant((np.arange(math.prod(leading), dtype=np.int64) * length).reshape(*leading, 1))
-    else:
-        count = math.prod((poly(d) for d in leading), start=poly(1))
-        offsets = g.reshape(MAKE_RANGE.get()(0, count) * length, (*leading, 1))
-    inside = g.logical_and(g.greater_equal(ids, 0), g.less(ids, length))
-    flat = g.where(inside, ids + offsets, g.constant(np.int64(-1)))
-    table = g.reshape(front, (-1, 1))
-    picked = g.reshape(g.embedding(table, flat), ids.shape)
-    back = tuple(int(np.argsort(order)[a]) for a in range(x.ndim))
-    return g.transpose(picked, back) if order != tuple(range(x.ndim)) else picked
+    part = x[tuple(cut)] if any(c != slice(None) for c in cut) else x
+    return g.take_along_axis(part, index, axis)
 
 
 def _index_select(g: Graph, x: Any, dim: int, index: Any) -> Any:

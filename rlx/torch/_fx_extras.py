@@ -21,7 +21,6 @@ from rlx.ir.graph import Graph, Value
 from rlx.torch._fx_calls import (
     Unsupported,
     _axis_args,
-    _constant_array,
     _float,
     _gather_elements,
     _promoted,
@@ -573,37 +572,6 @@ def index_add(g: Graph, x: Any, dim: int, index: Any, source: Any, *, alpha: flo
     return value + (placed if alpha == 1 else placed * float(alpha))
 
 
-def scatter_add(g: Graph, x: Any, dim: int, index: Any, source: Any) -> Value:
-    """``torch.scatter_add`` where the index is one line of indices broadcast across the other
-    axes (``ids.unsqueeze(-1).expand_as(src)``, as graph networks write their message sums):
-    :func:`index_add` by that line. An index that varies along other axes is left to torch."""
-    ids, rows = _float(index), _float(source)
-    axis = dim % ids.ndim
-    if tuple(ids.shape) != tuple(rows.shape):
-        raise Unsupported("scatter_add with an index of another shape than the source")
-    line = _broadcast_line(g, ids, axis)
-    if line is None:
-        raise Unsupported("scatter_add by an index that varies along more than one axis")
-    return index_add(g, x, axis, line, rows)
-
-
-def _broadcast_line(g: Graph, index: Value, axis: int) -> Value | None:
-    """The 1-d index that ``index`` broadcasts along every axis but ``axis``, or None: the value
-    under its broadcast (and the views that put in its size-1 axes) that has one entry on every
-    other axis (or, for a constant, its first line where every line is the same)."""
-    data = _constant_array(index)
-    if data is not None:
-        line = data[tuple(slice(None) if a == axis else slice(0, 1) for a in range(data.ndim))]
-        return g.constant(line.reshape(-1)) if np.array_equal(np.broadcast_to(line, data.shape), data) else None
-    base = index
-    while base.node.op.value == "broadcast_to":
-        base = base.node.inputs[0]
-    padded = (1,) * (index.ndim - base.ndim) + tuple(base.shape)
-    if any(size != 1 for a, size in enumerate(padded) if a != axis) or padded[axis] != index.shape[axis]:
-        return None
-    return g.reshape(base, (index.shape[axis],))
-
-
 # ----------------------------------------------------------------------------- spatial transformers
 
 
@@ -718,7 +686,6 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     F.embedding_bag: embedding_bag,
     F.fold: fold,
     torch.index_add: index_add,
-    torch.scatter_add: scatter_add,
     F.affine_grid: affine_grid,
     F.grid_sample: grid_sample,
     torch.var_mean: moments(root=False),
@@ -738,5 +705,4 @@ METHODS: dict[str, Callable[..., Any]] = {
     "narrow": narrow,
     "repeat": repeat,
     "index_add": index_add,
-    "scatter_add": scatter_add,
 }

@@ -40,7 +40,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from rlx.errors import RlxError
 from rlx.ir.dims import Size, poly
 from rlx.ir.graph import Graph, Value
-from rlx.torch import _fx_extras
+from rlx.torch import _fx_extras, _fx_sorting
 from rlx.torch._fx_calls import (
     DTYPES,
     EXPECTED_SHAPE,
@@ -58,6 +58,10 @@ from rlx.torch._fx_calls import (
     symbolic_size,
 )
 from rlx.torch.graphs import CompiledGraph
+
+# Every call the translation knows, by target: the common ones, then the less common.
+_FUNCTIONS = {**FUNCTIONS, **_fx_extras.FUNCTIONS, **_fx_sorting.FUNCTIONS}
+_METHODS = {**METHODS, **_fx_extras.METHODS, **_fx_sorting.METHODS}
 
 fallbacks: list[str] = []
 """Why each graph that ran in eager PyTorch did (first unsupported call), in order."""
@@ -276,10 +280,10 @@ class _Translation:
         out-of-place call an in-place one stands for)."""
         args, kwargs = self._load(node.args), self._load(node.kwargs)
         if node.op == "call_function":
-            handler = FUNCTIONS.get(target) or _fx_extras.FUNCTIONS.get(target)
+            handler = _FUNCTIONS.get(target)
             what = getattr(node.target, "__name__", str(node.target))
         elif node.op == "call_method":
-            handler = METHODS.get(str(target)) or _fx_extras.METHODS.get(str(target))
+            handler = _METHODS.get(str(target))
             what = f"Tensor.{node.target}"
         elif node.op == "get_attr":
             attribute = _attribute(self.gm, str(node.target))
@@ -602,6 +606,8 @@ _IN_PLACE: dict[Any, Any] = {
     "clamp_": "clamp",
     "index_add_": "index_add",
     "scatter_add_": "scatter_add",
+    "scatter_": "scatter",
+    "index_put_": "index_put",
 }
 """In-place calls and the calls whose result they equal (``x += y`` is ``x + y`` bound to x)."""
 

@@ -209,3 +209,32 @@ def test_rows_of_a_table_of_symbolic_size_and_their_gradient() -> None:
         np.testing.assert_allclose(got["dx"], expected, rtol=1e-5, atol=1e-6)
     with pytest.raises(rlx.RlxValueError, match=r": 3 is out of range \[0, 3\)"):
         exe(x=np.ones((2, 3, 3), np.float32), ids=np.array([0, 1, 3, 2]))
+
+
+def test_ids_sliced_out_of_an_input_are_checked_where_they_are_read() -> None:
+    """``tokens[:, 1:]`` as ids, the first column a marker no table has a row for: only the slice
+    is read, so only the slice must be in range (the kernel checks each id it reads); an id out
+    of range inside the slice is an error of the call. Ops whose kernels do not check ids
+    (``cross_entropy``) still check the whole input before the call."""
+    g = Graph("sliced_ids")
+    table = g.input("table", (6, 3))
+    tokens = g.input("tokens", (2, 4), "int64")
+    logits = g.input("logits", (2, 3, 6))
+    g.output(rows=g.embedding(table, tokens[:, 1:]), loss=g.cross_entropy(logits, tokens[:, 1:]))
+    exe = rlx.compile(g)
+    rng = np.random.default_rng(12)
+    tablev, logitsv = rng.standard_normal((6, 3)).astype(np.float32), rng.standard_normal((2, 3, 6)).astype(np.float32)
+    marked = np.array([[99, 1, 2, 5], [99, 0, 4, 3]])
+    g2 = Graph("sliced_rows")
+    table2, tokens2 = g2.input("table", (6, 3)), g2.input("tokens", (2, 4), "int64")
+    g2.output(rows=g2.embedding(table2, tokens2[:, 1:]))
+    rows_only = rlx.compile(g2)
+    np.testing.assert_array_equal(rows_only(table=tablev, tokens=marked)["rows"], tablev[marked[:, 1:]])
+    with pytest.raises(rlx.RlxValueError, match=r"sliced by the graph in this call: 6 is out of range \[0, 6\)"):
+        rows_only(table=tablev, tokens=np.array([[0, 1, 2, 6], [0, 0, 4, 3]]))
+    with pytest.raises(rlx.RlxValueError, match=r"input 'tokens': 99 is out of range \[0, 6\)"):
+        exe(table=tablev, tokens=marked, logits=logitsv)
+    good = marked.copy()
+    good[:, 0] = 0
+    got = exe(table=tablev, tokens=good, logits=logitsv)
+    np.testing.assert_array_equal(got["rows"], tablev[good[:, 1:]])

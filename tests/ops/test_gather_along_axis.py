@@ -125,7 +125,7 @@ def test_ids_out_of_range_are_errors() -> None:
     with pytest.raises(rlx.RlxValueError, match=r"input 'ids': -1 is out of range"):
         exe(x=low, ids=np.array([[0, -1], [1, 1]]))
     high = np.arange(12, dtype=np.float32).reshape(2, 6)  # argmax 5: computed ids 8
-    with pytest.raises(rlx.RlxValueError, match=r"computed by the graph in this call: 8 is out of range \[0, 6\)"):
+    with pytest.raises(rlx.RlxValueError, match=r"sliced by the graph in this call: 8 is out of range \[0, 6\)"):
         exe(x=high, ids=np.array([[0, 5], [1, 1]]))
     exe(x=low, ids=np.array([[0, 5], [1, 1]]))  # the executable still works
 
