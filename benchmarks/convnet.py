@@ -1,17 +1,20 @@
 """A small ResNet written in torch, one training step: torch.compile with rlx's backend against
 torch eager and torch.compile's default (inductor).
 
-The network is plain torch: a 7x7 stride-2 stem, batch norm in training mode, a 3x3 max pool,
-three basic residual blocks (the second and third downsample by a strided convolution and a
-1x1 projection), adaptive average pooling, a linear classifier and cross-entropy. Each step is
+The network is plain torch: a 7x7 stride-2 stem, batch norm in training mode, SiLU (as
+EfficientNet and RegNet use), a 3x3 max pool, three basic residual blocks (the second and
+third downsample by a strided convolution and a 1x1 projection), global average pooling, a
+linear classifier and cross-entropy. Each step is
 forward, loss and ``backward()`` into the parameters' ``.grad``, interleaved with the others
 after a short sleep, medians compared in one run (see ``torch_backend.py``, whose comparison
 this shares). torch runs its convolutions directly (oneDNN); rlx as im2col and a BLAS product.
 
-The gradients are compared with eager's first, to 5% of each one's largest entry: every layer
-alone agrees with eager to 1e-6, but float32 rounding moves a max pool's near-ties (after a
-ReLU, windows of almost equal entries), and batch norm in training spreads one moved gradient
-over the batch; a float64 run of the same network lies as far from eager float32 as from rlx.
+The gradients are compared with eager's first. The activation is smooth on purpose: with
+ReLU, an entry that batch norm puts within rounding of 0 lands on either side of the kink in
+two float32 computations, and batch norm in training spreads the moved gradient over the batch,
+so the gradients of eager torch, of rlx and of a float64 run differ by up to 1e-1 of their
+largest entries (eager or rlx the farther from float64, depending on the inputs); with SiLU all
+three agree to 1e-5.
 
     python benchmarks/convnet.py            # writes benchmarks/results/convnet.json
     python benchmarks/convnet.py --quick    # the small shape only, no inductor
@@ -36,7 +39,6 @@ from torch_backend import compare_steps  # noqa: E402
 # (batch, image side, stem width, classes)
 SHAPES = [(16, 96, 32, 10), (8, 160, 64, 100)]
 DEFAULT_JSON = REPO / "benchmarks" / "results" / "convnet.json"
-GRADIENT_TOLERANCE = 0.05  # see the module docstring
 
 
 def build_model(torch: Any, width: int, classes: int) -> Any:
@@ -54,14 +56,14 @@ def build_model(torch: Any, width: int, classes: int) -> Any:
                 self.project = nn.Sequential(nn.Conv2d(inputs, outputs, 1, stride, bias=False), nn.BatchNorm2d(outputs))
 
         def forward(self, x: Any) -> Any:
-            y = F.relu(self.bn1(self.conv1(x)))
+            y = F.silu(self.bn1(self.conv1(x)))
             y = self.bn2(self.conv2(y))
-            return F.relu(y + (x if self.project is None else self.project(x)))
+            return F.silu(y + (x if self.project is None else self.project(x)))
 
     class Net(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.stem = nn.Sequential(nn.Conv2d(3, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+            self.stem = nn.Sequential(nn.Conv2d(3, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width), nn.SiLU())
             self.pool = nn.MaxPool2d(3, 2, 1)
             self.blocks = nn.Sequential(
                 Block(width, width, 1), Block(width, 2 * width, 2), Block(2 * width, 4 * width, 2)
@@ -83,7 +85,7 @@ def run_shape(torch: Any, shape: tuple[int, ...], args: argparse.Namespace) -> d
     gen = torch.Generator().manual_seed(1)
     images = torch.randn(batch, 3, side, side, generator=gen)
     labels = torch.randint(0, classes, (batch,), generator=gen)
-    result = compare_steps(torch, base, (images, labels), args, str(shape), GRADIENT_TOLERANCE)
+    result = compare_steps(torch, base, (images, labels), args, str(shape))
     return {"shape": dict(zip(("B", "side", "width", "classes"), shape, strict=True)), **result}
 
 

@@ -120,12 +120,12 @@ def run_shape(torch: Any, shape: tuple[int, ...], args: argparse.Namespace) -> d
 
 
 def compare_steps(
-    torch: Any, base: Any, inputs: tuple[Any, ...], args: argparse.Namespace, what: str, tolerance: float = 1e-3
+    torch: Any, base: Any, inputs: tuple[Any, ...], args: argparse.Namespace, what: str
 ) -> dict[str, Any]:
     """A training step of ``base`` on ``inputs`` in torch eager, through rlx's backend and (unless
     ``--no-inductor``) through inductor: the gradients compared with eager's first (an error if
     any part of the model fell back to eager torch, or if a gradient differs from eager's by more
-    than ``tolerance`` of its largest entry), then timed interleaved."""
+    than 1e-3 of its largest entry), then timed interleaved."""
     import copy
 
     import rlx.torch.dynamo as rlx_dynamo
@@ -155,7 +155,7 @@ def compare_steps(
             scale = max(float(want.abs().max()), 1e-30)
             worst = max(worst, float((p.grad - want).abs().max()) / scale)
         errors[name] = worst
-        if worst > tolerance:
+        if worst > 1e-3:
             raise RuntimeError(f"{name} disagrees with torch eager on {what}: relative error {worst:.2e}")
     bursts = h.time_bursts(steps, args.repeat, args.gap, args.warm)
     cold = {name: float(np.median(s)) for name, s in bursts.cold.items()}

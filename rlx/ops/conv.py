@@ -563,6 +563,9 @@ def _padding(padding: object, spatial: int, reach: list[int], strides: list[int]
     return [(int(p[0]), int(p[1])) for p in pairs]
 
 
+REDUCED_WINDOW_MIN = 8  # tiling windows of at least this many entries pool by a reduction (see _tiled_pool)
+
+
 def pool(
     graph: Graph,
     x: object,
@@ -605,6 +608,10 @@ def pool(
         max(0, (o - 1) * st + r + 1 - (n + 2 * p))
         for o, st, r, n, p in zip(out_sizes, strides, reach, sizes, pads, strict=True)
     ]
+    tiled = strides == taps and not any(pads) and not any(beyond) and set(dilations) == {1}
+    if tiled and math.prod(taps) >= REDUCED_WINDOW_MIN:
+        divisor = int(divisor_override) if divisor_override is not None else math.prod(taps)
+        return _tiled_pool(graph, value, kind, taps, out_sizes, divisor)
     fill = float("-inf") if kind == "max" else 0.0
     windows = _phase_windows(graph, value, taps, strides, dilations, pads, beyond, out_sizes, fill)
     channels_first = (0, spatial + 1, *range(1, spatial + 1))  # the windows are channels-last
@@ -629,6 +636,32 @@ def pool(
         counts += inside[tuple(slice(o * d, o * d + (n - 1) * s + 1, s)
                                for o, d, s, n in zip(offsets, dilations, strides, out_sizes, strict=True))]  # fmt: skip
     return total / graph.constant(counts.astype(np.float32))
+
+
+def _tiled_pool(graph: Graph, x: Value, kind: str, taps: list[int], out_sizes: list[int], divisor: int) -> Value:
+    """Pooling by windows that tile ``x`` (stride = window, no padding): ``x`` (cut to whole
+    windows) seen as ``[N, C, o1, k1, o2, k2, ...]`` and reduced over the ``k`` axes. A global
+    average pool is one mean instead of ``H·W`` slices summed in one loop nest (which, read inline
+    by a gradient, made LLVM's code for it megabytes). The maximum's gradient goes to the window's
+    first maximum in row-major order, and to its last NaN where it holds one, as in
+    :func:`_first_maximum`: the position is picked, then the entry taken there."""
+    spatial = len(taps)
+    whole = tuple(
+        slice(None, o * k) if o * k != n else slice(None) for o, k, n in zip(out_sizes, taps, x.shape[2:], strict=True)
+    )
+    cut = x[(slice(None), slice(None), *whole)] if any(part != slice(None) for part in whole) else x
+    split = graph.reshape(cut, (*cut.shape[:2], *itertools.chain.from_iterable(zip(out_sizes, taps, strict=True))))
+    window_axes = tuple(3 + 2 * a for a in range(spatial))
+    if kind == "avg":
+        total = graph.sum(split, axis=window_axes)
+        return total * (1.0 / divisor)
+    order = (0, 1, *(2 + 2 * a for a in range(spatial)), *window_axes)
+    flat = graph.reshape(graph.transpose(split, order), (*cut.shape[:2], *out_sizes, math.prod(taps)))
+    positions = graph.constant(np.arange(math.prod(taps), dtype=np.float32))
+    last_nan = graph.max(graph.where(graph.not_equal(flat, flat), positions, -1.0), axis=-1, keepdims=True)
+    first = graph.argmax(flat, axis=-1, keepdims=True)
+    chosen = graph.where(graph.less(last_nan, 0.0), first, last_nan.astype("int64"))
+    return graph.squeeze(graph.take_along_axis(flat, chosen, -1), -1)
 
 
 def adaptive_pool(graph: Graph, x: object, kind: str, output_size: int | Sequence[int | None]) -> Value:

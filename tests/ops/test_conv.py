@@ -489,7 +489,7 @@ def first_maximum_pooling(
     return y, dx
 
 
-@pytest.mark.parametrize(("window", "stride", "padding"), [(3, 2, 1), (2, 2, 0), (3, 1, 1)])
+@pytest.mark.parametrize(("window", "stride", "padding"), [(3, 2, 1), (2, 2, 0), (3, 1, 1), (3, 3, 0), (4, 4, 0)])
 def test_max_pool_gives_a_tied_window_its_first_maximum(window: int, stride: int, padding: int) -> None:
     """After a ReLU whole windows tie at 0: as in torch, the first maximum in the window gets all
     of ``dy`` (``maximum``'s own rule would split it), and a window with NaN gives NaN and its
@@ -603,7 +603,8 @@ def direct_adaptive(x: np.ndarray, kind: str, outs: tuple[int, ...]) -> np.ndarr
 @pytest.mark.parametrize(
     ("shape", "output_size", "outs"),
     [((2, 3, 10), 4, (4,)), ((2, 2, 7, 9), (3, None), (3, 9)), ((1, 2, 5, 5), 7, (7, 7)),
-     ((1, 2, 5, 6, 7), (2, 3, 4), (2, 3, 4)), ((2, 2, 8, 6), (4, 2), (4, 2))],
+     ((1, 2, 5, 6, 7), (2, 3, 4), (2, 3, 4)), ((2, 2, 8, 6), (4, 2), (4, 2)), ((2, 3, 12, 10), 1, (1, 1)),
+     ((2, 2, 8, 6), (2, 1), (2, 1))],
 )  # fmt: skip
 def test_adaptive_pooling_against_the_definition(
     kind: str, shape: tuple[int, ...], output_size: object, outs: tuple[int, ...]
@@ -635,3 +636,24 @@ def test_adaptive_pooling_against_the_definition(
         (yt * torch.from_numpy(weights.astype(np.float32))).sum().backward()
         np.testing.assert_array_equal(got["y"], yt.detach().numpy())
         np.testing.assert_allclose(got["dx"], xt.grad.numpy(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["max", "avg"])
+def test_global_pooling_is_one_reduction(kind: str) -> None:
+    """Windows that tile the input (a global pool, a 4x4 pool of stride 4) pool by one reduction
+    over the window's entries: a handful of nodes, not one slice per entry (576 slices of a
+    24x24 map, read inline by a max pool's gradient, took LLVM minutes to compile)."""
+    g = Graph("global_pool")
+    x = g.input("x", (2, 4, 24, 24))
+    y = g.adaptive_max_pool(x, 1) if kind == "max" else g.adaptive_avg_pool(x, 1)
+    assert len(g.nodes) <= 20, g
+    (dx,) = rlx.grad(g, g.sum(y * y), [x])
+    g.output(y=y, dx=dx)
+    xv = np.random.default_rng(22).standard_normal((2, 4, 24, 24)).astype(np.float32)
+    got = rlx.compile(g)(x=xv)
+    want = xv.max(axis=(2, 3), keepdims=True) if kind == "max" else xv.mean(axis=(2, 3), keepdims=True)
+    np.testing.assert_allclose(got["y"], want, rtol=1e-5, atol=1e-6)
+    if kind == "avg":
+        np.testing.assert_allclose(got["dx"], np.broadcast_to(2 * want / 576, xv.shape), rtol=1e-5, atol=1e-8)
+    else:
+        np.testing.assert_allclose(got["dx"], np.where(xv == want, 2 * want, 0.0), rtol=1e-6)
