@@ -42,6 +42,7 @@ from rlx.codegen.irutil import (
     alloca_entry,
     clamp,
     declare,
+    element_type,
     gep,
     i64,
     intrinsic,
@@ -437,49 +438,56 @@ class FusedEmitter:
 
     def embedding(self, value: Value, idx: tuple[Ix, ...]) -> Lane:
         table, ids = value.node.inputs
-        row = self.eval(ids, idx[:-1])
         view = self.schedule.view(table)
         assert view is not None
-        if row.width == 1:
-            (checked,) = self._checked_rows(value.node, [row.value], view.shape[0])
-            return self.load(
-                view, (Ix(None, checked, max((ix.level for ix in idx[:-1]), default=0)), idx[-1]), table.dtype
-            )
-        # Several rows at once (ids vary along the vector loop): gather lane by lane.
-        rows = [self.b.extract_element(row.value, ir.Constant(I32, lane)) for lane in range(WIDTH)]
-        lanes = []
-        for lane, scalar_row in enumerate(self._checked_rows(value.node, rows, view.shape[0])):
-            col = idx[-1]
-            lanes.append(self.load(view, (Ix(None, scalar_row, 0), _lane_of(self.b, col, lane)), table.dtype))
-        values = [lane.value for lane in lanes]  # f32, or an int or bool table's i64 / i1
-        return Lane(_pack(self.b, values, values[0].type), WIDTH, lanes[0].kind)
+        level = max((ix.level for ix in idx[:-1]), default=0)
+
+        def place(row: ir.Value, at: tuple[Ix, ...]) -> tuple[Ix, ...]:
+            return (Ix(None, row, level), at[-1])
+
+        return self._gather(value.node, self.eval(ids, idx[:-1]), view, view.shape[0], idx, place)
 
     def take_along_axis(self, value: Value, idx: tuple[Ix, ...]) -> Lane:
         """``x`` at the index with its ``axis`` entry replaced by the id there (broadcast axes of
-        either operand read at 0); lane by lane where the ids vary along the vector loop."""
+        either operand read at 0)."""
         node = value.node
         x, ids = node.inputs
         axis = node.attrs.axis
-        at = self.eval(ids, tuple(ZERO if size == 1 else ix for ix, size in zip(idx, ids.shape, strict=True)))
         view = self.schedule.view(x)
         assert view is not None
         level = max((ix.level for ix in idx), default=0)
 
-        def index(position: ir.Value, where: tuple[Ix, ...]) -> tuple[Ix, ...]:
+        def place(position: ir.Value, at: tuple[Ix, ...]) -> tuple[Ix, ...]:
             return tuple(
                 Ix(None, position, level) if a == axis else (ZERO if size == 1 else ix)
-                for a, (ix, size) in enumerate(zip(where, x.shape, strict=True))
+                for a, (ix, size) in enumerate(zip(at, x.shape, strict=True))
             )
 
-        if at.width == 1:
-            (checked,) = self._checked_rows(node, [at.value], x.shape[axis])
-            return self.load(view, index(checked, idx), x.dtype)
-        positions = [self.b.extract_element(at.value, ir.Constant(I32, lane)) for lane in range(WIDTH)]
-        lanes = []
-        for lane, position in enumerate(self._checked_rows(node, positions, x.shape[axis])):
-            scalar_idx = tuple(_lane_of(self.b, ix, lane) for ix in idx)
-            lanes.append(self.load(view, index(position, scalar_idx), x.dtype))
-        values = [lane.value for lane in lanes]
+        positions = self.eval(ids, tuple(ZERO if size == 1 else ix for ix, size in zip(idx, ids.shape, strict=True)))
+        return self._gather(node, positions, view, x.shape[axis], idx, place)
+
+    def _gather(
+        self,
+        node: Node,
+        ids: Lane,
+        view: View,
+        count: Dim,
+        idx: tuple[Ix, ...],
+        place: Callable[[ir.Value, tuple[Ix, ...]], tuple[Ix, ...]],
+    ) -> Lane:
+        """What ``node`` (an ``embedding`` or a ``take_along_axis``) reads of ``view`` at
+        ``place(id, idx)``, for the ``ids`` it computed at ``idx``, each checked against the
+        ``count`` entries of the axis it indexes (:meth:`_checked_rows`). Where the ids vary along
+        the vector loop, lane by lane, with ``idx`` at each lane's position."""
+        if ids.width == 1:
+            (checked,) = self._checked_rows(node, [ids.value], count)
+            return self.load(view, place(checked, idx), view.base.dtype)
+        each = [self.b.extract_element(ids.value, ir.Constant(I32, lane)) for lane in range(WIDTH)]
+        lanes = [
+            self.load(view, place(checked, tuple(_lane_of(self.b, ix, lane) for ix in idx)), view.base.dtype)
+            for lane, checked in enumerate(self._checked_rows(node, each, count))
+        ]
+        values = [lane.value for lane in lanes]  # f32, or an int or bool table's i64 / i1
         return Lane(_pack(self.b, values, values[0].type), WIDTH, lanes[0].kind)
 
     def _checked_rows(self, node: Node, rows: list[ir.Value], count: Dim) -> list[ir.Value]:
@@ -915,15 +923,8 @@ def _scalar_type(ty: ir.Type) -> ir.Type:
 
 
 def _element_type(dtype: np.dtype) -> tuple[ir.Type, str]:
-    if dtype == np.float32:
-        return F32, "f"
-    if dtype == np.bool_:
-        return I8, "b"
-    if dtype == np.int32:
-        return I32, "i"
-    if dtype == np.int64:
-        return I64, "i"
-    raise AssertionError(f"no loop-nest type for {dtype}")
+    """The stored type of ``dtype`` and the kind of lane it loads as."""
+    return element_type(dtype), np.dtype(dtype).kind  # "f", "b" or "i"
 
 
 def _widen_scalar(b: ir.IRBuilder, loaded: ir.Value, kind: str) -> ir.Value:

@@ -26,6 +26,15 @@ CONTRACT = ("contract",)
 REDUCE = ("reassoc", "contract")
 
 
+def element_type(dtype: object) -> ir.Type:
+    """The LLVM type one element of an array of ``dtype`` is stored as (bool as a byte)."""
+    name = str(dtype)
+    types = {"float32": F32, "bool": I8, "int32": I32, "int64": I64}
+    if name not in types:
+        raise AssertionError(f"no LLVM element type for {dtype}")
+    return types[name]
+
+
 def i32(value: int) -> ir.Constant:
     return ir.Constant(I32, value)
 

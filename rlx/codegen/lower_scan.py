@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 
-from rlx.codegen.irutil import I32, I64, PTR, VOID, for_range, gep, i64
+from rlx.codegen.irutil import I32, I64, PTR, VOID, element_type, for_range, gep, i64
 from rlx.codegen.sizes import emit_size, load_symbols
 from rlx.codegen.vector import Lanes, vector_loop
-from rlx.ir.dims import product as dims_product
+from rlx.ir.dims import product
 from rlx.ir.types import Dim
 
 
@@ -24,14 +24,14 @@ def emit_scan_item(
     shape: tuple[Dim, ...],
     axis: int,
     reverse: bool,
-    product: bool,
+    multiplies: bool,
     source: np.dtype,
     name: str,
     symbols: tuple[str, ...] = (),
 ) -> ir.Function:
     """``void item(ptr args, i64 item, ptr scratch)``; args = [x, out] (then, with ``symbols``,
     the call's sizes table); item ``i`` scans ``x[i, :, :]`` of ``x`` seen as ``[outer, n, inner]``,
-    running products with ``product``, else sums."""
+    running products where ``multiplies``, else sums."""
     fn = ir.Function(module, ir.FunctionType(VOID, [PTR, I64, PTR]), name=name)
     fn.linkage = "internal"
     args, item = fn.args[0], fn.args[1]
@@ -42,10 +42,10 @@ def emit_scan_item(
     x_ptr = b.load(gep(b, args, [i64(0)], PTR), typ=PTR, name="x")
     out_ptr = b.load(gep(b, args, [i64(1)], PTR), typ=PTR, name="out")
     steps = emit_size(b, shape[axis], sizes)
-    inner = emit_size(b, dims_product(shape[axis + 1 :]), sizes)
+    inner = emit_size(b, product(shape[axis + 1 :]), sizes)
     base = b.mul(item, b.mul(steps, inner), name="base")
     floats = source == np.float32
-    element = ir.FloatType() if floats else (I32 if source == np.int32 else I64)
+    element = element_type(source)
 
     def row_at(step: ir.Value) -> ir.Value:
         """The offset of row ``step`` of the walk (from the end with ``reverse``)."""
@@ -60,7 +60,7 @@ def emit_scan_item(
                 value = lanes.load(b, x_ptr, b.add(row, j))
                 if previous is not None:
                     before = lanes.load(b, out_ptr, b.add(previous, j))
-                    value = b.fmul(before, value) if product else b.fadd(before, value)
+                    value = b.fmul(before, value) if multiplies else b.fadd(before, value)
                 lanes.store(b, value, out_ptr, b.add(row, j))
 
             vector_loop(b, i64(0), inner, "col", body)
@@ -70,7 +70,7 @@ def emit_scan_item(
             value = b.sext(value, I64) if element == I32 else value
             if previous is not None:
                 before = b.load(gep(b, out_ptr, [b.add(previous, j)], I64), typ=I64)
-                value = b.mul(before, value) if product else b.add(before, value)
+                value = b.mul(before, value) if multiplies else b.add(before, value)
             b.store(value, gep(b, out_ptr, [b.add(row, j)], I64))
 
     add_rows(row_at(i64(0)), None)

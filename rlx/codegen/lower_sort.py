@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 
-from rlx.codegen.irutil import I32, I64, PTR, VOID, declare, for_range, gep, i64
+from rlx.codegen.irutil import I32, I64, PTR, VOID, declare, element_type, for_range, gep, i64
 from rlx.codegen.sizes import emit_size, load_symbols
 from rlx.ir.types import Dim
 
@@ -29,7 +29,7 @@ def emit_sort_item(
 ) -> ir.Function:
     """``void item(ptr args, i64 item, ptr scratch)``; args = [x, values, indices] (then, with
     ``symbols``, the call's sizes table), all dense with ``shape``; item ``i`` sorts row ``i``."""
-    key_type = _key_type(dtype)
+    key_type = element_type(dtype)
     compare = _comparator(module, key_type, descending)
     qsort = declare(module, QSORT_R, VOID, [PTR, I64, I64, PTR, PTR])
     fn = ir.Function(module, ir.FunctionType(VOID, [PTR, I64, PTR]), name=name)
@@ -52,12 +52,6 @@ def emit_sort_item(
         b.store(b.load(gep(b, keys, [source], key_type), typ=key_type), gep(b, values, [j], key_type))
     b.ret_void()
     return fn
-
-
-def _key_type(dtype: np.dtype) -> ir.Type:
-    if dtype == np.float32:
-        return ir.FloatType()
-    return I32 if dtype == np.int32 else I64
 
 
 def _comparator(module: ir.Module, key_type: ir.Type, descending: bool) -> ir.Function:
