@@ -25,7 +25,6 @@ Needs torch; inductor's first compile takes tens of seconds a shape.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,8 +32,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-import _harness as h  # noqa: E402
-from torch_backend import compare_steps  # noqa: E402
+from torch_backend import compare_steps, run_benchmark  # noqa: E402
 
 # (batch, image side, stem width, classes)
 SHAPES = [(16, 96, 32, 10), (8, 160, 64, 100)]
@@ -90,49 +88,11 @@ def run_shape(torch: Any, shape: tuple[int, ...], args: argparse.Namespace) -> d
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="the small shape, 3 repetitions, no inductor")
-    parser.add_argument("--repeat", type=int, default=9)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--gap", type=float, default=0.05)
-    parser.add_argument("--no-inductor", action="store_true", help="skip torch.compile's default backend")
-    h.add_warm_option(parser)
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
-    args = parser.parse_args()
-    if args.quick:
-        args.repeat, args.no_inductor = 3, True
-    import torch
+    return run_benchmark(__doc__, SHAPES, run_shape, "B,side,width,classes", _label, DEFAULT_JSON)
 
-    torch.set_num_threads(args.threads)
-    shapes = SHAPES[:1] if args.quick else SHAPES
-    print(f"CPU: {h.cpu_model()}, {h.core_count()} cores; threads {args.threads}; torch {torch.__version__}")
-    results = [run_shape(torch, shape, args) for shape in shapes]
-    names = list(results[0]["median_s"])
-    header = ["B,side,width,classes", *(f"{n} ms" for n in names), *(f"eager/{n}" for n in names[1:])]
-    header += [f"first step {n} s" for n in names]
-    rows = []
-    for r in results:
-        s, med = r["shape"], r["median_s"]
-        rows.append(
-            [f"{s['B']},{s['side']},{s['width']},{s['classes']}"]
-            + [f"{med[n] * 1e3:.1f}" for n in names]
-            + [f"{med['torch eager'] / med[n]:.2f}x" for n in names[1:]]
-            + [f"{r['first_step_s'][n]:.2f}" for n in names]
-        )
-    print("\nOne training step (forward, cross-entropy, backward), first call after a gap, median:")
-    print(h.markdown_table(header, rows))
-    for n in names[1:]:
-        ratio = h.geomean(r["median_s"]["torch eager"] / r["median_s"][n] for r in results)
-        print(f"geometric mean, torch eager / {n}: {ratio:.2f}x")
-    report = {
-        "machine": {"cpu": h.cpu_model(), "cores": h.core_count(), "threads": args.threads, "torch": torch.__version__},
-        "revision": h.git_revision(REPO),
-        "results": results,
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {args.json}")
-    return 0
+
+def _label(shape: dict[str, int]) -> str:
+    return f"{shape['B']},{shape['side']},{shape['width']},{shape['classes']}"
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -170,31 +171,48 @@ def compare_steps(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    return run_benchmark(__doc__, SHAPES, run_shape, "B,S,E,H/Hkv,layers,V", _label, DEFAULT_JSON)
+
+
+def _label(shape: dict[str, int]) -> str:
+    return f"{shape['B']},{shape['S']},{shape['E']},{shape['H']}/{shape['Hkv']},{shape['layers']},{shape['vocab']}"
+
+
+def run_benchmark(
+    doc: str | None,
+    shapes: list[tuple[int, ...]],
+    run_shape: Callable[[Any, tuple[int, ...], argparse.Namespace], dict[str, Any]],
+    shape_header: str,
+    label: Callable[[dict[str, int]], str],
+    default_json: Path,
+) -> int:
+    """The command line of a training-step benchmark (this one, ``convnet.py``): ``run_shape``
+    for each of ``shapes`` (the first alone with ``--quick``), its table of first calls after a
+    gap and of warm calls, the geometric means against torch eager, and the JSON."""
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the small shape, 3 repetitions, no inductor")
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gap", type=float, default=0.05)
     parser.add_argument("--no-inductor", action="store_true", help="skip torch.compile's default backend")
     h.add_warm_option(parser)
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    parser.add_argument("--json", type=Path, default=default_json)
     args = parser.parse_args()
     if args.quick:
         args.repeat, args.no_inductor = 3, True
     import torch
 
     torch.set_num_threads(args.threads)
-    shapes = SHAPES[:1] if args.quick else SHAPES
     print(f"CPU: {h.cpu_model()}, {h.core_count()} cores; threads {args.threads}; torch {torch.__version__}")
-    results = [run_shape(torch, shape, args) for shape in shapes]
+    results = [run_shape(torch, shape, args) for shape in (shapes[:1] if args.quick else shapes)]
     names = list(results[0]["median_s"])
-    header = ["B,S,E,H/Hkv,layers,V", *(f"{n} ms" for n in names), *(f"eager/{n}" for n in names[1:])]
+    header = [shape_header, *(f"{n} ms" for n in names), *(f"eager/{n}" for n in names[1:])]
     header += [f"first step {n} s" for n in names]
     rows = []
     for r in results:
-        s, med = r["shape"], r["median_s"]
+        med = r["median_s"]
         rows.append(
-            [f"{s['B']},{s['S']},{s['E']},{s['H']}/{s['Hkv']},{s['layers']},{s['vocab']}"]
+            [label(r["shape"])]
             + [f"{med[n] * 1e3:.1f}" for n in names]
             + [f"{med['torch eager'] / med[n]:.2f}x" for n in names[1:]]
             + [f"{r['first_step_s'][n]:.2f}" for n in names]
@@ -207,12 +225,13 @@ def main() -> int:
     if args.warm:
         print(f"\n{h.warm_heading(args.warm)}:")
         warm_rows = [
-            [f"{r['shape']['B']},{r['shape']['S']},{r['shape']['E']}"]
+            [label(r["shape"])]
             + [f"{r['warm_median_s'][n] * 1e3:.1f}" for n in names]
             + [f"{r['warm_median_s']['torch eager'] / r['warm_median_s'][n]:.2f}x" for n in names[1:]]
             for r in results
         ]
-        print(h.markdown_table(["B,S,E", *(f"{n} ms" for n in names), *(f"eager/{n}" for n in names[1:])], warm_rows))
+        warm_header = [shape_header, *(f"{n} ms" for n in names), *(f"eager/{n}" for n in names[1:])]
+        print(h.markdown_table(warm_header, warm_rows))
     report = {
         "machine": {"cpu": h.cpu_model(), "cores": h.core_count(), "threads": args.threads, "torch": torch.__version__},
         "revision": h.git_revision(REPO),

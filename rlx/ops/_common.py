@@ -73,6 +73,12 @@ def require_bool(what: str, label: str, ty: TensorType) -> None:
         raise RlxTypeError(f"{what}: {label} must be bool, got {ty.dtype_name} ({ty})")
 
 
+def require_axis_attr(what: str, axis: object, ty: TensorType) -> None:
+    """``RlxValueError`` unless ``axis`` (an attribute, non-negative once built) is an axis of ``ty``."""
+    if isinstance(axis, bool) or not isinstance(axis, int) or not 0 <= axis < ty.rank:
+        raise RlxValueError(f"{what}: axis {axis!r} must be in [0, {ty.rank}) for {ty}")
+
+
 def require_int(what: str, label: str, ty: TensorType) -> None:
     if ty.dtype not in INT_DTYPES:
         raise RlxTypeError(f"{what}: {label} must be int32 or int64, got {ty.dtype_name} ({ty})")

@@ -34,6 +34,7 @@ from rlx.ops._common import (
     broadcast_shapes,
     normalize_axis,
     op_kind,
+    require_axis_attr,
     require_float,
     require_int,
     sum_to_shape,
@@ -55,11 +56,6 @@ class ScatterAttrs:
     size: Dim  # the result's length along axis: an int or a symbolic dimension
 
 
-def _check_axis(what: str, axis: object, rank: int) -> None:
-    if isinstance(axis, bool) or not isinstance(axis, int) or not 0 <= axis < rank:
-        raise RlxValueError(f"{what}: axis {axis!r} must be in [0, {rank})")
-
-
 def _others(what: str, x: TensorType, ids: TensorType, axis: int) -> tuple[Dim, ...]:
     """The result's shape: ``ids``'s length along ``axis``, the other axes broadcast."""
     if ids.rank != x.rank:
@@ -78,7 +74,7 @@ def _take_infer(what: str, inputs: Sequence[TensorType], attrs: AxisAttrs) -> tu
     if x.dtype not in (F32, BOOL, *INT_DTYPES):
         require_float(what, "x", x)
     require_int(what, "ids", ids)
-    _check_axis(what, attrs.axis, x.rank)
+    require_axis_attr(what, attrs.axis, x)
     return (TensorType(_others(what, x, ids, attrs.axis), x.dtype),)
 
 
@@ -122,7 +118,7 @@ def _scatter_infer(what: str, inputs: Sequence[TensorType], attrs: ScatterAttrs)
     require_int(what, "ids", ids)
     if tuple(ids.shape) != tuple(updates.shape):
         raise RlxValueError(f"{what}: ids must have the updates' shape {updates}, got {ids}")
-    _check_axis(what, attrs.axis, updates.rank)
+    require_axis_attr(what, attrs.axis, updates)
     size = attrs.size
     if isinstance(size, str) and parse_dim(size) != size:
         raise RlxValueError(f"{what}: size must be an int or a symbolic dimension, got {size!r}")

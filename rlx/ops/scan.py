@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rlx.errors import RlxTypeError, RlxValueError
+from rlx.errors import RlxTypeError
 from rlx.ir.opdef import EvalContext, OpDef, register_op
 from rlx.ir.types import TensorType
-from rlx.ops._common import F32, INT_DTYPES, as_value, normalize_axis, op_kind
+from rlx.ops._common import F32, INT_DTYPES, as_value, normalize_axis, op_kind, require_axis_attr
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Node, Value
@@ -41,8 +41,7 @@ def _infer(what: str, inputs: Sequence[TensorType], attrs: ScanAttrs) -> tuple[T
             f"{what}: x must be float32, int32 or int64, got {x.dtype_name} ({x}); a mask counts with "
             ".astype('int64') (or 'float32')"
         )
-    if isinstance(attrs.axis, bool) or not isinstance(attrs.axis, int) or not 0 <= attrs.axis < x.rank:
-        raise RlxValueError(f"{what}: axis {attrs.axis!r} must be in [0, {x.rank}) for {x}")
+    require_axis_attr(what, attrs.axis, x)
     # Ints run in int64, as NumPy and torch do (a mask's running count never wraps in int32).
     return (TensorType(x.shape, F32 if x.dtype == F32 else I64),)
 

@@ -46,7 +46,7 @@ def _infer(what: str, inputs: Sequence[TensorType], attrs: SortAttrs) -> tuple[T
     return (x, TensorType(x.shape, I64))
 
 
-def sort_order(x: np.ndarray, descending: bool) -> np.ndarray:
+def _sort_order(x: np.ndarray, descending: bool) -> np.ndarray:
     """The stable order of ``x``'s last axis, NaN above every number (the op's definition)."""
     positions = np.broadcast_to(np.arange(x.shape[-1]), x.shape)
     keys: tuple[np.ndarray, ...]
@@ -61,7 +61,7 @@ def sort_order(x: np.ndarray, descending: bool) -> np.ndarray:
 
 def _reference(args: Sequence[np.ndarray], attrs: SortAttrs, ctx: EvalContext) -> tuple[np.ndarray, ...]:
     x = np.asarray(args[0])
-    order = sort_order(x, attrs.descending)
+    order = _sort_order(x, attrs.descending)
     return np.take_along_axis(x, order, -1), order.astype(np.int64)
 
 

@@ -633,13 +633,18 @@ def _adaptive(kind: str) -> Callable[..., Any]:
     return handler
 
 
-def _cumsum(g: Graph, x: Any, dim: int, *, dtype: torch.dtype | None = None, out: Any = None) -> Any:
-    """``torch.cumsum``: bools and ints sum in int64, as torch's; ``dtype`` converts first."""
-    check_kwargs({"out": out}, out=None)
-    x = _float(x) if dtype is None else _cast(g, x, dtype)
-    if x.dtype == np.bool_:
-        x = x.astype("int64")
-    return g.cumsum(x, axis=dim)
+def _running(name: str) -> Callable[..., Any]:
+    """``torch.cumsum`` and ``torch.cumprod``: bools and ints run in int64, as torch's; ``dtype``
+    converts first."""
+
+    def handler(g: Graph, x: Any, dim: int, *, dtype: torch.dtype | None = None, out: Any = None) -> Any:
+        check_kwargs({"out": out}, out=None)
+        x = _float(x) if dtype is None else _cast(g, x, dtype)
+        if x.dtype == np.bool_:
+            x = x.astype("int64")
+        return getattr(g, name)(x, axis=dim)
+
+    return handler
 
 
 def _method_cast(dtype: torch.dtype) -> Callable[..., Any]:
@@ -1984,7 +1989,8 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     torch.clone: lambda g, x, memory_format=None: _float(x),
     torch.detach: lambda g, x: g.stop_gradient(_float(x)),
     torch.baddbmm: _baddbmm,
-    torch.cumsum: _cumsum,
+    torch.cumsum: _running("cumsum"),
+    torch.cumprod: _running("cumprod"),
     **{getattr(F, f"max_pool{n}d"): _max_pool for n in (1, 2, 3)},
     **{getattr(F, f"avg_pool{n}d"): _avg_pool for n in (1, 2, 3)},
     **{getattr(F, f"adaptive_avg_pool{n}d"): _adaptive("avg") for n in (1, 2, 3)},
@@ -2062,7 +2068,8 @@ METHODS: dict[str, Callable[..., Any]] = {
     "clip": _clamp,
     "unbind": _unbind,
     "gather": _gather,
-    "cumsum": _cumsum,
+    "cumsum": _running("cumsum"),
+    "cumprod": _running("cumprod"),
     "logsumexp": _logsumexp,
     "tril": _triangle(lower=True),
     "triu": _triangle(lower=False),

@@ -1,13 +1,12 @@
-"""torch's sorts, order statistics, running products and scatters in a TorchDynamo graph, as rlx
-ops (see :mod:`rlx.torch._fx_calls`, whose tables include these).
+"""torch's sorts, order statistics and scatters in a TorchDynamo graph, as rlx ops (see
+:mod:`rlx.torch._fx_calls`, whose tables include these).
 
 ``torch.sort``, ``argsort``, ``msort``, ``topk``, ``kthvalue`` and ``median`` are one ``sort``
 each (stable: equal entries keep their order, NaN above every number, as torch's stable sort);
-``torch.cumprod`` is rlx's, with torch's gradient at zeros; ``torch.scatter_add`` by any index
-is ``scatter_add_along_axis``; ``torch.scatter`` of a number and ``index_put`` that accumulates
-follow from it. Where torch leaves the result undefined (``scatter`` of a tensor with repeated
-indices) or rlx would compute something else, the call raises :class:`Unsupported` and the
-graph runs eagerly.
+``torch.scatter_add`` by any index is ``scatter_add_along_axis``; ``torch.scatter`` of a number
+follows from it, and ``index_put`` that accumulates is ``index_add``. Where torch leaves the
+result undefined (``scatter`` of a tensor with repeated indices) or rlx would compute something
+else, the call raises :class:`Unsupported` and the graph runs eagerly.
 """
 
 from __future__ import annotations
@@ -20,12 +19,8 @@ import torch
 
 from rlx.ir.graph import Graph, Value
 from rlx.ops.sort import sort_with_indices
-from rlx.torch._fx_calls import Unsupported, _cast, _float, _value, check_kwargs
-
-
-def _indices(value: Value) -> Value:
-    """torch's int64 positions (rlx's sort gives int64 already; ids may be int32)."""
-    return value if value.dtype == np.int64 else value.astype("int64")
+from rlx.torch._fx_calls import Unsupported, _float, _value, check_kwargs
+from rlx.torch._fx_extras import index_add
 
 
 def sort(g: Graph, x: Any, dim: int = -1, descending: bool = False, stable: bool | None = False) -> tuple[Value, Value]:
@@ -95,15 +90,6 @@ def median(g: Graph, x: Any, dim: int | None = None, keepdim: bool = False, **kw
     return g.squeeze(picked_values, axis), g.squeeze(picked_positions, axis)
 
 
-def cumprod(g: Graph, x: Any, dim: int, *, dtype: torch.dtype | None = None, out: Any = None) -> Value:
-    """``torch.cumprod``: bools and ints multiply in int64, as torch's; ``dtype`` converts first."""
-    check_kwargs({"out": out}, out=None)
-    value = _float(x) if dtype is None else _cast(g, x, dtype)
-    if value.dtype == np.bool_:
-        value = value.astype("int64")
-    return g.cumprod(value, axis=dim)
-
-
 def _scattered(g: Graph, x: Value, dim: int, index: Any, source: Value) -> Value:
     """``source`` (cut to the index's shape) added at ``index`` along ``dim`` into zeros of x's
     shape: torch's ``scatter_add`` where the index covers x's other axes."""
@@ -120,7 +106,7 @@ def _scattered(g: Graph, x: Value, dim: int, index: Any, source: Value) -> Value
         raise Unsupported(f"scatter from a source of shape {source.shape} by an index of shape {ids.shape}")
     cut = tuple(slice(0, size) if size != have else slice(None) for size, have in pairs)
     part = source[cut] if any(c != slice(None) for c in cut) else source
-    return g.scatter_add_along_axis(part, _indices(ids), axis, x.shape[axis])
+    return g.scatter_add_along_axis(part, ids, axis, x.shape[axis])
 
 
 def scatter_add(g: Graph, x: Any, dim: int, index: Any, src: Any, **kwargs: Any) -> Value:
@@ -164,16 +150,14 @@ def index_put(g: Graph, x: Any, indices: Any, values: Any, accumulate: bool = Fa
     rows = (ids.shape[0], *target.shape[1:])
     if accumulate:
         source = _value(g, values)
-        source = g.broadcast_to(source, rows) if tuple(source.shape) != rows else source
-        summed = g.embedding_grad(g.reshape(source, (ids.shape[0], -1)), _indices(ids), target.shape[0])
-        return target + g.reshape(summed, tuple(target.shape))
+        return index_add(g, target, 0, ids, g.broadcast_to(source, rows) if tuple(source.shape) != rows else source)
     put = _value(g, values)
     if put.ndim == target.ndim and put.shape[0] != 1:
         raise Unsupported("index_put of rows without accumulate (repeated indices would pick any row)")
     ones = g.broadcast_to(g.constant(np.float32(1.0)), (ids.shape[0], 1))
-    hits = g.embedding_grad(ones, _indices(ids), target.shape[0])  # [rows, 1]
+    hits = g.embedding_grad(ones, ids, target.shape[0])  # [rows, 1]
     shaped = g.reshape(hits, (target.shape[0], *(1,) * (target.ndim - 1)))
-    return g.where(g.greater(shaped, 0.0), put.astype("float32") if put.dtype != np.float32 else put, target)
+    return g.where(g.greater(shaped, 0.0), put.astype("float32"), target)
 
 
 FUNCTIONS: dict[Any, Callable[..., Any]] = {
@@ -183,7 +167,6 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     torch.topk: topk,
     torch.kthvalue: kthvalue,
     torch.median: median,
-    torch.cumprod: cumprod,
     torch.scatter_add: scatter_add,
     torch.scatter: scatter,
     torch.index_put: index_put,
@@ -196,7 +179,6 @@ METHODS: dict[str, Callable[..., Any]] = {
     "topk": topk,
     "kthvalue": kthvalue,
     "median": median,
-    "cumprod": cumprod,
     "scatter_add": scatter_add,
     "scatter": scatter,
     "index_put": index_put,
