@@ -30,6 +30,7 @@ from llvmlite import ir
 
 from rlx.bind import checked_in_kernel
 from rlx.codegen.blas import LIBM
+from rlx.codegen.collapse import flat_columns, flat_reduced_axes
 from rlx.codegen.expf import define_expf, define_softmax_expf
 from rlx.codegen.irutil import (
     CONTRACT,
@@ -390,8 +391,16 @@ class FusedEmitter:
             math_.b.store(math_.b.or_(math_.b.load(seen, typ=seen.allocated_type), is_nan), seen)
             return max_ignoring_nan(math_.b, x, a)
 
+        # The innermost reduced axes run as one flat loop where the operand allows it
+        # (rlx.codegen.collapse): the flat position in the last one's entry, 0 in the others.
+        reduced = [d for d in range(len(template)) if template[d] is None]
+        flat = flat_reduced_axes(self.schedule, operand, reduced) if reduced else 1
+        flat_size = product(operand.shape[d] for d in reduced[-flat:]) if flat > 1 else None
+        if flat > 1:
+            folded, reduced = reduced[-flat:-1], [*reduced[:-flat], reduced[-1]]
+            template = [ZERO if d in folded else ix for d, ix in enumerate(template)]
+
         def nest(position: int, index: list[Ix | None], in_vector_body: bool) -> None:
-            reduced = [d for d in range(len(template)) if template[d] is None]
             if position == len(reduced):
                 full = tuple(ix for ix in index if ix is not None)
                 term = self.eval(operand, full)
@@ -413,7 +422,7 @@ class FusedEmitter:
                 nested[dim] = Ix(loop, 0, loop.level)
                 nest(position + 1, nested, loop.vector)
 
-            size = self.size(operand.shape[dim])
+            size = self.size(flat_size if innermost and flat_size is not None else operand.shape[dim])
             if innermost:
                 self.vector_and_rest(i64(0), size, f"{kind}.{dim}", body)
             else:
@@ -584,11 +593,13 @@ class FusedEmitter:
         kernel, b = self.kernel, self.b
         assert kernel.root is not None and kernel.out is not None
         shape = kernel.out.shape
-        row_dims = shape if chunking.row_mode else shape[:-1]
-        columns = self.size(1 if chunking.row_mode else shape[-1])
+        flat = chunking.flat
+        row_dims = shape if chunking.row_mode else shape[:-flat]
+        columns = self.size(1 if chunking.row_mode else product(shape[-flat:]))
         if chunking.column_chunk:
-            assert isinstance(shape[-1], int), "column chunks are planned for static rows only"
-            per_row = -(-shape[-1] // chunking.column_chunk)
+            width = product(shape[-flat:])
+            assert isinstance(width, int), "column chunks are planned for static rows only"
+            per_row = -(-width // chunking.column_chunk)
             row = b.sdiv(item, i64(per_row), name="row")
             chunk = b.srem(item, i64(per_row))
             col0 = b.mul(chunk, i64(chunking.column_chunk), name="col0")
@@ -624,8 +635,12 @@ class FusedEmitter:
 
         root, out = kernel.root, kernel.out
 
+        # Trailing axes run as one flat loop (rlx.codegen.collapse): its position is the last
+        # axis's entry, the others' are 0, and every address is the separate loops' one.
+        folded = (ZERO,) * (len(kernel.out.shape) - len(row_dims) - 1)
+
         def body(loop: Loop) -> None:
-            idx = (*row_idx, Ix(loop, 0, loop.level))
+            idx = (*row_idx, *folded, Ix(loop, 0, loop.level))
             self.store(out, idx, self.eval(root, idx), out_dtype)
 
         self.vector_and_rest(col0, col1, "col", body)
@@ -639,6 +654,7 @@ class Chunking:
     rows: SizeLike  # rows of the index space (column-chunk mode: (row, chunk) pairs); a Size if symbolic
     rows_per_item: int
     column_chunk: int  # 0: whole rows per item
+    flat: int = 1  # trailing axes the column loop runs as one (rlx.codegen.collapse)
 
     @property
     def items(self) -> int | None:
@@ -660,16 +676,17 @@ def plan_chunking(kernel: Kernel, schedule: Schedule, threads: int) -> Chunking:
     shape = kernel.out.shape
     reduction = reduction_of(kernel.root)
     row_mode = not shape or shape[-1] == 1 or (reduction is not None and reduces_last_axis(reduction))
-    rows = product(shape if row_mode else shape[:-1])
-    columns = product([] if row_mode else [shape[-1]])
+    flat = 1 if row_mode else flat_columns(schedule, kernel.root, kernel.out)
+    rows = product(shape if row_mode else shape[:-flat])
+    columns = product([] if row_mode else shape[-flat:])
     work = max(1, _work_per_element(kernel, schedule) * nominal(columns))
     if not isinstance(rows, int) or not isinstance(columns, int):  # sizes known per call: a fixed grain
-        return Chunking(row_mode, rows, max(1, MIN_ITEM_ELEMENTS // work), 0)
+        return Chunking(row_mode, rows, max(1, MIN_ITEM_ELEMENTS // work), 0, flat)
     if not row_mode and rows < 2 * threads and columns >= 4 * WIDTH and threads > 1:
         chunk = max(WIDTH, -(-columns // (4 * threads)) // WIDTH * WIDTH)
-        return Chunking(row_mode, rows * -(-columns // chunk), 1, chunk)
+        return Chunking(row_mode, rows * -(-columns // chunk), 1, chunk, flat)
     rows_per_item = max(1, min(rows, max(MIN_ITEM_ELEMENTS // work, -(-rows // (8 * max(threads, 1))))))
-    return Chunking(row_mode, rows, rows_per_item, 0)
+    return Chunking(row_mode, rows, rows_per_item, 0, flat)
 
 
 def _work_per_element(kernel: Kernel, schedule: Schedule) -> int:
