@@ -1149,3 +1149,64 @@ def test_multi_head_attention_modules(need_weights: bool) -> None:
     for a, e in zip(other.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(a.grad, e.grad, rtol=1e-4, atol=1e-6)
     assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks
+
+
+def _counting_compiles(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the graphs rlx compiles from here on (wrapping ``rlx.compile``)."""
+    import rlx
+
+    compiled: list[str] = []
+    original = rlx.compile
+
+    def counting(graph: Any, *args: Any, **kwargs: Any) -> Any:
+        compiled.append(sorted(graph.outputs))
+        return original(graph, *args, **kwargs)
+
+    monkeypatch.setattr(rlx, "compile", counting)
+    return compiled
+
+
+def test_a_training_step_compiles_the_training_pair_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model that only trains never runs the plain forward: the backend compiles the forward
+    that keeps what the backward reads and that backward, two graphs, and the steps after the
+    first compile nothing."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.SiLU(), torch.nn.Linear(16, 1))
+    x = torch.randn(4, 8)
+    compiled = _counting_compiles(monkeypatch)
+    fast = torch.compile(model, backend="rlx")
+    for _ in range(3):
+        fast(x).sum().backward()
+    assert dynamo_backend.stats["compiled"] == 1
+    assert len(compiled) == 2
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    for _ in range(3):
+        model(x).sum().backward()
+    for got, want in zip(grads, (p.grad for p in model.parameters()), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_inference_compiles_the_forward_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.SiLU(), torch.nn.Linear(16, 1))
+    x = torch.randn(4, 8)
+    compiled = _counting_compiles(monkeypatch)
+    fast = torch.compile(model, backend="rlx")
+    with torch.no_grad():
+        got = fast(x)
+        want = model(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert len(compiled) == 1
+
+
+def test_rlx_torch_compile_compiles_the_forward_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import rlx
+
+    g = rlx.Graph()
+    x = g.input("x", (3,))
+    g.output(y=g.exp(x))
+    compiled = _counting_compiles(monkeypatch)
+    f = rt.compile(g)
+    assert len(compiled) == 1
+    torch.testing.assert_close(f(x=torch.zeros(3))["y"], torch.ones(3))
+    assert len(compiled) == 1

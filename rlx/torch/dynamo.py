@@ -105,6 +105,7 @@ class _Translation:
         self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], merges: dict[str, str] | None = None
     ) -> None:
         self.gm = gm
+        self.example_inputs = example_inputs
         # Dynamic sizes taken as one (first -> second), checked equal on every call, and where
         # each original size is found in a call's arguments (for that check).
         self.merges = dict(merges or {})
@@ -527,6 +528,16 @@ class _Translation:
             updates[position] = f"updated{position}"
             self.graph.output(**{updates[position]: final})
         function = CompiledGraph(self.graph)
+        # What the calls will run (a training step: the training pair alone) is compiled here,
+        # where a failure still falls back to eager torch.
+        recording = torch.is_grad_enabled()
+        function.prepare(
+            {
+                name
+                for name, example in zip(self.inputs, self.example_inputs, strict=True)
+                if name is not None and recording and isinstance(example, torch.Tensor) and example.requires_grad
+            }
+        )
         inputs, ranges, draws, widened = self.inputs, self.ranges, self.draws, self.widened
         pinned = self.pinned
         checks = [

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,7 +130,6 @@ class CompiledGraph:
         if not isinstance(graph, Graph):
             raise RlxTypeError(f"rlx.torch.compile expects an rlx.Graph, got {type(graph).__name__}")
         self.graph = graph.copy()
-        self.forward = rlx.compile(self.graph)
         self._backward: Executable | None = None
         self._backward_function: CompiledGraph | None = None
         # The backward graph's names: a cotangent input per float output, a gradient per input.
@@ -139,6 +138,21 @@ class CompiledGraph:
         self._trainings: dict[tuple[str, ...], _Training | None] = {}  # by the inputs given gradients
         self.names = list(self.graph.inputs)
         self.outputs = list(self.graph.outputs)
+
+    @functools.cached_property
+    def forward(self) -> Executable:
+        """The graph alone, compiled on first use: a call autograd records runs the training
+        pair instead, so a model that only trains never compiles it (a third of a convnet's
+        first step)."""
+        return rlx.compile(self.graph)
+
+    def prepare(self, requiring_grad: Collection[str]) -> None:
+        """Compile now what a call whose inputs ``requiring_grad`` require a gradient will run:
+        the training pair for them (where the graph has one), else the forward. So a compile
+        error is raised here, where a caller can still choose another way to run the graph."""
+        wanted = tuple(name for name in self.float_inputs if name in requiring_grad)
+        if self.training_for(wanted) is None:
+            self.forward  # noqa: B018 (compiles it)
 
     @functools.cached_property
     def differentiable(self) -> bool:
@@ -342,5 +356,8 @@ def _backward_inputs(
 
 
 def compile(graph: Graph) -> CompiledGraph:
-    """Any rlx graph as a differentiable torch function (inputs by name, dict of tensors out)."""
-    return CompiledGraph(graph)
+    """Any rlx graph as a differentiable torch function (inputs by name, dict of tensors out).
+    Its forward is compiled here (a graph that does not compile fails here, not at a call)."""
+    compiled = CompiledGraph(graph)
+    compiled.prepare(())
+    return compiled
