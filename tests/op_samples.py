@@ -203,6 +203,10 @@ SAMPLES: list[Sample] = [
     Sample("cumsum", lambda g: g.cumsum(g.input("x", (3, 5)), axis=-1, reverse=True), label="reverse"),
     Sample("cumprod", lambda g: g.cumprod(g.input("x", (2, 3, 4)), axis=1)),
     Sample("sort", lambda g: g.sort(g.input("x", (3, 5)), axis=0)),
+    Sample("cummax", lambda g: g.cummax(g.input("x", (3, 6)), axis=1)),
+    Sample("cummin", lambda g: g.cummin(g.input("x", (4, 3, 2)), axis=0)),
+    Sample("logcumsumexp", lambda g: g.logcumsumexp(g.input("x", (2, 5, 3)), axis=1)),
+    Sample("logcumsumexp", lambda g: g.logcumsumexp(g.input("x", (3, 6)), axis=-1, reverse=True), label="reverse"),
     Sample("sort", lambda g: g.topk(g.input("x", (2, 7)), 3)[0], label="topk"),
     Sample(
         "take_along_axis",

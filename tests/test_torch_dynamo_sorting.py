@@ -1,4 +1,4 @@
-"""The TorchDynamo backend's sorts, order statistics, running products, gathers, scatters and
+"""The TorchDynamo backend's sorts, order statistics, running products and extremes, gathers, scatters and
 math functions (:mod:`rlx.torch._fx_sorting`): each call compiled alone must run on rlx (no
 fallback) with eager torch's values, indices and gradients, ties, NaN and zeros included."""
 
@@ -51,6 +51,11 @@ CASES: list[tuple[str, str, Callable[..., Any]]] = [
     ("median of everything", "distinct", torch.median),
     ("cumprod", "plain", lambda a: torch.cumprod(a, dim=1)),
     ("cumprod through zeros", "zeros", lambda a: a.cumprod(1) + torch.cumprod(a, 0)),
+    ("cummax", "plain", lambda a: torch.cummax(a, dim=1)),
+    ("cummin with ties", "plain", lambda a: (a * 2).round().cummin(0)),
+    ("cummax of ints", "plain", lambda a: torch.cummax((a * 3).round().int(), 1).indices * 1.0 + a),
+    ("logcumsumexp", "plain", lambda a: torch.logcumsumexp(a * 40.0, dim=1)),
+    ("logcumsumexp dim 0", "plain", lambda a: a.logcumsumexp(0)),
     ("gather by any index", "plain", lambda a: torch.gather(a, 1, IDS)),
     ("gather of a corner", "plain", lambda a: a.gather(0, IDS[:2, :2] % 4)),
     ("scatter_add", "plain", lambda a: torch.zeros(4, 7).scatter_add(1, IDS, a[:, :3])),

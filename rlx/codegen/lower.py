@@ -39,7 +39,7 @@ from rlx.codegen.lower_attention import (
     slot_heads_and_width,
 )
 from rlx.codegen.lower_gemm import emit_gemm_item, gemm_spec
-from rlx.codegen.lower_scan import emit_scan_item
+from rlx.codegen.lower_scan import SCAN_OPS, emit_scan_item
 from rlx.codegen.lower_scatter import emit_scatter_along_axis_item, emit_scatter_item
 from rlx.codegen.lower_sort import emit_sort_item
 from rlx.codegen.memory_plan import MemoryPlan
@@ -581,17 +581,17 @@ class _Lowering:
                 pointers.append(self.sizes)
             items = gemm.emit_items(self.b, self.entry_symbols())
             self.call(item_fn, pointers, items, False, str(node.id))
-        elif op in ("cumsum", "cumprod"):
+        elif op in SCAN_OPS:
             x = node.inputs[0]
-            axis, reverse, multiplies = node.attrs.axis, node.attrs.reverse, op == "cumprod"
+            axis, reverse = node.attrs.axis, node.attrs.reverse
             symbols = self.table_symbols
             name = f"{op}.{node.id}"
             item_fn = self.item_function(
                 (op, x.shape, axis, reverse, x.dtype.str, symbols),
                 name,
-                lambda: emit_scan_item(self.module, x.shape, axis, reverse, multiplies, x.dtype, name, symbols),
+                lambda: emit_scan_item(self.module, x.shape, axis, reverse, op, x.dtype, name, symbols),
             )
-            pointers = [self.view_pointer(x), self.base_pointer(node.outputs[0])]
+            pointers = [self.view_pointer(x), *(self.base_pointer(v) for v in node.outputs)]
             if self.sizes is not None:
                 pointers.append(self.sizes)
             self.call(item_fn, pointers, product(x.shape[:axis]), False, str(node.id))

@@ -43,6 +43,9 @@ CALL_OUT_OPS = frozenset(
         "scatter_add_along_axis",
         "cumsum",
         "cumprod",
+        "cummax",
+        "cummin",
+        "logcumsumexp",
         "sort",
     }
 )

@@ -3,6 +3,7 @@
 
 ``torch.sort``, ``argsort``, ``msort``, ``topk``, ``kthvalue`` and ``median`` are one ``sort``
 each (stable: equal entries keep their order, NaN above every number, as torch's stable sort);
+``torch.cummax``, ``cummin`` and ``logcumsumexp`` are rlx's running scans of those names;
 ``torch.scatter_add`` by any index is ``scatter_add_along_axis``; ``torch.scatter`` of a number
 follows from it, and ``index_put`` that accumulates is ``index_add``. Where torch leaves the
 result undefined (``scatter`` of a tensor with repeated indices) or rlx would compute something
@@ -32,6 +33,26 @@ def sort(g: Graph, x: Any, dim: int = -1, descending: bool = False, stable: bool
 def argsort(g: Graph, x: Any, dim: int = -1, descending: bool = False, stable: bool = False) -> Value:
     """``torch.argsort`` (stable)."""
     return g.argsort(_float(x), axis=int(dim), descending=bool(descending))
+
+
+def _running_extreme(name: str) -> Callable[..., tuple[Value, Value]]:
+    """``torch.cummax`` and ``torch.cummin``: values and int64 positions (ties and NaN: the
+    latest, as torch's)."""
+
+    def handler(g: Graph, x: Any, dim: int, **kwargs: Any) -> tuple[Value, Value]:
+        check_kwargs(kwargs, out=None)
+        value = _float(x)
+        if value.dtype == np.bool_:
+            value = value.astype("int64")
+        return getattr(g, name)(value, axis=int(dim))  # type: ignore[no-any-return]
+
+    return handler
+
+
+def logcumsumexp(g: Graph, x: Any, dim: int, **kwargs: Any) -> Value:
+    """``torch.logcumsumexp``: ``log(cumsum(exp(x)))`` without overflow."""
+    check_kwargs(kwargs, out=None)
+    return g.logcumsumexp(_float(x).astype("float32"), axis=int(dim))
 
 
 def msort(g: Graph, x: Any) -> Value:
@@ -170,6 +191,9 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     torch.scatter_add: scatter_add,
     torch.scatter: scatter,
     torch.index_put: index_put,
+    torch.cummax: _running_extreme("cummax"),
+    torch.cummin: _running_extreme("cummin"),
+    torch.logcumsumexp: logcumsumexp,
 }
 
 METHODS: dict[str, Callable[..., Any]] = {
@@ -182,4 +206,7 @@ METHODS: dict[str, Callable[..., Any]] = {
     "scatter_add": scatter_add,
     "scatter": scatter,
     "index_put": index_put,
+    "cummax": _running_extreme("cummax"),
+    "cummin": _running_extreme("cummin"),
+    "logcumsumexp": logcumsumexp,
 }
