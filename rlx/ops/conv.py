@@ -616,6 +616,9 @@ def pool(
     windows = _phase_windows(graph, value, taps, strides, dilations, pads, beyond, out_sizes, fill)
     channels_first = (0, spatial + 1, *range(1, spatial + 1))  # the windows are channels-last
     if kind == "max":
+        if math.prod(sizes) < EXACT_FLOAT_POSITIONS:
+            geometry = _WindowGeometry(sizes, taps, strides, dilations, pads, out_sizes)
+            return _max_by_position(graph, value, windows, geometry)
         return graph.transpose(_first_maximum(graph, windows), channels_first)
     total = windows[0]
     for part in windows[1:]:
@@ -744,6 +747,72 @@ def _pooled_size(size: int, pad: int, reach: int, stride: int, ceil_mode: bool) 
         return span // stride + 1
     count = -(-span // stride) + 1
     return count - 1 if (count - 1) * stride >= size + pad else count
+
+
+EXACT_FLOAT_POSITIONS = 1 << 24  # positions in a plane below this are exact as float32
+
+
+@dataclass(frozen=True)
+class _WindowGeometry:
+    """Where each window of a pooling reads: the input's spatial sizes and the pooling's."""
+
+    sizes: Sequence[int]
+    taps: Sequence[int]
+    strides: Sequence[int]
+    dilations: Sequence[int]
+    pads: Sequence[int]
+    out_sizes: Sequence[int]
+
+    def positions(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per kernel offset (row-major, as the windows), the flat position in an input plane
+        each output reads ``[*out]`` and whether it lies inside the input (not the padding)."""
+        result = []
+        for offsets in itertools.product(*(range(t) for t in self.taps)):
+            axes = [
+                np.arange(n) * s + o * d - p
+                for n, s, o, d, p in zip(self.out_sizes, self.strides, offsets, self.dilations, self.pads, strict=True)
+            ]
+            grids = np.meshgrid(*axes, indexing="ij")
+            inside = np.ones(tuple(self.out_sizes), bool)
+            for grid, size in zip(grids, self.sizes, strict=True):
+                inside &= (grid >= 0) & (grid < size)
+            clipped = tuple(np.clip(grid, 0, size - 1) for grid, size in zip(grids, self.sizes, strict=True))
+            flat = np.ravel_multi_index(clipped, tuple(self.sizes))
+            result.append((flat, inside))
+        return result
+
+
+def _max_by_position(graph: Graph, x: Value, windows: Sequence[Value], geometry: _WindowGeometry) -> Value:
+    """Max pooling as torch's kernels compute it: per output, the position of the maximum
+    (walking the window in row-major order, an entry inside ``x`` is taken where it is greater
+    than the maximum so far or NaN: ties go to the first maximum, NaN to the last), then
+    ``x`` read there. The windows (channels last) only decide the position; the result is a
+    ``take_along_axis`` of ``x``, whose gradient is one scatter-add of the cotangent into the
+    positions (the maximum's chain of selects, differentiated, made every input entry re-decide
+    each window it lies in: nine windows of nine entries for a 3x3 pool)."""
+    placed = geometry.positions()
+    shape = (1, *geometry.out_sizes, 1)  # broadcast over the batch and the channels (last)
+    first_inside = np.full(tuple(geometry.out_sizes), -1.0)
+    for flat, inside in reversed(placed):
+        first_inside = np.where(inside, flat, first_inside)
+    assert (first_inside >= 0).all(), "pool() admits no window wholly in the padding"
+    held: Value = graph.broadcast_to(graph.constant(np.float32(-np.inf)), windows[0].shape)
+    at: Value = graph.constant(first_inside.astype(np.float32).reshape(shape))
+    for window, (flat, inside) in zip(windows, placed, strict=True):
+        entry = graph.stop_gradient(window)
+        takes = graph.logical_or(graph.greater(entry, held), graph.not_equal(entry, entry))
+        if not inside.all():
+            takes = graph.logical_and(takes, graph.constant(inside.reshape(shape)))
+        held = graph.where(takes, entry, held)
+        at = graph.where(takes, graph.constant(flat.astype(np.float32).reshape(shape)), at)
+    batch, channels = x.shape[0], x.shape[1]
+    plane, outputs = math.prod(geometry.sizes), math.prod(geometry.out_sizes)
+    # Flattened channels last, the positions are computed with the channels in the vector lanes
+    # (as the windows run) into a buffer of their own; channels first they are a view of it.
+    ids = graph.transpose(graph.reshape(at.astype("int32"), (batch, outputs, channels)), (0, 2, 1))
+    flat_x = graph.reshape(x, (batch, channels, plane))
+    picked = graph.take_along_axis(flat_x, ids, axis=2)
+    return graph.reshape(picked, (batch, channels, *geometry.out_sizes))
 
 
 def _first_maximum(graph: Graph, windows: Sequence[Value]) -> Value:

@@ -504,8 +504,14 @@ def test_max_pool_gives_a_tied_window_its_first_maximum(window: int, stride: int
     rng = np.random.default_rng(17)
     xv = np.maximum(rng.integers(-2, 3, shape), 0).astype(np.float32)  # ties everywhere
     xv[0, 0, 1, 1] = xv[0, 0, 1, 2] = xv[1, 2, 4, 4] = np.nan
+    xv[1, 1] = -np.inf  # a plane of -inf: every window keeps its first entry inside x
+    xv[0, 2, 3, 3] = np.inf
     dyv = rng.standard_normal(y.shape).astype(np.float32)
-    got = rlx.compile(g)(x=xv, dy=dyv)
+    exe = rlx.compile(g)
+    got = exe(x=xv, dy=dyv)
+    if stride != window or padding:  # (tiling windows are one reduction)
+        # The maximum's position is picked once and read there; the gradient is one scatter-add.
+        assert [k.name for k in exe.kernels].count("scatter_add_along_axis") == 1
     values, want = first_maximum_pooling(xv, dyv, window, stride, padding)
     assert np.isnan(values).any()
     np.testing.assert_array_equal(got["y"], values)  # NaN where the window holds one
@@ -657,3 +663,28 @@ def test_global_pooling_is_one_reduction(kind: str) -> None:
         np.testing.assert_allclose(got["dx"], np.broadcast_to(2 * want / 576, xv.shape), rtol=1e-5, atol=1e-8)
     else:
         np.testing.assert_allclose(got["dx"], np.where(xv == want, 2 * want, 0.0), rtol=1e-6)
+
+
+def test_max_pool_of_planes_too_large_for_float_positions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planes of 2^24 entries or more (whose positions float32 cannot hold exactly) take the
+    maximum by a chain of selects instead: the same values and gradients."""
+    from rlx.ops import conv
+
+    monkeypatch.setattr(conv, "EXACT_FLOAT_POSITIONS", 1)
+    shape = (2, 2, 7, 8)
+    g = Graph("pool_chain")
+    x = g.input("x", shape)
+    y = g.max_pool(x, 3, 2, 1)
+    dy = g.input("dy", y.shape)
+    (dx,) = rlx.grad(g, y, [x], dy)
+    g.output(y=y, dx=dx)
+    rng = np.random.default_rng(5)
+    xv = np.maximum(rng.integers(-2, 3, shape), 0).astype(np.float32)
+    xv[0, 1, 2, 2] = np.nan
+    dyv = rng.standard_normal(y.shape).astype(np.float32)
+    exe = rlx.compile(g)
+    assert "scatter_add_along_axis" not in [k.name for k in exe.kernels]
+    got = exe(x=xv, dy=dyv)
+    values, want = first_maximum_pooling(xv, dyv, 3, 2, 1)
+    np.testing.assert_array_equal(got["y"], values)
+    np.testing.assert_allclose(got["dx"], want, rtol=1e-6, atol=1e-6)
