@@ -176,3 +176,34 @@ def test_a_reshape_that_splits_the_axes_is_read_through_its_view() -> None:
     g.output(z=g.reshape(x, (N, C, H, W)) * y + g.reshape(g.exp(x), (N, C, H, W)))
     ir_text = _compiled_matches(g, 1, x=_random(N, C, H * W), y=_random(N, C, H, W, seed=1))
     assert _vector_bound(ir_text, N * C * H * W)
+
+
+# ----------------------------------------------------------------------------- masked rests
+# Where the rows stay short (a window of a padded map, a transposed read), a row's last partial
+# vector runs as one masked step when the body computes enough to pay for the masks.
+
+
+@pytest.mark.parametrize("width", [3, 12, 16, 24, 33])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_short_rows_of_a_window_compute_in_a_masked_step(width: int, threads: int) -> None:
+    g = Graph("window")
+    x = g.input("x", (2, 3, 5, width + 2))
+    window = x[:, :, 1:4, 1 : width + 1]
+    g.output(y=g.silu(window) / (1.0 + g.exp(-window)), copy=window + 0.0)
+    ir_text = _compiled_matches(g, threads, x=_random(2, 3, 5, width + 2))
+    assert "llvm.masked.store" in ir_text  # the SiLU's kernel (the copy's keeps a scalar rest)
+
+
+def test_masked_steps_of_ints_bools_and_gathers() -> None:
+    """Lanes past a row compute on lane 0's data: no division by a zero they never held, and no
+    gathered id reported out of range."""
+    g = Graph("ints")
+    a, b = g.input("a", (4, 7, 9), dtype="int64"), g.input("b", (4, 9, 7), dtype="int64")
+    table = g.input("table", (4, 7, 5))
+    quotient = g.floor_divide(a, g.transpose(b, (0, 2, 1)))  # rows of 9, read transposed
+    ids = g.remainder(quotient, 5)
+    gathered = g.take_along_axis(table, g.minimum(g.maximum(ids[..., :5], 0), 4), axis=2)
+    g.output(q=quotient * 3 + 1, big=g.greater(g.exp(g.sigmoid(gathered)), 1.5), got=g.tanh(gathered) * 2.0)
+    rng = np.random.default_rng(3)
+    b_values = rng.integers(1, 6, (4, 9, 7)) * rng.choice([-1, 1], (4, 9, 7))
+    _compiled_matches(g, a=rng.integers(-50, 50, (4, 7, 9)), b=b_values, table=_random(4, 7, 5))
