@@ -89,6 +89,31 @@ def _edge_problems(graph: Graph) -> list[str]:
     return problems
 
 
+# Result types by (op, operand types, attrs): a pipeline verifies the graph after every pass,
+# and a pass changes few nodes, so most checks of a large graph (a convnet's training step:
+# 2,400 nodes, eight checks) re-infer what an earlier check inferred. Shape rules are pure
+# functions of those three, so a remembered result is the result; errors are not remembered.
+_INFERRED: dict[tuple[object, ...], tuple[object, ...]] = {}
+_INFERRED_LIMIT = 1 << 16
+
+
+def _inferred(node: Node, where: str) -> tuple[object, ...]:
+    types = tuple(v.type for v in node.inputs)
+    try:
+        key: tuple[object, ...] | None = (node.op, types, node.attrs)
+        found = _INFERRED.get(key)  # type: ignore[arg-type]
+    except TypeError:  # attrs that do not hash (a constant's array): inferred every time
+        key, found = None, None
+    if found is not None:
+        return found
+    result = tuple(node.op.definition.infer(where, list(types), node.attrs))
+    if key is not None:
+        if len(_INFERRED) >= _INFERRED_LIMIT:
+            _INFERRED.clear()
+        _INFERRED[key] = result
+    return result
+
+
 def _node_problems(graph: Graph, node: Node) -> list[str]:
     where = f"node {node.id} ({node.op})"
     if not isinstance(node.op, OpKind):
@@ -105,7 +130,7 @@ def _node_problems(graph: Graph, node: Node) -> list[str]:
         return [] if not node.inputs and len(node.types) == 1 else [f"{where}: an input has no operands, one result"]
     try:
         definition.check_arity(where, len(node.inputs))
-        expected = definition.infer(where, [v.type for v in node.inputs], node.attrs)
+        expected = _inferred(node, where)
     except RlxError as exc:
         return [str(exc)]
     except Exception as exc:  # e.g. an attrs field of the wrong type: report it, do not crash
