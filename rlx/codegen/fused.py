@@ -12,7 +12,10 @@ while the loop body is emitted). So a softmax over rows becomes: per row, a loop
 a loop for the sum of exponentials (both hoisted out of the store loop because their index has
 no column variable), then the store loop. The innermost loop of a nest runs 16 lanes at a time
 with a scalar remainder, like the attention kernels' row loops (:mod:`rlx.codegen.vector`);
-loads whose lanes are not contiguous gather lane by lane.
+loads whose lanes are not contiguous gather lane by lane. Trailing axes that every read steps
+through evenly run as one flat loop (:mod:`rlx.codegen.collapse`: a feature map's ``H*W``
+rather than its short rows), and where a body computes enough, a row ends in one masked
+vector step instead of scalar ones (:attr:`Loop.mask`).
 
 The kernel body is run by the parallel-for over chunks of rows (or of columns when rows are
 few); every output element is computed by one thread with the same code, so results do not
