@@ -32,8 +32,6 @@ from rlx.ir.types import Dim
 # there: a broadcast operand, which no position of the flat loop moves).
 Group = tuple[int, ...] | None
 
-_SCALAR_INPUTS = frozenset({"broadcast_to"})
-
 
 class FlatAxes:
     """Whether a fused loop nest may run the axes of ``sizes`` as one flat loop."""
@@ -90,9 +88,8 @@ class FlatAxes:
             assert source is not None
             inner = _through_reduction(node.attrs.axes, node.attrs.keepdims, len(source.shape), group)
             return self.value_ok(source, inner)
-        if op in _SCALAR_INPUTS or node.op.definition.scalar is not None:
-            operands = node.inputs
-            return all(self._operand_ok(v, value.shape, group) for v in operands)
+        if op == "broadcast_to" or node.op.definition.scalar is not None:
+            return all(self._operand_ok(v, value.shape, group) for v in node.inputs)
         return False  # a gather (its ids are read per position) or an op with a loop of its own
 
     def _operand_ok(self, operand: Value, shape: tuple[Dim, ...], group: tuple[int, ...]) -> bool:

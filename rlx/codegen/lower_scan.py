@@ -56,21 +56,25 @@ def emit_scan_item(
     floats = source == np.float32
     element = element_type(source)
 
+    def position_at(step: ir.Value) -> ir.Value:
+        """Where along the axis step ``step`` of the walk is (from the end with ``reverse``)."""
+        return b.sub(b.sub(steps, i64(1)), step) if reverse else step
+
     def row_at(step: ir.Value) -> ir.Value:
-        """The offset of row ``step`` of the walk (from the end with ``reverse``)."""
-        position = b.sub(b.sub(steps, i64(1)), step) if reverse else step
-        return b.add(base, b.mul(position, inner))
+        """The offset of row ``step`` of the walk."""
+        return b.add(base, b.mul(position_at(step), inner))
 
     multiplies = combine == "cumprod"
 
     def add_rows(row: ir.Value, previous: ir.Value | None, step: ir.Value) -> None:
-        """``out[row] = x[row] (+ out[previous])`` across the inner entries."""
+        """``out[row] = x[row]`` combined with ``out[previous]`` across the inner entries (and, for
+        the extremes, the positions they came from)."""
         if extremes or combine == "logcumsumexp":
             with for_range(b, 0, inner, "col") as j:
                 value = b.load(gep(b, x_ptr, [b.add(row, j)], element), typ=element)
                 if extremes:
                     assert positions_ptr is not None
-                    position = b.sub(b.sub(steps, i64(1)), step) if reverse else step
+                    position = position_at(step)
                     if previous is not None:
                         held = b.load(gep(b, out_ptr, [b.add(previous, j)], element), typ=element)
                         better = _replaces(b, value, held, combine == "cummax", floats)

@@ -634,8 +634,9 @@ def _adaptive(kind: str) -> Callable[..., Any]:
 
 
 def _running(name: str) -> Callable[..., Any]:
-    """``torch.cumsum`` and ``torch.cumprod``: bools and ints run in int64, as torch's; ``dtype``
-    converts first."""
+    """``torch.cumsum``, ``torch.cumprod`` and (from :mod:`rlx.torch._fx_sorting`) ``torch.cummax``
+    and ``torch.cummin``: bools run in int64 (ints too in the sums and products), as torch's;
+    ``dtype`` converts first."""
 
     def handler(g: Graph, x: Any, dim: int, *, dtype: torch.dtype | None = None, out: Any = None) -> Any:
         check_kwargs({"out": out}, out=None)

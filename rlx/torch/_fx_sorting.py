@@ -20,7 +20,7 @@ import torch
 
 from rlx.ir.graph import Graph, Value
 from rlx.ops.sort import sort_with_indices
-from rlx.torch._fx_calls import Unsupported, _float, _value, check_kwargs
+from rlx.torch._fx_calls import Unsupported, _float, _running, _value, check_kwargs
 from rlx.torch._fx_extras import index_add
 
 
@@ -33,20 +33,6 @@ def sort(g: Graph, x: Any, dim: int = -1, descending: bool = False, stable: bool
 def argsort(g: Graph, x: Any, dim: int = -1, descending: bool = False, stable: bool = False) -> Value:
     """``torch.argsort`` (stable)."""
     return g.argsort(_float(x), axis=int(dim), descending=bool(descending))
-
-
-def _running_extreme(name: str) -> Callable[..., tuple[Value, Value]]:
-    """``torch.cummax`` and ``torch.cummin``: values and int64 positions (ties and NaN: the
-    latest, as torch's)."""
-
-    def handler(g: Graph, x: Any, dim: int, **kwargs: Any) -> tuple[Value, Value]:
-        check_kwargs(kwargs, out=None)
-        value = _float(x)
-        if value.dtype == np.bool_:
-            value = value.astype("int64")
-        return getattr(g, name)(value, axis=int(dim))  # type: ignore[no-any-return]
-
-    return handler
 
 
 def logcumsumexp(g: Graph, x: Any, dim: int, **kwargs: Any) -> Value:
@@ -191,8 +177,8 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     torch.scatter_add: scatter_add,
     torch.scatter: scatter,
     torch.index_put: index_put,
-    torch.cummax: _running_extreme("cummax"),
-    torch.cummin: _running_extreme("cummin"),
+    torch.cummax: _running("cummax"),
+    torch.cummin: _running("cummin"),
     torch.logcumsumexp: logcumsumexp,
 }
 
@@ -206,7 +192,7 @@ METHODS: dict[str, Callable[..., Any]] = {
     "scatter_add": scatter_add,
     "scatter": scatter,
     "index_put": index_put,
-    "cummax": _running_extreme("cummax"),
-    "cummin": _running_extreme("cummin"),
+    "cummax": _running("cummax"),
+    "cummin": _running("cummin"),
     "logcumsumexp": logcumsumexp,
 }
