@@ -106,6 +106,11 @@ CASES: list[tuple[str, str, Callable[..., Any]]] = [
     ("fold", "image", lambda a: F.fold(a.reshape(2, 12, 16), (5, 5), 2)),
     ("fold strided", "image", lambda a: F.fold(a.reshape(2, 12, 16), (8, 8), 2, stride=2)),
     ("fold of unfold", "image", lambda a: F.fold(F.unfold(a, 3, padding=1, stride=2), (8, 8), 3, padding=1, stride=2)),
+    ("Tensor.unfold overlapping windows", "matrix", lambda a: a.unfold(1, 3, 1) * a[:, :4, None]),
+    ("Tensor.unfold with gaps", "vector", lambda a: a.unfold(0, 2, 3).exp()),
+    ("Tensor.unfold patches (a ViT's patchify)", "image",
+     lambda a: a.unfold(2, 4, 4).unfold(3, 4, 4).permute(0, 2, 3, 1, 4, 5).reshape(2, 4, 48)),
+    ("Tensor.unfold of a computed value", "row", lambda a: torch.tanh(a).unfold(-1, 4, 2).sum(-1)),
     ("index_add", "matrix", lambda a: torch.zeros(4, 6).index_add(0, torch.tensor([0, 2, 2, 1]), a)),
     ("index_add alpha axis 1", "matrix", lambda a: a.index_add(1, torch.tensor([5, 0, 5]), a[:, :3] * 2, alpha=0.5)),
     ("index_add_ messages", "matrix",  # a graph network's sum of messages at their destinations

@@ -84,6 +84,12 @@ class FlatAxes:
                 reshaped = None if reshaped is None else reshaped.reshape(node.attrs.shape)
                 return reshaped is not None and self.view_ok(reshaped, group)
             return self.value_ok(source, _through_unit_reshape(value.shape, source.shape, group))
+        if op == "unfold":
+            assert source is not None
+            windows = self.schedule.view(source)
+            return windows is not None and self.view_ok(
+                windows.unfold(node.attrs.axis, node.attrs.size, node.attrs.step), group
+            )
         if op in ("sum", "max"):
             assert source is not None
             inner = _through_reduction(node.attrs.axes, node.attrs.keepdims, len(source.shape), group)

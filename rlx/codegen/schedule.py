@@ -6,7 +6,7 @@ results of ops that call out of the loop nest (``matmul`` via BLAS, attention, s
 ``concat``). Everything else, elementwise ops, broadcasts, reductions, and the view ops over
 them, is computed inline inside the loop nest of the materialised value that reads it
 (:mod:`rlx.codegen.fused`), so its intermediates live in registers. View ops over a buffer
-(reshape, transpose, split, broadcast_to) are strided views of it (:mod:`rlx.codegen.views`):
+(reshape, transpose, split, broadcast_to, unfold) are strided views of it (:mod:`rlx.codegen.views`):
 they cost nothing unless strides cannot express them, in which case the view is copied once.
 An inline value that several kernels would each recompute at more cost than storing it once
 (a residual stream read along a deep network) gets a buffer too.
@@ -49,7 +49,7 @@ CALL_OUT_OPS = frozenset(
         "sort",
     }
 )
-VIEW_OPS = frozenset({"reshape", "transpose", "split", "broadcast_to"})
+VIEW_OPS = frozenset({"reshape", "transpose", "split", "broadcast_to", "unfold"})
 REDUCE_OPS = frozenset({"sum", "max"})
 LEAF_OPS = frozenset({"input", "constant"})
 EXACT_COMPARISONS = frozenset({"equal", "not_equal"})
@@ -115,6 +115,8 @@ def apply_view_op(node: Node, index: int, source: View) -> View | None:
         return source.slice(attrs.axis, split_start(node, index), attrs.sizes[index])
     if op == "reshape":
         return source.reshape(attrs.shape)
+    if op == "unfold":
+        return source.unfold(attrs.axis, attrs.size, attrs.step)
     raise AssertionError(op)
 
 
@@ -223,6 +225,9 @@ def _decide_buffers(schedule: Schedule, order: list[Node], materialise, needs_bu
             for operand in node.inputs:
                 if operand.type.dtype.kind == "f" and schedule.view(operand) is None:
                     needs_buffer(operand)
+        elif op == "unfold":
+            # Windows that overlap are strides over a buffer, not an index computed inline.
+            needs_buffer(node.inputs[0])
         elif op == "reshape" and not is_unit_reshape(node):
             # A general reshape would divide indices: read it as a view of a buffer instead,
             # copying the operand densely first if strides cannot express the reshape.

@@ -62,6 +62,15 @@ class View:
         shape[axis] = size
         return replace(self, offset=self.offset + start * self.strides[axis], shape=tuple(shape))
 
+    def unfold(self, axis: int, size: int, step: int) -> View:
+        """Windows of ``size`` along ``axis``, ``step`` apart, as a new last axis (``unfold``): the
+        windows step by ``step`` strides, a window's entries by one, so windows may overlap."""
+        stride = self.strides[axis]
+        shape, strides = list(self.shape), list(self.strides)
+        shape[axis] = (cast(int, shape[axis]) - size) // step + 1
+        strides[axis] = stride * step
+        return replace(self, shape=(*shape, size), strides=(*strides, stride))
+
     def reshape(self, shape: tuple[Dim, ...]) -> View | None:
         """The same elements in row-major order under a new shape, if strides can express it."""
         if self.is_dense:

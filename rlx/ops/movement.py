@@ -1,4 +1,5 @@
-"""Ops that only move elements: ``reshape``, ``transpose``, ``split``, ``concat``, ``broadcast_to``.
+"""Ops that only move elements: ``reshape``, ``transpose``, ``split``, ``concat``, ``broadcast_to``,
+``unfold``.
 
 They work on any dtype. In compiled code they are strided views wherever the strides allow.
 """
@@ -41,6 +42,13 @@ class SplitAttrs:
 @dataclass(frozen=True)
 class ConcatAttrs:
     axis: int  # non-negative
+
+
+@dataclass(frozen=True)
+class UnfoldAttrs:
+    axis: int  # non-negative
+    size: int  # entries per window
+    step: int  # between the starts of neighbouring windows
 
 
 # ----------------------------------------------------------------------------- reshape
@@ -314,6 +322,85 @@ register_op(
         _broadcast_grad,
         builder=broadcast_to,
         view=True,
+    )
+)
+
+
+# ----------------------------------------------------------------------------- unfold
+
+
+def _unfold_infer(what: str, inputs: Sequence[TensorType], attrs: UnfoldAttrs) -> tuple[TensorType, ...]:
+    (x,) = inputs
+    if not 0 <= attrs.axis < x.rank:
+        raise RlxValueError(f"{what}: axis {attrs.axis} is out of range for {x}")
+    length = x.shape[attrs.axis]
+    if not isinstance(length, int):
+        raise RlxValueError(f"{what}: axis {attrs.axis} of {x} must have a static size to unfold, got {length!r}")
+    if not (is_int(attrs.size) and is_int(attrs.step)) or attrs.size < 1 or attrs.step < 1:
+        raise RlxValueError(f"{what}: size and step must be ints >= 1, got size {attrs.size!r}, step {attrs.step!r}")
+    if attrs.size > length:
+        raise RlxValueError(f"{what}: a window of {attrs.size} does not fit axis {attrs.axis} of {x} (size {length})")
+    shape = list(x.shape)
+    shape[attrs.axis] = (length - attrs.size) // attrs.step + 1
+    return (TensorType((*shape, attrs.size), x.dtype),)
+
+
+def _unfold_reference(args: Sequence[np.ndarray], attrs: UnfoldAttrs, ctx: EvalContext) -> np.ndarray:
+    windows = np.lib.stride_tricks.sliding_window_view(args[0], attrs.size, axis=attrs.axis)
+    index = [slice(None)] * windows.ndim
+    index[attrs.axis] = slice(None, None, attrs.step)
+    return np.ascontiguousarray(windows[tuple(index)])
+
+
+def unfold(graph: Graph, x: object, axis: int, size: int, step: int = 1) -> Value:
+    """``torch.Tensor.unfold(axis, size, step)``: every window of ``size`` entries along ``axis``,
+    ``step`` apart, as a new last axis; ``axis`` then counts the windows, ``(L - size) // step +
+    1``. ``out[..., j, ..., i] = x[..., j * step + i, ...]``. Windows overlap where ``step <
+    size``: compiled, the result is a strided view of ``x``'s buffer (a window's entry and the
+    next window share a stride), as NumPy's ``sliding_window_view``, so it costs nothing until
+    something copies it (an im2col's column matrix, in one loop nest)."""
+    value = as_value(graph, x, "unfold: x")
+    position = normalize_axis("unfold", axis, len(value.shape))
+    for label, number in (("size", size), ("step", step)):
+        if not is_int(number):
+            raise RlxTypeError(f"unfold: {label} must be an int, got {type(number).__name__}")
+    return graph.add_node(op_kind("unfold"), [value], UnfoldAttrs(position, int(size), int(step))).outputs[0]
+
+
+def _unfold_grad(graph: Graph, node: Node, cts: Sequence[Value | None], needed: Sequence[bool]) -> list[Value | None]:
+    """Each window entry came from ``x[j * step + i]``: its cotangent is added back there, one
+    scatter-add along the axis (windows that overlap add up)."""
+    from rlx.ops.gather import scatter_add_along_axis
+
+    dy = cts[0]
+    assert dy is not None
+    attrs: UnfoldAttrs = node.attrs
+    axis, rank = attrs.axis, len(dy.shape)
+    windows = int(dy.shape[axis])  # type: ignore[call-overload]
+    # [..., n, ..., size] -> [..., n, size, ...] -> [..., n * size, ...]
+    perm = (*range(axis + 1), rank - 1, *range(axis + 1, rank - 1))
+    moved = graph.transpose(dy, perm)
+    shape = list(moved.shape)
+    flat_shape = (*shape[:axis], windows * attrs.size, *shape[axis + 2 :])
+    flat = graph.reshape(moved, flat_shape)
+    positions = (np.arange(windows)[:, None] * attrs.step + np.arange(attrs.size)[None, :]).reshape(-1)
+    ids_shape = [1] * len(flat_shape)
+    ids_shape[axis] = windows * attrs.size
+    ids = graph.broadcast_to(graph.constant(positions.astype(np.int32).reshape(ids_shape)), flat_shape)
+    return [scatter_add_along_axis(graph, flat, ids, axis, node.inputs[0].shape[axis])]
+
+
+register_op(
+    OpDef(
+        "unfold",
+        ("x",),
+        UnfoldAttrs,
+        _unfold_infer,
+        _unfold_reference,
+        _float_only(_unfold_grad),
+        builder=unfold,
+        view=True,
+        summary="every window of size entries along an axis, step apart (torch's Tensor.unfold)",
     )
 )
 

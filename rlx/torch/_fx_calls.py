@@ -1654,6 +1654,14 @@ def variance_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[A
     return _axis_args(dim), int(ddof), bool(keepdim)
 
 
+def _tensor_unfold(g: Graph, x: Any, dimension: int, size: int, step: int) -> Any:
+    """``Tensor.unfold``: the windows of ``size`` along ``dimension``, ``step`` apart, as a last
+    axis (a strided view in compiled code, as torch's)."""
+    value = _float(x)
+    _static_length(value, int(dimension) % max(value.ndim, 1), "unfold")
+    return g.unfold(value, int(dimension), int(size), int(step))
+
+
 def _flip(g: Graph, x: Any, *dims: Any) -> Any:
     """``torch.flip``: each named axis read backwards (a gather by reversed positions)."""
     axes = dims[0] if len(dims) == 1 and isinstance(dims[0], (tuple, list)) else dims
@@ -2076,6 +2084,7 @@ METHODS: dict[str, Callable[..., Any]] = {
     "triu": _triangle(lower=False),
     "roll": _roll,
     "flip": _flip,
+    "unfold": _tensor_unfold,
     "var": _variance(root=False),
     "std": _variance(root=True),
     "square": lambda g, x: _float(x) * x,
