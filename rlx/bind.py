@@ -344,7 +344,7 @@ def index_sources(value: Value, slices_computed: bool = False) -> tuple[list[Val
         if source.node.op in (OpKind.INPUT, OpKind.CONSTANT):
             (computed if sliced and slices_computed else given).append(source)
         elif source.node.op.definition.view:
-            partial = sliced or source.node.op is OpKind.SPLIT
+            partial = sliced or source.node.op in (OpKind.SPLIT, OpKind.UNFOLD)  # windows may skip entries
             pending.extend((operand, partial) for operand in source.node.inputs)
         else:
             computed.append(source)

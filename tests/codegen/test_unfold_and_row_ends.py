@@ -181,3 +181,20 @@ def test_dear_bodies_keep_their_masked_step() -> None:
     g.output(y=_silu(g, g.transpose(x, (1, 0))))
     exe = _compiled_matches(g, 2, x=_random(24, 7))
     assert "col.o" not in exe.optimized_llvm_ir and "col.m" in exe.optimized_llvm_ir
+
+
+def test_ids_read_through_windows_are_checked_where_read() -> None:
+    """Token ids read through windows with gaps (``step > size``): an entry no window holds may
+    be anything (a marker), one a window holds is checked and refused with a clear error."""
+    g = Graph("ids")
+    tokens, table = g.input("tokens", (2, 8), "int64"), g.input("table", (5, 3))
+    g.output(y=g.embedding(table, g.unfold(tokens, 1, 2, 3)))  # windows at 0-1, 3-4, 6-7
+    exe = rlx.compile(g)
+    tv = _random(5, 3)
+    ok = np.array([[0, 1, -7, 2, 3, 99, 4, 0], [1, 1, 1000, 1, 1, -1, 2, 2]])
+    got = exe(tokens=ok, table=tv)["y"]
+    np.testing.assert_array_equal(got, tv[_windows(ok, 1, 2, 3)])
+    bad = ok.copy()
+    bad[1, 4] = 5
+    with pytest.raises(rlx.RlxValueError, match="5 is out of range"):
+        exe(tokens=bad, table=tv)
