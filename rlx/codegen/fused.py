@@ -207,9 +207,12 @@ class FusedEmitter:
         vector: bool,
         body: Callable[[Loop], None],
         masked: bool = False,
+        clamped: bool = False,
     ) -> None:
         """``for var in range(start, stop, WIDTH if vector else 1): body`` with an open pre-chain;
-        ``masked``: vector steps up to ``stop`` itself, the lanes past it masked (:attr:`Loop.mask`)."""
+        ``masked``: vector steps up to ``stop`` itself, the lanes past it masked (:attr:`Loop.mask`);
+        ``clamped``: vector steps up to ``stop`` itself, each at ``min(var, stop - WIDTH)``, so the
+        last one overlaps the step before it (the range must hold ``WIDTH`` positions)."""
         b = self.b
         pre = b.append_basic_block(f"{name}.pre")
         b.branch(pre)
@@ -219,10 +222,11 @@ class FusedEmitter:
         b.position_at_end(cond)
         var = b.phi(I64, name=name)
         step = WIDTH if vector else 1
-        limit = b.sub(stop, i64(step - 1)) if vector and not masked else stop
+        limit = b.sub(stop, i64(step - 1)) if vector and not (masked or clamped) else stop
         b.cbranch(b.icmp_signed("<", var, limit), body_block, end)
-        loop = Loop(var, len(self.stack) + 1, vector, pre)
         b.position_at_end(body_block)
+        position = smin(b, var, b.sub(stop, i64(WIDTH)), name=f"{name}.at") if clamped else var
+        loop = Loop(position, len(self.stack) + 1, vector, pre)
         if masked:
             lanes = b.add(splat(b, var, WIDTH), ir.Constant(ir.VectorType(I64, WIDTH), list(range(WIDTH))))
             loop.mask = b.icmp_signed("<", lanes, splat(b, stop, WIDTH), name=f"{name}.mask")
@@ -245,35 +249,39 @@ class FusedEmitter:
         - ``SCALAR_REST``: a scalar loop;
         - ``MASKED_REST``: one masked vector step (for a body that only stores what it computes
           per position: a reduction's body would add the masked lanes);
-        - ``OVERLAPPED_REST``: one vector step over the last ``WIDTH`` positions, which overlaps
-          the loop's last step, where ``[start, stop)`` holds that many (else a scalar loop). For
-          a body that stores a pure function of its position into memory none of its reads
-          overlap (a step's writes never do: ``MemoryPlan.accesses``): the positions computed
-          twice get the same values.
+        - ``OVERLAPPED_REST``: where ``[start, stop)`` holds ``WIDTH`` positions, the vector loop's
+          last step moves back to end at ``stop``, overlapping the step before it (else a scalar
+          loop): no second copy of the body. For a body that stores a pure function of its
+          position into memory none of its reads overlap (a step's writes never do:
+          ``MemoryPlan.accesses``): the positions computed twice get the same values.
         """
         if any(loop.vector for loop in self.stack):
             self.loop(start, stop, name, False, body)
             return
-        counter = alloca_entry(self.b, I64, f"{name}.at")
-        self.b.store(start, counter)
+        b = self.b
+        if tail == OVERLAPPED_REST:  # one vector loop whose last step overlaps, else the scalar one
+            # What either branch computes (hoisted to its own loop's pre-chain) stays in it.
+            saved = self.memo
+            with b.if_else(b.icmp_signed(">=", b.sub(stop, start), i64(WIDTH))) as (vectors, scalars):
+                with vectors:
+                    self.memo = dict(saved)
+                    self.loop(start, stop, f"{name}.v", True, body, clamped=True)
+                with scalars:
+                    self.memo = dict(saved)
+                    self.loop(start, stop, f"{name}.s", False, body)
+            self.memo = saved
+            return
+        counter = alloca_entry(b, I64, f"{name}.at")
+        b.store(start, counter)
 
         def vector_body(loop: Loop) -> None:
             body(loop)
             self.b.store(self.b.add(loop.var, i64(WIDTH)), counter)
 
         self.loop(start, stop, f"{name}.v", True, vector_body)
-        b = self.b
         middle = b.load(counter, typ=I64, name=f"{name}.rest")
         if tail == MASKED_REST:
             self.loop(middle, stop, f"{name}.m", True, body, masked=True)  # one step, or none
-        elif tail == OVERLAPPED_REST:
-            last = b.sub(stop, i64(WIDTH), name=f"{name}.last")
-            fits = b.and_(b.icmp_signed("<", middle, stop), b.icmp_signed(">=", last, start), name=f"{name}.overlap")
-            with b.if_else(fits) as (overlapped, scalar):
-                with overlapped:
-                    self.loop(last, b.add(last, i64(WIDTH)), f"{name}.o", True, body)  # one step
-                with scalar:
-                    self.loop(middle, stop, f"{name}.s", False, body)
         else:
             self.loop(middle, stop, f"{name}.s", False, body)
 
@@ -739,7 +747,7 @@ class Chunking:
     rows_per_item: int
     column_chunk: int  # 0: whole rows per item
     flat: int = 1  # trailing axes the column loop runs as one (rlx.codegen.collapse)
-    rest: str = "scalar"  # how a row's last partial vector runs (see plan_chunking)
+    rest: str = SCALAR_REST  # how a row's last partial vector runs (see plan_chunking)
 
     @property
     def items(self) -> int | None:

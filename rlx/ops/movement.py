@@ -358,7 +358,7 @@ def unfold(graph: Graph, x: object, axis: int, size: int, step: int = 1) -> Valu
     1``. ``out[..., j, ..., i] = x[..., j * step + i, ...]``. Windows overlap where ``step <
     size``: compiled, the result is a strided view of ``x``'s buffer (a window's entry and the
     next window share a stride), as NumPy's ``sliding_window_view``, so it costs nothing until
-    something copies it (an im2col's column matrix, in one loop nest)."""
+    something copies it (a ViT's patch matrix, in one loop nest)."""
     value = as_value(graph, x, "unfold: x")
     position = normalize_axis("unfold", axis, len(value.shape))
     for label, number in (("size", size), ("step", step)):

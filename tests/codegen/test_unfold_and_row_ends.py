@@ -144,11 +144,14 @@ def test_rows_end_in_an_overlapping_vector_step(width: int, op: str, threads: in
     rows = 13
     xv = _random(width, rows) * 4
     exe = _compiled_matches(_copy_graph(width, rows, op), threads, x=xv)
-    overlapped = "col.o" in exe.optimized_llvm_ir
-    # Rows that end in a partial vector and hold a whole one take the overlapping step; rows
-    # shorter than a vector cannot (its branch folds away: the sizes are static).
-    if width % 16:
-        assert overlapped == (width > 16), width
+    optimized = exe.optimized_llvm_ir
+    # Rows that end in a partial vector and hold a whole one clamp the vector loop's last step
+    # (``col.v.at``) and have no scalar loop; rows shorter than a vector run the scalar loop
+    # only (the sizes are static, so the other branch folds away).
+    if width > 16 and width % 16:
+        assert "col.v.at" in optimized and "col.s" not in optimized, width
+    if width < 16:
+        assert "col.v" not in optimized and "col.s" in optimized, width
 
 
 def test_a_long_row_split_into_column_chunks_ends_within_its_chunk() -> None:
@@ -180,7 +183,7 @@ def test_dear_bodies_keep_their_masked_step() -> None:
     x = g.input("x", (24, 7))
     g.output(y=_silu(g, g.transpose(x, (1, 0))))
     exe = _compiled_matches(g, 2, x=_random(24, 7))
-    assert "col.o" not in exe.optimized_llvm_ir and "col.m" in exe.optimized_llvm_ir
+    assert "col.v.at" not in exe.optimized_llvm_ir and "col.m" in exe.optimized_llvm_ir
 
 
 def test_ids_read_through_windows_are_checked_where_read() -> None:
