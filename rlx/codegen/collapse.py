@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from rlx.codegen.schedule import Schedule, is_unit_reshape
+from rlx.codegen.schedule import Schedule, apply_view_op, is_unit_reshape
 from rlx.codegen.views import View
 from rlx.ir.graph import Value
 from rlx.ir.types import Dim
@@ -87,9 +87,8 @@ class FlatAxes:
         if op == "unfold":
             assert source is not None
             windows = self.schedule.view(source)
-            return windows is not None and self.view_ok(
-                windows.unfold(node.attrs.axis, node.attrs.size, node.attrs.step), group
-            )
+            unfolded = None if windows is None else apply_view_op(node, value.index, windows)
+            return unfolded is not None and self.view_ok(unfolded, group)
         if op in ("sum", "max"):
             assert source is not None
             inner = _through_reduction(node.attrs.axes, node.attrs.keepdims, len(source.shape), group)

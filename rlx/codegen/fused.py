@@ -57,6 +57,7 @@ from rlx.codegen.irutil import (
 from rlx.codegen.schedule import (
     Kernel,
     Schedule,
+    apply_view_op,
     inline_values,
     is_unit_reshape,
     reduces_last_axis,
@@ -332,7 +333,9 @@ class FusedEmitter:
         if op == "unfold":  # its own root: the operand's windows, read through strides
             source = self.schedule.view(node.inputs[0])  # the scheduler gave it a buffer
             assert source is not None
-            return self.load(source.unfold(node.attrs.axis, node.attrs.size, node.attrs.step), idx, value.dtype)
+            windows = apply_view_op(node, value.index, source)
+            assert windows is not None
+            return self.load(windows, idx, value.dtype)
         if op in ("sum", "max"):
             return self.reduce(value, idx)
         if op == "concat":
