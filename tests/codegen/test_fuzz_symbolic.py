@@ -94,14 +94,31 @@ def test_symbolic_chains_compile_once_and_match_the_reference(g: Graph, sizes: l
             # rows summed (3 * (S + 3) at most), so its absolute error scales with g, not with it
             atol = 5e-5 if name.startswith("d") else 2e-5
             assert_close(got[name], want, f"{name} at S={s}", rtol=2e-4, atol=atol)
-    # S = 0: every output has its declared shape at that size; without constant rows, w only meets
-    # x's rows (products whose inner dimension or summed axis is empty), so its gradient is 0.
+    # S = 0: every output has its declared shape at that size and the reference's values: products
+    # whose inner dimension is empty and sums over no rows give 0, but not every gradient is 0 (a
+    # softmax over a size-1 axis turns the empty sum's 0 into 1, which then meets w).
     empty_arrays = {"x": np.zeros((lead, 0, tail), np.float32), "w": np.ones((tail, tail), np.float32)}
     empty = exe(**empty_arrays)
     for name, value in g.outputs.items():
         assert empty[name].shape == resolve_dims(value.type.shape, {"S": 0}), name
-    if not any(node.op.value == "concat" for node in g.nodes):
-        assert not empty["dw"].any() and np.isfinite(empty["loss"])
+    assert np.isfinite(empty["loss"])
     for name, want in rlx.reference.run(g, **empty_arrays).items():
         assert_close(empty[name], want, f"{name} at S=0", rtol=2e-4, atol=2e-5)
     assert exe.compile_count == 1
+
+
+def test_an_empty_axis_summed_then_softmaxed_over_one_entry_still_meets_w() -> None:
+    """The fuzzer's case where S = 0 leaves a nonzero gradient: sum over no rows is 0, a softmax over
+    one entry makes it 1, and w's gradient is then 2 (the reference's value, not 0)."""
+    g = Graph("empty_softmax")
+    x, w = g.input("x", (1, "S", 1)), g.input("w", (1, 1))
+    y = g.softmax(g.transpose(g.sum(x, axis=1)) @ w, axis=0) @ w
+    loss = g.sum(y * y)
+    dx, dw = rlx.grad(g, loss, [x, w])
+    g.output(loss=loss, dx=dx, dw=dw)
+    exe = rlx.compile(g)
+    arrays = {"x": np.zeros((1, 0, 1), np.float32), "w": np.ones((1, 1), np.float32)}
+    got = exe(**arrays)
+    np.testing.assert_allclose(got["dw"], [[2.0]], rtol=1e-6)
+    for name, want in rlx.reference.run(g, **arrays).items():
+        assert_close(got[name], want, name, rtol=2e-4, atol=2e-5)
