@@ -819,11 +819,20 @@ def test_compiled_random_graphs_as_torch_functions(case: tuple[Graph, int]) -> N
     grad_graph.output(**{f"d_{x.node.attrs.name}": d for x, d in zip(xs, grads, strict=True)})
     want_grads = rlx.reference.run(grad_graph, **arrays, **{f"dy_{n}": c for n, c in cotangents.items()})
     scale = max(1.0, *(float(np.max(np.abs(w))) for w in (*want.values(), *want_grads.values()) if w.size))
+    # each entry's own sensitivity to float32 rounding widens its tolerance (ill-conditioned graphs)
+    from fuzz_graphs import assert_close_within_spread, rounding_spread
+
+    spread = rounding_spread(g, arrays, want)
+    grad_inputs = {**arrays, **{f"dy_{n}": c for n, c in cotangents.items()}}
+    grad_spread = rounding_spread(grad_graph, grad_inputs, want_grads)
     for name, value in want.items():
-        np.testing.assert_allclose(got[name].detach().numpy(), value, rtol=2e-4, atol=2e-5 * scale, err_msg=name)
+        assert_close_within_spread(
+            got[name].detach().numpy(), value, rtol=2e-4, atol=2e-5 * scale, spread=spread[name], err_msg=name
+        )
     for name, tensor in tensors.items():
-        np.testing.assert_allclose(
-            tensor.grad.numpy(), want_grads[f"d_{name}"], rtol=2e-4, atol=2e-5 * scale, err_msg=f"d_{name}\n{g}"
+        assert_close_within_spread(
+            tensor.grad.numpy(), want_grads[f"d_{name}"], rtol=2e-4, atol=2e-5 * scale,
+            spread=grad_spread[f"d_{name}"], err_msg=f"d_{name}\n{g}",
         )
 
 

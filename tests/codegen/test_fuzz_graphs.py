@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from fuzz_graphs import graphs
+from fuzz_graphs import assert_close_within_spread, graphs, rounding_spread
 from hypothesis import HealthCheck, given, settings
 
 import rlx
@@ -31,10 +31,14 @@ def test_random_graphs_compile_to_the_reference(case: tuple[Graph, int, int]) ->
         array[...] = np.nan if array.dtype.kind == "f" else 1
     del array, first
     got = exe(**arrays)
+    spread = rounding_spread(g, arrays, want)
     for name in want:
         # One scale for all outputs: a gradient that is analytically zero (a layer norm's input
-        # shifted by a broadcast scalar) is the float32 rounding of sums of larger terms.
+        # shifted by a broadcast scalar) is the float32 rounding of sums of larger terms. On top of
+        # it, each entry's own sensitivity to float32 rounding (ill-conditioned random graphs).
         scale = max(1.0, *(float(np.max(np.abs(w))) for w in want.values() if w.size))
         assert got[name].shape == want[name].shape, name
-        np.testing.assert_allclose(got[name], want[name], rtol=2e-4, atol=2e-5 * scale, err_msg=f"{name}\n{g}")
+        assert_close_within_spread(
+            got[name], want[name], rtol=2e-4, atol=2e-5 * scale, spread=spread[name], err_msg=f"{name}\n{g}"
+        )
         assert math.isfinite(float(np.sum(got[name]))) == math.isfinite(float(np.sum(want[name])))
