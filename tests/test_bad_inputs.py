@@ -172,6 +172,22 @@ def test_huge_shapes_are_refused_before_allocating() -> None:
         rlx.compile(g)
 
 
+def test_shapes_beyond_what_64_bit_offsets_address_are_build_errors() -> None:
+    """An input of 2**80 elements, or an op whose result would have 2**61, is refused when it is
+    declared (naming the input or the op), not compiled into kernels whose index arithmetic wraps."""
+    g = Graph("beyond")
+    with pytest.raises(RlxValueError, match=r"input 'x': shape .* has 1.21e\+24 elements, more than any array"):
+        g.input("x", (2**40, 2**30, 2**10))
+    column, row = g.input("column", (2**30, 1)), g.input("row", (1, 2**31))
+    before = str(g)
+    with pytest.raises(RlxValueError, match=r"add \(node \d+\): the result's shape \(1073741824, 2147483648\)"):
+        column + row
+    assert str(g) == before
+    with pytest.raises(RlxValueError, match="more than any array can hold"):
+        rlx.ir.parse("graph @g {\n  %x = input \"x\" : f32[1099511627776,1099511627776]\n  output y = %x\n}")
+    g.input("wide", (2**30, 2**30))  # 2**60 elements: the most a value may have
+
+
 def test_a_call_that_cannot_get_its_memory_is_a_clear_error() -> None:
     """Symbolic sizes only meet memory at call time: NumPy's MemoryError becomes an RlxMemoryError
     (also a MemoryError) naming the buffer, and the executable keeps working afterwards."""

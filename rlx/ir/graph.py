@@ -22,7 +22,7 @@ from rlx.errors import RlxKeyError, RlxTypeError, RlxValueError
 from rlx.ir.dims import canonical_dim, dim_symbols, is_symbol
 from rlx.ir.opdef import REGISTRY
 from rlx.ir.ops import InputAttrs, OpKind
-from rlx.ir.types import Dim, TensorType, as_dtype, check_shape
+from rlx.ir.types import Dim, TensorType, TooManyElements, as_dtype, check_shape
 
 Attrs = Any
 
@@ -450,6 +450,8 @@ class Graph:
         operand_types = [v.type for v in inputs]
         try:
             types = definition.infer(what, operand_types, attrs)
+        except TooManyElements as exc:  # raised where the result type is made, which knows no op
+            raise RlxValueError(f"{what}: the result's {exc.detail}") from None
         except TypeError as exc:  # a rule doing arithmetic on a symbolic dimension
             symbolic = [str(t) for t in operand_types if not t.is_static]
             if not symbolic:

@@ -24,6 +24,25 @@ DTYPE_NAMES: dict[str, np.dtype] = {
 }
 _NAME_OF_DTYPE = {dtype: name for name, dtype in DTYPE_NAMES.items()}
 
+# The most elements a value may have: 8 bytes each (the widest dtype) still leave every byte
+# offset, and every index the kernels compute, inside a signed 64-bit integer.
+MAX_ELEMENTS = 2**60
+
+
+class TooManyElements(RlxValueError):
+    """A shape beyond :data:`MAX_ELEMENTS`; the graph re-raises it naming the op that made it."""
+
+    def __init__(self, what: str, dims: tuple[Dim, ...], elements: int) -> None:
+        self.dims, self.elements = dims, elements
+        super().__init__(f"{what}: {self.detail}")
+
+    @property
+    def detail(self) -> str:
+        return (
+            f"shape {self.dims} has {self.elements:.3g} elements, more than any array can hold "
+            "(at most 2**60, so that every byte offset fits a 64-bit integer)"
+        )
+
 
 def as_dtype(dtype: object) -> np.dtype:
     """Normalise a user dtype (``np.float32``, ``"float32"``, ``"f32"``) or raise RlxTypeError."""
@@ -116,7 +135,7 @@ def static_shape(shape: tuple[Dim, ...]) -> tuple[int, ...]:
 def check_shape(shape: object, what: str) -> tuple[Dim, ...]:
     """Validate a user shape: positive Python/NumPy ints and symbol names; returns a tuple."""
     if type(shape) is tuple and all(type(dim) is int and dim >= 1 for dim in shape):
-        return shape  # the common case, already normal
+        return _within_size(shape, what)  # the common case, already normal
     if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
         raise RlxTypeError(f"{what}: shape must be a tuple of ints, got {type(shape).__name__}")
     try:
@@ -138,6 +157,14 @@ def check_shape(shape: object, what: str) -> tuple[Dim, ...]:
     dims = tuple(dim if isinstance(dim, str) else int(dim) for dim in entries)
     if any(isinstance(dim, int) and dim < 1 for dim in dims):
         raise RlxValueError(f"{what}: every dimension must be >= 1, got shape {dims}")
+    return _within_size(dims, what)
+
+
+def _within_size(dims: tuple[Dim, ...], what: str) -> tuple[Dim, ...]:
+    """``dims``, unless its static dimensions alone hold more than :data:`MAX_ELEMENTS` elements."""
+    static = math.prod(dim for dim in dims if isinstance(dim, int))
+    if static > MAX_ELEMENTS:
+        raise TooManyElements(what, dims, static)
     return dims
 
 

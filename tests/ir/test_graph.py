@@ -719,10 +719,13 @@ def test_tensor_type_normalises_shape_and_dtype() -> None:
 
 
 def test_tensor_type_nbytes_is_exact_for_huge_shapes() -> None:
-    """Regression: np.prod in int64 wrapped to 0 for 2**40 x 2**40 and overflowed beyond int64."""
+    """Regression: np.prod in int64 wrapped to 0 for 2**40 x 2**40. Such shapes are now refused (more
+    elements than 64-bit byte offsets address); the largest allowed one's size is exact."""
     assert TensorType((2, 3)).nbytes == 24 and TensorType(()).nbytes == 4
-    assert TensorType((2**40, 2**40)).nbytes == 2**82
-    assert TensorType((10**30,), "f16").nbytes == 2 * 10**30
+    assert TensorType((2**30, 2**30), "f64").nbytes == 2**63
+    for huge in ((2**40, 2**40), (10**30,)):
+        with pytest.raises(rlx.RlxValueError, match="more than any array can hold"):
+            TensorType(huge, "f16")
 
 
 def test_tensor_type_with_a_str_dtype_verifies_and_prints() -> None:
