@@ -369,13 +369,24 @@ def index_bounds(graph: Graph) -> list[tuple[Value, Dim, str]]:
     bounds: list[tuple[Value, Dim, str]] = []
     for node in graph.nodes:
         definition = node.op.definition
-        for index in definition.index_operands:
-            operand = node.inputs[definition.slot_of(index.operand)]
-            limit = index.limit(node)
-            what = index.describe(node)
-            given, computed = index_sources(operand, slices_computed=index.checked_in_kernel)
+        operands = [
+            (
+                node.inputs[definition.slot_of(index.operand)],
+                index.limit(node),
+                index.describe(node),
+                index.checked_in_kernel,
+            )
+            for index in definition.index_operands
+        ]
+        if definition.node_index_operands is not None:
+            operands += [
+                (node.inputs[slot], limit, f"{meaning} of {node.op} (node {node.id}) operand {slot}", False)
+                for slot, limit, meaning in definition.node_index_operands(node)
+            ]
+        for operand, limit, what, in_kernel in operands:
+            given, computed = index_sources(operand, slices_computed=in_kernel)
             bounds.extend((source, limit, what) for source in given)
-            if computed and not index.checked_in_kernel:
+            if computed and not in_kernel:
                 producer = computed[0].node
                 raise RlxValueError(
                     f"{what} come from {producer.op} (node {producer.id}); index operands must be graph "

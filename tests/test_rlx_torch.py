@@ -1094,3 +1094,28 @@ def test_torchs_default_device_does_not_reach_the_buffers_rlx_writes() -> None:
     done = subprocess.run([sys.executable, "-c", _DEFAULT_DEVICE_SCRIPT], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("ok")
+
+
+def test_a_torch_mod_indexing_a_table_by_document_ids_differentiates() -> None:
+    """``pair[doc[b, q], doc[b, kv]]``: a captured tensor indexed by the entries of another, its
+    gradient included, against the scores materialised in torch; a bad id is a clear error."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 24, 8, requires_grad=True) for _ in range(3))
+    doc = torch.sort(torch.randint(0, 3, (2, 24)), dim=-1).values
+    pair = torch.randn(3, 3, requires_grad=True)
+
+    def pair_bias(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return score + pair[doc[b, q_idx], doc[b, kv_idx]]
+
+    out = rt.flex_attention(q, k, v, score_mod=pair_bias)
+    dy = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, pair), dy)
+    scores = q @ k.transpose(-1, -2) / 8**0.5 + pair[doc[:, :, None], doc[:, None, :]][:, None]
+    want_out = torch.softmax(scores, -1) @ v
+    want = torch.autograd.grad(want_out, (q, k, v, pair), dy)
+    torch.testing.assert_close(out, want_out, rtol=1e-4, atol=1e-5)
+    for have, expected in zip(got, want, strict=True):
+        torch.testing.assert_close(have, expected, rtol=1e-4, atol=1e-5)
+    doc[1, 3] = 3
+    with pytest.raises(rlx.RlxValueError, match="3 is out of range"):
+        rt.flex_attention(q, k, v, score_mod=pair_bias)

@@ -113,6 +113,10 @@ class OpDef:
     scalar: Callable[..., Any] | None = None
     decompose: Callable[[Graph, Node], tuple[Value, ...]] | None = None
     index_operands: tuple[IndexOperand, ...] = ()
+    # Index operands that a node's attrs decide, not the op's signature: ``(slot, limit, meaning)``
+    # for each (a programmable attention mod reading a tensor at a position another tensor holds).
+    # Checked as ``index_operands`` are: inputs and constants before the call, computed ones refused.
+    node_index_operands: Callable[[Node], Sequence[tuple[int, Dim, str]]] | None = None
     view: bool = False  # results only rearrange operand elements (reshape, transpose, ...)
     summary: str = field(default="", repr=False)
 

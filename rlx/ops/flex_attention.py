@@ -162,6 +162,42 @@ def check_index_ranges_per_call(
             _check_index_ranges(what, label, region, dims, captured)
 
 
+def positions_read_from_tensors(region: Region, captured: Sequence[TensorType]) -> list[tuple[int, int, int, int]]:
+    """``(read step, tensor, axis, source tensor)`` for each axis a read indexes with an entry of an
+    integer tensor, as read (``bias[doc[b, q_idx], kv_idx]``: axis 0 of ``bias`` by ``doc``'s entries).
+
+    Such an index is as good as the entries: the interval check cannot bound it, so the entries of
+    the source are checked against the axis before each call (:func:`mod_index_operands`, which
+    the executable and the reference check as they check ``embedding``'s ids).
+    """
+    found = []
+    for step, tensor in region.reads():
+        for axis, (kind, value) in enumerate(region.steps[step].args[1:]):
+            if kind != "t" or region.steps[int(value)].op != "read":
+                continue
+            source = int(region.steps[int(value)].args[0][1])
+            if captured[source].dtype.kind == "i":
+                found.append((step, tensor, axis, source))
+    return found
+
+
+def mod_index_operands(node: Node) -> list[tuple[int, Dim, str]]:
+    """``OpDef.node_index_operands`` of the flex nodes: the captured int tensors whose entries index
+    another captured tensor (:func:`positions_read_from_tensors`), each with that axis's size."""
+    attrs = node.attrs
+    first = len(flex_slots(attrs))
+    captured = node.inputs[first:]
+    types = [value.type for value in captured]
+    operands = []
+    for label, region in (("score_mod", attrs.score_mod), ("mask_mod", attrs.mask_mod)):
+        if region is None:
+            continue
+        for _, tensor, axis, source in positions_read_from_tensors(region, types):
+            meaning = f"{label} index into axis {axis} of captured tensor {tensor} ({types[tensor]})"
+            operands.append((first + source, types[tensor].shape[axis], meaning))
+    return operands
+
+
 def _check_index_ranges(what: str, label: str, region: Region, dims: FlexDims, captured: Sequence[TensorType]) -> None:
     full: dict[str, Interval] = {
         "score": (np.float64(-np.inf), np.float64(np.inf)),
@@ -173,18 +209,30 @@ def _check_index_ranges(what: str, label: str, region: Region, dims: FlexDims, c
         "kv_len": (np.float64(dims.seq_k), np.float64(dims.seq_k)),
     }
 
+    by_entries = {(step, axis) for step, _, axis, _ in positions_read_from_tensors(region, captured)}
+
     def read_bounds(step: int, tensor: int, index: list[Interval]) -> Interval:
         shape = captured[tensor].static_shape
         for axis, ((lo, hi), size) in enumerate(zip(index, shape, strict=True)):
+            if (step, axis) in by_entries:
+                continue  # an entry of an int tensor: checked before each call (mod_index_operands)
             if not (float(lo) >= 0 and float(hi) <= size - 1):
+                unbounded = not (math.isfinite(float(lo)) and math.isfinite(float(hi)))
                 raise RlxValueError(
                     f"{what}: {label} step {step} reads captured tensor {tensor} ({captured[tensor]}) with index "
                     f"{axis} in [{_fmt(lo)}, {_fmt(hi)}], outside [0, {size - 1}]; indices must stay in range for "
                     f"every b < {dims.batch}, h < {dims.heads}, q_idx < {dims.seq_q}, kv_idx < {dims.seq_k}"
+                    + (_ENTRY_INDEX_HINT if unbounded else "")
                 )
         return np.float64(-np.inf), np.float64(np.inf)
 
     region.bounds(full, read_bounds)
+
+
+_ENTRY_INDEX_HINT = (
+    "; an index taken from a tensor's entries must be the entry itself (table[doc[b, q_idx], kv_idx]), "
+    "whose values are checked before each call, not arithmetic on it"
+)
 
 
 def _fmt(x: np.ndarray) -> str:
@@ -610,6 +658,7 @@ FLEX_ATTENTION = register_op(
         _flex_reference,
         _flex_grad,
         builder=flex_attention,
+        node_index_operands=mod_index_operands,
         summary="attention with traced score_mod / mask_mod regions; returns out and lse",
     )
 )
@@ -623,6 +672,7 @@ FLEX_ATTENTION_BWD = register_op(
         not_differentiable,
         builder=_builder_flex_attention_bwd,
         narrow=_narrow_flex_bwd,
+        node_index_operands=mod_index_operands,
         summary="flex attention gradients from the forward's out and lse",
     )
 )

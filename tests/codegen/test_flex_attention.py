@@ -171,6 +171,18 @@ CASES = [
         score_mod=lambda e: lambda s, b, h, q, kv: s + e["table"][h, (q - kv) % 5] * 2.0,
         tensors={"table": ((4, 5), "float32")},
     ),
+    Case(  # indices that are entries of an int tensor, checked against the axis before each call
+        "bias-by-document-pair",
+        score_mod=lambda e: lambda s, b, h, q, kv: s + e["pair_bias"][e["doc"][b, q], e["doc"][b, kv]],
+        tensors={"doc": ((2, 37), "int64"), "pair_bias": ((4, 4), "float32")},
+        mask_mod=lambda e: mods.causal,
+    ),
+    Case(
+        "distance-from-segment-start",
+        score_mod=lambda e: lambda s, b, h, q, kv: s - 0.05 * (q - e["starts"][e["seg"][b, q]]) * (h + 1),
+        mask_mod=lambda e: lambda b, h, q, kv: e["allowed"][e["seg"][b, q], e["seg"][b, kv]] | (q == kv),
+        tensors={"seg": ((2, 37), "int32"), "starts": ((3,), "int64"), "allowed": ((3, 3), "bool")},
+    ),
     Case(
         "bias-no-batch",
         score_mod=lambda e: lambda s, b, h, q, kv: s * e["per_head"][h, q, kv],
