@@ -2,7 +2,8 @@
 
 Each example draws expression trees over every operation a mod may use (arithmetic on the score
 and on the integer indices, ``//``, ``%``, ``**``, comparisons, ``& | ~``, ``rlx.where`` and the
-unary functions, reads of a learnable bias by the symbols) and random shapes (GQA, ``Dv != D``,
+unary functions, reads of a learnable bias by the symbols, reads of int inputs and of a learnable
+table at their entries: ``table[segq[b, i], segk[b, j]]``) and random shapes (GQA, ``Dv != D``,
 ``Sq != Sk``, long enough for several tiles so that block sparsity is exercised). The forward
 (``out``, ``lse``) and every gradient (q, k, v and the bias) must equal the float64 reference.
 Written after an integer negation inside a mod (``-(h + 1)``) emitted an LLVM ``fneg`` on an
@@ -28,7 +29,10 @@ from rlx import Graph, Layout
 
 Tree = tuple[Any, ...]
 
-INT_LEAVES = st.one_of(st.sampled_from([("b",), ("h",), ("i",), ("j",)]), st.integers(-3, 5).map(lambda n: ("int", n)))
+INT_LEAVES = st.one_of(
+    st.sampled_from([("b",), ("h",), ("i",), ("j",), ("seg_q",), ("seg_k",)]),  # seg_*: entries of int inputs
+    st.integers(-3, 5).map(lambda n: ("int", n)),
+)
 
 
 def _int_node(children: st.SearchStrategy[Tree]) -> st.SearchStrategy[Tree]:
@@ -56,6 +60,7 @@ FLOAT_LEAVES = st.one_of(
     st.just(("score",)),
     st.just(("score",)),
     st.just(("bias",)),
+    st.just(("entry_bias",)),  # a table read at the entries of two int inputs, checked per call
     st.floats(-2.0, 2.0, allow_nan=False, width=32).map(lambda x: ("float", x)),
     INT_EXPR.map(lambda tree: ("scaled", tree)),  # an index expression times 0.25: ints join floats
 )
@@ -94,6 +99,12 @@ def evaluate(tree: Tree, env: dict[str, Any]) -> Any:
         return args[0]
     if op == "bias":
         return env["bias"][env["h"], env["i"], env["j"]]
+    if op == "seg_q":
+        return env["segq"][env["b"], env["i"]]
+    if op == "seg_k":
+        return env["segk"][env["b"], env["j"]]
+    if op == "entry_bias":
+        return env["table"][env["segq"][env["b"], env["i"]], env["segk"][env["b"], env["j"]]]
     if op == "scaled":
         return evaluate(args[0], env) * 0.25
     if op == "cmp" or op == "fcmp":
@@ -174,15 +185,18 @@ def test_random_mods_compile_to_the_reference(
     k = g.input("k", layout.join(b, sk, kv_heads, dim))
     v = g.input("v", layout.join(b, sk, kv_heads, value_dim))
     bias = g.input("bias", (heads, seq_q, seq_k))
+    segq, segk = g.input("segq", (b, sq), dtype="int64"), g.input("segk", (b, sk), dtype="int64")
+    table = g.input("table", (3, 3))
+    tensors = {"bias": bias, "segq": segq, "segk": segk, "table": table}
 
     def score_mod(score: Any, b: Any, h: Any, i: Any, j: Any) -> Any:
         assert score_tree is not None
-        env = {"score": score, "b": b, "h": h, "i": i, "j": j, "bias": bias}
+        env = {"score": score, "b": b, "h": h, "i": i, "j": j, **tensors}
         return 6.0 * rlx.tanh(evaluate(score_tree, env) / 6.0)  # soft cap: softmax stays well conditioned
 
     def mask_mod(b: Any, h: Any, i: Any, j: Any) -> Any:
         assert mask_tree is not None
-        return evaluate(mask_tree, {"b": b, "h": h, "i": i, "j": j})
+        return evaluate(mask_tree, {"b": b, "h": h, "i": i, "j": j, **tensors})
 
     out, lse = g.attention(
         q,
@@ -195,14 +209,15 @@ def test_random_mods_compile_to_the_reference(
         layout=layout,
     )
     dy = g.input("dy", out.shape)
-    reads_bias = score_tree is not None and "bias" in repr(score_tree)
-    grads = rlx.grad(g, out, [q, k, v, bias] if reads_bias else [q, k, v], dy)
-    names = ("q", "k", "v", "bias")[: len(grads)]
+    reads = [name for name, leaf in (("bias", "('bias',)"), ("table", "('entry_bias',)")) if leaf in repr(score_tree)]
+    grads = rlx.grad(g, out, [q, k, v, *(tensors[name] for name in reads)], dy)
+    names = ("q", "k", "v", *reads)
     g.output(out=out, lse=lse, **{f"d{name}": grad for name, grad in zip(names, grads, strict=True)})
 
     rng = np.random.default_rng(seed)
     shapes = {name: tuple(sizes.get(d, d) for d in value.shape) for name, value in g.inputs.items()}
     arrays = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+    arrays.update(segq=rng.integers(0, 3, shapes["segq"]), segk=rng.integers(0, 3, shapes["segk"]))
     got = rlx.compile(g)(**arrays)
     expected = rlx.reference.run(g, **arrays)
     for name, value in expected.items():
