@@ -206,3 +206,12 @@ def test_a_call_that_cannot_get_its_memory_is_a_clear_error() -> None:
         exe(x=column, y=column.T)
     got = exe(x=np.full((3, 1), 2, np.float32), y=np.ones((1, 3), np.float32))
     np.testing.assert_allclose(got["z"], np.full((3, 3), 2.0))
+
+
+@pytest.mark.parametrize(("ids", "bad"), [([0, 1, 7], 7), ([-1, 0, 0], -1)])
+def test_a_constant_holding_a_bad_id_is_refused_at_compile_time(ids: list[int], bad: int) -> None:
+    """A constant's ids are known when the graph compiles: the executable is never made."""
+    g = Graph("constant_ids")
+    g.output(rows=g.embedding(g.input("table", (4, 3)), g.constant(np.array(ids, dtype=np.int64))))
+    with pytest.raises(RlxValueError, match=rf"constant \(node \d+\): {bad} is out of range \[0, 4\)"):
+        rlx.compile(g)

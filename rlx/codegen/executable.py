@@ -361,6 +361,9 @@ def _lower(
         masks_as_mods(working, config)
     decompose(working)  # codegen sees primitives only, whatever the passes were
     bounds = _distinct_bounds(built_bounds + index_bounds(working))
+    # A constant's ids are known now: a bad one is refused here, not by every call.
+    known = [(source, limit, what) for source, limit, what in bounds if source.node.op.value == "constant"]
+    check_index_inputs(working, {}, [(source, limit, what) for source, limit, what in known if isinstance(limit, int)])
     times["passes"] = time.perf_counter() - start
 
     start = time.perf_counter()

@@ -128,3 +128,4 @@ def test_a_mask_read_at_entries_skips_the_tiles_it_hides() -> None:
     }
     got, want = rlx.compile(g)(**arrays), rlx.reference.run(g, **arrays)
     np.testing.assert_allclose(got["out"], want["out"], rtol=2e-4, atol=2e-5)
+
