@@ -231,3 +231,26 @@ def test_random_draws_in_the_graph_are_eagers(name: str, function: Callable[...,
     torch.testing.assert_close(got_grad, torch.autograd.grad(function(x), x, cotangent)[0], rtol=1e-5, atol=1e-6)
     assert not torch.equal(compiled(x), compiled(x))  # fresh draws each call
     assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["score_mod", "block_mask"])
+def test_flex_attention_in_a_compiled_function_runs_in_eager_torch(masked: bool) -> None:
+    """torch's flex_attention builds its block mask with vmap, which TorchDynamo inlines into the
+    graph. The backend leaves such a graph to eager PyTorch with a warning naming why; before, it
+    folded the first vmap level into a constant, left torch's functorch interpreter stack pushed
+    when a later node was refused, and TorchDynamo failed its own guard ("Guard failed on the
+    same frame it was created")."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 32, 8) for _ in range(3))
+
+    def attend(q: Any, k: Any, v: Any) -> Any:
+        mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, 32, 32) if masked else None
+        return flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s * 0.5, block_mask=mask)
+
+    with pytest.warns(UserWarning, match="runs in eager PyTorch: .*torch.func transform"):
+        got = torch.compile(attend, backend="rlx")(q, k, v)
+    torch.testing.assert_close(got, attend(q, k, v))
+    assert torch._C._functorch.peek_interpreter_stack() is None
+    assert dynamo_backend.stats["eager"] >= 1

@@ -295,6 +295,10 @@ class _Translation:
             return attribute.detach()  # folded with other constants, or a constant where an op reads it
         else:
             raise Unsupported(f"{node.op} {node.target}")
+        if str(getattr(node.target, "__module__", "")).startswith("torch._functorch"):
+            # vmap's levels (create_block_mask's mask is a vmap): folding one would leave the
+            # interpreter stack pushed when a later node is refused, and TorchDynamo's guards fail.
+            raise Unsupported(f"{what}: a torch.func transform (vmap) inside the graph")
         if _foldable(what, args, kwargs):
             return _fold(node, args, kwargs)
         if node.target is torch.arange:
