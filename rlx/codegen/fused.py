@@ -50,6 +50,7 @@ from rlx.codegen.irutil import (
     declare,
     element_type,
     gep,
+    i32,
     i64,
     intrinsic,
     smin,
@@ -377,8 +378,11 @@ class FusedEmitter:
         if ix.loop is not None and ix.loop.vector:
             # Only this axis runs along the vector loop, so each lane's read is one scalar.
             lanes = [self._concat_at(value, _replace(idx, axis, _lane_of(self.b, ix, lane))) for lane in range(WIDTH)]
-            assert all(lane.width == 1 for lane in lanes)
-            packed = _pack(self.b, [lane.value for lane in lanes], lanes[0].value.type)
+            # A part may still come back as a vector: a reduction inside a vector loop makes
+            # WIDTH lanes whatever its index (a softmax over a size-1 axis of a flat loop's part).
+            # Its index is scalar here, so its lanes are all equal: lane 0 is the value.
+            scalars = [lane.value if lane.width == 1 else self.b.extract_element(lane.value, i32(0)) for lane in lanes]
+            packed = _pack(self.b, scalars, scalars[0].type)
             return Lane(packed, WIDTH, lanes[0].kind)
         return self._concat_at(value, idx)
 

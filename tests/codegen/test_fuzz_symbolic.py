@@ -6,6 +6,7 @@ gradients."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from codegen_helpers import assert_close
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -122,3 +123,24 @@ def test_an_empty_axis_summed_then_softmaxed_over_one_entry_still_meets_w() -> N
     np.testing.assert_allclose(got["dw"], [[2.0]], rtol=1e-6)
     for name, want in rlx.reference.run(g, **arrays).items():
         assert_close(got[name], want, name, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("rows", [40, "S"])
+def test_a_concat_part_that_reduces_a_size_1_axis_reads_lane_by_lane(rows: int | str) -> None:
+    """Found by CI's fuzzer run: ``concat([c, softmax(x, axis=1)], axis=0)`` of ``x [S, 1]``, read
+    flat along the joined axis, reads each part lane by lane at a scalar index, where a reduction
+    still made WIDTH (equal) lanes, which the concat refused (an assertion)."""
+    g = Graph("concat_of_a_reduction")
+    x = g.input("x", (rows, 1))
+    joined = g.concat(
+        [g.constant(np.full((1, 1), -0.5, np.float32)), g.softmax(x, axis=1), g.max(x, axis=1, keepdims=True)], axis=0
+    )
+    loss = g.sum(joined * joined)
+    (dx,) = rlx.grad(g, loss, [x])
+    g.output(y=g.reshape(joined, (-1,)) * 2.0, dx=dx)
+    exe = rlx.compile(g)
+    for size in (40,) if rows == 40 else (1, 17, 40):
+        arrays = {"x": np.random.default_rng(size).standard_normal((size, 1)).astype(np.float32)}
+        got, want = exe(**arrays), rlx.reference.run(g, **arrays)
+        for name in want:
+            assert_close(got[name], want[name], name, rtol=2e-4, atol=2e-5)
