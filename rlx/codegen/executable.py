@@ -360,10 +360,13 @@ def _lower(
     if options.masks_as_mods:
         masks_as_mods(working, config)
     decompose(working)  # codegen sees primitives only, whatever the passes were
-    bounds = _distinct_bounds(built_bounds + index_bounds(working))
-    # A constant's ids are known now: a bad one is refused here, not by every call.
-    known = [(source, limit, what) for source, limit, what in bounds if source.node.op.value == "constant"]
-    check_index_inputs(working, {}, [(source, limit, what) for source, limit, what in known if isinstance(limit, int)])
+    # A constant's ids against a static limit are known now: checked once here, not by every call.
+    bounds: list[tuple[Value, Dim, str]] = []
+    known: list[tuple[Value, Dim, str]] = []
+    for bound in _distinct_bounds(built_bounds + index_bounds(working)):
+        source, limit, _ = bound
+        (known if source.node.op.value == "constant" and isinstance(limit, int) else bounds).append(bound)
+    check_index_inputs(working, {}, known)
     times["passes"] = time.perf_counter() - start
 
     start = time.perf_counter()
