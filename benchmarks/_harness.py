@@ -179,6 +179,10 @@ def warm_heading(warm: int) -> str:
 
 
 WARM_NOT_TARGETS = "(the targets are judged on the first calls, above)"
+SAME_SIZE_NOTE = (
+    "(% same-size sgemm: the rate over that of an n³ sgemm of about the case's FLOPs on rlx's OpenBLAS, timed"
+    " among the same interleaved calls after the same gaps; the targets are judged on % sgemm, the 2048³ rate)"
+)
 
 
 def timed(call: Timeable) -> tuple[object, float]:
@@ -397,6 +401,47 @@ def measure_sgemm(blas: RlxOpenBlas, n: int, threads: int, repeat: int, gap: flo
     )
 
 
+class SameSizeSgemm:
+    """An n x n x n sgemm on rlx's OpenBLAS with about the FLOPs of a benchmark case, on ``threads``
+    threads: what the machine's best-kept kernel does with a call of that size. Timed among the
+    case's interleaved calls (:func:`time_bursts`), it meets the same gaps, the same wake-up of
+    idle cores and the same neighbours, so an implementation's rate over this one's says how
+    close it runs to the machine for calls of its size; the 2048³ rate is that of a call long
+    enough to hide the first milliseconds after a gap, which weigh on a 5 ms call.
+
+    rlx keeps its OpenBLAS on one thread (it parallelises itself), so ``setup`` raises the thread
+    count, untimed, and ``run`` puts it back after the product (``openblas_set_num_threads``
+    lowering the count only stores it)."""
+
+    def __init__(self, blas: RlxOpenBlas, flops: float, threads: int) -> None:
+        self.blas, self.threads = blas, threads
+        self.n = max(16, round((flops / 2.0) ** (1.0 / 3.0)))
+        rng = np.random.default_rng(0)
+        self.a, self.b = (rng.standard_normal((self.n, self.n), dtype=np.float32) for _ in range(2))
+        self.c = np.zeros((self.n, self.n), dtype=np.float32)
+        self.previous = blas.threads()
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.n**3
+
+    def setup(self) -> None:
+        self.previous = self.blas.threads()
+        self.blas.set_threads(self.threads)
+
+    def run(self) -> None:
+        n, a, b, c = self.n, self.a, self.b, self.c
+        try:
+            self.blas.sgemm(101, 111, 111, n, n, n, 1.0, a.ctypes.data, n, b.ctypes.data, n, 0.0, c.ctypes.data, n)
+        finally:
+            self.blas.set_threads(self.previous)
+
+    def check(self) -> None:
+        """Raise if the last product is wrong (a rate of a wrong product means nothing)."""
+        if not np.allclose(self.c[:2, :2], self.a[:2] @ self.b[:, :2], rtol=1e-3, atol=1e-2):
+            raise RuntimeError(f"the {self.n}³ sgemm through rlx's OpenBLAS returned a wrong product")
+
+
 @dataclass(frozen=True)
 class WakeRamp:
     """How fast one core works right after ``gap`` seconds of sleep, against its warm speed.
@@ -574,7 +619,11 @@ def breakdown_table(rows: Sequence[tuple[str, dict[str, float], dict[str, float]
 
 @dataclass(frozen=True)
 class Product:
-    """``count`` matrix products ``C[m, n] = op(A) @ op(B)``, ``op`` transposing where flagged."""
+    """``count`` matrix products ``C[m, n] = op(A) @ op(B)``, ``op`` transposing where flagged, each
+    operand's rows ``lda``/``ldb``/``ldc`` floats apart (0: contiguous). The attention kernels'
+    strips and transposed copies have rows an odd number of cache lines apart (``strip_ld``),
+    and a product timed with rows a power of two of lines apart (512 keys: 2 KB) ran up to a
+    quarter slower than in the kernel, its rows falling into a few sets of L1."""
 
     m: int
     n: int
@@ -582,6 +631,15 @@ class Product:
     trans_a: bool = False
     trans_b: bool = False
     count: int = 1
+    lda: int = 0
+    ldb: int = 0
+    ldc: int = 0
+
+    def leading(self) -> tuple[int, int, int]:
+        """The leading dimensions of A, B and C as stored (row-major), contiguous where 0."""
+        a_columns = self.m if self.trans_a else self.k
+        b_columns = self.k if self.trans_b else self.n
+        return self.lda or a_columns, self.ldb or b_columns, self.ldc or self.n
 
     @property
     def flops(self) -> float:
@@ -735,16 +793,17 @@ class NativeProducts:
         """Seconds of one product through OpenBLAS, torch's BLAS and the tiles (``tiles`` False: not
         timed, 0): the best burst of each, checked against each other."""
         rng = np.random.default_rng(0)
-        a = rng.standard_normal((p.k, p.m) if p.trans_a else (p.m, p.k), dtype=np.float32)
-        b = rng.standard_normal((p.n, p.k) if p.trans_b else (p.k, p.n), dtype=np.float32)
-        outputs = {name: np.zeros((p.m, p.n), dtype=np.float32) for name in ("openblas", "torch", "tiles")}
+        lda, ldb, ldc = p.leading()
+        a = rng.standard_normal((p.k if p.trans_a else p.m, lda), dtype=np.float32)
+        b = rng.standard_normal((p.n if p.trans_b else p.k, ldb), dtype=np.float32)
+        outputs = {name: np.zeros((p.m, ldc), dtype=np.float32) for name in ("openblas", "torch", "tiles")}
         reps = max(1, int(2e6 / (p.m * p.n * p.k)))  # about a millisecond a call
 
         def native(name: str, loop: str) -> Callable[[], None]:
             c = outputs[name]
             fn = self.loops[loop]
-            return lambda: fn(reps, int(p.trans_a), int(p.trans_b), p.m, p.n, p.k, a.ctypes.data, a.shape[1],
-                              b.ctypes.data, b.shape[1], c.ctypes.data, p.n)  # fmt: skip
+            return lambda: fn(reps, int(p.trans_a), int(p.trans_b), p.m, p.n, p.k, a.ctypes.data, lda,
+                              b.ctypes.data, ldb, c.ctypes.data, ldc)  # fmt: skip
 
         calls = {"openblas": native("openblas", "openblas_loop")}
         if self.mkl_sgemm:
@@ -752,9 +811,10 @@ class NativeProducts:
         else:
             import torch
 
-            ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+            ta = torch.from_numpy(a)[:, : (p.m if p.trans_a else p.k)]
+            tb = torch.from_numpy(b)[:, : (p.k if p.trans_b else p.n)]
             ta, tb = (ta.t() if p.trans_a else ta), (tb.t() if p.trans_b else tb)
-            tc = torch.from_numpy(outputs["torch"])
+            tc = torch.from_numpy(outputs["torch"])[:, : p.n]
 
             def torch_mm() -> None:
                 for _ in range(reps):
@@ -773,7 +833,9 @@ class NativeProducts:
                     count += 1
                 best[name] = min(best[name], elapsed / count / reps)
         for name in calls:
-            if not np.allclose(outputs[name], outputs["openblas"], rtol=1e-3, atol=1e-3 * math.sqrt(p.k)):
+            if not np.allclose(
+                outputs[name][:, : p.n], outputs["openblas"][:, : p.n], rtol=1e-3, atol=1e-3 * math.sqrt(p.k)
+            ):
                 raise RuntimeError(f"{name} and OpenBLAS disagree on the product {p.label}")
         return best["openblas"], best["torch"], best.get("tiles", 0.0)
 
@@ -812,32 +874,44 @@ def attention_products(
 ) -> list[Product]:
     """The products rlx's attention kernel calls BLAS for, strip by strip (its own strip height,
     ``strided_rows`` for BSHD heads): ``S = Q K^T`` and ``out = P V`` forward; ``S``, ``dP = dY
-    V^T``, ``dV += P^T dY``, ``dQ = dS K`` and ``dK += dS^T Q`` backward. A causal strip sees the
+    V^T``, ``dV += P^T dY``, ``dQ = dS K`` and ``dK += dS^T Q`` backward, each operand's rows as
+    far apart as in the kernel (strips and transposed copies an odd number of lines apart, a
+    head's rows H·D floats apart in BSHD, or dense copies of them). A causal strip sees the
     keys up to its last row. From ``PACK_MIN_ROWS`` queries on, the kernel reads K and V from
     transposed copies, so ``S`` and ``dP`` are NN products; below, NT. Causal kernels on the
     register tiles band their strips (``lower_attention.BANDS``): a tall strip whose products
     skip what lies above its diagonal; these whole products take the short strips of the rules
     without bands, which compute about as much (the band skips per 6-row tile)."""
     from rlx.codegen.blas import load_blas
-    from rlx.codegen.lower_attention import may_pack
+    from rlx.codegen.lower_attention import DENSE_ROWS_MIN_KEYS, may_pack, packed_ld, strip_ld
     from rlx.codegen.strip_heights import choose_block_q
 
     block_q = choose_block_q(seq, seq, needs_dp=backward, causal_like=causal, strided_rows=strided_rows, head_dim=dim,
                              small_path=load_blas().has_small_path)  # fmt: skip
     keys_transposed = not may_pack(seq)
-    counts: dict[tuple[int, int, int, bool, bool], int] = {}
+    head_ld = heads * dim if strided_rows else dim  # a head's rows, as the kernel reads them in place
+    strip_rows_ld = packed_ld(dim) if strided_rows and seq >= DENSE_ROWS_MIN_KEYS else head_ld  # Q, dY per strip
+    keys_ld = head_ld if keys_transposed else packed_ld(seq)  # K (V) as stored, or its transposed copy
+    counts: dict[tuple[int, ...], int] = {}
     for first in range(0, seq, block_q):
         rows = min(block_q, seq - first)
         keys = min(seq, first + rows) if causal else seq
-        shapes = [(rows, keys, dim, False, keys_transposed)]
+        scores_ld = strip_ld(keys)
+        # (m, n, k, trans_a, trans_b, lda, ldb, ldc)
+        scores = (rows, keys, dim, False, keys_transposed, strip_rows_ld, keys_ld, scores_ld)
+        shapes = [scores]
         if backward:
-            shapes += [(rows, keys, dim, False, keys_transposed), (keys, dim, rows, True, False),
-                       (rows, dim, keys, False, False), (keys, dim, rows, True, False)]  # fmt: skip
+            shapes += [scores, (keys, dim, rows, True, False, scores_ld, head_ld, dim),
+                       (rows, dim, keys, False, False, scores_ld, dim, dim),
+                       (keys, dim, rows, True, False, scores_ld, head_ld, dim)]  # fmt: skip
         else:
-            shapes.append((rows, dim, keys, False, False))
+            shapes.append((rows, dim, keys, False, False, scores_ld, dim, dim))
         for shape in shapes:
             counts[shape] = counts.get(shape, 0) + batch * heads
-    return [Product(m, n, k, ta, tb, count) for (m, n, k, ta, tb), count in counts.items()]
+    return [
+        Product(m, n, k, bool(ta), bool(tb), count, lda, ldb, ldc)
+        for (m, n, k, ta, tb, lda, ldb, ldc), count in counts.items()
+    ]
 
 
 def blas_table(rows: Sequence[tuple[str, Mapping[str, object], float | None]]) -> str:

@@ -30,9 +30,11 @@ from typing import Any
 
 import numpy as np
 from _harness import (
+    SAME_SIZE_NOTE,
     WARM_NOT_TARGETS,
     ForeignLoad,
     RlxOpenBlas,
+    SameSizeSgemm,
     SgemmRate,
     Stats,
     add_warm_option,
@@ -66,6 +68,7 @@ from rlx import Graph, Layout, MaskKind, OpKind, RuntimeConfig, Wrt
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_JSON = REPO / "benchmarks" / "results" / "attention_bwd.json"
 IMPLS = ("rlx_fused", "rlx_unfused", "numpy", "torch")
+SAME_SIZE = "sgemm_same_size"  # timed beside IMPLS: the machine's own rate for a call of the case's size
 INPUT_NAMES = ("q", "k", "v", "dy")
 GRAD_NAMES = ("dq", "dk", "dv")
 PROBE_MARK = "PROBE-RESULT "
@@ -506,7 +509,10 @@ def run_case(index: int, case: Case, args: argparse.Namespace, torch: ModuleType
     repeat = choose_repeat(args, sum(warmup.values()) + args.gap * len(benches))
     print(f"   timing {repeat} interleaved rounds ...", flush=True)
     foreign = ForeignLoad()
-    bursts = time_bursts(benches, repeat, args.gap, args.warm)
+    same_size = SameSizeSgemm(RlxOpenBlas(), case.flops, args.threads)
+    bursts = time_bursts({**benches, SAME_SIZE: same_size}, repeat, args.gap, args.warm)
+    same_size.check()
+    result["same_size_sgemm_flops"] = same_size.flops
     samples = bursts.cold
     result["foreign_load_cores"] = foreign.cores()
     if result["foreign_load_cores"] is not None:
@@ -567,6 +573,16 @@ def gflops(result: dict[str, Any], impl: str) -> float | None:
     return result["flops"] / seconds / 1e9 if seconds else None
 
 
+def same_size_fraction(result: dict[str, Any], warm: bool = False) -> float | None:
+    """The fused kernel's rate over that of the sgemm of the case's FLOPs timed among the same
+    calls (``SameSizeSgemm``), first calls after the gaps or (``warm``) the calls after them."""
+    stats = result.get("warm_stats" if warm else "stats", {})
+    if "rlx_fused" not in stats or SAME_SIZE not in stats:
+        return None
+    fused = result["flops"] / stats["rlx_fused"]["median"]
+    return float(fused / (result["same_size_sgemm_flops"] / stats[SAME_SIZE]["median"]))
+
+
 def memory_ratio(result: dict[str, Any], impl: str = "rlx_fused") -> float | None:
     extra = result.get("memory", {}).get(impl, {}).get("extra_peak_bytes")
     return extra / result["seven_tensor_bytes"] if extra is not None else None
@@ -595,6 +611,7 @@ def summarize(results: list[dict[str, Any]], sgemm_gflops: float, sgemm_multi_gf
     multi_fraction = median_or_none(g / sgemm_multi_gflops for r in headline if (g := gflops(r, "rlx_fused")))
     torch_lowest = min((x for r in headline if (x := ratio(r, "torch")) is not None), default=None)
     fraction_lowest = min((g / sgemm_multi_gflops for r in headline if (g := gflops(r, "rlx_fused"))), default=None)
+    same_size = median_or_none(x for r in headline if (x := same_size_fraction(r)) is not None)
     long = next((r for r in results if r["index"] == LONG_CASE), None)
     long_memory = memory_ratio(long) if long else None
     # What torch/fused would read if rlx ran every FLOP at the measured sgemm rate: a ceiling
@@ -644,7 +661,8 @@ def summarize(results: list[dict[str, Any]], sgemm_gflops: float, sgemm_multi_gf
             "torch_over_sgemm_bound_geomean": geomean(ceilings) if ceilings else None,
             "torch_over_sgemm_bound_lowest": min(ceilings, default=None),
             "fused_fraction_of_measured_multi_sgemm_median": multi_fraction,
-            "fused_fraction_of_single_times_threads_median": sgemm_fraction, "targets": targets}
+            "fused_fraction_of_single_times_threads_median": sgemm_fraction,
+            "fused_fraction_of_same_size_sgemm_median": same_size, "targets": targets}
 
 
 # ----------------------------------------------------------------------------- printing
@@ -676,7 +694,7 @@ def timing_table(results: list[dict[str, Any]]) -> str:
 
 def rate_table(results: list[dict[str, Any]], sgemm_gflops: float, sgemm_multi_gflops: float) -> str:
     header = ["#", "case", "GFLOP", "fused GF/s", "unfused GF/s", "numpy GF/s", "torch GF/s",
-              "fused/sgemm", "fused/sgemm(measured N-thr)", "max rel diff", "torch backend"]
+              "fused/sgemm", "fused/sgemm(measured N-thr)", "fused/same-size sgemm", "max rel diff", "torch backend"]
     rows = []
     for r in results:
         fused_rate = gflops(r, "rlx_fused")
@@ -685,7 +703,8 @@ def rate_table(results: list[dict[str, Any]], sgemm_gflops: float, sgemm_multi_g
                      *(fmt(gflops(r, impl), ".1f") for impl in IMPLS),
                      fmt(fused_rate / sgemm_gflops * 100 if fused_rate else None, ".0f", "%"),
                      fmt(fused_rate / sgemm_multi_gflops * 100 if fused_rate else None, ".0f", "%"),
-                     fmt(worst, ".1e"), (r["torch_backend"] or "—").replace("Backward0", "")])
+                     fmt(_percent(same_size_fraction(r)), ".0f", "%"), fmt(worst, ".1e"),
+                     (r["torch_backend"] or "—").replace("Backward0", "")])
     return markdown_table(header, rows)
 
 
@@ -698,7 +717,8 @@ def warm_ratio(result: dict[str, Any]) -> float | None:
 
 
 def warm_table(results: list[dict[str, Any]], sgemm_multi_gflops: float) -> str:
-    header = ["#", "case", "rlx fused ms", "torch ms", "torch/fused", "fused/sgemm(measured N-thr)"]
+    header = ["#", "case", "rlx fused ms", "torch ms", "torch/fused", "fused/sgemm(measured N-thr)",
+              "fused/same-size sgemm"]
     rows = []
     for r in results:
         stats = r.get("warm_stats")
@@ -707,7 +727,8 @@ def warm_table(results: list[dict[str, Any]], sgemm_multi_gflops: float) -> str:
         fused = stats["rlx_fused"]["median"]
         torch_s = stats.get("torch", {}).get("median")
         rows.append([str(r["index"]), r["label"], f"{fused * 1e3:.1f}", fmt(torch_s and torch_s * 1e3, ".1f"),
-                     fmt(warm_ratio(r), ".2f", "x"), f"{r['flops'] / fused / 1e9 / sgemm_multi_gflops * 100:.0f}%"])
+                     fmt(warm_ratio(r), ".2f", "x"), f"{r['flops'] / fused / 1e9 / sgemm_multi_gflops * 100:.0f}%",
+                     fmt(_percent(same_size_fraction(r, warm=True)), ".0f", "%")])
     return markdown_table(header, rows)
 
 
@@ -758,6 +779,8 @@ def summary_lines(summary: dict[str, Any], sgemm: list[SgemmRate], demo: dict[st
         f"[target >= {TARGET_SGEMM_FRACTION:.0%}: {t['fused_sgemm_fraction_median']['status']}]; "
         f"vs the stricter best 1-thread rate x {s0.threads}: "
         f"{fmt(_percent(summary['fused_fraction_of_single_times_threads_median']), '.1f', '%')}",
+        f"fused GFLOP/s / that of an sgemm of the case's FLOPs timed among the same calls, median over cases {cases}: "
+        f"{fmt(_percent(summary['fused_fraction_of_same_size_sgemm_median']), '.1f', '%')} (no target)",
     ]
     long = next((r for r in results if r["index"] == LONG_CASE), None)
     long_extra = long and long.get("memory", {}).get("rlx_fused", {}).get("extra_peak_bytes")
@@ -931,6 +954,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\n### Effective rate (10·B·H·S²·D flops, half for causal); sgemm yardstick {reference:.1f} GFLOP/s "
           f"(1 thread x {args.threads}), measured on {args.threads} threads {measured_multi:.1f}\n")
     print(rate_table(results, reference, measured_multi))
+    print(f"\n{SAME_SIZE_NOTE}")
     print(f"\n### Where the time goes (rlx fused): roofline against sgemm {reference:.1f} GFLOP/s and copy "
           f"bandwidth {bandwidth:.1f} GB/s (bytes: the seven tensors once), and the kernel's own split of its "
           "CPU time (profiling build: BLAS calls, mask+softmax rows, dS rows, the rest)\n")
@@ -941,7 +965,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if compared:
         print("\n### The fused kernel's matrix products (its strips' shapes), each timed on ONE thread in native loops "
               "through what the kernel calls (rlx's register tiles where it takes them, else OpenBLAS), through "
-              "OpenBLAS alone and through torch's BLAS (MKL), contiguous operands, alternating bursts\n")
+              "OpenBLAS alone and through torch's BLAS (MKL), each operand's rows as far apart as in the kernel, "
+              "alternating bursts\n")
         print(blas_table([(r["label"], r["blas_vs_torch"], r.get("breakdown", {}).get("blas")) for r in compared]))
         speedup = geomean(r["blas_vs_torch"]["torch_speedup"] for r in compared)
         print(f"\ntorch's BLAS runs these products {speedup:.2f}x as fast as what rlx's kernel calls (geometric mean)")

@@ -101,6 +101,14 @@ def rlx_flex(case: Case, arrays: dict[str, np.ndarray]) -> Call:
     return Call(lambda: exe(**arrays))
 
 
+def same_size_fraction(result: dict[str, Any], name: str, warm: bool = False) -> float:
+    """Implementation ``name``'s rate over that of the sgemm of the case's size, both medians of
+    the first calls after the gaps (``warm``: of the calls right after them; see
+    :class:`_harness.SameSizeSgemm`)."""
+    medians = result["warm_median_s" if warm else "median_s"]
+    return (result["flops"] / medians[name]) / (result["same_size_sgemm_flops"] / medians["sgemm_same_size"])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="3 repetitions")
@@ -125,7 +133,9 @@ def main() -> int:
         rng = np.random.default_rng(0)
         shape = (case.batch, case.heads, case.seq, case.dim)
         arrays = {n: rng.standard_normal(shape, dtype=np.float32) for n in "qkv"}
-        calls: dict[str, h.Timeable] = {"rlx": rlx_fixed(case, arrays), "rlx_flex_lse": rlx_flex(case, arrays)}
+        same_size = h.SameSizeSgemm(h.RlxOpenBlas(), case.flops, threads)
+        calls: dict[str, h.Timeable] = {"rlx": rlx_fixed(case, arrays), "rlx_flex_lse": rlx_flex(case, arrays),
+                                        "sgemm_same_size": same_size}  # fmt: skip
         if torch is not None:
             tq, tk, tv = (torch.from_numpy(arrays[n]) for n in "qkv")
             sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -137,6 +147,7 @@ def main() -> int:
                 if error > 1e-4:
                     raise RuntimeError(f"{case.label}: {name} differs from torch by {error:.1e}")
         bursts = h.time_bursts(calls, repeat, args.gap, args.warm)
+        same_size.check()
         samples = bursts.cold
         medians = {name: float(np.median(values)) for name, values in samples.items()}
         warm = {name: float(np.median(values)) for name, values in bursts.warm.items() if values}
@@ -152,7 +163,7 @@ def main() -> int:
         results.append({"case": case.label, "flops": case.flops, "bytes": nbytes, "median_s": medians,
                         "samples_s": samples, "warm_median_s": warm, "warm_samples_s": bursts.warm,
                         "breakdown": breakdown, "breakdown_flex": breakdown_flex,
-                        "blas_vs_torch": blas})  # fmt: skip
+                        "blas_vs_torch": blas, "same_size_sgemm_flops": same_size.flops})  # fmt: skip
         print(f"  {case.label}: " + ", ".join(f"{n} {m * 1e3:.2f} ms" for n, m in medians.items()), flush=True)
     again = h.measure_sgemm(h.RlxOpenBlas(), 2048, threads, 5, args.gap)
     rate = max(sgemm.gflops_multi, again.gflops_multi)
@@ -169,10 +180,14 @@ def main() -> int:
             f"{torch_s / m['rlx_flex_lse']:.2f}x" if torch_s else "-",
             f"{r['flops'] / m['rlx'] / 1e9 / rate:.0%}",
             f"{r['flops'] / m['rlx_flex_lse'] / 1e9 / rate:.0%}",
+            f"{same_size_fraction(r, 'rlx'):.0%}",
+            f"{same_size_fraction(r, 'rlx_flex_lse'):.0%}",
         ])  # fmt: skip
     print(f"\nCPU: {h.cpu_model()}, {threads} threads; sgemm {rate:.0f} GFLOP/s (2048³, rlx's OpenBLAS)")
-    header = ["case", "rlx ms", "rlx flex+lse ms", "torch ms", "torch/rlx", "torch/flex", "rlx % sgemm", "flex % sgemm"]
+    header = ["case", "rlx ms", "rlx flex+lse ms", "torch ms", "torch/rlx", "torch/flex", "rlx % sgemm", "flex % sgemm",
+              "rlx % same-size sgemm", "flex % same-size sgemm"]  # fmt: skip
     print(h.markdown_table(header, rows))
+    print(h.SAME_SIZE_NOTE)
     for r in results:
         r["roofline"] = h.roofline(r["flops"], r["bytes"], r["median_s"]["rlx"], rate, bandwidth)
         r["roofline_flex"] = h.roofline(r["flops"], r["bytes"], r["median_s"]["rlx_flex_lse"], rate, bandwidth)
@@ -187,7 +202,7 @@ def main() -> int:
         print(
             "\nThe kernel's matrix products (its strips' shapes), each timed on ONE thread in native loops through what"
             " the kernel calls (rlx's register tiles where it takes them, else OpenBLAS), through OpenBLAS alone and"
-            " through torch's BLAS (MKL), contiguous operands, alternating bursts:"
+            " through torch's BLAS (MKL), each operand's rows as far apart as in the kernel, alternating bursts:"
         )
         print(h.blas_table([(r["case"], r["blas_vs_torch"], r["breakdown"]["blas"]) for r in results]))
         summary_blas = h.geomean(r["blas_vs_torch"]["torch_speedup"] for r in results)
@@ -196,8 +211,10 @@ def main() -> int:
         print(f"\n{h.warm_heading(args.warm)}:")
         warm_rows = [[r["case"], f"{r['warm_median_s']['rlx'] * 1e3:.2f}", f"{r['warm_median_s']['torch'] * 1e3:.2f}",
                       f"{r['warm_median_s']['torch'] / r['warm_median_s']['rlx']:.2f}x",
-                      f"{r['flops'] / r['warm_median_s']['rlx'] / 1e9 / rate:.0%}"] for r in results]  # fmt: skip
-        print(h.markdown_table(["case", "rlx ms", "torch ms", "torch/rlx", "rlx % sgemm"], warm_rows))
+                      f"{r['flops'] / r['warm_median_s']['rlx'] / 1e9 / rate:.0%}",
+                      f"{same_size_fraction(r, 'rlx', warm=True):.0%}"] for r in results]  # fmt: skip
+        header = ["case", "rlx ms", "torch ms", "torch/rlx", "rlx % sgemm", "rlx % same-size sgemm"]
+        print(h.markdown_table(header, warm_rows))
         warm_ratio = h.geomean(r["warm_median_s"]["torch"] / r["warm_median_s"]["rlx"] for r in results)
         warm_fraction = float(np.median([r["flops"] / r["warm_median_s"]["rlx"] / 1e9 / rate for r in results]))
         summary_warm = f"warm: torch/rlx geomean {warm_ratio:.2f}x, rlx sgemm fraction median {warm_fraction:.0%}"
@@ -218,6 +235,9 @@ def main() -> int:
     for key, value in summary.items():
         target = TARGET_TORCH if "torch" in key else TARGET_SGEMM
         print(f"{key}: {value:.2f} (target {target}: {'met' if value >= target else 'missed'})")
+    for name, key in (("rlx", "median_same_size_fraction"), ("rlx_flex_lse", "median_same_size_fraction_flex")):
+        summary[key] = float(np.median([same_size_fraction(r, name) for r in results]))
+        print(f"{key}: {summary[key]:.2f} (of an sgemm of the same FLOPs timed alike; no target)")
     if torch is not None:
         # What torch/rlx would read if rlx ran every FLOP at the measured sgemm rate: a ceiling
         # for any kernel that computes these products on this BLAS.

@@ -79,3 +79,43 @@ def test_bursts_time_the_first_call_after_the_gap_and_the_warm_ones_apart() -> N
     assert runs == ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3 + ["a"] * 3 + ["b"] * 3
     assert all(log[i].startswith("setup") and log[i + 1].startswith("run") for i in range(0, len(log), 2))
     assert [len(times) for times in h.time_interleaved({"a": Fake("a")}, repeat=2, gap=0.0).values()] == [2]
+
+
+def test_attention_products_read_their_operands_as_the_kernel_lays_them_out() -> None:
+    """Strips and transposed copies an odd number of lines apart, BSHD heads H·D apart: a product
+    timed with rows a power of two of lines apart runs slower than the kernel's own."""
+    from rlx.codegen.lower_attention import packed_ld, strip_ld
+
+    batch, heads, seq, dim = 1, 4, 512, 64
+    products = h.attention_products(batch, heads, seq, dim, False, backward=True, strided_rows=True)
+    scores = [p for p in products if p.n == seq and not p.trans_a]
+    assert scores and all(p.ldb == packed_ld(seq) and p.ldc == strip_ld(seq) for p in scores)
+    assert all((p.ldb // 16) % 2 == 1 for p in scores)  # an odd number of 64-byte lines
+    transposed = [p for p in products if p.trans_a]
+    assert transposed and all(p.lda == strip_ld(seq) and p.ldb == heads * dim for p in transposed)
+    contiguous = h.Product(8, 24, 16, trans_a=True)
+    assert contiguous.leading() == (8, 24, 24)
+
+
+def test_strided_products_are_timed_and_checked_like_contiguous_ones() -> None:
+    pytest.importorskip("torch")
+    blas = h.RlxOpenBlas()
+    products = [h.Product(48, 80, 64, lda=80, ldb=112, ldc=96), h.Product(80, 64, 48, trans_a=True, lda=112, ldb=80)]
+    result = h.compare_blas(blas, products, burst=0.002, rounds=1, tiles=True)
+    assert result.openblas_s > 0 and result.torch_s > 0 and result.rlx_s > 0
+
+
+def test_the_same_size_sgemm_has_the_cases_flops_and_restores_the_thread_count() -> None:
+    blas = h.RlxOpenBlas()
+    before = blas.threads()
+    flops = 4.0 * 2 * 3 * 128 * 128 * 64
+    sgemm = h.SameSizeSgemm(blas, flops, threads=2)
+    assert abs(sgemm.flops / flops - 1) < 0.01
+    sgemm.setup()
+    assert blas.threads() == 2
+    sgemm.run()
+    assert blas.threads() == before
+    sgemm.check()
+    sgemm.c[0, 0] += 1.0  # a wrong product is refused
+    with pytest.raises(RuntimeError, match="wrong product"):
+        sgemm.check()
