@@ -99,6 +99,7 @@ def _conv_flipped_and_cropped(g: Graph) -> Built:
 SAMPLES: list[Sample] = [
     Sample("input", lambda g: g.input("x", (2, 3))),
     Sample("constant", lambda g: g.input("x", (2, 3)) * g.constant(np.arange(6, dtype=np.float32).reshape(2, 3))),
+    Sample("config_value", lambda g: g.input("x", (2, 3)) - g.config_value("mask_binary_threshold")),
     _unary("neg"),
     _unary("exp"),
     _unary("log", positive=True),

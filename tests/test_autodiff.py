@@ -147,9 +147,10 @@ def test_chain_through_two_attention_layers_matches_central_differences() -> Non
     np.testing.assert_allclose(got, central_difference(loss, arrays, "q"), rtol=1e-4, atol=1e-5)
 
 
-def test_attention_has_a_rule_and_attention_bwd_has_none() -> None:
+def test_attention_and_attention_bwd_have_rules_and_flex_attention_bwd_has_none() -> None:
     assert OpKind.ATTENTION.definition.grad is not not_differentiable
-    assert OpKind.ATTENTION_BWD.definition.grad is not_differentiable
+    assert OpKind.ATTENTION_BWD.definition.grad is not not_differentiable  # tests/test_second_order.py
+    assert OpKind.FLEX_ATTENTION_BWD.definition.grad is not_differentiable
 
 
 # ----------------------------------------------------------------------------- errors
@@ -245,10 +246,12 @@ def test_value_read_twice_gets_the_sum_of_its_gradients() -> None:
     np.testing.assert_allclose(got, central_difference(loss, arrays, "x"), rtol=1e-4, atol=1e-5)
 
 
-def test_no_gradient_rule_for_attention_bwd() -> None:
-    g, ins, _ = build()
-    dq = g.attention_bwd(ins["q"], ins["k"], ins["v"], ins["dy"], wrt=Wrt.QUERY)
-    assert_refused(g, RlxValueError, "no gradient rule for attention_bwd", dq, [ins["v"]], ins["dy"])
+def test_no_gradient_rule_for_flex_attention_bwd() -> None:
+    g = Graph("flex")
+    q, k, v = (g.input(name, (B, 4, H, D)) for name in "qkv")
+    out = g.attention(q, k, v, mask_mod=rlx.mods.causal)
+    (dq,) = rlx.grad(g, g.sum(out * out), [q])
+    assert_refused(g, RlxValueError, "no gradient rule for flex_attention_bwd", g.sum(dq * dq), [k])
 
 
 def test_argument_checks() -> None:

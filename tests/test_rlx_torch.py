@@ -886,13 +886,38 @@ def test_a_compiled_graph_differentiates_twice_like_torch() -> None:
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
 
 
-def test_a_compiled_graph_with_attention_says_its_second_derivative_is_missing() -> None:
+def test_a_compiled_graph_with_attention_differentiates_twice_like_torch() -> None:
+    """A gradient penalty through attention in an rt.compile'd graph: rlx.grad differentiates the
+    attention backward again (``rlx.ops.attention_second_order``), as torch's math SDPA does."""
     g = Graph("a")
     q = g.input("q", (1, 2, 4, 8))
-    g.output(o=g.sum(g.attention(q, q, q, layout=rlx.Layout.BHSD)))
+    g.output(o=g.sum(g.tanh(g.attention(q, q, q, mask=rlx.MaskKind.CAUSAL, layout=rlx.Layout.BHSD))))
+    gen = torch.Generator().manual_seed(1)
+    q64 = torch.randn(1, 2, 4, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    q32 = q64.detach().float().requires_grad_(True)
+
+    def penalty_gradient(q: Any, o: Any) -> Any:
+        (gq,) = torch.autograd.grad(o, [q], create_graph=True)
+        (second,) = torch.autograd.grad((gq**2).sum(), [q])
+        return second
+
+    def attention(q: Any) -> Any:  # SPEC 1 in torch ops (torch's CPU SDPA has no double backward)
+        scores = q @ q.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        hidden = torch.ones(4, 4, dtype=torch.bool).triu(1)
+        return torch.softmax(scores.masked_fill(hidden, -math.inf), dim=-1) @ q
+
+    want = penalty_gradient(q64, torch.tanh(attention(q64)).sum())
+    got = penalty_gradient(q32, rt.compile(g)(q=q32)["o"])
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def test_a_compiled_graph_with_mods_says_its_second_derivative_is_missing() -> None:
+    g = Graph("a")
+    q = g.input("q", (1, 2, 4, 8))
+    g.output(o=g.sum(g.attention(q, q, q, mask_mod=rlx.mods.causal, layout=rlx.Layout.BHSD)))
     q_t = torch.randn(1, 2, 4, 8, requires_grad=True)
     (gq,) = torch.autograd.grad(rt.compile(g)(q=q_t)["o"], [q_t], create_graph=True)
-    with pytest.raises(rlx.RlxError, match="no gradient rule for attention_bwd"):
+    with pytest.raises(rlx.RlxError, match="no gradient rule for flex_attention_bwd"):
         (gq**2).sum().backward()
 
 

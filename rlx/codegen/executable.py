@@ -344,12 +344,14 @@ def _lower(
     times: dict[str, float],
 ) -> _Lowered:
     """Copy the graph, run the passes, schedule, plan memory and render LLVM IR (no machine code yet)."""
+    from rlx.ops.constant import resolve_config_values
     from rlx.passes import decompose, masks_as_mods
     from rlx.passes import run as run_passes
 
     start = time.perf_counter()
     working = graph.copy()
     working.verify()
+    resolve_config_values(working, config)  # constants from here on, for every pass to fold
     if not working.outputs:
         raise RlxValueError(f"rlx.compile: graph {graph.name!r} has no outputs; mark some with g.output(...)")
     # Index operands of composite ops (cross_entropy's targets, one_hot's ids) are gone once the

@@ -17,7 +17,7 @@ import numpy as np
 
 from rlx.config import RuntimeConfig, resolve_config
 from rlx.errors import RlxTypeError, RlxValueError
-from rlx.ir.opdef import EvalContext, OpDef, not_differentiable, register_op
+from rlx.ir.opdef import EvalContext, OpDef, register_op
 from rlx.ir.types import Dim, Layout, MaskKind, TensorType, Wrt
 from rlx.ops._common import F32, op_kind, zeros
 
@@ -437,6 +437,16 @@ def _bias_grads(graph: Graph, node: Node, dy: Value, needed: Sequence[bool]) -> 
     return grads
 
 
+def _attention_bwd_grad(
+    graph: Graph, node: Node, cotangents: Sequence[Value | None], needed: Sequence[bool]
+) -> list[Value | None]:
+    """Second-order gradients: the node restated in general ops and differentiated
+    (:mod:`rlx.ops.attention_second_order`)."""
+    from rlx.ops.attention_second_order import attention_bwd_grad
+
+    return attention_bwd_grad(graph, node, cotangents, needed)
+
+
 def _narrow_attention_bwd(graph: Graph, node: Node, used: list[Value]) -> None:
     """Rebuild a multi-output backward with just the flags that are read (dce calls this)."""
     attrs = node.attrs
@@ -531,9 +541,8 @@ ATTENTION_BWD = register_op(
         AttentionBwdAttrs,
         _attention_bwd_shape,
         _attention_bwd_reference,
-        not_differentiable,
+        _attention_bwd_grad,
         builder=attention_bwd,
-        no_grad=frozenset({"mask_input"}),
         narrow=_narrow_attention_bwd,
         summary="attention gradients w.r.t. the wrt operands, recomputing the softmax",
     )

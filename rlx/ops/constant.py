@@ -16,6 +16,7 @@ from rlx.ir.types import DTYPE_NAMES, TensorType, as_dtype
 from rlx.ops._common import op_kind
 
 if TYPE_CHECKING:
+    from rlx.config import RuntimeConfig
     from rlx.ir.graph import Graph, Value
 
 
@@ -148,5 +149,65 @@ CONSTANT = register_op(
         no_gradient,
         builder=constant,
         summary="an array baked into the graph",
+    )
+)
+
+
+# ----------------------------------------------------------------------------- config values
+
+CONFIG_FIELDS = ("attn_mask_neg_inf", "mask_binary_threshold")
+"""The :class:`rlx.RuntimeConfig` fields a graph may read as values: those of SPEC 1's masks."""
+
+
+@dataclass(frozen=True)
+class ConfigValueAttrs:
+    """A float field of the :class:`rlx.RuntimeConfig` the graph is compiled (or run) with."""
+
+    field: str
+
+
+def _config_value_infer(what: str, inputs: Sequence[TensorType], attrs: ConfigValueAttrs) -> tuple[TensorType, ...]:
+    if attrs.field not in CONFIG_FIELDS:
+        names = ", ".join(repr(name) for name in CONFIG_FIELDS)
+        raise RlxValueError(f"{what}: field must be one of {names}, got {attrs.field!r}")
+    return (TensorType((), np.dtype(np.float32)),)
+
+
+def _config_value_reference(args: Sequence[np.ndarray], attrs: ConfigValueAttrs, ctx: EvalContext) -> np.ndarray:
+    return np.array(getattr(ctx.config, attrs.field), dtype=np.float64)
+
+
+def config_value(graph: Graph, field: str) -> Value:
+    """A float32 scalar: the ``field`` of the ``RuntimeConfig`` the graph is compiled with (or run
+    with, by ``rlx.reference.run``), such as ``"attn_mask_neg_inf"``: what a fixed mask writes
+    into the scores it hides. Graphs that restate attention in other ops (its second-order
+    gradients) read the mask's constants here, so they follow the config as the attention
+    kernels do; ``rlx.compile`` makes it a constant before any pass runs."""
+    if not isinstance(field, str):
+        raise RlxTypeError(f"config_value: field must be a str, got {type(field).__name__}")
+    return graph.add_node(op_kind("config_value"), (), ConfigValueAttrs(field)).outputs[0]
+
+
+def resolve_config_values(graph: Graph, config: RuntimeConfig) -> bool:
+    """Replace every ``config_value`` node of ``graph`` by a constant of ``config``'s value, in
+    place (what ``rlx.compile`` does first); True if any was."""
+    nodes = [node for node in graph.nodes if node.op.value == "config_value"]
+    for node in nodes:
+        value = constant(graph, float(getattr(config, node.attrs.field)))
+        graph.replace_all_uses_with(node.outputs[0], value)
+        graph.erase(node)
+    return bool(nodes)
+
+
+CONFIG_VALUE = register_op(
+    OpDef(
+        "config_value",
+        (),
+        ConfigValueAttrs,
+        _config_value_infer,
+        _config_value_reference,
+        no_gradient,
+        builder=config_value,
+        summary="a float field of the RuntimeConfig, resolved when the graph compiles",
     )
 )

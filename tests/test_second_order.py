@@ -1,0 +1,202 @@
+"""Gradients of gradients through attention (``attention_bwd``'s rule) and ``g.config_value``.
+
+Every second-order result is checked twice, independently: the compiled graph against the
+reference interpreter, and the reference's own second-order gradient against central
+differences of the float64 first-order gradients (``exact=True``), which the reference computes
+with SPEC 1's backward, not with the restatement under test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import rlx
+from rlx import Graph, Layout, MaskKind, RuntimeConfig, Value
+from rlx.codegen.executable import compile_count
+from rlx.errors import RlxTypeError, RlxValueError
+from rlx.ir.parser import parse
+from rlx.models import BLOCK_WEIGHTS, transformer_block
+from rlx.reference import evaluate
+
+B, H, HKV, SQ, SK, D = 2, 4, 2, 5, 7, 8
+MASKS = [MaskKind.NONE, MaskKind.CAUSAL, MaskKind.sliding_window(2), MaskKind.CUSTOM, MaskKind.BIAS]
+
+
+def heads_shape(layout: Layout, seq: int, heads: int) -> tuple[int, int, int, int]:
+    return (B, seq, heads, D) if layout is Layout.BSHD else (B, heads, seq, D)
+
+
+def penalty_graph(mask: MaskKind, layout: Layout, seq_q: int = SQ, seq_k: int = SK) -> tuple[Graph, list[Value]]:
+    """A gradient penalty: z = |dq|^2 + <dk, dv> + sum(tanh(dv)) of y = sum(tanh(attention)),
+    and z's gradients (outputs ``h0``.. in the order of the returned xs); GQA, Sq != Sk."""
+    g = Graph("penalty")
+    q = g.input("q", heads_shape(layout, seq_q, H))
+    k, v = (g.input(name, heads_shape(layout, seq_k, HKV)) for name in "kv")
+    mask_input = None
+    if mask == MaskKind.CUSTOM:
+        mask_input = g.input("m", (B, seq_k))
+    elif mask == MaskKind.BIAS:
+        mask_input = g.input("m", (B, H, seq_q, seq_k))
+    out = g.attention(q, k, v, mask=mask, layout=layout, mask_input=mask_input)
+    dq, dk, dv = rlx.grad(g, g.sum(g.tanh(out)), [q, k, v])
+    z = g.sum(dq * dq) + g.sum(dk * dv) + g.sum(g.tanh(dv))
+    xs = [q, k, v] + ([mask_input] if mask == MaskKind.BIAS else [])  # a bias gets second-order terms too
+    g.output(z=z, **{f"h{i}": h for i, h in enumerate(rlx.grad(g, z, xs))})
+    return g, xs
+
+
+def inputs(g: Graph, seed: int, padding: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    arrays = {name: rng.standard_normal(value.shape).astype(np.float32) for name, value in g.inputs.items()}
+    if "m" in arrays and arrays["m"].ndim == 2:
+        arrays["m"] = padding if padding is not None else (rng.random(arrays["m"].shape) > 0.4).astype(np.float32)
+    return arrays
+
+
+def assert_matches_central_differences(
+    g: Graph, xs: list[Value], arrays: dict[str, np.ndarray], config: RuntimeConfig | None = None, entries: int = 5
+) -> None:
+    """The reference's ``h<i>`` at a few random entries of each x against d z / d x."""
+    exact = evaluate(g, arrays, config=config, exact=True)
+    rng = np.random.default_rng(0)
+    eps = 1e-5
+    for i, x in enumerate(xs):
+        name = x.node.attrs.name
+        base = arrays[name].astype(np.float64)
+        for flat in rng.choice(base.size, size=min(entries, base.size), replace=False):
+            index = np.unravel_index(flat, base.shape)
+            values = []
+            for step in (eps, -eps):
+                moved = base.copy()
+                moved[index] += step
+                values.append(float(evaluate(g, {**arrays, name: moved}, config=config, exact=True)["z"]))
+            numeric = (values[0] - values[1]) / (2 * eps)
+            assert math.isclose(exact[f"h{i}"][index], numeric, rel_tol=1e-5, abs_tol=1e-6), (name, index)
+
+
+def assert_compiled_matches_reference(g: Graph, arrays: dict[str, np.ndarray], config: RuntimeConfig | None = None):
+    got = rlx.compile(g, config=config)(**arrays)
+    want = rlx.reference.run(g, config=config, **arrays)
+    for name, expected in want.items():
+        assert np.all(np.isfinite(got[name])), name
+        scale = max(float(np.max(np.abs(expected))), 1e-3)
+        np.testing.assert_allclose(got[name], expected, rtol=0, atol=2e-4 * scale, err_msg=name)
+    return got
+
+
+@pytest.mark.parametrize("layout", [Layout.BSHD, Layout.BHSD])
+@pytest.mark.parametrize("mask", MASKS, ids=str)
+def test_second_order_gradients_through_attention(mask: MaskKind, layout: Layout) -> None:
+    g, xs = penalty_graph(mask, layout)
+    arrays = inputs(g, seed=1)
+    assert_matches_central_differences(g, xs, arrays)
+    assert_compiled_matches_reference(g, arrays)
+
+
+@pytest.mark.parametrize(
+    ("mask", "seq_q", "seq_k"),
+    [(MaskKind.CUSTOM, SQ, SK), (MaskKind.sliding_window(1), 9, 4)],
+    ids=["a-padded-batch", "queries-past-the-window"],
+)
+def test_fully_masked_rows_follow_the_configured_neg(mask: MaskKind, seq_q: int, seq_k: int) -> None:
+    """A row with no visible key has a uniform P for a finite neg and a zero P for -inf (SPEC 1):
+    the restated backward reads neg from the config the graph is compiled with, as the kernels do."""
+    g, xs = penalty_graph(mask, Layout.BSHD, seq_q, seq_k)
+    padding = np.ones((B, seq_k), np.float32)
+    padding[0] = 0.0  # batch 0: every key padded
+    arrays = inputs(g, seed=2, padding=padding)
+    results = {}
+    for neg in (-1e9, -math.inf):
+        config = RuntimeConfig(attn_mask_neg_inf=neg)
+        assert_matches_central_differences(g, xs, arrays, config)
+        results[neg] = assert_compiled_matches_reference(g, arrays, config)
+    assert not np.allclose(results[-1e9]["h2"], results[-math.inf]["h2"])  # the config reached the graph
+
+
+def test_a_threshold_from_the_config_decides_the_padding() -> None:
+    g, xs = penalty_graph(MaskKind.CUSTOM, Layout.BSHD)
+    arrays = inputs(g, seed=3, padding=np.full((B, SK), 0.7, np.float32))
+    config = RuntimeConfig(mask_binary_threshold=0.8)  # 0.7 < 0.8: every key padded
+    got = assert_compiled_matches_reference(g, arrays, config)
+    assert_matches_central_differences(g, xs, arrays, config, entries=3)
+    assert not np.allclose(got["h0"], assert_compiled_matches_reference(g, arrays)["h0"])
+
+
+def test_self_attention_with_symbolic_lengths_compiles_once() -> None:
+    """x is q, k and v at once: each operand slot gets its own partial derivative."""
+    g = Graph("self")
+    x, w = g.input("x", ("B", "S", 2, 4)), g.input("w", (4, 4))
+    h = x @ w
+    out = g.attention(h, h, x, mask=MaskKind.CAUSAL)
+    dx, dw = rlx.grad(g, g.sum(out * out), [x, w])
+    z = g.sum(dx * dx) + g.sum(dw)
+    g.output(z=z, **{f"h{i}": d for i, d in enumerate(rlx.grad(g, z, [x, w]))})
+    exe = rlx.compile(g)
+    before = compile_count()
+    rng = np.random.default_rng(4)
+    for seq in (3, 6, 1):
+        arrays = {"x": rng.standard_normal((2, seq, 2, 4)).astype(np.float32),
+                  "w": rng.standard_normal((4, 4)).astype(np.float32)}  # fmt: skip
+        got, want = exe(**arrays), rlx.reference.run(g, **arrays)
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-4 * np.max(np.abs(want[name])))
+        assert_matches_central_differences(g, [x, w], arrays, entries=3)
+    assert compile_count() == before
+
+
+def test_hessian_vector_product_of_the_transformer_block() -> None:
+    """d/dt grad(loss)(w + t u) at t = 0, against central differences of the first-order gradients."""
+    g = Graph("hvp")
+    x = g.input("x", (2, 4, 8))
+    loss = g.mean(transformer_block(g, x, heads=2) ** 2)
+    weights = [g.inputs[name] for name in BLOCK_WEIGHTS]
+    grads = rlx.grad(g, loss, weights)
+    directions = [g.input(f"u_{w.node.attrs.name}", w.shape) for w in weights]
+    along = g.sum(g.concat([g.reshape(gw * u, (-1,)) for gw, u in zip(grads, directions, strict=True)], axis=0))
+    hvp = rlx.grad(g, along, weights)
+    g.output(**{f"g_{w.node.attrs.name}": d for w, d in zip(weights, grads, strict=True)})
+    g.output(**{f"hvp_{w.node.attrs.name}": d for w, d in zip(weights, hvp, strict=True)})
+    rng = np.random.default_rng(5)
+    arrays = {name: (0.3 * rng.standard_normal(v.shape)).astype(np.float32) for name, v in g.inputs.items()}
+    for name in BLOCK_WEIGHTS:
+        if name.endswith("norm"):
+            arrays[name] += 1.0
+    got = rlx.compile(g)(**arrays)
+    exact = evaluate(g, arrays, exact=True)
+    eps = 1e-4
+    moved = {}
+    for sign in (1, -1):
+        shifted = {**arrays, **{n: arrays[n] + sign * eps * arrays[f"u_{n}"].astype(np.float64) for n in BLOCK_WEIGHTS}}
+        moved[sign] = evaluate(g, shifted, exact=True)
+    for name in BLOCK_WEIGHTS:
+        numeric = (moved[1][f"g_{name}"] - moved[-1][f"g_{name}"]) / (2 * eps)
+        scale = np.max(np.abs(numeric))
+        np.testing.assert_allclose(exact[f"hvp_{name}"], numeric, rtol=0, atol=1e-5 * scale, err_msg=name)
+        np.testing.assert_allclose(got[f"hvp_{name}"], exact[f"hvp_{name}"], rtol=0, atol=1e-3 * scale, err_msg=name)
+
+
+def test_config_values_follow_the_config_and_print() -> None:
+    g = Graph("config")
+    x = g.input("x", (3,))
+    g.output(y=g.maximum(x, g.config_value("mask_binary_threshold")), neg=g.config_value("attn_mask_neg_inf") + 0.0)
+    arrays = {"x": np.array([0.0, 1.0, 2.0], np.float32)}
+    config = RuntimeConfig(mask_binary_threshold=1.5, attn_mask_neg_inf=-math.inf)
+    for run in (rlx.compile(g, config=config), lambda **a: rlx.reference.run(g, config=config, **a)):
+        got = run(**arrays)
+        np.testing.assert_array_equal(got["y"], [1.5, 1.5, 2.0])
+        assert got["neg"] == -math.inf
+    np.testing.assert_array_equal(rlx.compile(g)(**arrays)["y"], [0.5, 1.0, 2.0])  # the default config's 0.5
+    assert 'config_value {field = "mask_binary_threshold"}' in str(g)
+    assert str(parse(str(g))) == str(g)
+    assert all(node.op.value != "config_value" for node in rlx.compile(g).graph.nodes)  # constants by then
+
+
+def test_config_value_errors() -> None:
+    g = Graph()
+    with pytest.raises(RlxValueError, match="field must be one of 'attn_mask_neg_inf', 'mask_binary_threshold'"):
+        g.config_value("num_threads")
+    with pytest.raises(RlxTypeError, match="field must be a str"):
+        g.config_value(3)  # type: ignore[arg-type]
