@@ -147,10 +147,9 @@ def test_chain_through_two_attention_layers_matches_central_differences() -> Non
     np.testing.assert_allclose(got, central_difference(loss, arrays, "q"), rtol=1e-4, atol=1e-5)
 
 
-def test_attention_and_attention_bwd_have_rules_and_flex_attention_bwd_has_none() -> None:
-    assert OpKind.ATTENTION.definition.grad is not not_differentiable
-    assert OpKind.ATTENTION_BWD.definition.grad is not not_differentiable  # tests/test_second_order.py
-    assert OpKind.FLEX_ATTENTION_BWD.definition.grad is not_differentiable
+def test_attention_and_both_backward_ops_have_rules() -> None:
+    for op in (OpKind.ATTENTION, OpKind.ATTENTION_BWD, OpKind.FLEX_ATTENTION, OpKind.FLEX_ATTENTION_BWD):
+        assert op.definition.grad is not not_differentiable, op  # second order: tests/test_second_order.py
 
 
 # ----------------------------------------------------------------------------- errors
@@ -246,12 +245,18 @@ def test_value_read_twice_gets_the_sum_of_its_gradients() -> None:
     np.testing.assert_allclose(got, central_difference(loss, arrays, "x"), rtol=1e-4, atol=1e-5)
 
 
-def test_no_gradient_rule_for_flex_attention_bwd() -> None:
-    g = Graph("flex")
+def test_partial_tensor_gradients_read_otherwise_than_summed_have_no_second_order_rule() -> None:
+    """A flex backward's tensor gradients come as partial sums that rlx.grad adds over axis 0;
+    only that sum has a second-order rule (the restatement spreads the whole over the partials)."""
+    g = Graph("partials")
     q, k, v = (g.input(name, (B, 4, H, D)) for name in "qkv")
-    out = g.attention(q, k, v, mask_mod=rlx.mods.causal)
-    (dq,) = rlx.grad(g, g.sum(out * out), [q])
-    assert_refused(g, RlxValueError, "no gradient rule for flex_attention_bwd", g.sum(dq * dq), [k])
+    bias = g.input("bias", (B, H, 4, 4))
+    out, lse = g.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + bias[b, 0, i, j] * 0.5, return_lse=True)
+    dy = g.input("dy", out.shape)
+    score_mod = out.node.attrs.score_mod
+    partials = g.flex_attention_bwd(q, k, v, out, dy, lse, bias, wrt=Wrt(0), tensor_grads=True, score_mod=score_mod)
+    penalty = g.sum(partials * partials)
+    assert_refused(g, RlxValueError, "read otherwise than summed over their first axis", penalty, [q])
 
 
 def test_argument_checks() -> None:

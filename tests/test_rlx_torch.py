@@ -911,14 +911,29 @@ def test_a_compiled_graph_with_attention_differentiates_twice_like_torch() -> No
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
-def test_a_compiled_graph_with_mods_says_its_second_derivative_is_missing() -> None:
+def test_a_compiled_graph_with_mods_differentiates_twice_like_torch() -> None:
+    """The same through programmable attention: a softcap score_mod and a causal mask_mod."""
     g = Graph("a")
     q = g.input("q", (1, 2, 4, 8))
-    g.output(o=g.sum(g.attention(q, q, q, mask_mod=rlx.mods.causal, layout=rlx.Layout.BHSD)))
-    q_t = torch.randn(1, 2, 4, 8, requires_grad=True)
-    (gq,) = torch.autograd.grad(rt.compile(g)(q=q_t)["o"], [q_t], create_graph=True)
-    with pytest.raises(rlx.RlxError, match="no gradient rule for flex_attention_bwd"):
-        (gq**2).sum().backward()
+    out = g.attention(q, q, q, score_mod=rlx.mods.softcap(2.0), mask_mod=rlx.mods.causal, layout=rlx.Layout.BHSD)
+    g.output(o=g.sum(g.tanh(out)))
+    gen = torch.Generator().manual_seed(2)
+    q64 = torch.randn(1, 2, 4, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    q32 = q64.detach().float().requires_grad_(True)
+
+    def penalty_gradient(q: Any, o: Any) -> Any:
+        (gq,) = torch.autograd.grad(o, [q], create_graph=True)
+        (second,) = torch.autograd.grad((gq**2).sum(), [q])
+        return second
+
+    def attention(q: Any) -> Any:
+        scores = 2.0 * torch.tanh(q @ q.transpose(-1, -2) / math.sqrt(q.shape[-1]) / 2.0)
+        hidden = torch.ones(4, 4, dtype=torch.bool).triu(1)
+        return torch.softmax(scores.masked_fill(hidden, -math.inf), dim=-1) @ q
+
+    want = penalty_gradient(q64, torch.tanh(attention(q64)).sum())
+    got = penalty_gradient(q32, rt.compile(g)(q=q32)["o"])
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
 def test_rlx_attention_inside_torch_compile_is_one_quiet_graph_break() -> None:

@@ -1,4 +1,5 @@
-"""Gradients of gradients through attention (``attention_bwd``'s rule) and ``g.config_value``.
+"""Gradients of gradients through attention (the rules of ``attention_bwd`` and
+``flex_attention_bwd``) and ``g.config_value``.
 
 Every second-order result is checked twice, independently: the compiled graph against the
 reference interpreter, and the reference's own second-order gradient against central
@@ -123,6 +124,99 @@ def test_a_threshold_from_the_config_decides_the_padding() -> None:
     got = assert_compiled_matches_reference(g, arrays, config)
     assert_matches_central_differences(g, xs, arrays, config, entries=3)
     assert not np.allclose(got["h0"], assert_compiled_matches_reference(g, arrays)["h0"])
+
+
+def test_a_bias_differentiated_twice() -> None:
+    """A BIAS tensor's first-order gradient comes from programmable backward nodes (recomputing
+    the row statistics): their rule gives its second-order terms."""
+    g = Graph("bias")
+    q = g.input("q", (B, SQ, H, D))
+    k, v = (g.input(name, (B, SK, H, D)) for name in "kv")
+    bias = g.input("m", (B, H, SQ, SK))
+    out = g.attention(q, k, v, mask=MaskKind.BIAS, mask_input=bias)
+    grads = rlx.grad(g, g.sum(g.tanh(out)), [q, k, v, bias])
+    z = g.sum(grads[0] * grads[0]) + g.sum(grads[3] * grads[3]) + g.sum(grads[1] * grads[2])
+    g.output(z=z, **{f"h{i}": h for i, h in enumerate(rlx.grad(g, z, [q, k, v, bias]))})
+    arrays = inputs(g, seed=6)
+    assert_matches_central_differences(g, [q, k, v, bias], arrays)
+    assert_compiled_matches_reference(g, arrays)
+
+
+def flex_penalty_graph(
+    mods: str, layout: Layout, seq: tuple[int | str, int | str] = (SQ, SK)
+) -> tuple[Graph, list[Value]]:
+    """A gradient penalty of programmable attention: the mods of SPEC 4, learnable tensors read by
+    the score_mod (their gradients come as partial sums), int tensors read by the mask_mod."""
+    g = Graph("flex_" + mods.replace("-", "_"))
+    seq_q, seq_k = seq
+    q = g.input("q", heads_shape(layout, seq_q, H))  # type: ignore[arg-type]
+    k, v = (g.input(name, heads_shape(layout, seq_k, HKV)) for name in "kv")  # type: ignore[arg-type]
+    learned: list[Value] = []
+    kwargs: dict[str, object] = {}
+    if mods == "causal":
+        kwargs["mask_mod"] = rlx.mods.causal
+    elif mods == "softcap-window":
+        kwargs.update(score_mod=rlx.mods.softcap(5.0), mask_mod=rlx.mods.sliding_window(2))
+    elif mods == "alibi":
+        slopes = g.input("slopes", (H,))
+        learned.append(slopes)
+        kwargs["score_mod"] = lambda s, b, h, i, j: s - slopes[h] * rlx.abs(i - j)
+    elif mods == "bias-document":
+        bias, doc = g.input("bias", (B, H, seq_q, seq_k)), g.input("doc", (B, seq_k), dtype="int64")
+        learned.append(bias)
+        kwargs.update(score_mod=rlx.mods.bias(bias), mask_mod=lambda b, h, i, j: doc[b, i % 3] == doc[b, j])
+    elif mods == "table-lse":
+        table = g.input("table", (3,))
+        learned.append(table)
+        kwargs.update(score_mod=lambda s, b, h, i, j: s * table[i % 3], mask_mod=rlx.mods.causal, scale=0.3)
+        kwargs["return_lse"] = True
+    result = g.attention(q, k, v, layout=layout, **kwargs)  # type: ignore[arg-type]
+    out, lse = result if isinstance(result, tuple) else (result, None)
+    y = g.sum(g.tanh(out))
+    if lse is not None:  # the LSE's cotangent: a backward with dlse
+        y = y + g.sum(g.where(g.greater(lse, -1e30), lse, 0.0)) * 0.3
+    xs = [q, k, v, *learned]
+    first = rlx.grad(g, y, xs)
+    z = g.sum(first[0] * first[0]) + g.sum(first[1] * first[2])
+    for tensor_grad in first[3:]:
+        z = z + g.sum(tensor_grad * tensor_grad)
+    g.output(z=z, **{f"h{i}": h for i, h in enumerate(rlx.grad(g, z, xs))})
+    return g, xs
+
+
+def flex_inputs(g: Graph, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    arrays = {}
+    for name, value in g.inputs.items():
+        if value.dtype == np.float32:
+            arrays[name] = rng.standard_normal(value.shape).astype(np.float32)
+        else:
+            arrays[name] = rng.integers(0, 2, value.shape).astype(value.dtype)
+    return arrays
+
+
+@pytest.mark.parametrize("layout", [Layout.BSHD, Layout.BHSD])
+@pytest.mark.parametrize("mods", ["causal", "softcap-window", "alibi", "bias-document", "table-lse"])
+def test_second_order_gradients_through_programmable_attention(mods: str, layout: Layout) -> None:
+    g, xs = flex_penalty_graph(mods, layout)
+    arrays = flex_inputs(g, seed=7)
+    assert_matches_central_differences(g, xs, arrays)
+    assert_compiled_matches_reference(g, arrays)
+
+
+def test_programmable_attention_with_symbolic_lengths_compiles_once() -> None:
+    g, xs = flex_penalty_graph("alibi", Layout.BSHD, seq=("S", "S"))
+    exe = rlx.compile(g)
+    before = compile_count()
+    for seq in (4, 7):
+        shapes = {"q": (B, seq, H, D), "k": (B, seq, HKV, D), "v": (B, seq, HKV, D), "slopes": (H,)}
+        rng = np.random.default_rng(seq)
+        arrays = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+        got, want = exe(**arrays), rlx.reference.run(g, **arrays)
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=0, atol=2e-4 * np.max(np.abs(want[name])))
+        assert_matches_central_differences(g, xs, arrays, entries=3)
+    assert compile_count() == before
 
 
 def test_self_attention_with_symbolic_lengths_compiles_once() -> None:

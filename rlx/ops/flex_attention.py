@@ -26,7 +26,7 @@ import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.dims import dim_text, poly
-from rlx.ir.opdef import EvalContext, OpDef, not_differentiable, register_op
+from rlx.ir.opdef import EvalContext, OpDef, register_op
 from rlx.ir.region import GradientRegion, Interval, Region
 from rlx.ir.types import Dim, Layout, TensorType, Wrt
 from rlx.ops._common import F32, op_kind, zeros
@@ -578,6 +578,16 @@ def _flex_grad(
     return grads
 
 
+def _flex_bwd_grad(
+    graph: Graph, node: Node, cotangents: Sequence[Value | None], needed: Sequence[bool]
+) -> list[Value | None]:
+    """Second-order gradients: the backward restated in general ops, its mods over index grids
+    (:mod:`rlx.ops.attention_second_order`)."""
+    from rlx.ops.attention_second_order import flex_attention_bwd_grad
+
+    return flex_attention_bwd_grad(graph, node, cotangents, needed)
+
+
 def _narrow_flex_bwd(graph: Graph, node: Node, used: list[Value]) -> None:
     """Keep only the gradients that are read: drop unread q/k/v flags, and tensor grads if none is read."""
     attrs: FlexAttentionBwdAttrs = node.attrs
@@ -669,7 +679,7 @@ FLEX_ATTENTION_BWD = register_op(
         FlexAttentionBwdAttrs,
         _flex_bwd_infer,
         _flex_bwd_reference,
-        not_differentiable,
+        _flex_bwd_grad,
         builder=_builder_flex_attention_bwd,
         narrow=_narrow_flex_bwd,
         node_index_operands=mod_index_operands,

@@ -48,7 +48,7 @@ def test_gradient_sentinels_are_used_on_purpose() -> None:
     """Ops without gradients are those with non-float results, the piecewise constant ones (zero
     almost everywhere, as torch's), or the listed opaque ones."""
     opaque = {name for name, d in REGISTRY.items() if d.grad is not_differentiable}
-    assert opaque == {"flex_attention_bwd", "fused_elementwise"}
+    assert opaque == {"fused_elementwise"}
     silent = {name for name, d in REGISTRY.items() if d.grad is no_gradient}
     assert silent == {
         "input",
