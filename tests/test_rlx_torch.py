@@ -836,24 +836,87 @@ def test_compiled_random_graphs_as_torch_functions(case: tuple[Graph, int]) -> N
         )
 
 
-def _sdpa_sum(q: Any, k: Any, v: Any) -> Any:
-    return rt.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+def _math_attention(q: Any, k: Any, v: Any, bias: Any = None, causal: bool = False, softcap: float = 0.0) -> Any:
+    """Attention in torch ops (torch's CPU SDPA kernels have no double backward), GQA by repeating."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    if bias is not None:
+        scores = scores + bias
+    if causal:
+        hidden = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).triu(1)
+        scores = scores.masked_fill(hidden, -math.inf)
+    return torch.softmax(scores, dim=-1) @ v
 
 
-def _flex_sum(q: Any, k: Any, v: Any) -> Any:
-    return rt.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s * 0.5).sum()
+SECOND_ORDER_CASES = {
+    "sdpa-causal": (
+        lambda q, k, v, bias: rt.scaled_dot_product_attention(q, k, v, is_causal=True),
+        lambda q, k, v, bias: _math_attention(q, k, v, causal=True),
+    ),
+    "sdpa-float-mask": (
+        lambda q, k, v, bias: rt.scaled_dot_product_attention(q, k, v, attn_mask=bias),
+        lambda q, k, v, bias: _math_attention(q, k, v, bias=bias),
+    ),
+    "flex-softcap-gqa": (
+        lambda q, k, v, bias: rt.flex_attention(
+            q, k, v, score_mod=lambda s, b, h, i, j: 2.0 * torch.tanh(s / 2.0), enable_gqa=True
+        ),
+        lambda q, k, v, bias: _math_attention(q, k, v, softcap=2.0),
+    ),
+    "flex-learnable-bias": (
+        lambda q, k, v, bias: rt.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + bias[b, h, i, j]),
+        lambda q, k, v, bias: _math_attention(q, k, v, bias=bias),
+    ),
+}
 
 
-@pytest.mark.parametrize("loss", [_sdpa_sum, _flex_sum], ids=["sdpa", "flex"])
-def test_create_graph_gives_the_same_gradient_and_a_second_derivative_is_a_clear_error(loss: Any) -> None:
-    """With create_graph=True (a gradient penalty) the first derivative is unchanged, and
-    differentiating it again raises instead of silently adding no second-order term."""
-    q, k, v = qkv(sq=8, sk=8, d=4)
-    (plain,) = torch.autograd.grad(loss(q, k, v), [q])
-    (graphed,) = torch.autograd.grad(loss(q, k, v), [q], create_graph=True)
-    assert torch.equal(plain, graphed) and graphed.requires_grad
-    with pytest.raises(rlx.RlxError, match="first derivatives only"):
-        (graphed * graphed).sum().backward()
+@pytest.mark.parametrize("case", list(SECOND_ORDER_CASES))
+def test_gradient_penalties_through_rlx_attention_match_torch(case: str) -> None:
+    """create_graph=True: the first derivative is unchanged, and differentiating it again (a
+    gradient penalty) gives torch autograd's second derivative of the same attention in float64."""
+    rlx_attention, torch_attention = SECOND_ORDER_CASES[case]
+    hkv = 2 if "gqa" in case else None
+    q, k, v = qkv(sq=6, sk=6, d=4, hkv=hkv, seed=3)
+    bias = torch.randn(2, 4, 6, 6, generator=torch.Generator().manual_seed(4)).requires_grad_(True)
+    leaves = [q, k, v] + ([bias] if "bias" in case else [])
+    weights = torch.randn(2, 4, 6, 4, generator=torch.Generator().manual_seed(5))
+
+    def penalty(attention: Any, tensors: list[Any]) -> list[Any]:
+        q, k, v, bias = tensors if len(tensors) == 4 else (*tensors, None)
+        loss = (attention(q, k, v, bias) * weights.to(q.dtype)).sum()
+        first = torch.autograd.grad(loss, tensors, create_graph=True)
+        return [*first, *torch.autograd.grad(sum((g**2).sum() for g in first), tensors)]
+
+    doubles = [t.detach().double().requires_grad_(True) for t in leaves]
+    constant_bias = bias.detach() if "float-mask" in case else None
+    want = penalty(lambda q, k, v, b: torch_attention(q, k, v, b if b is not None else constant_bias), doubles)
+    got = penalty(lambda q, k, v, b: rlx_attention(q, k, v, b if b is not None else constant_bias), leaves)
+    plain = torch.autograd.grad((rlx_attention(q, k, v, bias) * weights).sum(), leaves)
+    for first, again in zip(plain, got, strict=False):
+        torch.testing.assert_close(first, again, rtol=0, atol=0)  # create_graph changes no first derivative
+    for value, expected in zip(got, want, strict=True):
+        torch.testing.assert_close(value.double(), expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+
+
+def test_a_gradient_penalty_through_sdpa_on_a_projections_views() -> None:
+    """Heads viewed out of a projection (the "bshd" plans): the penalty's gradient reaches x."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 5, 8, generator=gen, requires_grad=True)
+    w = torch.randn(8, 24, generator=gen)
+
+    def penalty(x: Any, attention: Any) -> Any:
+        q, k, v = (t.view(2, 5, 2, 4).transpose(1, 2) for t in (x @ w.to(x.dtype)).split(8, dim=-1))
+        (gx,) = torch.autograd.grad(attention(q, k, v).sum(), [x], create_graph=True)
+        (second,) = torch.autograd.grad((gx**2).sum(), [x])
+        return second
+
+    got = penalty(x, lambda q, k, v: rt.scaled_dot_product_attention(q, k, v, is_causal=True))
+    x64 = x.detach().double().requires_grad_(True)
+    want = penalty(x64, lambda q, k, v: _math_attention(q, k, v, causal=True))
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
 def test_a_compiled_graph_differentiates_twice_like_torch() -> None:

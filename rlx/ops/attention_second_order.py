@@ -80,8 +80,9 @@ def flex_attention_bwd_grad(
     xs = [by_flag[flag] for flag in attrs.wrt.members] + [captured[tensor] for tensor, _, _, _ in layout]
     first = grad(graph, objective, xs)
     restated = first[: len(attrs.wrt.members)]
-    for index, ((_, partials, _, _), whole) in enumerate(zip(layout, first[len(restated) :], strict=True)):
-        _check_summed_partials(graph, node, len(restated) + index)
+    for (_, partials, _, _), whole in zip(layout, first[len(restated) :], strict=True):
+        if cotangents[len(restated)] is not None:
+            _check_summed_partials(graph, node, len(restated))
         restated.append(_spread(graph, whole, partials))
     return _vjp(graph, node, operands, tuple(restated), cotangents, needed)
 

@@ -1,5 +1,6 @@
 """What every rlx.torch autograd function shares: a graph break under torch.compile, and
-first derivatives only (a gradient made with ``create_graph=True`` raises when differentiated)."""
+backwards that run compiled kernels outside autograd, with a differentiable path for
+``create_graph=True`` (:func:`_twice_differentiable`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from rlx.errors import RlxValueError
 
 
 def _eager_under_torch_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -34,46 +33,26 @@ def _eager_under_torch_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-class _SecondDerivative(torch.autograd.Function):
-    """The node behind gradients made with ``create_graph=True``: differentiating them raises."""
-
-    @staticmethod
-    def forward(ctx: Any, *grads: torch.Tensor) -> Any:
-        return tuple(grad.clone() for grad in grads)
-
-    @staticmethod
-    def backward(ctx: Any, *_: Any) -> Any:
-        raise RlxValueError(
-            "rlx.torch's attention computes first derivatives only: a gradient of rlx attention made with "
-            "create_graph=True cannot be differentiated again (as torch's CPU flash-attention backward cannot)"
-        )
+def _float(tensor: torch.Tensor) -> torch.Tensor:
+    """float16 and bfloat16 as float32 (rlx computes in float32), differentiably; others as they are."""
+    return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
 
 
-def _once_differentiable(backward: Callable[..., Any]) -> Callable[..., Any]:
-    """An ``autograd.Function.backward`` that runs outside autograd, whose gradients raise when
-    differentiated again.
+def _twice_differentiable(differentiable: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """An ``autograd.Function.backward`` that runs its compiled kernels outside autograd, and with
+    ``create_graph=True`` (a gradient penalty, a Hessian-vector product) runs
+    ``differentiable(ctx, *grads)`` instead: the same gradients from the backward graph run
+    through :func:`rlx.torch.compile`, a torch function of its own whose backward comes from
+    ``rlx.grad`` (the attention backward nodes' second-order rules), so the gradient can be
+    differentiated again."""
 
-    Like torch's ``once_differentiable``, except that the error does not depend on the incoming
-    gradients requiring grad: with ``create_graph=True`` on ``loss.sum()`` they do not, and torch's
-    decorator then hands back plain tensors, so a gradient penalty built on them would silently
-    get no second-order term. Here every gradient made with ``create_graph=True`` hangs off a
-    :class:`_SecondDerivative` node, and a backward through it is an error, as torch's own CPU
-    flash-attention backward is.
-    """
+    def decorator(backward: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(backward)
+        def wrapper(ctx: Any, *grads: Any) -> Any:
+            if torch.is_grad_enabled():  # create_graph=True: autograd records this backward
+                return differentiable(ctx, *grads)
+            return backward(ctx, *grads)
 
-    @functools.wraps(backward)
-    def wrapper(ctx: Any, *grads: Any) -> Any:
-        with torch.no_grad():
-            results = backward(ctx, *grads)
-        if not torch.is_grad_enabled():  # the usual backward: create_graph=False
-            return results
-        present = [i for i, r in enumerate(results) if isinstance(r, torch.Tensor) and r.is_floating_point()]
-        if not present:
-            return results
-        marked = _SecondDerivative.apply(*(results[i].detach().requires_grad_() for i in present))
-        out = list(results)
-        for i, tensor in zip(present, marked, strict=True):
-            out[i] = tensor
-        return tuple(out)
+        return wrapper
 
-    return wrapper
+    return decorator

@@ -9,7 +9,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -20,11 +20,13 @@ from rlx.codegen.executable import CallLayout, DirectRunner, Executable
 from rlx.errors import RlxError, RlxTypeError, RlxValueError
 from rlx.ir.graph import Graph
 from rlx.ir.types import Layout, Wrt
-from rlx.torch._autograd import _eager_under_torch_compile, _once_differentiable
+from rlx.torch._autograd import _eager_under_torch_compile, _float, _twice_differentiable
 from rlx.torch._capture import _Capture, _capturing
 from rlx.torch._fingerprint import mod_key
 from rlx.torch._layouts import _layout_inputs, _layout_names, _layout_tensors, _strided_layout
 from rlx.torch._tensors import _array, _check_tensor, _direct, _tensor, _written
+from rlx.torch.graphs import CompiledGraph
+from rlx.torch.graphs import compile as compile_graph_function
 from rlx.torch.threads import _attention_flops, _threads_for
 
 
@@ -38,12 +40,24 @@ class _Plan:
     backward_exe: dict[tuple[bool, bool], Executable]
     threads: int | None = None  # this call's thread cap (see _threads_for)
     layout: str = "bhsd"  # how the graphs take q, k and v (rlx.torch._layouts)
+    # The backward graphs on q, k, v as [B, H, S, D] tensors or their transposes, through
+    # rt.compile: what create_graph=True runs, differentiable again.
+    differentiable: dict[tuple[bool, bool], CompiledGraph] = field(default_factory=dict)
 
     def backward(self, tensor_grads: bool, lse_grad: bool) -> Executable:
         key = (tensor_grads, lse_grad)
         if key not in self.backward_exe:
             self.backward_exe[key] = rlx.compile(_backward_graph(self.graph, self.layout, tensor_grads, lse_grad))
         return self.backward_exe[key]
+
+    def differentiable_backward(self, tensor_grads: bool, lse_grad: bool) -> CompiledGraph:
+        key = (tensor_grads, lse_grad)
+        if key not in self.differentiable:
+            layout = "bhsd" if self.layout == "bhsd" else "bshd"
+            self.differentiable[key] = compile_graph_function(
+                _backward_graph(self.graph, layout, tensor_grads, lse_grad)
+            )
+        return self.differentiable[key]
 
 
 def _backward_graph(forward: Graph, layout: str, tensor_grads: bool, lse_grad: bool) -> Graph:
@@ -306,12 +320,46 @@ class _FlexFunction(torch.autograd.Function):
         # Saved as tensors, so torch refuses a backward after any of them was modified in place.
         ctx.save_for_backward(q, k, v, out, lse, *captured)
         ctx.float_out = float_out  # out in float32 (``out`` itself may be bf16/f16)
+        ctx.float_out_tensor = torch.from_numpy(float_out)
         ctx.dtypes = [t.dtype for t in (q, k, v, *captured)]
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
-    @_once_differentiable
+    def _differentiable_backward(ctx: Any, d_out: torch.Tensor | None, d_lse: torch.Tensor | None) -> Any:
+        """The gradients as a torch function of q, k, v, d_out, d_lse and the captured tensors
+        (``create_graph=True``). The saved ``out`` and ``lse`` go in detached: the rule of the
+        graph's backward recomputes them (``rlx.ops.attention_second_order``)."""
+        plan: _Plan = ctx.plan
+        needs = ctx.needs_input_grad[1:]
+        float_captured = [i for i, t in enumerate(plan.captured) if t.is_floating_point()]
+        tensor_grads = any(needs[3 + i] for i in float_captured)
+        q, k, v, out, lse, *captured = ctx.saved_tensors
+        transposed = plan.layout != "bhsd"  # then the graph takes [B, S, H, D] tensors
+        heads = [_float(t) for t in (q, k, v)]
+        dy = _float(d_out) if d_out is not None else torch.zeros(out.shape, dtype=torch.float32)
+        if transposed:
+            heads, dy = [t.transpose(1, 2) for t in heads], dy.transpose(1, 2)
+        # out in float32 as the graph laid it out ([B, S, H, Dv] for a transposed plan)
+        tensors = {"out": ctx.float_out_tensor, "dy": dy, "lse": lse.detach()}
+        tensors.update(zip(("q", "k", "v"), heads, strict=True))
+        if d_lse is not None:
+            tensors["dlse"] = d_lse
+        tensors.update({f"c{i}": _float(t) if t.is_floating_point() else t for i, t in enumerate(captured)})
+        function = plan.differentiable_backward(tensor_grads, d_lse is not None)
+        grads = function(**{name: tensors[name] for name in function.names})
+        dtypes = ctx.dtypes
+        result: list[torch.Tensor | None] = [None]
+        for i, name in enumerate(("dq", "dk", "dv")):
+            grad = grads[name].transpose(1, 2) if transposed else grads[name]
+            result.append(grad.to(dtypes[i]) if needs[i] else None)
+        for i in range(len(plan.captured)):
+            key = f"dc{i}"
+            result.append(grads[key].to(dtypes[3 + i]) if needs[3 + i] and key in grads else None)
+        return tuple(result)
+
+    @staticmethod
+    @_twice_differentiable(_differentiable_backward)
     def backward(ctx: Any, d_out: torch.Tensor | None, d_lse: torch.Tensor | None) -> Any:
         plan: _Plan = ctx.plan
         needs = ctx.needs_input_grad[1:]

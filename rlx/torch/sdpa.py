@@ -17,10 +17,12 @@ from rlx.codegen.executable import DirectRunner, Executable
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.graph import Graph
 from rlx.ir.types import Layout
-from rlx.torch._autograd import _eager_under_torch_compile, _once_differentiable
+from rlx.torch._autograd import _eager_under_torch_compile, _float, _twice_differentiable
 from rlx.torch._layouts import _layout_inputs, _layout_names, _layout_tensors, _strided_layout
 from rlx.torch._tensors import _COMPUTED, _array, _check_tensor, _dense, _direct, _tensor, _written
 from rlx.torch.flex import _TORCH_DTYPES, _check_scale, _flex_forward, _Plan, _plan, _plans_lock, _run_by_address
+from rlx.torch.graphs import CompiledGraph
+from rlx.torch.graphs import compile as compile_graph_function
 from rlx.torch.threads import _attention_flops, _threads_for
 
 _sdpa_plans: dict[tuple[Any, ...], _Plan] = {}  # SDPA calls by shapes and mask kind: no tracing
@@ -506,6 +508,9 @@ class _FixedPlan:
     backward_graph: Graph
     executables: dict[str, Executable]
     layout: str = "bhsd"
+    is_causal: bool = False
+    scale: float | None = None
+    differentiable: CompiledGraph | None = None  # backward_graph through rt.compile (create_graph=True)
 
     def executable(self, which: str) -> Executable:
         exe = self.executables.get(which)
@@ -565,7 +570,7 @@ def _fixed_plan(
         backward.remove_output("out")
         dq, dk, dv = rlx.grad(backward, out, [qb, kb, vb], backward.input("dy", out.shape))
         backward.output(dq=dq, dk=dk, dv=dv)
-        plan = _FixedPlan(forward, backward, {}, layout)
+        plan = _FixedPlan(forward, backward, {}, layout, is_causal, scale)
         with _plans_lock:
             plan = _fixed_plans.setdefault(key, plan)
     return plan
@@ -636,7 +641,30 @@ class _FixedFunction(torch.autograd.Function):
         return _fixed_out(plan, q, k, v, flops)
 
     @staticmethod
-    @_once_differentiable
+    def _differentiable_backward(ctx: Any, d_out: torch.Tensor | None) -> Any:
+        """The gradients as a torch function of q, k, v and d_out (``create_graph=True``)."""
+        q, k, v = ctx.saved_tensors
+        if d_out is None:
+            return None, None, None, None
+        plan: _FixedPlan = ctx.plan
+        # A graph on [B, H, S, D] tensors, or on their transposes: views that autograd follows.
+        layout = "bhsd" if plan.layout == "bhsd" else "bshd"
+        graphs = _fixed_plan(q, k, v, plan.is_causal, plan.scale, layout)
+        assert graphs is not None, "the forward took the fixed-mask kernels"
+        if graphs.differentiable is None:
+            graphs.differentiable = compile_graph_function(graphs.backward_graph)
+        tensors = [_float(t) for t in (q, k, v, d_out)]
+        if layout == "bshd":
+            tensors = [t.transpose(1, 2) for t in tensors]
+        grads = graphs.differentiable(**dict(zip(("q", "k", "v", "dy"), tensors, strict=True)))
+        result: list[torch.Tensor | None] = [None]
+        for name, t, need in zip(("dq", "dk", "dv"), (q, k, v), ctx.needs_input_grad[1:], strict=True):
+            grad = grads[name].transpose(1, 2) if layout == "bshd" else grads[name]
+            result.append(grad.to(t.dtype) if need else None)
+        return tuple(result)
+
+    @staticmethod
+    @_twice_differentiable(_differentiable_backward)
     def backward(ctx: Any, d_out: torch.Tensor | None) -> Any:
         q, k, v = ctx.saved_tensors
         if d_out is None:
