@@ -13,6 +13,7 @@ import numpy as np
 
 import rlx
 from rlx import Graph, MaskKind, OpKind, Value, Wrt
+from rlx.ir.opdef import not_differentiable
 
 Built = Value | tuple[Value, ...]
 
@@ -270,3 +271,26 @@ def sample_inputs(graph: Graph, sample: Sample, rng: np.random.Generator) -> dic
             # Away from 0 and from each other, so kinks (abs, relu, max ties) are never hit.
             arrays[name] = rng.choice([-1.0, 1.0], value.shape) * rng.uniform(0.2, 1.5, value.shape)
     return arrays
+
+
+def scalar_loss(g: Graph, built: Value | tuple[Value, ...], rng: np.random.Generator) -> Value | None:
+    """``sum(out * w)`` over every float result, fixed random ``w``: every element's cotangent used."""
+    results = built if isinstance(built, tuple) else (built,)
+    terms = []
+    for value in results:
+        if value.dtype == np.float32:
+            weights = g.constant(rng.uniform(-1.0, 1.0, value.shape).astype(np.float32))
+            terms.append(g.sum(value * weights))
+    if not terms:
+        return None
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
+
+
+def differentiable(sample: Sample) -> bool:
+    """Whether every op of the sample has a gradient rule."""
+    g = Graph()
+    sample.build(g)
+    return all(node.op.definition.grad is not not_differentiable for node in g.nodes)

@@ -226,6 +226,9 @@ def _logcumsumexp_reference(args: Sequence[np.ndarray], attrs: ScanAttrs, ctx: E
     return np.flip(out, attrs.axis) if attrs.reverse else out
 
 
+LOWEST_FLOAT = float(np.finfo(np.float32).min)
+
+
 def _logcumsumexp_grad(
     graph: Graph, node: Node, cotangents: Sequence[Value | None], needed: Sequence[bool]
 ) -> list[Value | None]:
@@ -238,7 +241,11 @@ def _logcumsumexp_grad(
     axis, reverse = node.attrs.axis, node.attrs.reverse
 
     def part(weights: Value) -> Value:
-        logs = graph.where(graph.greater(weights, 0.0), graph.log(graph.maximum(weights, 1e-45)), float("-inf"))
+        # Entries without weight are the lowest finite float, as torch's rule has them, not -inf:
+        # the rule of this logcumsumexp (a second derivative) subtracts its running sums from
+        # them, and a run of -inf gave -inf - -inf = NaN there, which wrong second-order
+        # gradients came out of; from the lowest float every term is finite and its exp 0.
+        logs = graph.where(graph.greater(weights, 0.0), graph.log(graph.maximum(weights, 1e-45)), LOWEST_FLOAT)
         return graph.exp(logcumsumexp(graph, logs - y, axis, reverse=not reverse) + x)
 
     return [part(dy) - part(-dy)]

@@ -8,35 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from op_samples import SAMPLES, Sample, sample_inputs
+from op_samples import SAMPLES, Sample, differentiable, sample_inputs, scalar_loss
 
 import rlx
-from rlx import Graph, Value
-from rlx.ir.opdef import not_differentiable
+from rlx import Graph
 from rlx.reference import evaluate
 
 EPS = 1e-6
-
-
-def scalar_loss(g: Graph, built: Value | tuple[Value, ...], rng: np.random.Generator) -> Value | None:
-    results = built if isinstance(built, tuple) else (built,)
-    terms = []
-    for value in results:
-        if value.dtype == np.float32:
-            weights = g.constant(rng.uniform(-1.0, 1.0, value.shape).astype(np.float32))
-            terms.append(g.sum(value * weights))
-    if not terms:
-        return None
-    total = terms[0]
-    for term in terms[1:]:
-        total = total + term
-    return total
-
-
-def differentiable(sample: Sample) -> bool:
-    g = Graph()
-    sample.build(g)
-    return all(node.op.definition.grad is not not_differentiable for node in g.nodes)
 
 
 @pytest.mark.parametrize("sample", [s for s in SAMPLES if differentiable(s)], ids=lambda s: s.id)
