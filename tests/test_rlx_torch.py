@@ -836,11 +836,13 @@ def test_compiled_random_graphs_as_torch_functions(case: tuple[Graph, int]) -> N
         )
 
 
-def _math_attention(q: Any, k: Any, v: Any, bias: Any = None, causal: bool = False, softcap: float = 0.0) -> Any:
+def _math_attention(
+    q: Any, k: Any, v: Any, bias: Any = None, causal: bool = False, softcap: float = 0.0, scale: float | None = None
+) -> Any:
     """Attention in torch ops (torch's CPU SDPA kernels have no double backward), GQA by repeating."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    scores = q @ k.transpose(-1, -2) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
     if bias is not None:
@@ -855,6 +857,10 @@ SECOND_ORDER_CASES = {
     "sdpa-causal": (
         lambda q, k, v, bias: rt.scaled_dot_product_attention(q, k, v, is_causal=True),
         lambda q, k, v, bias: _math_attention(q, k, v, causal=True),
+    ),
+    "sdpa-causal-gqa-scale": (
+        lambda q, k, v, bias: rt.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True),
+        lambda q, k, v, bias: _math_attention(q, k, v, causal=True, scale=0.3),
     ),
     "sdpa-float-mask": (
         lambda q, k, v, bias: rt.scaled_dot_product_attention(q, k, v, attn_mask=bias),
