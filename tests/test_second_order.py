@@ -294,3 +294,23 @@ def test_config_value_errors() -> None:
         g.config_value("num_threads")
     with pytest.raises(RlxTypeError, match="field must be a str"):
         g.config_value(3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "score_mod",
+    [lambda s, b, h, i, j: rlx.tanh(1.7 + 0.0 * 0.0), lambda s, b, h, i, j: (i - j) * 0.1],
+    ids=["constant", "by-position"],
+)
+def test_a_score_mod_that_ignores_the_score(score_mod: object) -> None:
+    """Its traced result is smaller than the scores (a scalar, a [Sq, Sk] grid): the restated
+    forward broadcasts it to [B, H, Sq, Sk] before the softmax (found by a second-order fuzz run)."""
+    g = Graph("ignores")
+    q, k, v = (g.input(name, (B, H, "S", D)) for name in "qkv")
+    out = g.attention(q, k, v, score_mod=score_mod, layout=Layout.BHSD)
+    dq, dk, dv = rlx.grad(g, g.sum(out * out), [q, k, v])
+    z = g.sum(dv * dv) + g.sum(dq * dk)
+    g.output(z=z, **{f"h{i}": h for i, h in enumerate(rlx.grad(g, z, [q, k, v]))})
+    rng = np.random.default_rng(8)
+    arrays = {name: rng.standard_normal((B, H, 5, D)).astype(np.float32) for name in "qkv"}
+    assert_matches_central_differences(g, [q, k, v], arrays, entries=3)
+    assert_compiled_matches_reference(g, arrays)

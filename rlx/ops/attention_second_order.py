@@ -260,11 +260,14 @@ def restate_flex_attention(
     factor = 1.0 / math.sqrt(dims.head_dim) if scale is None else scale
     scores = graph.mul(graph.matmul(qh, graph.transpose(kh, (0, 1, 3, 2))), factor)
     symbols = _grid_symbols(graph, dims)
+    full = scores.shape
     if score_mod is not None:
         scores = evaluate_region(graph, score_mod, {**symbols, "score": scores}, captured)
     if mask_mod is not None:
         visible = evaluate_region(graph, mask_mod, symbols, captured)
         scores = graph.where(visible, scores, -math.inf)
+    if scores.shape != full:  # a score_mod that ignores the score (a constant, a bias by position)
+        scores = graph.broadcast_to(scores, full)
     p, lse = _softmax_and_lse(graph, scores)
     return _from_heads(graph, graph.matmul(p, vh), layout), lse
 
