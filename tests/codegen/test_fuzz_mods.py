@@ -160,6 +160,7 @@ def evaluate(tree: Tree, env: dict[str, Any]) -> Any:
     scale=st.one_of(st.none(), st.floats(0.05, 2.0)),
     symbolic=st.sets(st.sampled_from(["B", "Sq", "Sk"])),
     seed=st.integers(0, 2**16),
+    second_order=st.booleans(),
 )
 def test_random_mods_compile_to_the_reference(
     score_tree: Tree | None,
@@ -175,8 +176,11 @@ def test_random_mods_compile_to_the_reference(
     scale: float | None,
     symbolic: set[str],
     seed: int,
+    second_order: bool,
 ) -> None:
-    """Any of the batch and the lengths may be declared symbolic (the bias keeps static sizes)."""
+    """Any of the batch and the lengths may be declared symbolic (the bias keeps static sizes).
+    With ``second_order``, the gradients are differentiated again (a penalty on them and on the
+    LSE): the backward nodes' second-order rules restate the mods over index grids."""
     heads = kv_heads * group
     sizes = {"B": batch, "Sq": seq_q, "Sk": seq_k}
     b, sq, sk = (name if name in symbolic else sizes[name] for name in ("B", "Sq", "Sk"))
@@ -213,6 +217,12 @@ def test_random_mods_compile_to_the_reference(
     grads = rlx.grad(g, out, [q, k, v, *(tensors[name] for name in reads)], dy)
     names = ("q", "k", "v", *reads)
     g.output(out=out, lse=lse, **{f"d{name}": grad for name, grad in zip(names, grads, strict=True)})
+    if second_order:
+        penalty = g.sum(g.where(g.greater(lse, -1e30), lse, 0.0)) * 0.5
+        for grad in grads:
+            penalty = penalty + g.sum(grad * grad)
+        seconds = rlx.grad(g, penalty, [q, k, v, *(tensors[name] for name in reads)])
+        g.output(**{f"h{name}": h for name, h in zip(names, seconds, strict=True)})
 
     rng = np.random.default_rng(seed)
     shapes = {name: tuple(sizes.get(d, d) for d in value.shape) for name, value in g.inputs.items()}
