@@ -133,12 +133,7 @@ def _check_summed_partials(graph: Graph, node: Node, index: int) -> None:
 
 def _spread(graph: Graph, whole: Value, partials: Dim) -> Value:
     """``whole`` divided evenly over ``partials`` rows: ``[partials, *whole.shape]``."""
-    count = (
-        float(partials)
-        if isinstance(partials, int)
-        else graph.sum(graph.broadcast_to(graph.constant(1.0), (partials,)))
-    )
-    share = graph.reshape(graph.div(whole, count), (1, *whole.shape))
+    share = graph.reshape(graph.div(whole, _length(graph, partials)), (1, *whole.shape))
     return graph.broadcast_to(share, (partials, *whole.shape))
 
 
@@ -162,7 +157,7 @@ def restate_attention_bwd(
     hidden = _hidden(graph, attrs.mask, dims, mask_input)
     if hidden is not None:
         scores = graph.where(hidden, graph.config_value("attn_mask_neg_inf"), scores)
-    p = _softmax_rows(graph, scores)
+    p, _ = _softmax_and_lse(graph, scores)  # a row masked whole under neg = -inf: P = 0, not NaN
     dp = graph.matmul(dyh, graph.transpose(vh, (0, 1, 3, 2)))
     row_dot = graph.sum(graph.mul(p, dp), axis=-1, keepdims=True)
     ds = graph.mul(graph.mul(p, graph.sub(dp, row_dot)), scale)
@@ -173,15 +168,11 @@ def restate_attention_bwd(
         Wrt.KEY: lambda: _grouped(graph, graph.matmul(graph.transpose(ds, (0, 1, 3, 2)), qh), dims),
         Wrt.VALUE: lambda: _grouped(graph, graph.matmul(graph.transpose(p, (0, 1, 3, 2)), dyh), dims),
     }
-    return tuple(_from_heads(graph, grads[flag](), attrs.layout) for flag in attrs.wrt.members)
+    return tuple(_heads(graph, grads[flag](), attrs.layout) for flag in attrs.wrt.members)
 
 
 def _heads(graph: Graph, x: Value, layout: Layout) -> Value:
-    """``[B, H, S, D]``: each head a trailing matrix."""
-    return x if layout is Layout.BHSD else graph.transpose(x, _HEADS_FIRST)
-
-
-def _from_heads(graph: Graph, x: Value, layout: Layout) -> Value:
+    """``[B, H, S, D]`` from ``layout``, each head a trailing matrix; and back (its own inverse)."""
     return x if layout is Layout.BHSD else graph.transpose(x, _HEADS_FIRST)
 
 
@@ -202,14 +193,6 @@ def _grouped(graph: Graph, x: Value, dims: AttentionDims | FlexDims) -> Value:
         return x
     batch, _, rows, width = x.shape
     return graph.sum(graph.reshape(x, (batch, dims.kv_heads, dims.group, rows, width)), axis=2)
-
-
-def _softmax_rows(graph: Graph, scores: Value) -> Value:
-    """Softmax over the keys, with SPEC 4's empty rows: a row whose scores are all ``-inf`` (a
-    fully masked row under ``attn_mask_neg_inf = -inf``) is 0, not NaN."""
-    empty = graph.equal(graph.max(scores, axis=-1, keepdims=True), -math.inf)
-    p = graph.softmax(graph.where(empty, 0.0, scores), axis=-1)
-    return graph.where(empty, 0.0, p)
 
 
 def _hidden(graph: Graph, mask: MaskKind, dims: AttentionDims, mask_input: Sequence[Value]) -> Value | None:
@@ -236,9 +219,16 @@ def _positions(graph: Graph, length: Dim) -> tuple[Value, Value]:
     """``arange(length)`` and ``length`` as float32 values (exact below 2**24; a symbolic length
     is counted per call)."""
     if isinstance(length, int):
-        return graph.constant(np.arange(length, dtype=np.float32)), graph.constant(float(length))
+        return graph.constant(np.arange(length, dtype=np.float32)), _length(graph, length)
     ones = graph.broadcast_to(graph.constant(1.0), (length,))
-    return graph.sub(graph.cumsum(ones), 1.0), graph.sum(ones)
+    return graph.sub(graph.cumsum(ones), 1.0), _length(graph, length)
+
+
+def _length(graph: Graph, length: Dim) -> Value:
+    """``length`` as a float32 value: a constant, or counted per call for a symbolic one."""
+    if isinstance(length, int):
+        return graph.constant(float(length))
+    return graph.sum(graph.broadcast_to(graph.constant(1.0), (length,)))
 
 
 def restate_flex_attention(
@@ -269,7 +259,7 @@ def restate_flex_attention(
     if scores.shape != full:  # a score_mod that ignores the score (a constant, a bias by position)
         scores = graph.broadcast_to(scores, full)
     p, lse = _softmax_and_lse(graph, scores)
-    return _from_heads(graph, graph.matmul(p, vh), layout), lse
+    return _heads(graph, graph.matmul(p, vh), layout), lse
 
 
 def _softmax_and_lse(graph: Graph, scores: Value) -> tuple[Value, Value]:
@@ -376,4 +366,4 @@ def _read(graph: Graph, tensor: Value, index: Sequence[Value]) -> Value:
 
 
 def _int_size(graph: Graph, size: Dim) -> Value:
-    return graph.constant(np.int64(size)) if isinstance(size, int) else _int_positions(graph, size)[1]
+    return graph.constant(np.int64(size)) if isinstance(size, int) else graph.cast(_length(graph, size), "int64")

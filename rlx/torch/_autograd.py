@@ -33,11 +33,6 @@ def _eager_under_torch_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def _float(tensor: torch.Tensor) -> torch.Tensor:
-    """float16 and bfloat16 as float32 (rlx computes in float32), differentiably; others as they are."""
-    return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
-
-
 def _twice_differentiable(differentiable: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """An ``autograd.Function.backward`` that runs its compiled kernels outside autograd, and with
     ``create_graph=True`` (a gradient penalty, a Hessian-vector product) runs

@@ -75,3 +75,8 @@ def _rlx_dtype(tensor: torch.Tensor) -> str:
     if tensor.dtype == torch.bool:
         return "bool"
     return "int32" if tensor.dtype == torch.int32 else "int64"
+
+
+def _float(tensor: torch.Tensor) -> torch.Tensor:
+    """float16 and bfloat16 as float32 (rlx computes in float32), differentiably; others as they are."""
+    return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor

@@ -20,11 +20,11 @@ from rlx.codegen.executable import CallLayout, DirectRunner, Executable
 from rlx.errors import RlxError, RlxTypeError, RlxValueError
 from rlx.ir.graph import Graph
 from rlx.ir.types import Layout, Wrt
-from rlx.torch._autograd import _eager_under_torch_compile, _float, _twice_differentiable
+from rlx.torch._autograd import _eager_under_torch_compile, _twice_differentiable
 from rlx.torch._capture import _Capture, _capturing
 from rlx.torch._fingerprint import mod_key
 from rlx.torch._layouts import _layout_inputs, _layout_names, _layout_tensors, _strided_layout
-from rlx.torch._tensors import _array, _check_tensor, _direct, _tensor, _written
+from rlx.torch._tensors import _array, _check_tensor, _direct, _float, _tensor, _written
 from rlx.torch.graphs import CompiledGraph
 from rlx.torch.graphs import compile as compile_graph_function
 from rlx.torch.threads import _attention_flops, _threads_for
@@ -320,7 +320,6 @@ class _FlexFunction(torch.autograd.Function):
         # Saved as tensors, so torch refuses a backward after any of them was modified in place.
         ctx.save_for_backward(q, k, v, out, lse, *captured)
         ctx.float_out = float_out  # out in float32 (``out`` itself may be bf16/f16)
-        ctx.float_out_tensor = torch.from_numpy(float_out)
         ctx.dtypes = [t.dtype for t in (q, k, v, *captured)]
         ctx.set_materialize_grads(False)
         return out, lse
@@ -341,7 +340,7 @@ class _FlexFunction(torch.autograd.Function):
         if transposed:
             heads, dy = [t.transpose(1, 2) for t in heads], dy.transpose(1, 2)
         # out in float32 as the graph laid it out ([B, S, H, Dv] for a transposed plan)
-        tensors = {"out": ctx.float_out_tensor, "dy": dy, "lse": lse.detach()}
+        tensors = {"out": torch.from_numpy(ctx.float_out), "dy": dy, "lse": lse.detach()}
         tensors.update(zip(("q", "k", "v"), heads, strict=True))
         if d_lse is not None:
             tensors["dlse"] = d_lse

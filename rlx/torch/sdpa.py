@@ -17,9 +17,9 @@ from rlx.codegen.executable import DirectRunner, Executable
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.graph import Graph
 from rlx.ir.types import Layout
-from rlx.torch._autograd import _eager_under_torch_compile, _float, _twice_differentiable
+from rlx.torch._autograd import _eager_under_torch_compile, _twice_differentiable
 from rlx.torch._layouts import _layout_inputs, _layout_names, _layout_tensors, _strided_layout
-from rlx.torch._tensors import _COMPUTED, _array, _check_tensor, _dense, _direct, _tensor, _written
+from rlx.torch._tensors import _COMPUTED, _array, _check_tensor, _dense, _direct, _float, _tensor, _written
 from rlx.torch.flex import _TORCH_DTYPES, _check_scale, _flex_forward, _Plan, _plan, _plans_lock, _run_by_address
 from rlx.torch.graphs import CompiledGraph
 from rlx.torch.graphs import compile as compile_graph_function
