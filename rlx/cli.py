@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     # The LM's own options imply --lm (``rlx demo --data book.txt`` means: train on it).
     demo.add_argument("--data", metavar="PATH", help="text file to train the LM on (default: the project's README)")
     demo.add_argument("--steps", type=_positive, default=None, help="LM training steps (default 300)")
-    demo.add_argument("--lr", type=float, default=None, help="LM peak learning rate (default 3e-3)")
+    demo.add_argument("--lr", type=_learning_rate, default=None, help="LM peak learning rate (default 3e-3)")
     demo.add_argument("--layers", type=_positive, default=None, help="LM transformer blocks (default 2)")
     demo.add_argument("--embed", type=_positive, default=None, help="LM embedding size (default 64)")
     demo.add_argument("--batch", type=_positive, default=None, help="batch size (default 4; LM 16)")
@@ -293,6 +293,17 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _learning_rate(text: str) -> float:
+    """A positive, finite float (torch's AdamW refuses a negative one too)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
 
 

@@ -14,6 +14,7 @@ and ``chain`` composes score mods.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 from collections.abc import Callable
@@ -312,12 +313,20 @@ def _captured(x: Any) -> Any:
 
 
 def _numpy_to_captured(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` with the numpy arrays among its closure cells and globals wrapped in :class:`CapturedArray`."""
+    """``fn`` with the numpy arrays it captures wrapped in :class:`CapturedArray`: those among its
+    closure cells and the globals it names, and those a ``functools.partial`` binds (whose
+    function is unwrapped the same way)."""
+    if isinstance(fn, functools.partial):
+        args = tuple(_captured(a) for a in fn.args)
+        keywords = {name: _captured(a) for name, a in fn.keywords.items()}
+        return functools.partial(_numpy_to_captured(fn.func), *args, **keywords)
     if not isinstance(fn, types.FunctionType):
         return fn
     closure = fn.__closure__
-    cells = None
-    if closure:
+    cells = closure
+    if closure and any(_holds_array(c) for c in closure):
+        # Compared by identity below: a cell's == compares its contents, and an array's == is
+        # elementwise, whose truth value numpy refuses.
         cells = tuple(types.CellType(CapturedArray(c.cell_contents)) if _holds_array(c) else c for c in closure)
     names = set(fn.__code__.co_names)
     arrays = {
@@ -325,7 +334,7 @@ def _numpy_to_captured(fn: Callable[..., Any]) -> Callable[..., Any]:
         for name, value in fn.__globals__.items()
         if name in names and isinstance(value, np.ndarray)
     }
-    if not arrays and cells == closure:
+    if not arrays and cells is closure:
         return fn
     scope = {**fn.__globals__, **arrays} if arrays else fn.__globals__
     clone = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, cells)

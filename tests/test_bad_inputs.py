@@ -184,7 +184,7 @@ def test_shapes_beyond_what_64_bit_offsets_address_are_build_errors() -> None:
         column + row
     assert str(g) == before
     with pytest.raises(RlxValueError, match="more than any array can hold"):
-        rlx.ir.parse("graph @g {\n  %x = input \"x\" : f32[1099511627776,1099511627776]\n  output y = %x\n}")
+        rlx.ir.parse('graph @g {\n  %x = input "x" : f32[1099511627776,1099511627776]\n  output y = %x\n}')
     g.input("wide", (2**30, 2**30))  # 2**60 elements: the most a value may have
 
 
@@ -215,3 +215,22 @@ def test_a_constant_holding_a_bad_id_is_refused_at_compile_time(ids: list[int], 
     g.output(rows=g.embedding(g.input("table", (4, 3)), g.constant(np.array(ids, dtype=np.int64))))
     with pytest.raises(RlxValueError, match=rf"constant \(node \d+\): {bad} is out of range \[0, 4\)"):
         rlx.compile(g)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float16"])
+def test_an_input_compiled_code_cannot_hold_is_refused_at_compile_time(dtype: str) -> None:
+    """The IR spells f64 and f16 (a printed graph may declare them, and the reference interprets
+    them), but no kernel reads them: compiling such an input is a clear error naming it."""
+    g = Graph("wide")
+    wide = g.input("wide", (3,), dtype=dtype)
+    g.output(total=g.sum(g.cast(wide, "float32")))
+    assert rlx.reference.run(g, wide=np.ones(3, dtype))["total"] == 3.0
+    with pytest.raises(RlxTypeError, match=rf"input 'wide' is {dtype}; compiled graphs hold float32"):
+        rlx.compile(g)
+
+
+def test_float16_and_float64_constants_become_float32() -> None:
+    g = Graph("constants")
+    for dtype in (np.float16, np.float64):
+        assert g.constant(np.ones(2, dtype)).dtype == np.float32
+    assert g.constant(np.ones(2, np.float16), dtype="float32").dtype == np.float32

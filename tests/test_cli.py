@@ -176,6 +176,14 @@ def test_demo_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     assert "positive integer" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("lr", ["-1", "0", "nan", "inf", "fast"])
+def test_demo_rejects_a_learning_rate_not_positive(lr: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["demo", "--lm", "--lr", lr])
+    assert info.value.code == 2
+    assert f"--lr: expected a positive number, got {lr!r}" in capsys.readouterr().err
+
+
 def test_module_entry_point_exits_1_without_traceback(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "rlx.cli", "opt", str(tmp_path / "missing.rlx")],

@@ -13,9 +13,17 @@ def test_readme_tutorial_runs() -> None:
     assert len(blocks) >= 3, "the README tutorial lost its code blocks"
     namespace: dict[str, object] = {}
     try:
-        import torch  # noqa: F401 - the rlx.torch blocks run only where torch is installed
+        import torch  # the rlx.torch blocks run only where torch is installed
     except ImportError:
         blocks = [block for block in blocks if "import rlx.torch" not in block]
+    else:
+        # As in the fresh process a reader runs it in: earlier tests' graphs leave TorchDynamo's
+        # caches and the backend's fallback record behind (the README asserts there are none).
+        from rlx.torch import dynamo
+
+        torch._dynamo.reset()
+        dynamo.fallbacks.clear()
+        dynamo.stats.update(compiled=0, eager=0)
     for block in blocks:
         exec(compile(block, str(README), "exec"), namespace)
     assert "exe" in namespace and "expected" in namespace

@@ -335,6 +335,26 @@ def _distinct_bounds(bounds: list[tuple[Value, Dim, str]]) -> list[tuple[Value, 
     return distinct
 
 
+COMPUTED_DTYPES = frozenset(np.dtype(d) for d in (np.float32, np.int32, np.int64, np.bool_))
+"""What compiled code holds. The IR also spells f64 and f16 (a printed graph may declare them,
+and the reference interprets them), but no kernel reads them."""
+
+
+def _check_computable_dtypes(graph: Graph) -> None:
+    """``RlxTypeError`` naming the first input or node whose values compiled code cannot hold,
+    before anything is lowered (a float64 input would otherwise reach codegen)."""
+    names = value_names(graph)
+    for node in graph.nodes:
+        for value in node.outputs:
+            if value.dtype not in COMPUTED_DTYPES:
+                name = getattr(node.attrs, "name", None) if node.op.value == "input" else None
+                what = f"input {name!r}" if name is not None else f"{node.op.value} {names[value]}"
+                raise RlxTypeError(
+                    f"rlx.compile: {what} is {value.dtype}; compiled graphs hold float32, int32, int64 and "
+                    "bool values (declare it float32 and pass arrays converted with .astype(np.float32))"
+                )
+
+
 def _lower(
     graph: Graph,
     pass_names: tuple[str, ...] | None,
@@ -351,6 +371,7 @@ def _lower(
     start = time.perf_counter()
     working = graph.copy()
     working.verify()
+    _check_computable_dtypes(working)
     resolve_config_values(working, config)  # constants from here on, for every pass to fold
     if not working.outputs:
         raise RlxValueError(f"rlx.compile: graph {graph.name!r} has no outputs; mark some with g.output(...)")

@@ -205,6 +205,31 @@ class Value:
             raise RlxTypeError(f"cannot iterate over the symbolic first axis of {self.type}: its length is per call")
         return (self[i] for i in range(length))
 
+    def __len__(self) -> int:
+        """The first axis's size, as ``len`` of an array."""
+        if not self.shape:
+            raise RlxTypeError(f"len() of a 0-d value ({self.type})")
+        length = self.shape[0]
+        if not isinstance(length, int):
+            raise RlxTypeError(f"len() of the symbolic first axis of {self.type}: its length is per call")
+        return length
+
+    def __array__(self, dtype: object = None, copy: object = None) -> Any:
+        """Refused, as JAX refuses converting a tracer: without it NumPy would read a Value as a
+        nested sequence (``len`` and indexing), adding a node per entry to the graph."""
+        raise RlxTypeError(
+            f"{self!r} has no entries while the graph is built, so NumPy cannot convert it; "
+            "run the compiled graph (or rlx.reference.run) to get arrays"
+        )
+
+    def __bool__(self) -> bool:
+        """Refused, as JAX refuses it on a tracer: a Value has no entries while the graph is built,
+        so ``if x > 0:`` would take one branch for every input. ``g.where`` chooses per entry."""
+        raise RlxTypeError(
+            f"the truth value of {self!r} is not known while the graph is built (it holds no entries "
+            "yet); use g.where(cond, a, b) to choose per entry, and `is None` to test an optional value"
+        )
+
     def __neg__(self) -> Value:
         return self.graph.neg(self)
 

@@ -115,8 +115,8 @@ def _constant_reference(args: Sequence[np.ndarray], attrs: ConstantAttrs, ctx: E
 def constant(graph: Graph, value: object, dtype: object = None) -> Value:
     """A constant baked into the graph: a Python number (float32 scalar) or an array.
 
-    Arrays and NumPy scalars keep their dtype unless ``dtype`` is given; float64 becomes float32
-    (rlx computes in float32), as ``torch.tensor`` does with its default dtype.
+    Arrays and NumPy scalars keep their dtype unless ``dtype`` is given; float64 and float16
+    become float32 (rlx computes in float32), as ``torch.tensor`` makes float64 data float32.
     """
     if isinstance(value, (bool, np.bool_)) and dtype is None:
         array = np.array(value, dtype=np.bool_)
@@ -131,7 +131,7 @@ def constant(graph: Graph, value: object, dtype: object = None) -> Value:
             raise RlxTypeError(f"constant: expected numbers or an array, got {type(value).__name__}")
         if dtype is not None:
             array = array.astype(as_dtype(dtype))
-        elif array.dtype == np.float64:
+        elif array.dtype in (np.float64, np.float16):
             array = array.astype(np.float32)
         as_dtype(array.dtype)  # refuse complex, strings, ...
     if 0 in array.shape:

@@ -540,3 +540,51 @@ def test_key_gradients_over_many_tiles(case: Case) -> None:
     run over tiles both reached and not zeroes the new ones, tiles no strip reaches are zeroed at
     the end (outputs start as NaN here, so a row left unwritten fails)."""
     check(case)
+
+
+_GLOBAL_TABLE = np.linspace(-1.0, 1.0, 11).astype(np.float32)
+
+
+def _table_bias(table: np.ndarray) -> Callable[..., Any]:
+    return lambda s, b, h, i, j: s + table[i] * 0.5  # the array is a closure cell
+
+
+def _doc_mask(doc: np.ndarray, b: Any, h: Any, i: Any, j: Any) -> Any:
+    return doc[b, i] == doc[b, j]
+
+
+def _read_global(s: Any, b: Any, h: Any, i: Any, j: Any) -> Any:
+    return s - _GLOBAL_TABLE[j]
+
+
+@pytest.mark.parametrize("capture", ["closure", "global", "partial"])
+def test_numpy_arrays_a_mod_captures_become_constants(capture: str) -> None:
+    """A numpy array read by a user's mod, however Python hands it over (a closure cell, a module
+    global, an argument bound by ``functools.partial``), is a constant of the graph; checked
+    against the attention written in numpy."""
+    import functools
+
+    seq, heads = 11, 2
+    rng = np.random.default_rng(5)
+    table = rng.standard_normal(seq).astype(np.float32)
+    doc = np.array([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2]], np.int64)
+    score_mod: Callable[..., Any] | None
+    mask_mod: Callable[..., Any] | None = None
+    if capture == "closure":
+        score_mod, bias = _table_bias(table), 0.5 * table.astype(np.float64)[:, None]
+    elif capture == "global":
+        score_mod, bias = _read_global, -_GLOBAL_TABLE.astype(np.float64)[None, :]
+    else:
+        score_mod, bias = None, np.zeros((1, 1))
+        mask_mod = functools.partial(_doc_mask, doc)
+    g = Graph("captures")
+    q, k, v = (g.input(name, (1, seq, heads, 4)) for name in "qkv")
+    g.output(o=g.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod))
+    arrays = {name: rng.standard_normal((1, seq, heads, 4)).astype(np.float32) for name in "qkv"}
+    scores = np.einsum("bqhd,bkhd->bhqk", arrays["q"].astype(np.float64), arrays["k"]) / 2.0 + bias
+    if mask_mod is not None:
+        scores = np.where(doc[0][:, None] == doc[0][None, :], scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    want = np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), arrays["v"])
+    np.testing.assert_allclose(rlx.compile(g)(**arrays)["o"], want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(rlx.reference.run(g, **arrays)["o"], want, rtol=1e-6, atol=1e-7)

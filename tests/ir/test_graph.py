@@ -743,3 +743,41 @@ def test_bad_mask_and_wrt_text_raise_rlx_errors() -> None:
     for text in ("", "x", "q|", "q,k"):
         with pytest.raises(rlx.RlxValueError, match=r"expected q, k or v joined by '\|'"):
             Wrt.parse(text)
+
+
+def test_a_value_has_no_truth_value_while_the_graph_is_built() -> None:
+    """As JAX refuses ``bool`` of a tracer: ``if x > 0:`` on a Value would take one branch for
+    every input; the error points at ``g.where`` and at ``is None``."""
+    g = Graph("t")
+    x = g.input("x", (3, 4))
+    for value in (x, x > 0, g.sum(x)):
+        with pytest.raises(rlx.RlxTypeError, match=r"truth value .* g\.where\(cond, a, b\) .* `is None`"):
+            bool(value)
+    with pytest.raises(TypeError):
+        if x > 0:  # the same, as a user writes it
+            pass
+    assert x is not None and [x][0] is x  # identity, membership and containers need no truth value
+    assert x in {x: 1} and x in [x]
+
+
+def test_len_of_a_value_is_its_first_axis() -> None:
+    g = Graph("t")
+    x = g.input("x", (3, 4))
+    assert len(x) == 3 and len(x[0]) == 4 and len(list(x)) == 3
+    with pytest.raises(rlx.RlxTypeError, match="len\\(\\) of a 0-d value"):
+        len(g.sum(x))
+    with pytest.raises(rlx.RlxTypeError, match="symbolic first axis"):
+        len(g.input("s", ("S", 2)))
+
+
+def test_numpy_does_not_convert_a_value() -> None:
+    """``np.asarray(value)`` is a clear error (JAX's for a tracer), not a nested sequence read
+    entry by entry into new nodes; NumPy operands on either side of an operator still work."""
+    g = Graph("t")
+    x = g.input("x", (3, 4))
+    nodes = len(g.nodes)
+    for convert in (lambda: np.asarray(x), lambda: np.array([x, x]), lambda: g.constant(x)):
+        with pytest.raises(rlx.RlxTypeError, match="no entries while the graph is built"):
+            convert()
+    assert len(g.nodes) == nodes
+    assert (np.ones(4, np.float32) * x).shape == (3, 4)
