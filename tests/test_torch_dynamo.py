@@ -338,6 +338,8 @@ EINSUMS = [
     ("ij,ij->i", [(3, 4), (3, 4)]),
     ("ij,jk", [(3, 4), (4, 5)]),  # implicit output
     ("ijk,jl->li", [(2, 3, 4), (3, 5)]),  # k summed out before the product
+    ("ii->i", [(3, 3)]),  # a diagonal
+    ("...ij,...jk", [(2, 1, 2, 3), (4, 3, 5)]),  # '...' broadcasts
 ]
 
 

@@ -597,6 +597,13 @@ class Graph:
 
         return squeeze(self, x, axis)
 
+    def einsum(self, equation: str, *operands: object) -> Value:
+        """``numpy.einsum``: ``g.einsum("bqhd,bkhd->bhqk", q, k)``; ``...`` broadcasts, a repeated
+        subscript takes a diagonal. Built from matmul, mul, sum and views: see :mod:`rlx.ops.einsum`."""
+        from rlx.ops.einsum import einsum
+
+        return einsum(self, equation, *operands)
+
     def take(self, x: object, ids: object, axis: int = 0) -> Value:
         """``numpy.take``: entries at integer ``ids`` along ``axis`` (ids computed by the graph too)."""
         from rlx.ops.composite import take

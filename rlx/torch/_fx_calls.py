@@ -242,67 +242,11 @@ def _count(g: Graph, mask: Value, dim: Any, keepdim: bool) -> Value:
 
 
 def _einsum(g: Graph, equation: str, *operands: Any) -> Any:
-    """``torch.einsum`` of one or two operands (more: left to right) as transposes, reshapes,
-    sums and one batched matmul per pair: batch labels (in both and the output), contracted
-    labels (in both, not the output), and each side's free labels. Labels repeated within an
-    operand (diagonals) and ``...`` are not translated."""
+    """``torch.einsum`` (operands listed or in one list): ``g.einsum``, whose errors become
+    fallbacks to eager torch."""
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = tuple(operands[0])
-    values = [_float(v) for v in operands]
-    spec = equation.replace(" ", "")
-    if "..." in spec:
-        raise Unsupported("einsum with '...'")
-    inputs, arrow, output = spec.partition("->")
-    terms = inputs.split(",")
-    if len(terms) != len(values) or not all(t.isalpha() and len(set(t)) == len(t) for t in terms):
-        raise Unsupported(f"einsum {equation!r} (a repeated label or a count that does not match)")
-    if not arrow:  # implicit output: the labels used once, sorted
-        counts = {c: inputs.count(c) for c in set(inputs.replace(",", ""))}
-        output = "".join(sorted(c for c, n in counts.items() if n == 1))
-    value, labels = values[0], terms[0]
-    for index in range(1, len(values)):
-        later = set(output + "".join(terms[index + 1 :]))
-        value, labels = _contract(g, value, labels, values[index], terms[index], later)
-    value, labels = _sum_labels(g, value, labels, set(output))
-    if sorted(labels) != sorted(output):
-        raise Unsupported(f"einsum {equation!r}: output labels that no operand has")
-    return g.transpose(value, tuple(labels.index(c) for c in output)) if labels != output else value
-
-
-def _sum_labels(g: Graph, value: Value, labels: str, keep: set[str]) -> tuple[Value, str]:
-    gone = tuple(i for i, c in enumerate(labels) if c not in keep)
-    if not gone:
-        return value, labels
-    return g.sum(value, axis=gone), "".join(c for c in labels if c in keep)
-
-
-def _contract(g: Graph, a: Value, la: str, b: Value, lb: str, later: set[str]) -> tuple[Value, str]:
-    """``a`` and ``b`` contracted over the labels they share that nothing later needs."""
-    a, la = _sum_labels(g, a, la, set(lb) | later)
-    b, lb = _sum_labels(g, b, lb, set(la) | later)
-    batch = [c for c in la if c in lb and c in later]
-    inner = [c for c in la if c in lb and c not in later]
-    left = [c for c in la if c not in lb]
-    right = [c for c in lb if c not in la]
-    size = {**dict(zip(la, a.shape, strict=True)), **dict(zip(lb, b.shape, strict=True))}
-
-    def merged(cs: list[str]) -> int | str:
-        total: int | Size = 1
-        for c in cs:
-            total = total * poly(size[c])
-        return rlx_dim(total)
-
-    a3 = g.reshape(
-        g.transpose(a, tuple(la.index(c) for c in batch + left + inner)),
-        tuple(size[c] for c in batch) + (merged(left), merged(inner)),
-    )
-    b3 = g.reshape(
-        g.transpose(b, tuple(lb.index(c) for c in batch + inner + right)),
-        tuple(size[c] for c in batch) + (merged(inner), merged(right)),
-    )
-    product = g.matmul(a3, b3)
-    labels = "".join(batch + left + right)
-    return g.reshape(product, tuple(size[c] for c in labels)), labels
+    return g.einsum(equation, *(_float(v) for v in operands))
 
 
 def _extremum(kind: str) -> Callable[..., Any]:
