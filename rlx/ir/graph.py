@@ -604,6 +604,44 @@ class Graph:
 
         return einsum(self, equation, *operands)
 
+    def logsumexp(self, x: object, axis: object = None, keepdims: bool = False) -> Value:
+        """``jax.nn.logsumexp``: ``log(sum(exp(x)))`` over ``axis`` without overflow (an all
+        ``-inf`` slice gives ``-inf``); see :mod:`rlx.ops.arrays`."""
+        from rlx.ops.arrays import logsumexp
+
+        return logsumexp(self, x, axis, keepdims)
+
+    def pad(self, x: object, pad_width: object, value: float | int | bool = 0) -> Value:
+        """``numpy.pad`` with ``constant_values=value``: ``pad_width`` an int, a pair, or a pair per axis."""
+        from rlx.ops.arrays import pad
+
+        return pad(self, x, pad_width, value)
+
+    def flip(self, x: object, axis: object = None) -> Value:
+        """``numpy.flip``: the named axes (all for None) in reverse order."""
+        from rlx.ops.arrays import flip
+
+        return flip(self, x, axis)
+
+    def roll(self, x: object, shift: object, axis: object = None) -> Value:
+        """``numpy.roll``: entries moved ``shift`` places along ``axis`` (the flattened value for
+        None), wrapping around."""
+        from rlx.ops.arrays import roll
+
+        return roll(self, x, shift, axis)
+
+    def tril(self, x: object, k: int = 0) -> Value:
+        """``numpy.tril``: zeros above the ``k``-th diagonal of the last two axes."""
+        from rlx.ops.arrays import tril
+
+        return tril(self, x, k)
+
+    def triu(self, x: object, k: int = 0) -> Value:
+        """``numpy.triu``: zeros below the ``k``-th diagonal of the last two axes."""
+        from rlx.ops.arrays import triu
+
+        return triu(self, x, k)
+
     def take(self, x: object, ids: object, axis: int = 0) -> Value:
         """``numpy.take``: entries at integer ``ids`` along ``axis`` (ids computed by the graph too)."""
         from rlx.ops.composite import take

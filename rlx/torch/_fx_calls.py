@@ -1041,17 +1041,10 @@ def _pad(g: Graph, x: Any, pad: Sequence[int], mode: str = "constant", value: fl
             index[x.ndim - 1 - pair] = slice(max(-before, 0), length - max(-after, 0))
         x = x[tuple(index)]
         pad = [max(p, 0) for p in pad]
-    fill = np.array(0 if value is None else value, dtype=np.dtype(x.dtype))
+    widths = [(0, 0)] * x.ndim
     for pair in range(len(pad) // 2):
-        axis = x.ndim - 1 - pair
-        before, after = pad[2 * pair], pad[2 * pair + 1]
-        parts = []
-        for size in (before, after):
-            shape = (*x.shape[:axis], size, *x.shape[axis + 1 :])
-            parts.append(g.broadcast_to(g.constant(fill), shape) if size else None)
-        pieces = [part for part in (parts[0], x, parts[1]) if part is not None]
-        x = g.concat(pieces, axis=axis) if len(pieces) > 1 else x
-    return x
+        widths[x.ndim - 1 - pair] = (pad[2 * pair], pad[2 * pair + 1])
+    return g.pad(x, widths, 0 if value is None else value)
 
 
 def _addmm(g: Graph, bias: Any, a: Any, b: Any, *, beta: float = 1, alpha: float = 1) -> Any:
@@ -1318,59 +1311,30 @@ def _kl_div(
 
 
 def _logsumexp(g: Graph, x: Any, dim: Any, keepdim: bool = False) -> Any:
-    """``torch.logsumexp``: shifted by the maximum (a row of -inf gives -inf, not NaN)."""
-    x = _float(x)
-    axes = _axis_args(dim)
-    peak = g.max(x, axis=axes, keepdims=True)
-    shift = g.where(g.equal(peak, float("-inf")), 0.0, peak)
-    total = g.log(g.sum(g.exp(x - shift), axis=axes, keepdims=True)) + shift
-    return total if keepdim else g.squeeze(total, axes)
-
-
-def axis_positions(g: Graph, length: Dim) -> Value:
-    """``arange(length)`` as int64: a constant, or a range made per call for a dynamic length."""
-    if isinstance(length, int):
-        return g.constant(np.arange(length, dtype=np.int64))
-    return MAKE_RANGE.get()(0, poly(length))
+    """``torch.logsumexp``: ``g.logsumexp`` (a row of -inf gives -inf, not NaN)."""
+    return g.logsumexp(_float(x), _axis_args(dim), keepdim)
 
 
 def _triangle(lower: bool) -> Callable[..., Any]:
-    """``torch.tril`` / ``triu`` of a value: zeros above (below) the ``diagonal``-th diagonal of
-    the last two axes, by a comparison of their positions (ranges made per call where dynamic)."""
+    """``torch.tril`` / ``triu``: ``g.tril`` / ``g.triu`` (positions of per-call lengths as well)."""
 
     def handler(g: Graph, x: Any, diagonal: int = 0) -> Any:
-        x = _float(x)
-        if x.ndim < 2:
-            raise Unsupported("tril/triu of a value of rank < 2")
-        rows = g.reshape(axis_positions(g, x.shape[-2]), (x.shape[-2], 1))
-        columns = g.reshape(axis_positions(g, x.shape[-1]), (1, x.shape[-1]))
-        offset = columns - rows
-        keep = g.less_equal(offset, diagonal) if lower else g.greater_equal(offset, diagonal)
-        zero = g.constant(np.zeros((), dtype=np.dtype(x.dtype)))
-        return g.where(keep, x, zero)
+        return (g.tril if lower else g.triu)(_float(x), diagonal)
 
     return handler
 
 
 def _roll(g: Graph, x: Any, shifts: Any, dims: Any = None) -> Any:
-    """``torch.roll``: along each axis the last ``shift`` entries moved to the front (a concat of
-    two slices); without ``dims``, of the flattened value."""
-    x = _float(x)
-    if dims is None:
-        flat = g.reshape(x, (-1,))
-        return g.reshape(_roll(g, flat, shifts, 0), x.shape)
+    """``torch.roll``: ``g.roll`` (without ``dims``, of the flattened value, as NumPy's)."""
     shift_list = [shifts] if type(shifts) is int else list(shifts)
+    if dims is None:
+        if len(shift_list) != 1:
+            raise Unsupported("roll with several shifts and no dims")
+        return g.roll(_float(x), shift_list[0])
     dim_list = [dims] if type(dims) is int else list(dims)
     if len(shift_list) != len(dim_list):
         raise Unsupported("roll with as many shifts as dims")
-    for shift, dim in zip(shift_list, dim_list, strict=True):
-        length = _static_length(x, dim, "roll")
-        shift %= length
-        if shift:
-            axis = dim % x.ndim
-            before = (slice(None),) * axis
-            x = g.concat([x[(*before, slice(length - shift, None))], x[(*before, slice(None, length - shift))]], axis)
-    return x
+    return g.roll(_float(x), shift_list, dim_list)
 
 
 def _interpolate(
@@ -1607,16 +1571,9 @@ def _tensor_unfold(g: Graph, x: Any, dimension: int, size: int, step: int) -> An
 
 
 def _flip(g: Graph, x: Any, *dims: Any) -> Any:
-    """``torch.flip``: each named axis read backwards (a gather by reversed positions)."""
+    """``torch.flip``: ``g.flip`` of the named axes."""
     axes = dims[0] if len(dims) == 1 and isinstance(dims[0], (tuple, list)) else dims
-    value = _float(x)
-    for axis in {int(a) % value.ndim for a in axes}:
-        size = value.shape[axis]
-        if not isinstance(size, int):
-            raise Unsupported("flip along a dynamic axis")
-        if size > 1:
-            value = g.take(value, g.constant(np.arange(size - 1, -1, -1, dtype=np.int64)), axis=axis)
-    return value
+    return g.flip(_float(x), tuple(int(a) for a in axes))
 
 
 def _unfold(g: Graph, x: Any, kernel_size: Any, dilation: Any = 1, padding: Any = 0, stride: Any = 1) -> Any:

@@ -40,6 +40,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from rlx.errors import RlxError
 from rlx.ir.dims import Size, poly
 from rlx.ir.graph import Graph, Value
+from rlx.ops.arrays import positions
 from rlx.torch import _fx_extras, _fx_sorting
 from rlx.torch._fx_calls import (
     DTYPES,
@@ -51,7 +52,6 @@ from rlx.torch._fx_calls import (
     RANGES,
     SameSizes,
     Unsupported,
-    axis_positions,
     check_kwargs,
     constant_of,
     rlx_dim,
@@ -489,8 +489,8 @@ class _Translation:
         factor = 1.0 / math.sqrt(float(q.shape[3])) if scale is None else float(scale)
         scores = g.matmul(q, g.transpose(k, (0, 1, 3, 2))) * factor
         if is_causal:
-            rows = g.reshape(axis_positions(g, q.shape[2]), (q.shape[2], 1))
-            visible = g.less_equal(g.reshape(axis_positions(g, k.shape[2]), (1, k.shape[2])), rows)
+            rows = g.reshape(positions(g, q.shape[2]), (q.shape[2], 1))
+            visible = g.less_equal(g.reshape(positions(g, k.shape[2]), (1, k.shape[2])), rows)
             scores = g.where(visible, scores, float("-inf"))
         if attn_mask is not None:
             mask = attn_mask if isinstance(attn_mask, Value) else constant_of(g, attn_mask)

@@ -1,0 +1,186 @@
+"""NumPy's array functions that models reach for, built from the registered ops (no op of their own).
+
+``logsumexp``, ``pad``, ``flip``, ``roll``, ``tril`` and ``triu`` are what a NumPy or JAX user
+writes (``jax.nn.logsumexp``, ``jnp.pad``, ...) and what the TorchDynamo translation maps torch's
+functions of the same meaning onto: one definition each. Like :mod:`rlx.ops.composite`, each is
+a few calls of the ops, so its shape rule, reference, gradient and lowering are theirs, and they
+take symbolic lengths where the ops do: positions along an axis of a per-call length are a running
+sum of ones (:func:`positions`), not a constant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from rlx.errors import RlxTypeError, RlxValueError
+from rlx.ops._common import as_value, is_int, normalize_axes, normalize_axis
+
+if TYPE_CHECKING:
+    from rlx.ir.graph import Graph, Value
+    from rlx.ir.types import Dim
+
+
+def positions(graph: Graph, length: Dim) -> Value:
+    """``arange(length)`` as int64: a constant for a static length, else a running sum of ones
+    (its length is the call's)."""
+    if isinstance(length, int):
+        return graph.constant(np.arange(length, dtype=np.int64))
+    ones = graph.broadcast_to(graph.constant(np.ones((), np.int64)), (length,))
+    return graph.cumsum(ones) - graph.constant(np.ones((), np.int64))
+
+
+def logsumexp(graph: Graph, x: object, axis: object = None, keepdims: bool = False) -> Value:
+    """``jax.nn.logsumexp`` / ``scipy.special.logsumexp``: ``log(sum(exp(x)))`` over ``axis``,
+    shifted by the maximum (which the gradient does not see: it cancels), so that nothing
+    overflows; a slice of only ``-inf`` gives ``-inf``, not NaN, and a zero gradient. Its gradient
+    is the softmax."""
+    value = as_value(graph, x, "logsumexp: x")
+    if value.dtype != np.float32:
+        raise RlxTypeError(f"logsumexp: x must be f32, got {value.type}")
+    axes = normalize_axes("logsumexp", axis, value.ndim)
+    peak = graph.stop_gradient(graph.max(value, axis=axes, keepdims=True))
+    shift = graph.where(graph.equal(peak, float("-inf")), 0.0, peak)
+    summed = graph.sum(graph.exp(value - shift), axis=axes, keepdims=True)
+    # An all -inf slice sums to 0: its log is -inf, taken from a 1 so that no 0/0 reaches the
+    # gradient (torch's and JAX's give NaN there; this one gives 0, as attention's empty rows).
+    empty = graph.equal(summed, 0.0)
+    total = graph.where(empty, float("-inf"), graph.log(graph.where(empty, 1.0, summed)) + shift)
+    return total if keepdims else graph.reshape(total, tuple(d for a, d in enumerate(value.shape) if a not in axes))
+
+
+def pad(graph: Graph, x: object, pad_width: object, value: float | int | bool = 0) -> Value:
+    """``numpy.pad(x, pad_width, constant_values=value)``: ``pad_width`` an int (every side of
+    every axis), a ``(before, after)`` pair (every axis) or one pair per axis, non-negative;
+    blocks of ``value`` (in ``x``'s dtype) concatenated on each side."""
+    array = as_value(graph, x, "pad: x")
+    widths = _pad_widths(pad_width, array.ndim)
+    fill = graph.constant(np.array(value, dtype=array.dtype))
+    for axis, (before, after) in enumerate(widths):
+        pieces = []
+        for size, where in ((before, "before"), (after, "after")):
+            if size:
+                block = graph.broadcast_to(fill, (*array.shape[:axis], size, *array.shape[axis + 1 :]))
+                pieces.append((where, block))
+        if pieces:
+            parts = [b for w, b in pieces if w == "before"] + [array] + [b for w, b in pieces if w == "after"]
+            array = graph.concat(parts, axis=axis)
+    return array
+
+
+def _pad_widths(pad_width: object, rank: int) -> list[tuple[int, int]]:
+    def bad() -> RlxValueError:
+        return RlxValueError(
+            f"pad: pad_width must be an int, a (before, after) pair or {rank} such pairs of non-negative "
+            f"ints, got {pad_width!r}"
+        )
+
+    if is_int(pad_width):
+        widths = [(int(pad_width), int(pad_width))] * rank
+    elif isinstance(pad_width, Sequence) and not isinstance(pad_width, (str, bytes)):
+        entries = list(pad_width)
+        if len(entries) == 2 and all(is_int(e) for e in entries):
+            widths = [(int(entries[0]), int(entries[1]))] * rank  # type: ignore[arg-type]
+        elif len(entries) == 1 and isinstance(entries[0], Sequence) and len(entries[0]) == 2:
+            widths = [(int(entries[0][0]), int(entries[0][1]))] * rank
+        elif len(entries) == rank and all(
+            isinstance(e, Sequence) and len(e) == 2 and all(is_int(i) for i in e) for e in entries
+        ):
+            widths = [(int(e[0]), int(e[1])) for e in entries]  # type: ignore[index]
+        else:
+            raise bad()
+    else:
+        raise bad()
+    if any(w < 0 for pair in widths for w in pair):
+        raise bad()
+    return widths
+
+
+def flip(graph: Graph, x: object, axis: object = None) -> Value:
+    """``numpy.flip``: the entries along each named axis (every axis for None) in reverse order,
+    gathered by reversed positions."""
+    value = as_value(graph, x, "flip: x")
+    for position in normalize_axes("flip", axis, value.ndim):
+        length = value.shape[position]
+        if length == 1:
+            continue
+        if isinstance(length, int):
+            reversed_ids = graph.constant(np.arange(length - 1, -1, -1, dtype=np.int64))
+        else:
+            reversed_ids = _count_down(graph, length)
+        value = graph.take(value, reversed_ids, axis=position)
+    return value
+
+
+def _count_down(graph: Graph, length: Dim) -> Value:
+    """``arange(length)[::-1]`` for a per-call length: the running sum of ones, from the end."""
+    ones = graph.broadcast_to(graph.constant(np.ones((), np.int64)), (length,))
+    return graph.cumsum(ones, reverse=True) - graph.constant(np.ones((), np.int64))
+
+
+def roll(graph: Graph, x: object, shift: object, axis: object = None) -> Value:
+    """``numpy.roll``: along each axis the entries moved ``shift`` places on, those that pass the
+    end coming back at the start; without ``axis``, of the flattened value, reshaped back. A
+    static length is two slices concatenated; a per-call one gathers at ``(i - shift) mod n``."""
+    value = as_value(graph, x, "roll: x")
+    shifts = [shift] if is_int(shift) else list(shift) if isinstance(shift, Sequence) else None
+    if shifts is None or not all(is_int(s) for s in shifts):
+        raise RlxTypeError(f"roll: shift must be an int or a tuple of ints, got {shift!r}")
+    if axis is None:
+        if len(shifts) != 1:
+            raise RlxValueError(f"roll: without an axis, shift must be one int, got {shift!r}")
+        flat = graph.reshape(value, (-1,))
+        return graph.reshape(roll(graph, flat, shifts[0], 0), value.shape)
+    axes = [axis] if is_int(axis) else list(axis) if isinstance(axis, Sequence) else None
+    if axes is None:
+        raise RlxTypeError(f"roll: axis must be an int, a tuple of ints or None, got {axis!r}")
+    if len(shifts) == 1 and len(axes) > 1:
+        shifts = shifts * len(axes)
+    if len(shifts) != len(axes):
+        raise RlxValueError(f"roll: {len(shifts)} shifts for {len(axes)} axes")
+    for amount, named in zip(shifts, axes, strict=True):
+        position = normalize_axis("roll", named, value.ndim)
+        length = value.shape[position]
+        before = (slice(None),) * position
+        if isinstance(length, int):
+            amount = int(amount) % length if length else 0
+            if amount:
+                tail, head = (
+                    value[(*before, slice(length - amount, None))],
+                    value[(*before, slice(None, length - amount))],
+                )
+                value = graph.concat([tail, head], axis=position)
+            continue
+        places = positions(graph, length)
+        count = places[-1:] + graph.constant(np.ones((), np.int64))  # [n], the call's length
+        sources = graph.remainder(places - graph.constant(np.array(int(amount), np.int64)), count)
+        value = graph.take(value, sources, axis=position)
+    return value
+
+
+def tril(graph: Graph, x: object, k: int = 0) -> Value:
+    """``numpy.tril``: ``x`` with the entries above its ``k``-th diagonal (of the last two axes)
+    set to zero."""
+    return _triangle(graph, x, k, lower=True)
+
+
+def triu(graph: Graph, x: object, k: int = 0) -> Value:
+    """``numpy.triu``: ``x`` with the entries below its ``k``-th diagonal set to zero."""
+    return _triangle(graph, x, k, lower=False)
+
+
+def _triangle(graph: Graph, x: object, k: int, lower: bool) -> Value:
+    what = "tril" if lower else "triu"
+    value = as_value(graph, x, f"{what}: x")
+    if value.ndim < 2:
+        raise RlxValueError(f"{what}: x must have rank >= 2 (its last two axes are the matrix), got {value.type}")
+    if not is_int(k):
+        raise RlxTypeError(f"{what}: k must be an int, got {type(k).__name__}")
+    rows = graph.reshape(positions(graph, value.shape[-2]), (value.shape[-2], 1))
+    columns = graph.reshape(positions(graph, value.shape[-1]), (1, value.shape[-1]))
+    offset = columns - rows
+    bound = graph.constant(np.array(int(k), np.int64))
+    keep = graph.less_equal(offset, bound) if lower else graph.greater_equal(offset, bound)
+    return graph.where(keep, value, graph.constant(np.zeros((), dtype=value.dtype)))
