@@ -879,4 +879,35 @@ def _all_or_nothing(builder: Any) -> Any:
     return build
 
 
+COMPOSITE_METHODS = (
+    "stack",
+    "expand_dims",
+    "squeeze",
+    "take",
+    "clip",
+    "var",
+    "std",
+    "einsum",
+    "logsumexp",
+    "pad",
+    "flip",
+    "roll",
+    "tril",
+    "triu",
+)
+"""The NumPy conveniences defined as methods above (built from ops, no op of their own)."""
+
+
+def _install_composites() -> None:
+    """The activations of :mod:`rlx.ops.activations` as methods of their names, and they and the
+    conveniences above made all-or-nothing, as op builders are: an error leaves no stray nodes."""
+    from rlx.ops.activations import ACTIVATIONS
+
+    for function in ACTIVATIONS:
+        setattr(Graph, function.__name__, _all_or_nothing(function))
+    for name in COMPOSITE_METHODS:
+        setattr(Graph, name, _all_or_nothing(getattr(Graph, name)))
+
+
 _install_builders()
+_install_composites()

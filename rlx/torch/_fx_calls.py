@@ -1688,8 +1688,7 @@ def _cosine_similarity(g: Graph, a: Any, b: Any, dim: int = 1, eps: float = 1e-8
 
 
 def _glu(g: Graph, x: Any, dim: int = -1) -> Any:
-    first, second = g.split(_float(x), 2, axis=dim)
-    return first * g.sigmoid(second)
+    return g.glu(_float(x), dim)
 
 
 def _one_hot(g: Graph, ids: Any, num_classes: int = -1) -> Any:
@@ -1705,17 +1704,15 @@ def _class_matches(g: Graph, ids: Value, classes: int) -> Value:
     return g.equal(g.expand_dims(ids, -1), g.constant(np.arange(classes, dtype=np.dtype(ids.dtype))))
 
 
-_ACTIVATIONS: dict[Any, Callable[..., Any]] = {
-    F.logsigmoid: lambda g, x: -g.softplus(-_float(x)),
-    F.leaky_relu: lambda g, x, negative_slope=0.01, inplace=False: g.where(
-        g.greater(_float(x), 0.0), x, x * float(negative_slope)
-    ),
-    F.elu: lambda g, x, alpha=1.0, inplace=False: g.where(g.greater(_float(x), 0.0), x, g.expm1(x) * float(alpha)),
-    F.relu6: lambda g, x, inplace=False: g.clip(_float(x), 0.0, 6.0),
-    F.hardtanh: lambda g, x, min_val=-1.0, max_val=1.0, inplace=False: g.clip(_float(x), min_val, max_val),
-    F.mish: lambda g, x, inplace=False: _float(x) * g.tanh(g.softplus(x)),
-    F.hardswish: lambda g, x, inplace=False: _float(x) * g.clip(x + 3.0, 0.0, 6.0) * (1.0 / 6.0),
-    F.hardsigmoid: lambda g, x, inplace=False: g.clip(_float(x) * (1.0 / 6.0) + 0.5, 0.0, 1.0),
+_ACTIVATIONS: dict[Any, Callable[..., Any]] = {  # rlx.ops.activations, torch's names and arguments
+    F.logsigmoid: lambda g, x: g.log_sigmoid(_float(x)),
+    F.leaky_relu: lambda g, x, negative_slope=0.01, inplace=False: g.leaky_relu(_float(x), negative_slope),
+    F.elu: lambda g, x, alpha=1.0, inplace=False: g.elu(_float(x), alpha),
+    F.relu6: lambda g, x, inplace=False: g.relu6(_float(x)),
+    F.hardtanh: lambda g, x, min_val=-1.0, max_val=1.0, inplace=False: g.hard_tanh(_float(x), min_val, max_val),
+    F.mish: lambda g, x, inplace=False: g.mish(_float(x)),
+    F.hardswish: lambda g, x, inplace=False: g.hard_swish(_float(x)),
+    F.hardsigmoid: lambda g, x, inplace=False: g.hard_sigmoid(_float(x)),
 }
 
 

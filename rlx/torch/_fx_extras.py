@@ -31,10 +31,6 @@ from rlx.torch._fx_calls import (
     variance_arguments,
 )
 
-SELU_ALPHA = 1.6732632423543772848170429916717
-SELU_SCALE = 1.0507009873554804934193349852946
-
-
 # ----------------------------------------------------------------------------- padding
 
 
@@ -145,13 +141,9 @@ def frac(g: Graph, x: Any) -> Value:
 
 
 ACTIVATIONS: dict[Any, Callable[..., Any]] = {
-    F.selu: lambda g, x, inplace=False: g.where(
-        g.greater(_float(x), 0.0), x * SELU_SCALE, g.expm1(x) * (SELU_ALPHA * SELU_SCALE)
-    ),
-    F.celu: lambda g, x, alpha=1.0, inplace=False: g.where(
-        g.greater(_float(x), 0.0), x, g.expm1(x * (1.0 / alpha)) * float(alpha)
-    ),
-    F.softsign: lambda g, x: _float(x) / (g.abs(x) + 1.0),
+    F.selu: lambda g, x, inplace=False: g.selu(_float(x)),
+    F.celu: lambda g, x, alpha=1.0, inplace=False: g.celu(_float(x), alpha),
+    F.softsign: lambda g, x: g.softsign(_float(x)),
     F.tanhshrink: lambda g, x: _float(x) - g.tanh(x),
     F.hardshrink: _shrink(hard=True),
     F.softshrink: _shrink(hard=False),
