@@ -28,8 +28,13 @@ def positions(graph: Graph, length: Dim) -> Value:
     (its length is the call's)."""
     if isinstance(length, int):
         return graph.constant(np.arange(length, dtype=np.int64))
-    ones = graph.broadcast_to(graph.constant(np.ones((), np.int64)), (length,))
-    return graph.cumsum(ones) - graph.constant(np.ones((), np.int64))
+    return _ones_before(graph, length, reverse=False)
+
+
+def _ones_before(graph: Graph, length: Dim, reverse: bool) -> Value:
+    """For each of ``length`` places, how many come before it (after it, ``reverse``): int64."""
+    one = graph.constant(np.ones((), np.int64))
+    return graph.cumsum(graph.broadcast_to(one, (length,)), reverse=reverse) - one
 
 
 def logsumexp(graph: Graph, x: object, axis: object = None, keepdims: bool = False) -> Value:
@@ -109,15 +114,9 @@ def flip(graph: Graph, x: object, axis: object = None) -> Value:
         if isinstance(length, int):
             reversed_ids = graph.constant(np.arange(length - 1, -1, -1, dtype=np.int64))
         else:
-            reversed_ids = _count_down(graph, length)
+            reversed_ids = _ones_before(graph, length, reverse=True)  # arange(length)[::-1]
         value = graph.take(value, reversed_ids, axis=position)
     return value
-
-
-def _count_down(graph: Graph, length: Dim) -> Value:
-    """``arange(length)[::-1]`` for a per-call length: the running sum of ones, from the end."""
-    ones = graph.broadcast_to(graph.constant(np.ones((), np.int64)), (length,))
-    return graph.cumsum(ones, reverse=True) - graph.constant(np.ones((), np.int64))
 
 
 def roll(graph: Graph, x: object, shift: object, axis: object = None) -> Value:
