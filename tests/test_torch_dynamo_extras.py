@@ -129,6 +129,11 @@ CASES: list[tuple[str, str, Callable[..., Any]]] = [
            a if by == "image" else SAMPLED, GRID if by == "image" else a, mode=m, padding_mode=p, align_corners=c))
       for mode in ("bilinear", "nearest") for padding in ("zeros", "border") for corners in (False, True)
       for by in ("image", "grid")],
+    ("prod", "matrix", lambda a: torch.prod(a, 1) + a.prod(0, keepdim=True).sum() + torch.prod(a[:2, :3])),
+    ("prod through a zero", "matrix", lambda a: torch.prod(torch.relu(a), 1)),
+    ("any all isnan isinf isfinite as masks", "matrix", lambda a: torch.where(torch.isnan(torch.log(a)) | torch.isinf(1 / a.round()), 0.0, a) * torch.isfinite(a) + torch.any(a > 1, 1, keepdim=True) * a + a.all(0) * a),  # noqa: E501
+    ("tensordot", "matrix", lambda a: torch.tensordot(a, a.flip(0), dims=([0], [0])) + torch.tensordot(a[:2], a[:2].T, dims=1).sum()),  # noqa: E501
+    ("vector_norm of a row of zeros", "matrix", lambda a: torch.linalg.vector_norm(a * (a.sum(1, keepdim=True) > 0), dim=1)),  # noqa: E501
     ("spatial transformer", "theta", lambda t: F.grid_sample(SAMPLED, F.affine_grid(t, (2, 3, 7, 9), False), align_corners=False)),  # noqa: E501
 ]  # fmt: skip
 

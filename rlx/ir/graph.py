@@ -642,6 +642,54 @@ class Graph:
 
         return triu(self, x, k)
 
+    def isnan(self, x: object) -> Value:
+        """``numpy.isnan`` (bool)."""
+        from rlx.ops.arrays import isnan
+
+        return isnan(self, x)
+
+    def isinf(self, x: object) -> Value:
+        """``numpy.isinf`` (bool)."""
+        from rlx.ops.arrays import isinf
+
+        return isinf(self, x)
+
+    def isfinite(self, x: object) -> Value:
+        """``numpy.isfinite`` (bool)."""
+        from rlx.ops.arrays import isfinite
+
+        return isfinite(self, x)
+
+    def any(self, x: object, axis: object = None, keepdims: bool = False) -> Value:
+        """``numpy.any``: whether some entry over ``axis`` is nonzero (bool)."""
+        from rlx.ops.arrays import any_of
+
+        return any_of(self, x, axis, keepdims)
+
+    def all(self, x: object, axis: object = None, keepdims: bool = False) -> Value:
+        """``numpy.all``: whether every entry over ``axis`` is nonzero (bool)."""
+        from rlx.ops.arrays import all_of
+
+        return all_of(self, x, axis, keepdims)
+
+    def prod(self, x: object, axis: object = None, keepdims: bool = False) -> Value:
+        """``numpy.prod`` over ``axis``, with torch's gradient through zeros."""
+        from rlx.ops.arrays import prod
+
+        return prod(self, x, axis, keepdims)
+
+    def vector_norm(self, x: object, ord: object = 2, axis: object = None, keepdims: bool = False) -> Value:
+        """``torch.linalg.vector_norm``: the ``ord``-norm over ``axis`` (all axes for None)."""
+        from rlx.ops.arrays import vector_norm
+
+        return vector_norm(self, x, ord, axis, keepdims)
+
+    def tensordot(self, a: object, b: object, axes: object = 2) -> Value:
+        """``numpy.tensordot``: an einsum over the paired axes."""
+        from rlx.ops.arrays import tensordot
+
+        return tensordot(self, a, b, axes)
+
     def take(self, x: object, ids: object, axis: int = 0) -> Value:
         """``numpy.take``: entries at integer ``ids`` along ``axis`` (ids computed by the graph too)."""
         from rlx.ops.composite import take
@@ -894,6 +942,14 @@ COMPOSITE_METHODS = (
     "roll",
     "tril",
     "triu",
+    "isnan",
+    "isinf",
+    "isfinite",
+    "any",
+    "all",
+    "prod",
+    "vector_norm",
+    "tensordot",
 )
 """The NumPy conveniences defined as methods above (built from ops, no op of their own)."""
 

@@ -183,3 +183,147 @@ def _triangle(graph: Graph, x: object, k: int, lower: bool) -> Value:
     bound = graph.constant(np.array(int(k), np.int64))
     keep = graph.less_equal(offset, bound) if lower else graph.greater_equal(offset, bound)
     return graph.where(keep, value, graph.constant(np.zeros((), dtype=value.dtype)))
+
+
+def isnan(graph: Graph, x: object) -> Value:
+    """``numpy.isnan``: bool, True where ``x`` is NaN (never for int or bool values)."""
+    value = as_value(graph, x, "isnan: x")
+    if value.dtype != np.float32:
+        return _filled(graph, value, False)
+    return graph.not_equal(value, value)
+
+
+def isinf(graph: Graph, x: object) -> Value:
+    """``numpy.isinf``: bool, True where ``x`` is +inf or -inf."""
+    value = as_value(graph, x, "isinf: x")
+    if value.dtype != np.float32:
+        return _filled(graph, value, False)
+    return graph.equal(graph.abs(value), float("inf"))
+
+
+def isfinite(graph: Graph, x: object) -> Value:
+    """``numpy.isfinite``: bool, True where ``x`` is neither NaN nor infinite."""
+    value = as_value(graph, x, "isfinite: x")
+    if value.dtype != np.float32:
+        return _filled(graph, value, True)
+    return graph.logical_not(graph.logical_or(isnan(graph, value), isinf(graph, value)))
+
+
+def _filled(graph: Graph, like: Value, flag: bool) -> Value:
+    return graph.broadcast_to(graph.constant(np.array(flag)), like.shape)
+
+
+def any_of(graph: Graph, x: object, axis: object = None, keepdims: bool = False) -> Value:
+    """``numpy.any``: bool, whether some entry over ``axis`` is nonzero (True, or NaN); False
+    over no entries."""
+    return _truth(graph, x, axis, keepdims, "any")
+
+
+def all_of(graph: Graph, x: object, axis: object = None, keepdims: bool = False) -> Value:
+    """``numpy.all``: bool, whether every entry over ``axis`` is nonzero; True over no entries."""
+    return _truth(graph, x, axis, keepdims, "all")
+
+
+def _truth(graph: Graph, x: object, axis: object, keepdims: bool, what: str) -> Value:
+    value = as_value(graph, x, f"{what}: x")
+    axes = normalize_axes(what, axis, value.ndim)
+    zero = graph.constant(np.zeros((), dtype=value.dtype))
+    nonzero = value if value.dtype == np.bool_ else graph.not_equal(value, zero)
+    flags = nonzero.astype("float32")
+    if what == "any":  # the largest flag is 1 where one is; -inf over no entries
+        return graph.greater(graph.max(flags, axis=axes, keepdims=keepdims), 0.0)
+    return graph.greater(graph.min(flags, axis=axes, keepdims=keepdims), 0.0)  # +inf over no entries
+
+
+def prod(graph: Graph, x: object, axis: object = None, keepdims: bool = False) -> Value:
+    """``numpy.prod`` of float32 values over ``axis``: the last entry of a running product
+    (``cumprod``, whose gradient is exact through zeros, as torch's ``prod``'s); 1 over no entries."""
+    value = as_value(graph, x, "prod: x")
+    if value.dtype != np.float32:
+        raise RlxTypeError(f"prod: x must be f32, got {value.type} (convert it with .astype('float32'))")
+    axes = normalize_axes("prod", axis, value.ndim)
+    kept = [a for a in range(value.ndim) if a not in axes]
+    order = (*kept, *axes)
+    front = graph.transpose(value, order) if order != tuple(range(value.ndim)) else value
+    rows = graph.reshape(front, (*(value.shape[a] for a in kept), -1)) if len(axes) != 1 else front
+    length = rows.shape[-1]
+    if not isinstance(length, int) or length == 0:  # a leading 1: the product of no entries
+        one = graph.broadcast_to(graph.constant(np.ones((), np.float32)), (*rows.shape[:-1], 1))
+        rows = graph.concat([one, rows], axis=-1)
+    last = graph.cumprod(rows, axis=-1)[..., -1]
+    if not keepdims:
+        return last
+    return graph.reshape(last, tuple(1 if a in axes else value.shape[a] for a in range(value.ndim)))
+
+
+def vector_norm(graph: Graph, x: object, ord: object = 2, axis: object = None, keepdims: bool = False) -> Value:
+    """``torch.linalg.vector_norm`` (``numpy.linalg.norm`` of a vector): ``(sum |x|^p)^(1/p)``
+    over ``axis`` (every axis for None), the largest or least ``|x|`` for ``inf``/``-inf``, the
+    count of nonzeros for 0. At the origin the gradient is 0, as torch's, not 0/0."""
+    value = as_value(graph, x, "vector_norm: x")
+    if value.dtype != np.float32:
+        raise RlxTypeError(f"vector_norm: x must be f32, got {value.type}")
+    axes = normalize_axes("vector_norm", axis, value.ndim)
+    if isinstance(ord, str) and ord in ("inf", "-inf"):
+        ord = float(ord)
+    if isinstance(ord, bool) or not isinstance(ord, (int, float, np.integer, np.floating)) or np.isnan(ord):
+        raise RlxValueError(f"vector_norm: ord must be a number, inf or -inf, got {ord!r}")
+    p = float(ord)
+    size = graph.abs(value)
+    if p == float("inf"):
+        return graph.max(size, axis=axes, keepdims=keepdims)
+    if p == float("-inf"):
+        return graph.min(size, axis=axes, keepdims=keepdims)
+    if p == 0:
+        return graph.sum(graph.not_equal(value, 0.0).astype("float32"), axis=axes, keepdims=keepdims)
+    if p == 1:
+        return graph.sum(size, axis=axes, keepdims=keepdims)
+    powered = graph.sum(value * value if p == 2 else graph.pow(size, p), axis=axes, keepdims=keepdims)
+    return _root_at_origin(graph, powered, p)
+
+
+def safe_sqrt(graph: Graph, squares: Value) -> Value:
+    """``sqrt`` of a sum of squares whose gradient is 0 where the sum is (not ``inf * 0``), as
+    torch's norms and distances have it at the origin; NaN stays NaN."""
+    return _root_at_origin(graph, squares, 2.0)
+
+
+def _root_at_origin(graph: Graph, powered: Value, p: float) -> Value:
+    """``powered ** (1 / p)``, 0 with a 0 gradient where ``powered`` is 0."""
+    zero = graph.equal(powered, 0.0)
+    safe = graph.where(zero, 1.0, powered)
+    return graph.where(zero, 0.0, graph.sqrt(safe) if p == 2 else graph.pow(safe, 1.0 / p))
+
+
+def tensordot(graph: Graph, a: object, b: object, axes: object = 2) -> Value:
+    """``numpy.tensordot``: ``axes`` an int ``N`` (the last ``N`` axes of ``a`` with the first
+    ``N`` of ``b``) or a pair of axis sequences; an :func:`rlx.ops.einsum.einsum`."""
+    from rlx.ops.einsum import einsum
+
+    left, right = as_value(graph, a, "tensordot: a"), as_value(graph, b, "tensordot: b")
+    if is_int(axes):
+        count = int(axes)
+        if not 0 <= count <= min(left.ndim, right.ndim):
+            raise RlxValueError(f"tensordot: axes={count} for operands of rank {left.ndim} and {right.ndim}")
+        pairs = (list(range(left.ndim - count, left.ndim)), list(range(count)))
+    elif isinstance(axes, Sequence) and len(axes) == 2:
+        pairs = tuple([x] if is_int(x) else list(x) for x in axes)  # type: ignore[assignment]
+        if len(pairs[0]) != len(pairs[1]):
+            raise RlxValueError(f"tensordot: {len(pairs[0])} axes of a against {len(pairs[1])} of b")
+        pairs = (
+            [normalize_axis("tensordot", i, left.ndim) for i in pairs[0]],
+            [normalize_axis("tensordot", i, right.ndim) for i in pairs[1]],
+        )
+    else:
+        raise RlxTypeError(f"tensordot: axes must be an int or a pair of axis sequences, got {axes!r}")
+    if left.ndim + right.ndim > 52:
+        raise RlxValueError("tensordot: more than 52 axes in all")
+    letters = iter("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    a_labels = [next(letters) for _ in range(left.ndim)]
+    b_labels = [next(letters) for _ in range(right.ndim)]
+    for i, j in zip(pairs[0], pairs[1], strict=True):
+        b_labels[j] = a_labels[i]
+    out = [c for i, c in enumerate(a_labels) if i not in pairs[0]] + [
+        c for j, c in enumerate(b_labels) if j not in pairs[1]
+    ]
+    return einsum(graph, f"{''.join(a_labels)},{''.join(b_labels)}->{''.join(out)}", left, right)

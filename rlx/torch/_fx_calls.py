@@ -1773,6 +1773,32 @@ _ELEMENTWISE = [
 # torch's NumPy-style names of the same functions (``torch.arcsin``, ``x.arctan2(y)``)
 _ARC_ALIASES = {f"arc{name[1:]}": name for name in ("asin", "acos", "atan", "asinh", "acosh", "atanh")}
 
+
+def _truth(kind: str) -> Callable[..., Any]:
+    """``torch.any`` / ``torch.all`` (and the methods): ``g.any`` / ``g.all`` over ``dim``."""
+
+    def handler(g: Graph, x: Any, dim: Any = None, keepdim: bool = False, **kwargs: Any) -> Any:
+        check_kwargs(kwargs, out=None)
+        return getattr(g, kind)(_float(x), _axis_args(dim), keepdim)
+
+    return handler
+
+
+def _prod(g: Graph, x: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Any:
+    """``torch.prod`` of float values: ``g.prod`` (an int product stays in eager torch)."""
+    if dtype not in (None, torch.float32):
+        raise Unsupported(f"prod with dtype {dtype}")
+    return g.prod(_float(x), _axis_args(dim), keepdim)
+
+
+def _tensordot(g: Graph, a: Any, b: Any, dims: Any = 2, **kwargs: Any) -> Any:
+    """``torch.tensordot``: ``g.tensordot`` (dims an int or two lists of axes)."""
+    check_kwargs(kwargs, out=None)
+    if isinstance(dims, torch.Tensor):
+        raise Unsupported("tensordot with dims given as a tensor")
+    return g.tensordot(_float(a), _float(b), dims)
+
+
 FUNCTIONS: dict[Any, Callable[..., Any]] = {
     operator.add: _binary("add"),
     operator.sub: _binary("sub"),
@@ -1897,6 +1923,13 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     torch.detach: lambda g, x: g.stop_gradient(_float(x)),
     torch.baddbmm: _baddbmm,
     torch.cumsum: _running("cumsum"),
+    torch.isnan: lambda g, x: g.isnan(_float(x)),
+    torch.isinf: lambda g, x: g.isinf(_float(x)),
+    torch.isfinite: lambda g, x: g.isfinite(_float(x)),
+    torch.any: _truth("any"),
+    torch.all: _truth("all"),
+    torch.prod: _prod,
+    torch.tensordot: _tensordot,
     torch.cumprod: _running("cumprod"),
     **{getattr(F, f"max_pool{n}d"): _max_pool for n in (1, 2, 3)},
     **{getattr(F, f"avg_pool{n}d"): _avg_pool for n in (1, 2, 3)},
@@ -1976,6 +2009,12 @@ METHODS: dict[str, Callable[..., Any]] = {
     "unbind": _unbind,
     "gather": _gather,
     "cumsum": _running("cumsum"),
+    "isnan": lambda g, x: g.isnan(_float(x)),
+    "isinf": lambda g, x: g.isinf(_float(x)),
+    "isfinite": lambda g, x: g.isfinite(_float(x)),
+    "any": _truth("any"),
+    "all": _truth("all"),
+    "prod": _prod,
     "cumprod": _running("cumprod"),
     "logsumexp": _logsumexp,
     "tril": _triangle(lower=True),

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from rlx.ir.graph import Graph, Value
+from rlx.ops.arrays import safe_sqrt
 from rlx.torch._fx_calls import (
     Unsupported,
     _axis_args,
@@ -169,31 +170,11 @@ def _rrelu(g: Graph, x: Any, lower: float, upper: float, training: bool) -> Valu
 
 
 def vector_norm(g: Graph, x: Any, ord: Any = 2, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Value:
-    """``torch.linalg.vector_norm``: ``(sum |x|^p)^(1/p)`` over ``dim`` (all by default), the
-    largest or least ``|x|`` for ``inf``/``-inf``, the count of nonzeros for 0."""
+    """``torch.linalg.vector_norm``: ``g.vector_norm`` (a NaN entry gives NaN; the origin a 0
+    gradient, as torch's)."""
     if dtype is not None:
         raise Unsupported("vector_norm with a dtype")
-    value = _float(x)
-    axes = _axis_args(dim)
-    if ord in (float("inf"), "inf"):
-        return g.max(g.abs(value), axis=axes, keepdims=keepdim)
-    if ord in (float("-inf"), "-inf"):
-        return -g.max(-g.abs(value), axis=axes, keepdims=keepdim)
-    p = float(ord)
-    if p == 0:
-        return g.sum(g.where(g.not_equal(value, 0.0), 1.0, 0.0), axis=axes, keepdims=keepdim)
-    if p == 2:
-        return _safe_sqrt(g, g.sum(value * value, axis=axes, keepdims=keepdim))
-    if p == 1:
-        return g.sum(g.abs(value), axis=axes, keepdims=keepdim)
-    return g.pow(g.sum(g.pow(g.abs(value), p), axis=axes, keepdims=keepdim), 1.0 / p)
-
-
-def _safe_sqrt(g: Graph, squares: Value) -> Value:
-    """``sqrt`` whose gradient is 0 (not inf times 0) where the sum of squares is 0: torch's norm
-    gradient at the origin."""
-    positive = g.greater(squares, 0.0)
-    return g.where(positive, g.sqrt(g.where(positive, squares, 1.0)), 0.0)
+    return g.vector_norm(_float(x), ord, _axis_args(dim), keepdim)
 
 
 def norm(g: Graph, x: Any, ord: Any = None, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Value:
@@ -230,7 +211,7 @@ def cdist(g: Graph, x1: Any, x2: Any, p: float = 2.0, compute_mode: Any = None) 
         raise Unsupported("cdist of tensors of fewer than 2 axes")
     if p == 2:
         squares = g.sum(a * a, axis=-1, keepdims=True) + _transpose(g, g.sum(b * b, axis=-1, keepdims=True), -1, -2)
-        return _safe_sqrt(g, g.maximum(squares - 2.0 * g.matmul(a, _transpose(g, b, -1, -2)), 0.0))
+        return safe_sqrt(g, g.maximum(squares - 2.0 * g.matmul(a, _transpose(g, b, -1, -2)), 0.0))
     difference = g.abs(g.expand_dims(a, -2) - g.expand_dims(b, -3))  # [..., P, R, M]
     return vector_norm(g, difference, p, -1)
 
@@ -242,7 +223,7 @@ def pdist(g: Graph, x: Any, p: float = 2.0) -> Value:
     pairs = np.array([i * rows + j for i in range(rows) for j in range(i + 1, rows)], np.int64)
     if p == 2:  # directly: the product form loses the small distances to rounding
         difference = g.expand_dims(value, 1) - g.expand_dims(value, 0)
-        distances = _safe_sqrt(g, g.sum(difference * difference, axis=-1))
+        distances = safe_sqrt(g, g.sum(difference * difference, axis=-1))
     else:
         distances = cdist(g, value, value, p)
     return g.take(g.reshape(distances, (rows * rows,)), g.constant(pairs), axis=0)

@@ -157,3 +157,126 @@ def test_errors_name_the_function(build: Callable[..., object], error: type, mat
     x = g.input("x", (3, 4))
     with pytest.raises(error, match=match):
         build(g, x)
+
+
+def test_predicates_and_truth_reductions_match_numpy() -> None:
+    g = Graph("predicates")
+    x = g.input("x", (3, 4, 5))
+    flags = g.input("flags", (3, 4), dtype="bool")
+    ids = g.input("ids", (3, 4), dtype="int64")
+    g.output(
+        nan=g.isnan(x),
+        inf=g.isinf(x),
+        finite=g.isfinite(x),
+        ids_nan=g.isnan(ids),
+        ids_finite=g.isfinite(ids),
+        any_axis=g.any(x, 1),
+        all_axes=g.all(x, (0, 2), True),
+        any_flags=g.any(flags),
+        all_flags=g.all(flags, 1),
+        all_ids=g.all(ids, 0),
+    )
+    rng = np.random.default_rng(5)
+    array = rng.standard_normal((3, 4, 5)).astype(np.float32)
+    array[0, 0, 0], array[1, 1, 1], array[1, 2, 3], array[2, 2, :] = np.nan, np.inf, -np.inf, 0.0
+    flag_array, id_array = rng.random((3, 4)) > 0.3, rng.integers(0, 2, (3, 4))
+    got = rlx.compile(g)(x=array, flags=flag_array, ids=id_array)
+    want = {
+        "nan": np.isnan(array),
+        "inf": np.isinf(array),
+        "finite": np.isfinite(array),
+        "ids_nan": np.isnan(id_array),
+        "ids_finite": np.isfinite(id_array),
+        "any_axis": np.any(array, 1),
+        "all_axes": np.all(array, (0, 2), keepdims=True),
+        "any_flags": np.any(flag_array),
+        "all_flags": np.all(flag_array, 1),
+        "all_ids": np.all(id_array, 0),
+    }
+    for name, expected in want.items():
+        assert got[name].dtype == np.bool_, name
+        np.testing.assert_array_equal(got[name], expected, err_msg=name)
+
+
+NORMS: list[tuple[str, Callable[[Graph, rlx.Value], rlx.Value], Callable[[np.ndarray], Any]]] = [
+    ("prod-axis", lambda g, x: g.prod(x, 1), lambda a: np.prod(a, 1)),
+    ("prod-all", lambda g, x: g.prod(x), lambda a: np.prod(a)),
+    ("prod-axes-keep", lambda g, x: g.prod(x, (0, 2), True), lambda a: np.prod(a, (0, 2), keepdims=True)),
+    ("norm-2", lambda g, x: g.vector_norm(x, 2, -1), lambda a: np.linalg.norm(a, 2, -1)),
+    ("norm-1-all", lambda g, x: g.vector_norm(x, 1), lambda a: np.abs(a).sum()),
+    ("norm-inf", lambda g, x: g.vector_norm(x, float("inf"), 1), lambda a: np.abs(a).max(1)),
+    (
+        "norm-3",
+        lambda g, x: g.vector_norm(x, 3, (0, 1), True),
+        lambda a: (np.abs(a) ** 3).sum((0, 1), keepdims=True) ** (1 / 3),
+    ),
+    (
+        "tensordot-2",
+        lambda g, x: g.tensordot(x, np.ones((4, 5, 2), np.float32)),
+        lambda a: np.tensordot(a, np.ones((4, 5, 2))),
+    ),
+    (
+        "tensordot-pairs",
+        lambda g, x: g.tensordot(x, np.arange(18, dtype=np.float32).reshape(3, 6), ([0], [0])),
+        lambda a: np.tensordot(a, np.arange(18.0).reshape(3, 6), ([0], [0])),
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "build", "numpy_fn"), NORMS, ids=[n[0] for n in NORMS])
+def test_products_norms_and_tensordot_with_gradients(
+    name: str, build: Callable[..., rlx.Value], numpy_fn: Callable[[np.ndarray], Any]
+) -> None:
+    """Against NumPy in float64; the products' inputs hold a zero (torch's exact gradient there)."""
+    shape = (3, 4, 5)
+    rng = np.random.default_rng(len(name))
+    g = Graph(name.replace("-", "_"))
+    x = g.input("x", shape)
+    y = build(g, x)
+    weights = g.input("w", y.shape)
+    (grad,) = rlx.grad(g, g.sum(y * weights), [x])
+    g.output(y=y, grad=grad)
+    array = rng.uniform(0.5, 1.5, shape).astype(np.float32) * rng.choice([-1, 1], shape).astype(np.float32)
+    array[1, 2, 3] = 0.0
+    w = rng.standard_normal(y.shape).astype(np.float32)
+    got = rlx.compile(g)(x=array, w=w)
+    np.testing.assert_allclose(got["y"], numpy_fn(array.astype(np.float64)), rtol=1e-5, atol=1e-6)
+    want = np.zeros(shape)
+    for index in np.ndindex(shape):
+        up, down = array.astype(np.float64), array.astype(np.float64)
+        up[index] += 1e-6
+        down[index] -= 1e-6
+        want[index] = ((numpy_fn(up) - numpy_fn(down)) * w).sum() / 2e-6
+    if name.startswith("norm-1") or name.startswith("norm-inf"):  # |x| has a kink at the zero entry
+        want[1, 2, 3] = got["grad"][1, 2, 3]
+    np.testing.assert_allclose(got["grad"], want, rtol=1e-4, atol=1e-4)
+
+
+def test_norms_at_the_origin_have_zero_gradients_and_nan_stays_nan() -> None:
+    g = Graph("origin")
+    x = g.input("x", (3, 4))
+    two, three = g.vector_norm(x, 2, 1), g.vector_norm(x, 3, 1)
+    (grad,) = rlx.grad(g, g.sum(two) + g.sum(three), [x])
+    g.output(two=two, three=three, grad=grad)
+    array = np.array([[0, 0, 0, 0], [3, 4, 0, 0], [np.nan, 1, 1, 1]], np.float32)
+    got = rlx.compile(g)(x=array)
+    np.testing.assert_allclose(got["two"][:2], [0.0, 5.0])
+    assert np.isnan(got["two"][2]) and np.isnan(got["three"][2])
+    np.testing.assert_array_equal(got["grad"][0], 0.0)
+
+
+def test_prod_over_a_symbolic_axis_including_length_zero() -> None:
+    g = Graph("symbolic_prod")
+    x = g.input("x", (2, "S"))
+    y = g.prod(x, 1)
+    (grad,) = rlx.grad(g, g.sum(y), [x])
+    g.output(y=y, grad=grad, any=g.any(x, 1))
+    exe = rlx.compile(g)
+    for length in (0, 1, 4):
+        array = np.arange(1, 2 * length + 1, dtype=np.float32).reshape(2, length)
+        got = exe(x=array)
+        np.testing.assert_allclose(got["y"], np.prod(array, 1), rtol=1e-6)
+        np.testing.assert_array_equal(got["any"], np.any(array, 1))  # False over no entries
+        if length:
+            np.testing.assert_allclose(got["grad"], np.prod(array, 1, keepdims=True) / array, rtol=1e-5)
+    assert exe.compile_count == 1
