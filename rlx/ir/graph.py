@@ -110,6 +110,15 @@ class Value:
     def cumprod(self, axis: int | None = None) -> Value:
         return self.graph.cumprod(self, axis)
 
+    def prod(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Value:
+        return self.graph.prod(self, axis=axis, keepdims=keepdims)
+
+    def any(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Value:
+        return self.graph.any(self, axis=axis, keepdims=keepdims)
+
+    def all(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Value:
+        return self.graph.all(self, axis=axis, keepdims=keepdims)
+
     def argmax(self, axis: int | None = None, keepdims: bool = False) -> Value:
         return self.graph.argmax(self, axis=axis, keepdims=keepdims)
 

@@ -280,3 +280,14 @@ def test_prod_over_a_symbolic_axis_including_length_zero() -> None:
         if length:
             np.testing.assert_allclose(got["grad"], np.prod(array, 1, keepdims=True) / array, rtol=1e-5)
     assert exe.compile_count == 1
+
+
+def test_prod_any_and_all_are_array_methods_too() -> None:
+    g = Graph("methods")
+    x = g.input("x", (3, 4))
+    g.output(prod=x.prod(1), any=(x > 1.0).any(0, keepdims=True), all=x.all())
+    array = np.random.default_rng(9).uniform(0.5, 1.5, (3, 4)).astype(np.float32)
+    got = rlx.compile(g)(x=array)
+    np.testing.assert_allclose(got["prod"], array.astype(np.float64).prod(1), rtol=1e-6)
+    np.testing.assert_array_equal(got["any"], (array > 1.0).any(0, keepdims=True))
+    assert got["all"] == array.all()
