@@ -26,6 +26,7 @@ import numpy as np
 from rlx.bind import InputBinder, check_index_inputs, check_short_dims, index_bounds, short_dims
 from rlx.codegen.call_layout import LayoutFunction, layout_function
 from rlx.codegen.gc_pause import collection_paused
+from rlx.codegen.irutil import ELEMENT_TYPES
 from rlx.codegen.jit import CompiledLibrary, cache_key, compile_ir
 from rlx.codegen.lower import (
     UNREAD_MAP,
@@ -335,18 +336,15 @@ def _distinct_bounds(bounds: list[tuple[Value, Dim, str]]) -> list[tuple[Value, 
     return distinct
 
 
-COMPUTED_DTYPES = frozenset(np.dtype(d) for d in (np.float32, np.int32, np.int64, np.bool_))
-"""What compiled code holds. The IR also spells f64 and f16 (a printed graph may declare them,
-and the reference interprets them), but no kernel reads them."""
-
-
 def _check_computable_dtypes(graph: Graph) -> None:
-    """``RlxTypeError`` naming the first input or node whose values compiled code cannot hold,
-    before anything is lowered (a float64 input would otherwise reach codegen)."""
+    """``RlxTypeError`` naming the first input or node whose values compiled code cannot hold
+    (:data:`rlx.codegen.irutil.ELEMENT_TYPES`), before anything is lowered. The IR also spells f64
+    and f16 (a printed graph may declare them, and the reference interprets them), but no kernel
+    reads them."""
     names = value_names(graph)
     for node in graph.nodes:
         for value in node.outputs:
-            if value.dtype not in COMPUTED_DTYPES:
+            if str(value.dtype) not in ELEMENT_TYPES:
                 name = getattr(node.attrs, "name", None) if node.op.value == "input" else None
                 what = f"input {name!r}" if name is not None else f"{node.op.value} {names[value]}"
                 raise RlxTypeError(

@@ -26,13 +26,16 @@ CONTRACT = ("contract",)
 REDUCE = ("reassoc", "contract")
 
 
+ELEMENT_TYPES = {"float32": F32, "bool": I8, "int32": I32, "int64": I64}
+"""The dtypes compiled code holds, by NumPy name, and the LLVM type of one element (bool as a byte)."""
+
+
 def element_type(dtype: object) -> ir.Type:
     """The LLVM type one element of an array of ``dtype`` is stored as (bool as a byte)."""
     name = str(dtype)
-    types = {"float32": F32, "bool": I8, "int32": I32, "int64": I64}
-    if name not in types:
+    if name not in ELEMENT_TYPES:
         raise AssertionError(f"no LLVM element type for {dtype}")
-    return types[name]
+    return ELEMENT_TYPES[name]
 
 
 def i32(value: int) -> ir.Constant:

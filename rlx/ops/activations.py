@@ -14,10 +14,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from rlx.errors import RlxTypeError, RlxValueError
-from rlx.ops._common import as_value, is_number, normalize_axis
+from rlx.ops._common import as_value, is_number, normalize_axis, require_float
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Value
@@ -28,8 +26,7 @@ SELU_SCALE = 1.0507009873554804934193349852946
 
 def _float(graph: Graph, x: object, what: str) -> Value:
     value = as_value(graph, x, f"{what}: x")
-    if value.dtype != np.float32:
-        raise RlxTypeError(f"{what}: x must be f32, got {value.type} (convert it with .astype('float32'))")
+    require_float(what, "x", value.type)
     return value
 
 

@@ -10,13 +10,14 @@ sum of ones (:func:`positions`), not a constant.
 
 from __future__ import annotations
 
+import string
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
-from rlx.ops._common import as_value, is_int, normalize_axes, normalize_axis
+from rlx.ops._common import as_value, is_int, normalize_axes, normalize_axis, require_float
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Value
@@ -43,8 +44,7 @@ def logsumexp(graph: Graph, x: object, axis: object = None, keepdims: bool = Fal
     overflows; a slice of only ``-inf`` gives ``-inf``, not NaN, and a zero gradient. Its gradient
     is the softmax."""
     value = as_value(graph, x, "logsumexp: x")
-    if value.dtype != np.float32:
-        raise RlxTypeError(f"logsumexp: x must be f32, got {value.type}")
+    require_float("logsumexp", "x", value.type)
     axes = normalize_axes("logsumexp", axis, value.ndim)
     peak = graph.stop_gradient(graph.max(value, axis=axes, keepdims=True))
     shift = graph.where(graph.equal(peak, float("-inf")), 0.0, peak)
@@ -64,13 +64,12 @@ def pad(graph: Graph, x: object, pad_width: object, value: float | int | bool = 
     widths = _pad_widths(pad_width, array.ndim)
     fill = graph.constant(np.array(value, dtype=array.dtype))
     for axis, (before, after) in enumerate(widths):
-        pieces = []
-        for size, where in ((before, "before"), (after, "after")):
-            if size:
-                block = graph.broadcast_to(fill, (*array.shape[:axis], size, *array.shape[axis + 1 :]))
-                pieces.append((where, block))
-        if pieces:
-            parts = [b for w, b in pieces if w == "before"] + [array] + [b for w, b in pieces if w == "after"]
+        head, tail = array.shape[:axis], array.shape[axis + 1 :]
+        parts = [graph.broadcast_to(fill, (*head, before, *tail))] if before else []
+        parts.append(array)
+        if after:
+            parts.append(graph.broadcast_to(fill, (*head, after, *tail)))
+        if len(parts) > 1:
             array = graph.concat(parts, axis=axis)
     return array
 
@@ -82,25 +81,23 @@ def _pad_widths(pad_width: object, rank: int) -> list[tuple[int, int]]:
             f"ints, got {pad_width!r}"
         )
 
+    # NumPy's forms, each made a list of pairs: n, (before, after), ((before, after),), one pair per axis
     if is_int(pad_width):
-        widths = [(int(pad_width), int(pad_width))] * rank
-    elif isinstance(pad_width, Sequence) and not isinstance(pad_width, (str, bytes)):
-        entries = list(pad_width)
-        if len(entries) == 2 and all(is_int(e) for e in entries):
-            widths = [(int(entries[0]), int(entries[1]))] * rank  # type: ignore[arg-type]
-        elif len(entries) == 1 and isinstance(entries[0], Sequence) and len(entries[0]) == 2:
-            widths = [(int(entries[0][0]), int(entries[0][1]))] * rank
-        elif len(entries) == rank and all(
-            isinstance(e, Sequence) and len(e) == 2 and all(is_int(i) for i in e) for e in entries
-        ):
-            widths = [(int(e[0]), int(e[1])) for e in entries]  # type: ignore[index]
-        else:
-            raise bad()
+        pairs: object = [(pad_width, pad_width)]
+    elif isinstance(pad_width, Sequence) and len(pad_width) == 2 and all(is_int(w) for w in pad_width):
+        pairs = [pad_width]
     else:
+        pairs = pad_width
+    if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence) or len(pairs) not in (1, rank):
         raise bad()
-    if any(w < 0 for pair in widths for w in pair):
-        raise bad()
-    return widths
+    widths = []
+    for pair in pairs:
+        if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise bad()
+        if not all(is_int(w) and w >= 0 for w in pair):
+            raise bad()
+        widths.append((int(pair[0]), int(pair[1])))
+    return widths * rank if len(widths) == 1 else widths
 
 
 def flip(graph: Graph, x: object, axis: object = None) -> Value:
@@ -239,8 +236,7 @@ def prod(graph: Graph, x: object, axis: object = None, keepdims: bool = False) -
     """``numpy.prod`` of float32 values over ``axis``: the last entry of a running product
     (``cumprod``, whose gradient is exact through zeros, as torch's ``prod``'s); 1 over no entries."""
     value = as_value(graph, x, "prod: x")
-    if value.dtype != np.float32:
-        raise RlxTypeError(f"prod: x must be f32, got {value.type} (convert it with .astype('float32'))")
+    require_float("prod", "x", value.type)
     axes = normalize_axes("prod", axis, value.ndim)
     kept = [a for a in range(value.ndim) if a not in axes]
     order = (*kept, *axes)
@@ -261,8 +257,7 @@ def vector_norm(graph: Graph, x: object, ord: object = 2, axis: object = None, k
     over ``axis`` (every axis for None), the largest or least ``|x|`` for ``inf``/``-inf``, the
     count of nonzeros for 0. At the origin the gradient is 0, as torch's, not 0/0."""
     value = as_value(graph, x, "vector_norm: x")
-    if value.dtype != np.float32:
-        raise RlxTypeError(f"vector_norm: x must be f32, got {value.type}")
+    require_float("vector_norm", "x", value.type)
     axes = normalize_axes("vector_norm", axis, value.ndim)
     if isinstance(ord, str) and ord in ("inf", "-inf"):
         ord = float(ord)
@@ -316,9 +311,9 @@ def tensordot(graph: Graph, a: object, b: object, axes: object = 2) -> Value:
         )
     else:
         raise RlxTypeError(f"tensordot: axes must be an int or a pair of axis sequences, got {axes!r}")
-    if left.ndim + right.ndim > 52:
-        raise RlxValueError("tensordot: more than 52 axes in all")
-    letters = iter("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    if left.ndim + right.ndim > len(string.ascii_letters):
+        raise RlxValueError(f"tensordot: more than {len(string.ascii_letters)} axes in all")
+    letters = iter(string.ascii_letters)
     a_labels = [next(letters) for _ in range(left.ndim)]
     b_labels = [next(letters) for _ in range(right.ndim)]
     for i, j in zip(pairs[0], pairs[1], strict=True):

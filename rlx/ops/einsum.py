@@ -20,7 +20,7 @@ import numpy as np
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.dims import dim_text, product
 from rlx.ir.types import Dim
-from rlx.ops._common import as_value
+from rlx.ops._common import as_value, require_float
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Value
@@ -49,10 +49,7 @@ def einsum(graph: Graph, equation: object, *operands: object) -> Value:
         raise RlxValueError("einsum: no operands")
     values = [as_value(graph, x, f"einsum: operand {i}") for i, x in enumerate(operands)]
     for index, value in enumerate(values):
-        if value.dtype != np.float32:
-            raise RlxTypeError(
-                f"einsum: operand {index} must be f32, got {value.type} (convert it with .astype('float32'))"
-            )
+        require_float("einsum", f"operand {index}", value.type)
     spec = "".join(equation.split())
     inputs, arrow, output = spec.partition("->")
     terms = [_parse_term(text, f"operand {i} subscripts {text!r}") for i, text in enumerate(inputs.split(","))]

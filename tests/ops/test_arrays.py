@@ -144,6 +144,7 @@ def test_int_and_bool_values_pad_flip_roll_and_triangles() -> None:
         (lambda g, x: g.logsumexp(x, 3), rlx.RlxValueError, r"logsumexp: axis 3 is out of range"),
         (lambda g, x: g.pad(x, -1), rlx.RlxValueError, r"pad: pad_width must be .* non-negative"),
         (lambda g, x: g.pad(x, ((1, 1),) * 3), rlx.RlxValueError, r"pad: pad_width must be"),
+        (lambda g, x: g.pad(x, ((1.5, 1),)), rlx.RlxValueError, r"pad: pad_width must be"),  # ints, as NumPy
         (lambda g, x: g.flip(x, 2), rlx.RlxValueError, r"flip: axis 2 is out of range"),
         (lambda g, x: g.roll(x, 1.5), rlx.RlxTypeError, r"roll: shift must be an int"),
         (lambda g, x: g.roll(x, (1, 2)), rlx.RlxValueError, r"roll: without an axis, shift must be one int"),
