@@ -111,6 +111,10 @@ CASES: list[tuple[str, str, Callable[..., Any]]] = [
     ("Tensor.unfold patches (a ViT's patchify)", "image",
      lambda a: a.unfold(2, 4, 4).unfold(3, 4, 4).permute(0, 2, 3, 1, 4, 5).reshape(2, 4, 48)),
     ("Tensor.unfold of a computed value", "row", lambda a: torch.tanh(a).unfold(-1, 4, 2).sum(-1)),
+    ("advanced index: rows from the end", "matrix", lambda a: a[torch.tensor([-1, 0, -1])]),
+    ("advanced index: points", "matrix", lambda a: a[torch.tensor([[0, 3], [2, 2]]), torch.tensor([5, -6])]),
+    ("advanced index: apart", "image", lambda a: a[torch.tensor([1, 0]), :, torch.tensor([7, 2])]),
+    ("advanced index: list and slice", "image", lambda a: a[:, [2, 0], 1:5]),
     ("index_add", "matrix", lambda a: torch.zeros(4, 6).index_add(0, torch.tensor([0, 2, 2, 1]), a)),
     ("index_add alpha axis 1", "matrix", lambda a: a.index_add(1, torch.tensor([5, 0, 5]), a[:, :3] * 2, alpha=0.5)),
     ("index_add_ messages", "matrix",  # a graph network's sum of messages at their destinations

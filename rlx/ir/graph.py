@@ -203,7 +203,7 @@ class Value:
             return mods.read(self, index)
         from rlx.ops.movement import getitem
 
-        return getitem(self.graph, self, index)
+        return _all_or_nothing(getitem)(self.graph, self, index)
 
     def __iter__(self) -> Iterator[Value]:
         """The parts along the first axis, as iterating an array gives (``a, b = pair``)."""

@@ -420,14 +420,19 @@ def getitem(graph: Graph, x: Value, index: object) -> Value:
     length ``S`` the bounds are symbolic too: ``x[:, -1]`` is the part at ``S-1``, ``x[:, 1:]``
     has length ``S-1`` (next-token targets), ``x[:, :-1]`` too; a call whose ``S`` is too short
     for them (an index or a bound past the end, which NumPy would clamp) is an ``RlxValueError``
-    before anything runs. Indexing by arrays (a gather) is ``g.take`` or ``g.embedding``.
+    before anything runs. An index holding arrays or int values is NumPy's advanced indexing: see
+    :mod:`rlx.ops.advanced_index`.
     """
     entries = list(index) if isinstance(index, tuple) else [index]
+    from rlx.ops.advanced_index import advanced_getitem, is_array_index
+
+    if any(is_array_index(entry) for entry in entries):
+        return advanced_getitem(graph, x, tuple(entries))
     for entry in entries:
         if not (entry is None or entry is Ellipsis or isinstance(entry, slice) or is_int(entry)):
             raise RlxTypeError(
-                f"indexing {x.type}: only ints, slices, ... and None index a value, got {type(entry).__name__} "
-                "(gather rows with g.embedding)"
+                f"indexing {x.type}: only ints, slices, ..., None, int arrays and int values index a value, "
+                f"got {type(entry).__name__}"
             )
     if sum(entry is Ellipsis for entry in entries) > 1:
         raise RlxValueError(f"indexing {x.type}: an index can only have a single ellipsis ('...')")

@@ -606,11 +606,12 @@ def _getitem(g: Graph, x: Any, index: Any) -> Any:
     if isinstance(x, Value):
         entries = index if isinstance(index, tuple) else (index,)
         if any(isinstance(e, (Value, torch.Tensor, list)) for e in entries):
-            lone = entries[0]
-            ids = len(entries) == 1 and isinstance(lone, Value) and lone.dtype in (np.int32, np.int64)
-            if ids and _as_range(lone) is None:  # ``table[ids]``: rows picked by an index tensor
-                return g.take(x, lone, 0)
-            return _gather_by_ranges(g, x, entries)
+            if any(isinstance(e, torch.Tensor) for e in entries):
+                raise Unsupported("indexing by an empty tensor")
+            try:
+                return _gather_by_ranges(g, x, entries)  # views where the indices are ranges
+            except Unsupported:
+                return x[entries]  # NumPy's advanced indexing, which is torch's: a gather
         return _sliced(g, x, _clamped(x, entries))
     raise Unsupported(f"indexing a {type(x).__name__}")
 

@@ -63,6 +63,7 @@ def test_indexing_errors_are_clear_and_build_nothing() -> None:
     g = Graph("index")
     x = g.input("x", (4, 5, 6))
     s = g.input("s", (2, "S", 3))
+    positive = x > 0
     before = len(g)
     cases = [
         (lambda: x[4], rlx.RlxValueError, "index 4 is out of bounds for axis 0 of size 4"),
@@ -70,7 +71,16 @@ def test_indexing_errors_are_clear_and_build_nothing() -> None:
         (lambda: x[::2.0], rlx.RlxTypeError, "got float"),
         (lambda: s[:, ::2], rlx.RlxValueError, "only steps of 1 slice a symbolic axis"),
         (lambda: x[3:1:2], rlx.RlxValueError, "takes nothing"),
-        (lambda: x[[0, 1]], rlx.RlxTypeError, "gather rows with g.embedding"),
+        (lambda: x[[0, 5]], rlx.RlxValueError, "index 5 is out of bounds for axis 0 of size 4"),
+        (lambda: x[[-5]], rlx.RlxValueError, "index -5 is out of bounds for axis 0 of size 4"),
+        (lambda: x[x], rlx.RlxTypeError, "must be int32 or int64"),
+        (lambda: x[positive], rlx.RlxTypeError, "g.where"),
+        (lambda: x[[0.5]], rlx.RlxTypeError, "must hold ints"),
+        (lambda: x[[[0, 1], [2]]], rlx.RlxValueError, "rectangular"),
+        (lambda: x[[0], [1], [2], [3]], rlx.RlxValueError, "too many indices"),
+        (lambda: x[np.zeros(4, bool)], rlx.RlxValueError, "selects nothing"),
+        (lambda: x[:, [1, 2], 7], rlx.RlxValueError, "index 7 is out of bounds for axis 2 of size 6"),
+        (lambda: s[[0], [1]], rlx.RlxValueError, "lengths known when the graph is built"),
         (lambda: x[1.5], rlx.RlxTypeError, "got float"),
         (lambda: x[1, 2, 3, 4], rlx.RlxValueError, "too many indices"),
         (lambda: x[3:1], rlx.RlxValueError, "takes nothing"),
