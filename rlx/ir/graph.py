@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import keyword
+import math
 import numbers
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -137,6 +138,43 @@ class Value:
             return self.graph.transpose(self)
         one = len(axes) == 1 and isinstance(axes[0], (tuple, list))
         return self.graph.transpose(self, tuple(axes[0]) if one else axes)
+
+    @property
+    def size(self) -> int:
+        """The number of elements, as ``ndarray.size`` (an error for a symbolic shape: that is per call)."""
+        if not all(isinstance(d, int) for d in self.shape):
+            raise RlxTypeError(f"size of {self.type}: its symbolic dimensions are per call")
+        return math.prod(self.shape)  # type: ignore[arg-type]
+
+    @property
+    def mT(self) -> Value:
+        """The last two axes swapped, as ``ndarray.mT`` (a batch of matrices transposed)."""
+        if self.ndim < 2:
+            raise RlxValueError(f"mT of {self.type}: needs at least two axes")
+        return self.swapaxes(-2, -1)
+
+    def swapaxes(self, axis1: int, axis2: int) -> Value:
+        """Two axes swapped, as ``ndarray.swapaxes``: a view once compiled."""
+        from rlx.ops._common import normalize_axis
+
+        first, second = (normalize_axis("swapaxes", a, self.ndim) for a in (axis1, axis2))
+        perm = list(range(self.ndim))
+        perm[first], perm[second] = second, first
+        return self.graph.transpose(self, tuple(perm))
+
+    def flatten(self) -> Value:
+        """All elements in one axis, row-major, as ``ndarray.flatten`` (a view where the strides allow)."""
+        return self.graph.reshape(self, (-1,))
+
+    ravel = flatten
+
+    def __round__(self, ndigits: int | None = None) -> Value:
+        """``round(x)`` or ``round(x, 2)``: halves to even, as ``numpy.round``."""
+        if ndigits is None or ndigits == 0:
+            return self.graph.round(self)
+        if ndigits > 0:
+            return self.graph.round(self * 10.0**ndigits) / 10.0**ndigits
+        return self.graph.round(self / 10.0**-ndigits) * 10.0**-ndigits
 
     # Operators build nodes in the Value's graph; Python numbers and NumPy arrays on either side
     # become constants. Without this, ``np_array + value`` would let NumPy broadcast the Value as

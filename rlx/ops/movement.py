@@ -210,8 +210,10 @@ def _concat_infer(what: str, inputs: Sequence[TensorType], attrs: ConcatAttrs) -
 
 def concat(graph: Graph, parts: Sequence[object], axis: int = 0) -> Value:
     """As ``numpy.concatenate``: parts agree except along ``axis``."""
-    if isinstance(parts, (str, bytes)) or not isinstance(parts, Sequence) or not parts:
-        raise RlxTypeError("concat: parts must be a non-empty list of Values")
+    if isinstance(parts, (str, bytes)) or not isinstance(parts, Sequence):
+        raise RlxTypeError(f"concat: parts must be a list of Values, got {type(parts).__name__}")
+    if not parts:
+        raise RlxValueError("concat: need at least one part to concatenate")  # NumPy's ValueError
     values = [as_value(graph, p, f"concat: part {i}") for i, p in enumerate(parts)]
     if values[0].shape == ():
         raise RlxValueError("concat: parts must have at least one axis, got a scalar")

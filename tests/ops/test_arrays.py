@@ -292,3 +292,41 @@ def test_prod_any_and_all_are_array_methods_too() -> None:
     np.testing.assert_allclose(got["prod"], array.astype(np.float64).prod(1), rtol=1e-6)
     np.testing.assert_array_equal(got["any"], (array > 1.0).any(0, keepdims=True))
     assert got["all"] == array.all()
+
+
+def test_ndarray_shape_methods_and_round() -> None:
+    """``size``, ``mT``, ``swapaxes``, ``flatten``/``ravel`` and ``round(x, n)`` as an ndarray has them."""
+    g = Graph("ndarray_methods")
+    x = g.input("x", (2, 3, 4))
+    assert x.size == 24
+    assert g.input("s", ("S", 3)).shape == ("S", 3)
+    with pytest.raises(rlx.RlxTypeError, match="per call"):
+        _ = g.inputs["s"].size
+    with pytest.raises(rlx.RlxValueError, match="at least two axes"):
+        _ = g.input("v", (3,)).mT
+    g.output(
+        mT=x.mT,
+        swapped=x.swapaxes(0, -1),
+        flat=x.flatten(),
+        ravel=x.ravel(),
+        round0=round(x),
+        round2=round(x, 2),
+        round_tens=round(x * 100.0, -1),
+    )
+    array = np.random.default_rng(12).uniform(-3, 3, (2, 3, 4)).astype(np.float32)
+    got = rlx.compile(g)(x=array, s=np.zeros((5, 3), np.float32), v=np.zeros(3, np.float32))
+    np.testing.assert_array_equal(got["mT"], array.mT)
+    np.testing.assert_array_equal(got["swapped"], array.swapaxes(0, -1))
+    np.testing.assert_array_equal(got["flat"], array.flatten())
+    np.testing.assert_array_equal(got["ravel"], array.ravel())
+    np.testing.assert_array_equal(got["round0"], np.round(array))
+    np.testing.assert_allclose(got["round2"], np.round(array, 2), atol=1e-6)
+    np.testing.assert_allclose(got["round_tens"], np.round(array * np.float32(100.0), -1), atol=1e-4)
+
+
+def test_concat_of_nothing_is_a_value_error() -> None:
+    g = Graph("concat_nothing")
+    with pytest.raises(rlx.RlxValueError, match="at least one part"):
+        g.concat([], 0)
+    with pytest.raises(rlx.RlxTypeError, match="list of Values"):
+        g.concat(g.input("x", (2,)), 0)  # type: ignore[arg-type]
