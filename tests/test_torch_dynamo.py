@@ -675,6 +675,8 @@ def test_updates_in_place_and_assignments() -> None:
         shifted.masked_fill_(shifted == 3, 0)
         w = x.clone()
         w[w < 0] = 0.0
+        w[torch.tensor([3, 0]), torch.tensor([-1, 2])] = x[0, :2] * 4.0  # by index tensors: a scatter
+        w[:, [1, 4]] += 1.0
         y += w
         y.mul_(torch.full((4, 1), 0.5))
         return y, shifted

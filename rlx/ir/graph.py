@@ -140,6 +140,14 @@ class Value:
         return self.graph.transpose(self, tuple(axes[0]) if one else axes)
 
     @property
+    def at(self) -> Any:
+        """JAX's functional index updates: ``x.at[1:3].set(0.0)``, ``x.at[ids].add(rows)``,
+        ``.multiply``, ``.min``, ``.max``, ``.get`` (see :mod:`rlx.ops.index_update`)."""
+        from rlx.ops.index_update import IndexUpdateHelper
+
+        return IndexUpdateHelper(self)
+
+    @property
     def size(self) -> int:
         """The number of elements, as ``ndarray.size`` (an error for a symbolic shape: that is per call)."""
         if not all(isinstance(d, int) for d in self.shape):

@@ -51,12 +51,24 @@ class _Indexed:
 
     axis: int
     ids: Value | np.ndarray  # int64 ndarray (wrapped and checked) or an int Value
+    length: Dim  # of the axis
 
 
-def advanced_getitem(graph: Graph, x: Value, index: tuple[object, ...]) -> Value:
-    """``x[index]`` for an index with at least one array entry (see the module's docstring)."""
+@dataclass(frozen=True)
+class AdvancedIndex:
+    """An advanced index taken apart: the basic entries to apply first (each indexed axis kept
+    whole), the indexed axes of that basic result with their indices, and whether those stood
+    together in the index (NumPy's rule for where the index's axes go)."""
+
+    basic: tuple[object, ...]
+    indexed: tuple[_Indexed, ...]
+    adjacent: bool
+
+
+def parse_advanced(x: Value, index: tuple[object, ...]) -> AdvancedIndex:
+    """``index`` of ``x`` taken apart and checked (constant indices wrapped into their axes),
+    building no node."""
     from rlx.ir.graph import Value
-    from rlx.ops.movement import getitem
 
     what = f"indexing {x.type}"
     entries = _expand_bool_arrays(what, [_as_entry(what, entry) for entry in index])
@@ -87,16 +99,36 @@ def advanced_getitem(graph: Graph, x: Value, index: tuple[object, ...]) -> Value
             continue
         length = x.shape[axis]
         ids = entry if isinstance(entry, Value) else _checked_constant(what, entry, axis, length)
-        indexed.append(_Indexed(len(basic), ids))
+        indexed.append(_Indexed(len(basic), ids, length))
         places.append(origins[place])
         basic.append(slice(None))
         axis += 1
-    index_shapes = [item.ids.shape for item in indexed]
-    broadcast_shapes(f"{what}: the index arrays", *index_shapes)  # NumPy's IndexError, before any node
-    if not all(isinstance(entry, slice) and entry == slice(None) for entry in basic):
-        x = getitem(graph, x, tuple(basic))
+    broadcast_shapes(f"{what}: the index arrays", *(item.ids.shape for item in indexed))  # NumPy's IndexError
     adjacent = places == list(range(places[0], places[0] + len(places)))
-    return _gather(graph, x, indexed, adjacent)
+    return AdvancedIndex(tuple(basic), tuple(indexed), adjacent)
+
+
+def advanced_getitem(graph: Graph, x: Value, index: tuple[object, ...]) -> Value:
+    """``x[index]`` for an index with at least one array entry (see the module's docstring)."""
+    from rlx.ops.movement import getitem
+
+    parsed = parse_advanced(x, index)
+    if not all(isinstance(entry, slice) and entry == slice(None) for entry in parsed.basic):
+        x = getitem(graph, x, parsed.basic)
+    return _gather(graph, x, list(parsed.indexed), parsed.adjacent)
+
+
+def repeats_an_entry(x: Value, index: tuple[object, ...]) -> bool:
+    """Whether ``x[index]`` (an advanced index) may read one entry of ``x`` twice: always for an
+    index value of the call, else whether the broadcast constant index tuples repeat."""
+    parsed = parse_advanced(x, index)
+    arrays = [item.ids for item in parsed.indexed]
+    if not all(isinstance(ids, np.ndarray) for ids in arrays) or not all(
+        isinstance(item.length, int) for item in parsed.indexed
+    ):
+        return True  # known only in the call (negative constants wrap into a symbolic length too)
+    keys = np.stack([a.reshape(-1) for a in np.broadcast_arrays(*arrays)], axis=1)  # type: ignore[arg-type]
+    return len(np.unique(keys, axis=0)) != len(keys)
 
 
 def _as_entry(what: str, entry: object) -> object:

@@ -653,71 +653,17 @@ def _int_bounds(entry: slice) -> bool:
 
 
 def _setitem(g: Graph, x: Any, index: Any, value: Any) -> Value:
-    """``x[index] = value`` as a new value (rlx.torch.dynamo binds it to x's node): x with the
-    indexed part replaced by ``value`` (converted to x's dtype, broadcast to the part, as torch
-    does). Basic indexing (ints, slices of step 1, ``...``): the part's neighbours along each
-    indexed axis are concatenated around it, all views; a bool mask of x's leading axes with a
-    single value: a ``where``."""
+    """``x[index] = value`` as a new value (rlx.torch.dynamo binds it to x's node): rlx's
+    ``x.at[index].set(value)`` (the value converted to x's dtype and broadcast to the part, as
+    torch does; a block of ints and slices is views around it, any other index a scatter, a bool
+    mask of x's leading axes with a number a ``where``)."""
     x = _float(x)
-    entries = list(index) if isinstance(index, tuple) else [index]
-    if len(entries) == 1 and isinstance(entries[0], Value) and entries[0].dtype == np.bool_:
-        mask = entries[0]
-        if tuple(x.shape[: mask.ndim]) != tuple(mask.shape):
-            raise Unsupported(f"assigning through a mask of shape {mask.shape} into {x.shape}")
-        number = _filled(g, value, x.dtype, ())
-        return g.where(g.reshape(mask, (*mask.shape, *(1,) * (x.ndim - mask.ndim))), number, x)
-    if any(not (e is Ellipsis or isinstance(e, slice) or type(e) is int) for e in entries):
-        raise Unsupported("assigning by an index other than ints, slices and ...")
-    if Ellipsis in entries:
-        at = entries.index(Ellipsis)
-        entries[at : at + 1] = [slice(None)] * (x.ndim - (len(entries) - 1))
-    entries += [slice(None)] * (x.ndim - len(entries))
-    if len(entries) != x.ndim or any(isinstance(e, slice) and e.step not in (None, 1) for e in entries):
-        raise Unsupported(f"assigning by the index {index!r} of a value of shape {x.shape}")
-    # The part as slices (an int is a slice of one; on a static axis, bounds as Python clamps
-    # them), and the value broadcast to its shape there.
-    parts = []
-    for entry, length in zip(entries, x.shape, strict=True):
-        part = slice(entry, entry + 1 if entry != -1 else None) if type(entry) is int else entry
-        if isinstance(length, int):
-            start, stop, _ = part.indices(length)
-            if stop <= start:
-                return x  # an empty part: nothing assigned
-            part = slice(start, stop) if (start, stop) != (0, length) else slice(None)
-        parts.append(part)
-    part_shape = x[tuple(parts)].shape
-    target = x[tuple(entries)].shape
-    block = g.reshape(_filled(g, value, x.dtype, target), part_shape)
-    return _replaced(g, x, parts, block, 0)
-
-
-def _filled(g: Graph, value: Any, dtype: np.dtype, shape: tuple[Dim, ...]) -> Value:
-    """``value`` (a number or a value) in ``dtype``, broadcast to ``shape``."""
-    if isinstance(value, Value):
-        value = value.astype(str(np.dtype(dtype))) if value.dtype != dtype else value
-    elif isinstance(value, (int, float, bool)):
-        value = g.constant(np.asarray(value, dtype=dtype))
-    else:
+    entries = index if isinstance(index, tuple) else (index,)
+    if any(isinstance(e, slice) and not _int_bounds(e) for e in entries):
+        raise Unsupported(f"assigning by the index {index!r} with a dynamic bound")
+    if not isinstance(value, (Value, int, float, bool)):
         raise Unsupported(f"assigning a {type(value).__name__}")
-    return g.broadcast_to(value, shape) if tuple(value.shape) != tuple(shape) else value
-
-
-def _replaced(g: Graph, x: Value, parts: list[slice], block: Value, axis: int) -> Value:
-    """``x`` with ``x[parts]`` (slices from ``axis`` on) replaced by ``block``."""
-    if axis == x.ndim:
-        return block
-    part = parts[axis]
-    whole = (slice(None),) * axis
-    if part == slice(None):
-        return _replaced(g, x, parts, block, axis + 1)
-    inner = _replaced(g, x[(*whole, part)], parts, block, axis + 1)
-    pieces = []
-    if part.start not in (None, 0):
-        pieces.append(x[(*whole, slice(None, part.start))])
-    pieces.append(inner)
-    if part.stop is not None and not (isinstance(x.shape[axis], int) and part.stop >= x.shape[axis]):
-        pieces.append(x[(*whole, slice(part.stop, None))])
-    return g.concat(pieces, axis=axis) if len(pieces) > 1 else inner
+    return x.at[index].set(value)
 
 
 def _clamped(x: Value, entries: tuple[Any, ...]) -> tuple[Any, ...]:
