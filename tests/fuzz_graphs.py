@@ -2,12 +2,14 @@
 
 Random shapes with broadcasting, random fan-out (any earlier value may be reused), random views
 (transpose, reshape, split, broadcast_to, concat), reductions over random axes, norms, matmuls,
-gathers by computed ids, running sums;
+gathers by computed ids, running sums, advanced indexing by constant ids and `x.at[...]` updates;
 then a scalar loss and ``rlx.grad`` of it w.r.t. every float input. Used by the codegen fuzzer
 (compiled against the reference) and the text round-trip tests.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 from hypothesis import strategies as st
@@ -56,6 +58,8 @@ def _build(draw: st.DrawFn) -> tuple[Graph, list[Value]]:
                     "split",
                     "gather",
                     "cumsum",
+                    "advanced",
+                    "update",
                 ]
             )
         )
@@ -146,11 +150,39 @@ def _build(draw: st.DrawFn) -> tuple[Graph, list[Value]]:
         elif kind == "cumsum" and shape:
             axis = draw(st.integers(-len(shape), len(shape) - 1))
             values.append(g.cumsum(v, axis=axis, reverse=draw(st.booleans())))
+        elif kind == "advanced" and shape:
+            # NumPy's advanced indexing: constant ids (repeats, from the end) on one axis, maybe a
+            # second array broadcast against them on the next, slices around.
+            values.append(v[_advanced_index(draw, shape)])
+        elif kind == "update" and shape:
+            # x.at[index].set/add/max: a block, or ids (distinct for max, which refuses repeats).
+            how = draw(st.sampled_from(["set", "add", "max"]))
+            if draw(st.booleans()):
+                axis = draw(st.integers(0, len(shape) - 1))
+                start = draw(st.integers(0, shape[axis] - 1))
+                index: Any = (slice(None),) * axis + (slice(start, draw(st.integers(start + 1, shape[axis]))),)
+            elif how == "max":
+                axis = draw(st.integers(0, len(shape) - 1))
+                ids = draw(st.lists(st.integers(0, shape[axis] - 1), min_size=1, max_size=shape[axis], unique=True))
+                index = (slice(None),) * axis + (ids,)
+            else:
+                index = _advanced_index(draw, shape)
+            part = v[index]
+            values.append(getattr(v.at[index], how)(g.tanh(new_input(part.shape))))
         elif kind == "split" and shape and shape[-1] % 2 == 0:
             a, b = g.split(v, 2, axis=-1)
             values.append(a * b)
     outputs = draw(st.lists(st.sampled_from(values[-4:]), min_size=1, max_size=3, unique=True))
     return g, outputs
+
+
+def _advanced_index(draw: st.DrawFn, shape: tuple[int, ...]) -> tuple[Any, ...]:
+    axis = draw(st.integers(0, len(shape) - 1))
+    size = shape[axis]
+    index: list[Any] = [slice(None)] * axis + [draw(st.lists(st.integers(-size, size - 1), min_size=1, max_size=4))]
+    if axis + 1 < len(shape) and draw(st.booleans()):
+        index.append([draw(st.integers(0, shape[axis + 1] - 1))])  # broadcast against the first
+    return tuple(index)
 
 
 def _broadcasts(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
