@@ -15,19 +15,28 @@ from rlx.ir import Graph, Layout, MaskKind, Node, OpKind, TensorType, Value, Wrt
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-
-    import numpy as np
+    from collections.abc import Callable, Sequence
 
     from rlx.codegen.executable import Executable
 
 
-def grad(graph: Graph, y: Value, xs: Sequence[Value], dy: Value | float | np.ndarray | None = None) -> list[Value]:
-    """Reverse-mode gradients of ``y`` w.r.t. each of ``xs``; ``dy`` may be left out for a scalar ``y``
-    (the seed is 1), or be a number or an array of ``y``'s shape."""
+def grad(graph: Graph | Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Reverse-mode gradients.
+
+    ``rlx.grad(g, y, xs, dy=None)``: of ``y`` w.r.t. each of ``xs`` in graph ``g``, as new values
+    of ``g``; ``dy`` may be left out for a scalar ``y`` (the seed is 1), or be a number or an
+    array of ``y``'s shape.
+
+    ``rlx.grad(fn, argnums=0, has_aux=False)``: a function giving the gradient of ``fn``'s
+    scalar result w.r.t. its arguments ``argnums``, as ``jax.grad`` (see :mod:`rlx.tracing`).
+    """
+    if not isinstance(graph, Graph) and callable(graph):
+        from rlx.tracing import grad_of_function
+
+        return grad_of_function(graph, *args, **kwargs)
     from rlx.autodiff import grad as _grad
 
-    return _grad(graph, y, xs, dy)
+    return _grad(graph, *args, **kwargs)
 
 
 def compile(graph: Graph, passes: Sequence[str] | None = None, config: RuntimeConfig | None = None) -> Executable:
@@ -44,19 +53,21 @@ def load(path: str) -> Executable:
     return _load(path)
 
 
-_MOD_FUNCTIONS = ("abs", "exp", "log", "maximum", "minimum", "power", "sigmoid", "sqrt", "tanh", "where")
-
-
 def __getattr__(name: str) -> Any:
     # Submodules load lazily so that `import rlx` stays cheap and llvmlite loads only to compile.
     import importlib
 
     if name in ("passes", "reference", "codegen", "autodiff", "models", "mods"):
         return importlib.import_module(f"rlx.{name}")
-    if name in _MOD_FUNCTIONS:  # rlx.where, rlx.tanh, ...: the vocabulary of attention mods
-        return getattr(importlib.import_module("rlx.mods"), name)
     if name == "attention_merge":
         return importlib.import_module("rlx.merge").attention_merge
+    if name in ("jit", "value_and_grad"):
+        return getattr(importlib.import_module("rlx.tracing"), name)
+    # rlx.exp(x), rlx.softmax(x), ...: the Graph's ops as functions of values (rlx.where, rlx.tanh,
+    # ... on an attention mod's symbolic scalars too: the vocabulary of mods).
+    function = importlib.import_module("rlx.functional").op_function(name)
+    if function is not None:
+        return function
     raise AttributeError(f"module 'rlx' has no attribute {name!r}")
 
 
@@ -80,6 +91,7 @@ __all__ = [
     "compile",
     "exp",
     "grad",
+    "jit",
     "load",
     "log",
     "maximum",
@@ -89,5 +101,6 @@ __all__ = [
     "sigmoid",
     "sqrt",
     "tanh",
+    "value_and_grad",
     "where",
 ]

@@ -1,0 +1,337 @@
+"""``rlx.jit``, ``rlx.grad(fn)`` and ``rlx.value_and_grad``: models written as plain Python
+functions, as in JAX.
+
+``rlx.jit(fn)`` traces ``fn`` once per set of argument shapes and dtypes: each array among its
+arguments (nested in dicts, lists and tuples, as a model's parameters are) becomes a graph input
+named by its place (``params.w1``), ``fn`` runs on those values (operators, array methods, and
+``rlx.exp``, ``rlx.softmax``, ... which build nodes in the values' graph), and what it returns
+(a value, or dicts, lists and tuples of them) become the graph's outputs. The graph is compiled
+with :func:`rlx.compile` and cached: a later call with arrays of the same shapes and dtypes only
+runs it. Python numbers, strings and other non-array arguments are baked into the graph and are
+part of the cache key (JAX's ``static_argnums``, for every such argument).
+
+``rlx.grad(fn, argnums=0)`` and ``rlx.value_and_grad(fn, argnums=0, has_aux=False)`` return
+functions that differentiate ``fn``'s scalar result with :func:`rlx.grad` with respect to the
+arguments ``argnums`` names (the arrays nested in them). Called on values, inside a traced
+function, they build the gradient into that graph; called on arrays, they are jitted.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import keyword
+import re
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from rlx.errors import RlxTypeError, RlxValueError
+from rlx.ir.graph import Graph, Value
+
+# ----------------------------------------------------------------------------- trees
+
+
+@dataclass(frozen=True)
+class _Tree:
+    """The structure of a nest of dicts, lists and tuples: ``kind`` and its children's trees
+    (``None`` children: a leaf)."""
+
+    kind: str  # "leaf", "dict", "list", "tuple"
+    keys: tuple[Any, ...] = ()
+    children: tuple[_Tree, ...] = ()
+
+
+_LEAF = _Tree("leaf")
+
+
+def _flatten(obj: object, path: str, leaves: list[tuple[str, object]]) -> _Tree:
+    """Leaves of ``obj`` in order (dict keys sorted, as JAX orders them), with their paths."""
+    if isinstance(obj, dict):
+        keys = tuple(sorted(obj, key=repr))
+        children = tuple(_flatten(obj[key], f"{path}.{key}", leaves) for key in keys)
+        return _Tree("dict", keys, children)
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        kind = "list" if isinstance(obj, list) else "tuple"
+        children = tuple(_flatten(item, f"{path}.{i}", leaves) for i, item in enumerate(obj))
+        return _Tree(kind, tuple(range(len(obj))), children)
+    leaves.append((path, obj))
+    return _LEAF
+
+
+def _unflatten(tree: _Tree, leaves: Any) -> Any:
+    """``tree`` rebuilt with leaves from the iterator ``leaves``."""
+    if tree.kind == "leaf":
+        return next(leaves)
+    built = [_unflatten(child, leaves) for child in tree.children]
+    if tree.kind == "dict":
+        return dict(zip(tree.keys, built, strict=True))
+    return built if tree.kind == "list" else tuple(built)
+
+
+def _is_array(leaf: object) -> bool:
+    """Arrays (and objects NumPy or DLPack reads as arrays) are traced; numbers and the rest are static."""
+    if isinstance(leaf, Value):
+        return False
+    return isinstance(leaf, (np.ndarray, np.generic)) or hasattr(leaf, "__array__") or hasattr(leaf, "__dlpack__")
+
+
+# ----------------------------------------------------------------------------- jit
+
+
+@dataclass(frozen=True)
+class _Traced:
+    executable: Any
+    output_tree: _Tree
+    output_names: tuple[str | None, ...]  # None: a leaf that is not a value (returned as is)
+    constants: tuple[object, ...]
+
+
+class Jitted:
+    """``rlx.jit(fn)``: call it as ``fn``; see the module's docstring."""
+
+    def __init__(self, fn: Callable[..., Any], passes: Sequence[str] | None = None, config: Any = None) -> None:
+        if not callable(fn):
+            raise RlxTypeError(f"rlx.jit: expected a function, got {type(fn).__name__}")
+        self._fn = fn
+        self._passes = passes
+        self._config = config
+        self._signature = _signature_of(fn)
+        self._cache: dict[Any, _Traced] = {}
+        self._lock = threading.Lock()
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+
+    @property
+    def compile_count(self) -> int:
+        """How many graphs were traced and compiled (one per set of shapes, dtypes and static arguments)."""
+        return len(self._cache)
+
+    def graph(self, *args: Any, **kwargs: Any) -> Graph:
+        """The compiled graph for these arguments (``exe.graph``: after the pipeline)."""
+        traced, _ = self._traced(args, kwargs)
+        return traced.executable.graph  # type: ignore[no-any-return]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _holds_values((args, kwargs)):  # inside another traced function: inlined, as JAX does
+            return self._fn(*args, **kwargs)
+        traced, arrays = self._traced(args, kwargs)
+        results = traced.executable(**arrays) if traced.executable is not None else {}
+        out = iter(results[name] if name is not None else constant for name, constant in _outputs(traced))
+        return _unflatten(traced.output_tree, out)
+
+    def _traced(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Traced, dict[str, object]]:
+        leaves: list[tuple[str, object]] = []
+        tree = _flatten(_bind(self._signature, self._fn, args, kwargs), "", leaves)
+        names = _input_names([path for path, _ in leaves])
+        key_parts: list[object] = [tree]
+        arrays: dict[str, object] = {}
+        for name, (path, leaf) in zip(names, leaves, strict=True):
+            if _is_array(leaf):
+                array = _as_array(leaf)
+                arrays[name] = array
+                key_parts.append(("array", array.shape, array.dtype.str))
+            else:
+                key_parts.append(("static", type(leaf), _hashable(path, leaf)))
+        key = tuple(key_parts)
+        with self._lock:
+            traced = self._cache.get(key)
+            if traced is None:
+                traced = self._trace(
+                    tree, names, [arrays.get(name, leaf) for name, (_, leaf) in zip(names, leaves, strict=True)]
+                )
+                self._cache[key] = traced
+        return traced, arrays
+
+    def _trace(self, tree: _Tree, names: list[str], leaves: list[object]) -> _Traced:
+        import rlx
+
+        graph = Graph(_graph_name(self._fn))
+        traced_leaves = [
+            graph.input(name, leaf.shape, dtype=str(leaf.dtype)) if isinstance(leaf, np.ndarray) else leaf
+            for name, leaf in zip(names, leaves, strict=True)
+        ]
+        result = _call(self._signature, self._fn, _unflatten(tree, iter(traced_leaves)))
+        out_leaves: list[tuple[str, object]] = []
+        output_tree = _flatten(result, "out", out_leaves)
+        output_names: list[str | None] = []
+        constants: list[object] = []
+        for i, (_, leaf) in enumerate(out_leaves):
+            if isinstance(leaf, Value):
+                if leaf.graph is not graph:
+                    raise RlxValueError(f"rlx.jit: {_graph_name(self._fn)} returned a value of another graph")
+                graph.output(**{f"out{i}": leaf})
+            output_names.append(f"out{i}" if isinstance(leaf, Value) else None)
+            constants.append(None if isinstance(leaf, Value) else leaf)
+        executable = rlx.compile(graph, passes=self._passes, config=self._config) if graph.outputs else None
+        return _Traced(executable, output_tree, tuple(output_names), tuple(constants))
+
+
+def _as_array(leaf: object) -> np.ndarray:
+    """An argument array as the graph takes it: float64 becomes float32, as JAX takes NumPy's
+    default floats (rlx computes in float32); every other dtype is kept."""
+    array = leaf if isinstance(leaf, np.ndarray) else np.asarray(leaf)
+    return array.astype(np.float32) if array.dtype == np.float64 else array
+
+
+def _holds_values(obj: object) -> bool:
+    leaves: list[tuple[str, object]] = []
+    _flatten(obj, "", leaves)
+    return any(isinstance(leaf, Value) for _, leaf in leaves)
+
+
+def _outputs(traced: _Traced) -> Any:
+    return zip(traced.output_names, traced.constants, strict=True)
+
+
+def _signature_of(fn: Callable[..., Any]) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without a signature: positional only
+        return None
+
+
+def _bind(
+    signature: inspect.Signature | None, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """The arguments by parameter name (``*args`` a tuple, ``**kwargs`` a dict), as ``fn`` receives them."""
+    if signature is None:
+        return {"args": tuple(args), "kwargs": dict(kwargs)}
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as error:
+        raise RlxTypeError(f"rlx.jit: {_graph_name(fn)}: {error}") from None
+    return dict(bound.arguments)
+
+
+def _call(signature: inspect.Signature | None, fn: Callable[..., Any], arguments: dict[str, Any]) -> Any:
+    if signature is None:
+        return fn(*arguments["args"], **arguments["kwargs"])
+    bound = inspect.BoundArguments(signature, dict(arguments))  # type: ignore[arg-type]
+    return fn(*bound.args, **bound.kwargs)
+
+
+def _hashable(path: str, leaf: object) -> object:
+    try:
+        hash(leaf)
+    except TypeError:
+        raise RlxTypeError(
+            f"rlx.jit: argument {path.lstrip('.')} is a {type(leaf).__name__}, neither an array (traced) nor "
+            "hashable (a static argument, part of the cache key)"
+        ) from None
+    return leaf
+
+
+_IDENTIFIER = re.compile(r"[^0-9A-Za-z_]")
+
+
+def _input_names(paths: list[str]) -> list[str]:
+    """Graph input names from argument paths (``.params.w1``: the argument ``params``'s ``w1``;
+    ``.layers.0``: the first of ``layers``): identifiers joined by dots, unique."""
+    names: list[str] = []
+    for path in paths:
+        name = ".".join(_IDENTIFIER.sub("_", p) for p in path.split(".") if p) or "arg"
+        name = name if not name[0].isdigit() and not keyword.iskeyword(name) else f"_{name}"
+        while name in names:
+            name += "_"
+        names.append(name)
+    return names
+
+
+def _graph_name(fn: Callable[..., Any]) -> str:
+    name = _IDENTIFIER.sub("_", getattr(fn, "__name__", "jit"))
+    return name if name and not name[0].isdigit() and name != "_lambda_" else "jit"
+
+
+def jit(fn: Callable[..., Any] | None = None, *, passes: Sequence[str] | None = None, config: Any = None) -> Any:
+    """``@rlx.jit`` or ``rlx.jit(fn, passes=..., config=...)``: see the module's docstring."""
+    if fn is None:
+        return lambda f: Jitted(f, passes, config)
+    return Jitted(fn, passes, config)
+
+
+# ----------------------------------------------------------------------------- gradients of functions
+
+
+def value_and_grad(
+    fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False
+) -> Callable[..., Any]:
+    """``fn``'s value and its gradient w.r.t. the arguments ``argnums`` (each a nest of arrays):
+    ``(value, grads)``, or ``((value, aux), grads)`` with ``has_aux``, as ``jax.value_and_grad``."""
+    if not callable(fn):
+        raise RlxTypeError(f"rlx.value_and_grad: expected a function, got {type(fn).__name__}")
+    positions = _argnums(argnums)
+    jitted: list[Jitted] = []  # made at the first call on arrays, reused after
+
+    @functools.wraps(fn)
+    def differentiated(*args: Any, **kwargs: Any) -> Any:
+        leaves: list[tuple[str, object]] = []
+        _flatten((args, kwargs), "", leaves)
+        graphs = {leaf.graph for _, leaf in leaves if isinstance(leaf, Value)}
+        if not graphs:  # called on arrays: traced and compiled once per shapes
+            if not jitted:
+                jitted.append(Jitted(differentiated))
+            return jitted[0](*args, **kwargs)
+        if len(graphs) > 1:
+            raise RlxValueError("rlx.value_and_grad: the arguments are values of different graphs")
+        (graph,) = graphs
+        for position in positions:
+            if position >= len(args):
+                raise RlxValueError(
+                    f"rlx.value_and_grad: argnums {position}, but only {len(args)} positional arguments"
+                )
+        result = fn(*args, **kwargs)
+        value, aux = _split_aux(result, has_aux)
+        if not isinstance(value, Value) or value.shape != ():
+            raise RlxTypeError(
+                f"rlx.grad of {getattr(fn, '__name__', 'a function')}: it must return a scalar value (shape ()), "
+                f"got {value.type if isinstance(value, Value) else type(value).__name__}"
+            )
+        grads = []
+        for position in positions:
+            wrt: list[tuple[str, object]] = []
+            tree = _flatten(args[position], "", wrt)
+            for path, leaf in wrt:
+                if not isinstance(leaf, Value):
+                    raise RlxTypeError(
+                        f"rlx.grad: argument {position}{path} is a {type(leaf).__name__}, not an array: "
+                        "only arrays have gradients"
+                    )
+            from rlx.autodiff import grad as graph_grad
+
+            grads.append(_unflatten(tree, iter(graph_grad(graph, value, [leaf for _, leaf in wrt]))))  # type: ignore[misc]
+        grad_tree = grads[0] if isinstance(argnums, int) else tuple(grads)
+        return ((value, aux) if has_aux else value), grad_tree
+
+    return differentiated
+
+
+def grad_of_function(
+    fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False
+) -> Callable[..., Any]:
+    """``rlx.grad(fn)``: the gradient alone (with ``aux`` beside it when ``has_aux``), as ``jax.grad``."""
+    both = value_and_grad(fn, argnums, has_aux)
+
+    @functools.wraps(fn)
+    def gradient(*args: Any, **kwargs: Any) -> Any:
+        (value, grads) = both(*args, **kwargs)
+        return (grads, value[1]) if has_aux else grads
+
+    return gradient
+
+
+def _argnums(argnums: int | Sequence[int]) -> tuple[int, ...]:
+    items = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if not items or any(isinstance(a, bool) or not isinstance(a, int) or a < 0 for a in items):
+        raise RlxValueError(f"rlx.grad: argnums must be a non-negative int or a sequence of them, got {argnums!r}")
+    return items
+
+
+def _split_aux(result: Any, has_aux: bool) -> tuple[Any, Any]:
+    if not has_aux:
+        return result, None
+    if not isinstance(result, tuple) or len(result) != 2:
+        raise RlxTypeError("rlx.value_and_grad(has_aux=True): the function must return a pair (value, aux)")
+    return result
