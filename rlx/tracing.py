@@ -112,6 +112,8 @@ class Jitted:
     def graph(self, *args: Any, **kwargs: Any) -> Graph:
         """The compiled graph for these arguments (``exe.graph``: after the pipeline)."""
         traced, _ = self._traced(args, kwargs)
+        if traced.executable is None:
+            raise RlxValueError(f"rlx.jit: {_graph_name(self._fn)} returns no value of its graph: nothing was compiled")
         return traced.executable.graph  # type: ignore[no-any-return]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

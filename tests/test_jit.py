@@ -128,6 +128,10 @@ def test_errors_are_clear() -> None:
         rlx.jit(lambda x, y: x + y)(a)
     with pytest.raises(rlx.RlxTypeError, match="none of its arguments is a value"):
         rlx.softmax(a)
+    constant = rlx.jit(lambda x: (5, "five"))
+    assert constant(a) == (5, "five")  # nothing of the graph returned: nothing compiled, nothing run
+    with pytest.raises(rlx.RlxValueError, match="nothing was compiled"):
+        constant.graph(a)
     with pytest.raises(rlx.RlxTypeError, match="expected a function"):
         rlx.jit(3)  # type: ignore[arg-type]
     assert rlx.where(True, 1.0, 2.0) == 1.0 and rlx.exp(0.0) == 1.0  # numbers: the mods' meaning

@@ -197,3 +197,19 @@ def reciprocal_count(graph: Graph, x: Value, axes: tuple[int, ...]) -> float | V
         return 1.0 / static
     ones = graph.broadcast_to(graph.constant(1.0), tuple(x.shape[a] for a in symbolic))
     return graph.div(1.0 / static, graph.sum(ones, axis=None))
+
+
+def expand_ellipsis(what: str, entries: Sequence[object], rank: int) -> tuple[list[object], list[int]]:
+    """An index's entries with ``...`` (or, without one, the end) standing for the axes the others
+    leave, as whole slices; and where each entry stood in the index. An ellipsis's slices keep
+    its place even when it stands for no axis: NumPy's advanced indexing counts it there."""
+    if sum(entry is Ellipsis for entry in entries) > 1:
+        raise RlxValueError(f"{what}: an index can only have a single ellipsis ('...')")
+    used = sum(entry is not None and entry is not Ellipsis for entry in entries)
+    if used > rank:
+        raise RlxValueError(f"{what}: too many indices ({used}) for a value of rank {rank}")
+    fill: list[object] = [slice(None)] * (rank - used)
+    at = next((place for place, entry in enumerate(entries) if entry is Ellipsis), None)  # not ==: arrays
+    if at is None:
+        return [*entries, *fill], [*range(len(entries)), *[len(entries)] * len(fill)]
+    return [*entries[:at], *fill, *entries[at + 1 :]], [*range(at), *[at] * len(fill), *range(at + 1, len(entries))]

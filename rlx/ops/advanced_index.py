@@ -29,7 +29,7 @@ import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.types import Dim
-from rlx.ops._common import BOOL, INT_DTYPES, broadcast_shapes, is_int
+from rlx.ops._common import BOOL, INT_DTYPES, broadcast_shapes, expand_ellipsis, is_int
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Value
@@ -72,21 +72,7 @@ def parse_advanced(x: Value, index: tuple[object, ...]) -> AdvancedIndex:
 
     what = f"indexing {x.type}"
     entries = _expand_bool_arrays(what, [_as_entry(what, entry) for entry in index])
-    if sum(entry is Ellipsis for entry in entries) > 1:
-        raise RlxValueError(f"{what}: an index can only have a single ellipsis ('...')")
-    used = sum(entry is not None and entry is not Ellipsis for entry in entries)
-    if used > x.ndim:
-        raise RlxValueError(f"{what}: too many indices ({used}) for a value of rank {x.ndim}")
-    # Where each entry stood in the index: an ellipsis keeps its place even when it stands for no
-    # axis, so that ``x[0, ..., [1]]`` indexes apart, as in NumPy.
-    origins = list(range(len(entries)))
-    at = next((place for place, entry in enumerate(entries) if entry is Ellipsis), None)  # not ==: arrays
-    if at is not None:
-        entries[at : at + 1] = [slice(None)] * (x.ndim - used)
-        origins[at : at + 1] = [at] * (x.ndim - used)
-    else:
-        entries += [slice(None)] * (x.ndim - used)
-        origins += [len(origins)] * (x.ndim - used)
+    entries, origins = expand_ellipsis(what, entries, x.ndim)  # where each stood: NumPy's placement rule
 
     basic: list[object] = []
     indexed: list[_Indexed] = []

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
-from rlx.ops._common import F32, as_value, is_int
+from rlx.ops._common import F32, as_value, expand_ellipsis, is_int
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Value
@@ -94,13 +94,8 @@ def _block(x: Value, index: object) -> list[slice] | None:
     entries = list(index) if isinstance(index, tuple) else [index]
     if not all(e is None or e is Ellipsis or isinstance(e, slice) or is_int(e) for e in entries):
         return None
-    entries = [e for e in entries if e is not None]  # a new axis of one names no entries of x
-    if sum(e is Ellipsis for e in entries) > 1 or len(entries) - (Ellipsis in entries) > x.ndim:
-        return None  # getitem's error says why
-    if Ellipsis in entries:
-        at = entries.index(Ellipsis)
-        entries[at : at + 1] = [slice(None)] * (x.ndim - (len(entries) - 1))
-    entries += [slice(None)] * (x.ndim - len(entries))
+    expanded, _ = expand_ellipsis(f"indexing {x.type}", entries, x.ndim)
+    entries = [e for e in expanded if e is not None]  # a new axis of one names no entries of x
     parts = []
     for entry, length in zip(entries, x.shape, strict=True):
         if isinstance(entry, slice) and entry.step not in (None, 1):

@@ -17,7 +17,17 @@ from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.dims import SizeLike, dim_text, exact_quotient, poly, product, total
 from rlx.ir.opdef import EvalContext, OpDef, register_op
 from rlx.ir.types import Dim, TensorType
-from rlx.ops._common import as_value, dim_tuple, int_tuple, is_int, normalize_axis, op_kind, sum_to_shape, zeros
+from rlx.ops._common import (
+    as_value,
+    dim_tuple,
+    expand_ellipsis,
+    int_tuple,
+    is_int,
+    normalize_axis,
+    op_kind,
+    sum_to_shape,
+    zeros,
+)
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Node, Value
@@ -436,16 +446,7 @@ def getitem(graph: Graph, x: Value, index: object) -> Value:
                 f"indexing {x.type}: only ints, slices, ..., None, int arrays and int values index a value, "
                 f"got {type(entry).__name__}"
             )
-    if sum(entry is Ellipsis for entry in entries) > 1:
-        raise RlxValueError(f"indexing {x.type}: an index can only have a single ellipsis ('...')")
-    used = sum(entry is not None and entry is not Ellipsis for entry in entries)
-    if used > x.ndim:
-        raise RlxValueError(f"indexing {x.type}: too many indices ({used}) for a value of rank {x.ndim}")
-    if Ellipsis in entries:
-        at = entries.index(Ellipsis)
-        entries[at : at + 1] = [slice(None)] * (x.ndim - used)
-    else:
-        entries += [slice(None)] * (x.ndim - used)
+    entries, _ = expand_ellipsis(f"indexing {x.type}", entries, x.ndim)
     value, axis = x, 0
     shape: list[Dim | None] = []  # the result's dims, None where an int dropped the axis
     for entry in entries:
