@@ -97,6 +97,16 @@ def _conv_flipped_and_cropped(g: Graph) -> Built:
     return g.add_node(OpKind.CONV, [g.input("x", (2, 2, 7, 6)), g.input("w", (3, 2, 2, 3))], attrs).outputs[0]
 
 
+def _dominant(a: Value) -> Value:
+    """``a + 4 I``: far from singular for entries within 1.5 of 0."""
+    return a + np.eye(a.shape[-1], dtype=np.float32) * 4.0
+
+
+def _spd(x: Value) -> Value:
+    """``x x^T + 4 I``: symmetric positive definite."""
+    return x @ x.mT + np.eye(x.shape[-1], dtype=np.float32) * 4.0
+
+
 SAMPLES: list[Sample] = [
     Sample("input", lambda g: g.input("x", (2, 3))),
     Sample("constant", lambda g: g.input("x", (2, 3)) * g.constant(np.arange(6, dtype=np.float32).reshape(2, 3))),
@@ -213,6 +223,24 @@ SAMPLES: list[Sample] = [
     Sample("logcumsumexp", lambda g: g.logcumsumexp(g.input("x", (2, 5, 3)), axis=1)),
     Sample("logcumsumexp", lambda g: g.logcumsumexp(g.input("x", (3, 6)), axis=-1, reverse=True), label="reverse"),
     Sample("sort", lambda g: g.topk(g.input("x", (2, 7)), 3)[0], label="topk"),
+    # Linear algebra on well-conditioned matrices: 4 I added (entries are within 1.5 of 0).
+    Sample("cholesky", lambda g: g.cholesky(_spd(g.input("x", (2, 3, 3))))),
+    Sample("solve", lambda g: g.solve(_dominant(g.input("a", (2, 3, 3))), g.input("b", (2, 3, 2)))),
+    Sample("solve", lambda g: g.solve(_dominant(g.input("a", (3, 3))), g.input("b", (3,))), label="vector"),
+    Sample("solve", lambda g: g.inv(_dominant(g.input("a", (2, 3, 3)))), label="inv"),
+    Sample(
+        "solve_triangular",
+        lambda g: g.solve_triangular(_dominant(g.input("a", (2, 4, 4))), g.input("b", (2, 4, 3))),
+    ),
+    Sample(
+        "solve_triangular",
+        lambda g: g.solve_triangular(
+            _dominant(g.input("a", (3, 3))), g.input("b", (3, 2)), lower=False, transpose_a=True, unit_diagonal=True
+        ),
+        label="upper-transposed-unit",
+    ),
+    Sample("slogdet", lambda g: g.slogdet(_dominant(g.input("a", (2, 3, 3))) * -1.0)),
+    Sample("slogdet", lambda g: g.det(_dominant(g.input("a", (3, 3)))), label="det"),
     Sample(
         "take_along_axis",
         lambda g: g.take_along_axis(g.input("x", (3, 4, 2)), g.input("ids", (3, 5, 1), "int64"), axis=1),

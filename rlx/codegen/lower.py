@@ -39,6 +39,7 @@ from rlx.codegen.lower_attention import (
     slot_heads_and_width,
 )
 from rlx.codegen.lower_gemm import emit_gemm_item, gemm_spec
+from rlx.codegen.lower_linalg import LINALG_OPS, emit_linalg_item, linalg_scratch_bytes
 from rlx.codegen.lower_scan import SCAN_OPS, emit_scan_item
 from rlx.codegen.lower_scatter import emit_scatter_along_axis_item, emit_scatter_item
 from rlx.codegen.lower_sort import emit_sort_item
@@ -355,6 +356,8 @@ def scratch_bytes(node: Node, config: RuntimeConfig, options: CodegenOptions, sc
     if node.op.value in FLEX_OPS:
         flex = flex_spec(node, options)
         return flex.scratch_bytes() if flex.is_static else 0
+    if node.op.value in LINALG_OPS:
+        return linalg_scratch_bytes(node.op.value, int(node.inputs[0].shape[-1]))
     return 0
 
 
@@ -625,6 +628,16 @@ class _Lowering:
             if self.sizes is not None:
                 pointers.append(self.sizes)
             self.call(item_fn, pointers, product(x.shape[:-1]), False, str(node.id))
+        elif op in LINALG_OPS:
+            matrix = node.inputs[0]
+            n = int(matrix.shape[-1])
+            k = int(node.inputs[1].shape[-1]) if len(node.inputs) > 1 else n
+            name = f"{op}.{node.id}"
+            item_fn = self.item_function(
+                (op, n, k, node.attrs), name, lambda: emit_linalg_item(self.module, op, n, k, node.attrs, name)
+            )
+            pointers = [self.view_pointer(v) for v in node.inputs] + [self.base_pointer(v) for v in node.outputs]
+            self.call(item_fn, pointers, product(matrix.shape[:-2]), False, str(node.id))
         elif op == "scatter_add_along_axis":
             updates, indices = node.inputs
             axis, symbols = node.attrs.axis, self.table_symbols

@@ -47,6 +47,10 @@ CALL_OUT_OPS = frozenset(
         "cummin",
         "logcumsumexp",
         "sort",
+        "cholesky",
+        "solve_triangular",
+        "solve",
+        "slogdet",
     }
 )
 VIEW_OPS = frozenset({"reshape", "transpose", "split", "broadcast_to", "unfold"})

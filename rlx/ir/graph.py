@@ -666,6 +666,18 @@ class Graph:
 
         return logsumexp(self, x, axis, keepdims)
 
+    def det(self, a: object) -> Value:
+        """``numpy.linalg.det`` of square matrices ``[..., n, n]``: see :mod:`rlx.ops.linalg`."""
+        from rlx.ops.linalg import det
+
+        return det(self, a)
+
+    def inv(self, a: object) -> Value:
+        """``numpy.linalg.inv`` of square matrices ``[..., n, n]``: see :mod:`rlx.ops.linalg`."""
+        from rlx.ops.linalg import inv
+
+        return inv(self, a)
+
     def pad(self, x: object, pad_width: object, value: float | int | bool = 0) -> Value:
         """``numpy.pad`` with ``constant_values=value``: ``pad_width`` an int, a pair, or a pair per axis."""
         from rlx.ops.arrays import pad
@@ -983,6 +995,8 @@ def _all_or_nothing(builder: Any) -> Any:
 
 
 COMPOSITE_METHODS = (
+    "det",
+    "inv",
     "stack",
     "expand_dims",
     "squeeze",

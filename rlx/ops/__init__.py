@@ -1,8 +1,8 @@
 """Every op rlx knows, one definition each (see :mod:`rlx.ir.opdef`); importing this registers them.
 
 The modules are grouped by kind: graph inputs and constants, elementwise math, reductions,
-softmax and norms, matmul, element-moving views, integer-indexed ops and gathers, attention, and the
-fused elementwise chains the ``fuse-elementwise`` pass makes.
+softmax and norms, matmul, linear algebra (LAPACK), element-moving views, integer-indexed ops
+and gathers, attention, and the fused elementwise chains the ``fuse-elementwise`` pass makes.
 """
 
 from rlx.ops import (
@@ -14,6 +14,7 @@ from rlx.ops import (
     fused,
     gather,
     index,
+    linalg,
     matmul,
     movement,
     reduce,
@@ -31,6 +32,7 @@ __all__ = [
     "fused",
     "gather",
     "index",
+    "linalg",
     "matmul",
     "movement",
     "reduce",

@@ -1,0 +1,134 @@
+"""The linear algebra ops (:mod:`rlx.ops.linalg`): one work item per matrix of the batch, each a
+call into OpenBLAS's LAPACKE (row-major) or CBLAS.
+
+Operands and results are dense; every item copies its operand into the result (or into the
+thread's scratch) first, because LAPACK works in place, and fills its matrix's results with NaN
+where LAPACK reports failure (``info != 0``: not positive definite, exactly singular, or NaN in
+the input, which LAPACKE checks for).
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+
+from rlx.codegen.blas import ROW_MAJOR
+from rlx.codegen.irutil import F32, I1, I8, I32, I64, PTR, VOID, declare, f32, for_range, gep, i32, i64, intrinsic
+
+POTRF = "scipy_LAPACKE_spotrf"  # (layout, uplo, n, a, lda) -> info
+GESV = "scipy_LAPACKE_sgesv"  # (layout, n, nrhs, a, lda, ipiv, b, ldb) -> info
+GETRF = "scipy_LAPACKE_sgetrf"  # (layout, m, n, a, lda, ipiv) -> info
+TRSM = "scipy_cblas_strsm"  # (layout, side, uplo, trans, diag, m, n, alpha, a, lda, b, ldb)
+LINALG_OPS = frozenset({"cholesky", "solve_triangular", "solve", "slogdet"})
+LEFT, UPPER, LOWER, NO_TRANS, TRANS, NON_UNIT, UNIT = 141, 121, 122, 111, 112, 131, 132  # cblas.h
+
+
+def linalg_scratch_bytes(op: str, n: int) -> int:
+    """Per-thread scratch of an item: a copy of the matrix and its pivots (``solve``, ``slogdet``)."""
+    return 4 * (n * n + n) if op in ("solve", "slogdet") else 0
+
+
+def emit_linalg_item(module: ir.Module, op: str, n: int, k: int, attrs: object, name: str) -> ir.Function:
+    """``void item(ptr args, i64 item, ptr scratch)`` for matrix ``item`` of the batch; args are
+    the node's operands then its results, dense; ``k`` the right-hand side's columns."""
+    fn = ir.Function(module, ir.FunctionType(VOID, [PTR, I64, PTR]), name=name)
+    fn.linkage = "internal"
+    args, item, scratch = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    pointers = [b.load(gep(b, args, [i64(slot)], PTR), typ=PTR) for slot in range(3)]
+    square = b.mul(item, i64(n * n), name="square")
+    columns = b.mul(item, i64(n * k), name="columns")
+    if op == "cholesky":
+        _cholesky(b, module, gep(b, pointers[0], [square], F32), gep(b, pointers[1], [square], F32), n)
+    elif op == "solve_triangular":
+        a, rhs, out = gep(b, pointers[0], [square], F32), gep(b, pointers[1], [columns], F32), pointers[2]
+        _triangular(b, module, a, rhs, gep(b, out, [columns], F32), n, k, attrs)
+    elif op == "solve":
+        a, rhs, out = gep(b, pointers[0], [square], F32), gep(b, pointers[1], [columns], F32), pointers[2]
+        _solve(b, module, a, rhs, gep(b, out, [columns], F32), scratch, n, k)
+    elif op == "slogdet":
+        a = gep(b, pointers[0], [square], F32)
+        _slogdet(b, module, a, gep(b, pointers[1], [item], F32), gep(b, pointers[2], [item], F32), scratch, n)
+    else:
+        raise AssertionError(op)
+    b.ret_void()
+    return fn
+
+
+def _copy(b: ir.IRBuilder, module: ir.Module, target: ir.Value, source: ir.Value, count: int) -> None:
+    memcpy = intrinsic(module, "llvm.memcpy.p0.p0.i64", VOID, [PTR, PTR, I64, I1])
+    b.call(memcpy, [target, source, i64(4 * count), ir.Constant(I1, 0)])
+
+
+def _fill_nan_if(b: ir.IRBuilder, info: ir.Value, target: ir.Value, count: int) -> ir.Value:
+    """``target[:count] = NaN`` where ``info != 0``; returns whether it did."""
+    failed = b.icmp_signed("!=", info, i32(0), name="failed")
+    with b.if_then(failed), for_range(b, 0, count, "nan") as j:
+        b.store(f32(float("nan")), gep(b, target, [j], F32))
+    return failed
+
+
+def _cholesky(b: ir.IRBuilder, module: ir.Module, a: ir.Value, out: ir.Value, n: int) -> None:
+    """``out = L``: potrf on a copy of ``a``'s lower triangle, the strict upper triangle zeroed."""
+    potrf = declare(module, POTRF, I32, [I32, I8, I32, PTR, I32])
+    _copy(b, module, out, a, n * n)
+    info = b.call(potrf, [i32(ROW_MAJOR), ir.Constant(I8, ord("L")), i32(n), out, i32(n)], name="info")
+    failed = _fill_nan_if(b, info, out, n * n)
+    with b.if_then(b.not_(failed)), for_range(b, 0, n, "row") as row, for_range(b, b.add(row, i64(1)), n, "col") as col:
+        b.store(f32(0.0), gep(b, out, [b.add(b.mul(row, i64(n)), col)], F32))
+
+
+def _triangular(
+    b: ir.IRBuilder, module: ir.Module, a: ir.Value, rhs: ir.Value, out: ir.Value, n: int, k: int, attrs: object
+) -> None:
+    """``out = op(a)^-1 rhs``: trsm in place on a copy of ``rhs``."""
+    trsm = declare(module, TRSM, VOID, [I32, I32, I32, I32, I32, I32, I32, F32, PTR, I32, PTR, I32])
+    _copy(b, module, out, rhs, n * k)
+    uplo = LOWER if attrs.lower else UPPER  # type: ignore[attr-defined]
+    trans = TRANS if attrs.transpose_a else NO_TRANS  # type: ignore[attr-defined]
+    diag = UNIT if attrs.unit_diagonal else NON_UNIT  # type: ignore[attr-defined]
+    flags = [i32(ROW_MAJOR), i32(LEFT), i32(uplo), i32(trans), i32(diag), i32(n), i32(k)]
+    b.call(trsm, [*flags, f32(1.0), a, i32(n), out, i32(k)])
+
+
+def _solve(
+    b: ir.IRBuilder, module: ir.Module, a: ir.Value, rhs: ir.Value, out: ir.Value, scratch: ir.Value, n: int, k: int
+) -> None:
+    """``out = a^-1 rhs``: gesv on copies of ``a`` (the scratch, with the pivots after it) and ``rhs``."""
+    gesv = declare(module, GESV, I32, [I32, I32, I32, PTR, I32, PTR, PTR, I32])
+    _copy(b, module, scratch, a, n * n)
+    _copy(b, module, out, rhs, n * k)
+    pivots = gep(b, scratch, [i64(n * n)], F32)
+    info = b.call(gesv, [i32(ROW_MAJOR), i32(n), i32(k), scratch, i32(n), pivots, out, i32(k)], name="info")
+    _fill_nan_if(b, info, out, n * k)
+
+
+def _slogdet(
+    b: ir.IRBuilder, module: ir.Module, a: ir.Value, sign: ir.Value, log: ir.Value, scratch: ir.Value, n: int
+) -> None:
+    """``sign, log = prod(sign(u_jj)) * (-1)^swaps, sum(log|u_jj|)`` of getrf on a copy of ``a``:
+    an exactly singular matrix (``info > 0``, a zero on U's diagonal) gives ``0, -inf`` by the
+    same sums; a failed call (``info < 0``: NaN in ``a``) gives NaN."""
+    getrf = declare(module, GETRF, I32, [I32, I32, I32, PTR, I32, PTR])
+    logf = declare(module, "logf", F32, [F32])
+    fabs = intrinsic(module, "llvm.fabs.f32", F32, [F32])
+    _copy(b, module, scratch, a, n * n)
+    pivots = gep(b, scratch, [i64(n * n)], F32)
+    info = b.call(getrf, [i32(ROW_MAJOR), i32(n), i32(n), scratch, i32(n), pivots], name="info")
+    b.store(f32(1.0), sign)
+    b.store(f32(0.0), log)
+    with for_range(b, 0, n, "diag") as j:
+        entry = b.load(gep(b, scratch, [b.mul(j, i64(n + 1))], F32), typ=F32)
+        b.store(b.fadd(b.load(log, typ=F32), b.call(logf, [b.call(fabs, [entry])])), log)
+        negative = b.fcmp_ordered("<", entry, f32(0.0))
+        zero = b.fcmp_ordered("==", entry, f32(0.0))
+        pivot = b.load(gep(b, pivots, [j], I32), typ=I32)
+        swapped = b.icmp_signed("!=", b.sext(pivot, I64), b.add(j, i64(1)))  # LAPACK's pivots count from 1
+        flip = b.xor(negative, swapped)
+        current = b.load(sign, typ=F32)
+        flipped = b.select(flip, b.fneg(current), current)
+        b.store(b.select(zero, f32(0.0), flipped), sign)
+    b.store(b.fadd(b.load(sign, typ=F32), f32(0.0)), sign)  # a sign flipped after a zero: +0, not -0
+    failed = b.icmp_signed("<", info, i32(0))
+    with b.if_then(failed):
+        b.store(f32(float("nan")), sign)
+        b.store(f32(float("nan")), log)

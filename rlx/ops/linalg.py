@@ -1,0 +1,308 @@
+"""Dense linear algebra on stacks of matrices: ``cholesky``, ``solve_triangular``, ``solve`` and
+``slogdet`` as ops (LAPACK and BLAS from OpenBLAS do the work, one matrix per work item), and
+``det`` and ``inv`` built from them, as ``numpy.linalg`` / ``jax.numpy.linalg`` /
+``torch.linalg`` define them.
+
+Every operand is ``[..., n, n]`` (a right-hand side ``[..., n, k]``, or ``[n]`` beside a single
+matrix), float32, with the batch dimensions of the matrix; ``n`` is known when the graph is
+built. Where LAPACK reports failure (a matrix that is not positive definite for ``cholesky``,
+an exactly singular one for ``solve``, NaN anywhere) the matrix's results are NaN, as
+``torch.linalg.cholesky_ex`` and JAX return them, never an exception inside native code;
+``slogdet`` of a singular matrix is ``(0, -inf)``, as NumPy's.
+
+Gradients are the standard ones (Giles 2008; Murray 2016 for the Cholesky factor), written in
+ops that have gradients themselves, so second derivatives work too:
+
+- ``X = solve(A, B)``: ``dB = solve(A^T, dX)``, ``dA = -dB X^T``.
+- ``X = solve_triangular(A, B)``: the same with the triangular solve, ``dA`` kept to the
+  triangle that was read.
+- ``L = cholesky(A)``: ``dA = sym(L^-T Phi(L^T dL) L^-1)``, ``Phi`` the lower triangle with its
+  diagonal halved.
+- ``logabsdet``: ``dA = dlogabsdet * A^-T``; the sign has none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from rlx.errors import RlxTypeError, RlxValueError
+from rlx.ir.opdef import EvalContext, OpDef, register_op
+from rlx.ir.types import TensorType
+from rlx.ops._common import F32, as_value, op_kind, require_float
+from rlx.ops.elementwise import NoAttrs
+
+if TYPE_CHECKING:
+    from rlx.ir.graph import Graph, Node, Value
+
+
+@dataclass(frozen=True)
+class TriangularAttrs:
+    lower: bool = True  # which triangle of a is read
+    transpose_a: bool = False  # solve a^T x = b
+    unit_diagonal: bool = False  # a's diagonal taken as ones (not read)
+
+
+def _square(what: str, label: str, ty: TensorType) -> int:
+    """``n`` of a stack of square float matrices ``[..., n, n]`` (static)."""
+    require_float(what, label, ty)
+    if ty.rank < 2 or ty.shape[-1] != ty.shape[-2]:
+        raise RlxValueError(f"{what}: {label} must be a stack of square matrices [..., n, n], got {ty}")
+    n = ty.shape[-1]
+    if not isinstance(n, int):
+        raise RlxValueError(f"{what}: {label}'s matrix size must be known when the graph is built, got {ty}")
+    return n
+
+
+def _right_side(what: str, a: TensorType, b: TensorType) -> None:
+    """``b [..., n, k]`` with ``a``'s batch dimensions."""
+    require_float(what, "b", b)
+    if b.rank != a.rank or b.shape[:-2] != a.shape[:-2] or b.shape[-2] != a.shape[-1]:
+        raise RlxValueError(f"{what}: b must be [*a.shape[:-2], n, k] for a {a}, got {b}")
+
+
+def _batched(fn: object, *arrays: np.ndarray) -> np.ndarray:
+    """``fn`` of each batch entry's matrices (float64), NaN where NumPy finds it singular or not
+    positive definite, or where an operand holds NaN: the compiled kernels give NaN there (LAPACKE
+    checks its operands for NaN)."""
+    batch = arrays[0].shape[:-2]
+    first = None
+    results = []
+    for index in np.ndindex(*batch):
+        matrices = [a[index] for a in arrays]
+        try:
+            with np.errstate(all="ignore"):
+                result = None if any(np.isnan(m).any() for m in matrices) else fn(*matrices)  # type: ignore[operator]
+        except np.linalg.LinAlgError:
+            result = None
+        results.append(result)
+        if result is not None and first is None:
+            first = result
+    shape: tuple[int, ...] = arrays[-1].shape[-2:] if first is None else np.shape(first)  # the result's
+    out = np.empty((*batch, *shape))
+    for index, result in zip(np.ndindex(*batch), results, strict=True):
+        out[index] = np.nan if result is None else result
+    return out
+
+
+# ----------------------------------------------------------------------------- cholesky
+
+
+def _cholesky_infer(what: str, inputs: Sequence[TensorType], attrs: NoAttrs) -> tuple[TensorType, ...]:
+    (a,) = inputs
+    _square(what, "a", a)
+    return (a,)
+
+
+def _cholesky_reference(args: Sequence[np.ndarray], attrs: NoAttrs, ctx: EvalContext) -> np.ndarray:
+    (a,) = args
+    return _batched(np.linalg.cholesky, np.tril(np.asarray(a, np.float64)))  # only the lower triangle is read
+
+
+def _cholesky_grad(graph: Graph, node: Node, cts: Sequence[Value | None], needed: Sequence[bool]) -> list[Value | None]:
+    dl = cts[0]
+    assert dl is not None
+    low = node.outputs[0]
+    n = int(low.shape[-1])
+    halved = graph.constant((np.tril(np.ones((n, n))) - 0.5 * np.eye(n)).astype(np.float32))
+    phi = graph.matmul(low.mT, dl) * halved
+    left = solve_triangular(graph, low, phi, lower=True, transpose_a=True)  # L^-T Phi
+    whole = solve_triangular(graph, low, left.mT, lower=True, transpose_a=True).mT  # L^-T Phi L^-1
+    return [(whole + whole.mT) * 0.5]
+
+
+def cholesky(graph: Graph, a: object) -> Value:
+    """The lower Cholesky factor ``L`` of symmetric positive definite matrices ``a [..., n, n]``
+    (``a = L L^T``; only a's lower triangle is read), as ``numpy.linalg.cholesky``; NaN for a
+    matrix that is not positive definite, as ``torch.linalg.cholesky_ex``."""
+    return graph.add_node(op_kind("cholesky"), [as_value(graph, a, "cholesky: a")], NoAttrs()).outputs[0]
+
+
+# ----------------------------------------------------------------------------- solve_triangular
+
+
+def _triangular_infer(what: str, inputs: Sequence[TensorType], attrs: TriangularAttrs) -> tuple[TensorType, ...]:
+    a, b = inputs
+    _square(what, "a", a)
+    _right_side(what, a, b)
+    for name in ("lower", "transpose_a", "unit_diagonal"):
+        if not isinstance(getattr(attrs, name), bool):
+            raise RlxTypeError(f"{what}: {name} must be a bool, got {type(getattr(attrs, name)).__name__}")
+    return (b,)
+
+
+def _triangle(a: np.ndarray, attrs: TriangularAttrs) -> np.ndarray:
+    """The matrix a triangular solve reads: one triangle, maybe with a unit diagonal, maybe transposed."""
+    part = np.tril(a) if attrs.lower else np.triu(a)
+    if attrs.unit_diagonal:
+        n = a.shape[-1]
+        part = part * (1 - np.eye(n)) + np.eye(n)
+    return np.swapaxes(part, -1, -2) if attrs.transpose_a else part
+
+
+def _triangular_reference(args: Sequence[np.ndarray], attrs: TriangularAttrs, ctx: EvalContext) -> np.ndarray:
+    """Substitution, row by row, as BLAS ``strsm`` does it (so NaN and a zero on the diagonal
+    spread the same way: along the columns of b they reach)."""
+    a, b = (np.asarray(x, np.float64) for x in args)
+    matrix = _triangle(a, attrs)
+    forward = attrs.lower != attrs.transpose_a  # the matrix solved is lower triangular
+    x = np.zeros_like(b)
+    rows = range(b.shape[-2]) if forward else reversed(range(b.shape[-2]))
+    with np.errstate(all="ignore"):
+        for i in rows:
+            done = slice(0, i) if forward else slice(i + 1, None)
+            known = np.einsum("...j,...jk->...k", matrix[..., i, done], x[..., done, :])
+            x[..., i, :] = (b[..., i, :] - known) / matrix[..., i, i, None]
+    return x
+
+
+def _triangular_grad(
+    graph: Graph, node: Node, cts: Sequence[Value | None], needed: Sequence[bool]
+) -> list[Value | None]:
+    dx = cts[0]
+    assert dx is not None
+    a = node.inputs[0]
+    x = node.outputs[0]
+    attrs: TriangularAttrs = node.attrs
+    n = int(a.shape[-1])
+    db = solve_triangular(
+        graph, a, dx, lower=attrs.lower, transpose_a=not attrs.transpose_a, unit_diagonal=attrs.unit_diagonal
+    )
+    da = -(graph.matmul(x, db.mT) if attrs.transpose_a else graph.matmul(db, x.mT))
+    kept = np.tril(np.ones((n, n)), -1 if attrs.unit_diagonal else 0)
+    if not attrs.lower:
+        kept = kept.T
+    return [da * graph.constant(kept.astype(np.float32)), db]
+
+
+def solve_triangular(
+    graph: Graph,
+    a: object,
+    b: object,
+    lower: bool = True,
+    transpose_a: bool = False,
+    unit_diagonal: bool = False,
+) -> Value:
+    """``x`` with ``op(a) x = b`` for triangular ``a [..., n, n]`` (its ``lower`` or upper
+    triangle; ``op`` the transpose with ``transpose_a``; a unit diagonal, not read, with
+    ``unit_diagonal``) and ``b [..., n, k]`` or ``[n]``, as ``jax.scipy.linalg.solve_triangular``
+    (BLAS ``strsm``)."""
+    attrs = TriangularAttrs(lower, transpose_a, unit_diagonal)
+    return _with_vector(
+        graph, a, b, "solve_triangular", lambda m, rhs: graph.add_node(op_kind("solve_triangular"), [m, rhs], attrs)
+    )
+
+
+def _with_vector(graph: Graph, a: object, b: object, what: str, build: object) -> Value:
+    """The op on ``b``, a vector ``[n]`` beside one matrix taken as a column and returned as a vector."""
+    matrix = as_value(graph, a, f"{what}: a")
+    rhs = as_value(graph, b, f"{what}: b")
+    vector = rhs.ndim == 1 and matrix.ndim == 2
+    if vector:
+        rhs = graph.reshape(rhs, (rhs.shape[0], 1))
+    result: Value = build(matrix, rhs).outputs[0]  # type: ignore[operator]
+    return graph.reshape(result, (result.shape[0],)) if vector else result
+
+
+# ----------------------------------------------------------------------------- solve
+
+
+def _solve_infer(what: str, inputs: Sequence[TensorType], attrs: NoAttrs) -> tuple[TensorType, ...]:
+    a, b = inputs
+    _square(what, "a", a)
+    _right_side(what, a, b)
+    return (b,)
+
+
+def _solve_reference(args: Sequence[np.ndarray], attrs: NoAttrs, ctx: EvalContext) -> np.ndarray:
+    a, b = (np.asarray(x, np.float64) for x in args)
+    return _batched(np.linalg.solve, a, b)
+
+
+def _solve_grad(graph: Graph, node: Node, cts: Sequence[Value | None], needed: Sequence[bool]) -> list[Value | None]:
+    dx = cts[0]
+    assert dx is not None
+    a = node.inputs[0]
+    db = solve(graph, a.mT, dx)
+    return [-graph.matmul(db, node.outputs[0].mT), db]
+
+
+def solve(graph: Graph, a: object, b: object) -> Value:
+    """``x`` with ``a x = b`` for square ``a [..., n, n]`` and ``b [..., n, k]`` (or ``[n]``
+    beside one matrix), as ``numpy.linalg.solve`` (LAPACK ``sgesv``: LU with partial pivoting);
+    NaN for an exactly singular matrix, where NumPy raises."""
+    return _with_vector(graph, a, b, "solve", lambda m, rhs: graph.add_node(op_kind("solve"), [m, rhs], NoAttrs()))
+
+
+# ----------------------------------------------------------------------------- slogdet
+
+
+def _slogdet_infer(what: str, inputs: Sequence[TensorType], attrs: NoAttrs) -> tuple[TensorType, ...]:
+    (a,) = inputs
+    _square(what, "a", a)
+    batch = TensorType(a.shape[:-2], F32)
+    return (batch, batch)
+
+
+def _slogdet_reference(args: Sequence[np.ndarray], attrs: NoAttrs, ctx: EvalContext) -> tuple[np.ndarray, ...]:
+    a = np.asarray(args[0], np.float64)
+    with np.errstate(all="ignore"):
+        sign, logabsdet = np.linalg.slogdet(a)
+    bad = np.isnan(a).any(axis=(-1, -2))
+    return np.where(bad, np.nan, sign), np.where(bad, np.nan, logabsdet)
+
+
+def _slogdet_grad(graph: Graph, node: Node, cts: Sequence[Value | None], needed: Sequence[bool]) -> list[Value | None]:
+    dlog = cts[1]
+    if dlog is None:
+        return [None]  # the sign is piecewise constant
+    a = node.inputs[0]
+    n = int(a.shape[-1])
+    identity = graph.broadcast_to(graph.constant(np.eye(n, dtype=np.float32)), a.shape)
+    inverse_t = solve(graph, a.mT, identity)
+    return [inverse_t * graph.reshape(dlog, (*dlog.shape, 1, 1))]
+
+
+def slogdet(graph: Graph, a: object) -> tuple[Value, Value]:
+    """``(sign, logabsdet)`` of square matrices ``a [..., n, n]``, each ``[...]``, as
+    ``numpy.linalg.slogdet`` (LU with partial pivoting, LAPACK ``sgetrf``): ``det = sign *
+    exp(logabsdet)`` without overflow; ``(0, -inf)`` for a singular matrix."""
+    outputs = graph.add_node(op_kind("slogdet"), [as_value(graph, a, "slogdet: a")], NoAttrs()).outputs
+    return outputs[0], outputs[1]
+
+
+# ----------------------------------------------------------------------------- compositions
+
+
+def det(graph: Graph, a: object) -> Value:
+    """The determinants of square matrices ``a [..., n, n]``: ``sign * exp(logabsdet)`` of
+    :func:`slogdet`, as ``numpy.linalg.det``."""
+    sign, logabsdet = slogdet(graph, a)
+    return sign * graph.exp(logabsdet)
+
+
+def inv(graph: Graph, a: object) -> Value:
+    """The inverses of square matrices ``a [..., n, n]``: ``solve(a, I)``, as ``numpy.linalg.inv``."""
+    matrix = as_value(graph, a, "inv: a")
+    _square("inv", "a", matrix.type)
+    identity = graph.constant(np.eye(int(matrix.shape[-1]), dtype=np.float32))
+    return solve(graph, matrix, graph.broadcast_to(identity, matrix.shape) if matrix.ndim > 2 else identity)
+
+
+register_op(OpDef("cholesky", ("a",), NoAttrs, _cholesky_infer, _cholesky_reference, _cholesky_grad, builder=cholesky))
+register_op(
+    OpDef(
+        "solve_triangular",
+        ("a", "b"),
+        TriangularAttrs,
+        _triangular_infer,
+        _triangular_reference,
+        _triangular_grad,
+        builder=solve_triangular,
+    )
+)
+register_op(OpDef("solve", ("a", "b"), NoAttrs, _solve_infer, _solve_reference, _solve_grad, builder=solve))
+register_op(OpDef("slogdet", ("a",), NoAttrs, _slogdet_infer, _slogdet_reference, _slogdet_grad, builder=slogdet))
