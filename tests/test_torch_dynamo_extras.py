@@ -29,6 +29,8 @@ def _inputs(kind: str) -> Any:
         return torch.eye(2, 3).expand(2, 2, 3) + 0.2 * torch.randn(2, 2, 3, generator=generator)
     if kind == "grid":
         return GRID.clone()
+    if kind == "square":  # a batch of well-conditioned matrices
+        return torch.randn(2, 4, 4, generator=generator) / 2 + 2 * torch.eye(4)
     return torch.randn(*shapes[kind], generator=generator)
 
 
@@ -111,6 +113,16 @@ CASES: list[tuple[str, str, Callable[..., Any]]] = [
     ("Tensor.unfold patches (a ViT's patchify)", "image",
      lambda a: a.unfold(2, 4, 4).unfold(3, 4, 4).permute(0, 2, 3, 1, 4, 5).reshape(2, 4, 48)),
     ("Tensor.unfold of a computed value", "row", lambda a: torch.tanh(a).unfold(-1, 4, 2).sum(-1)),
+    ("linalg.solve", "square", lambda a: torch.linalg.solve(a, a[..., :2] + 1.0)),
+    ("linalg.solve vectors, batch broadcast", "square", lambda a: torch.linalg.solve(a, a[0, 0])),
+    ("linalg.solve left=False", "square", lambda a: torch.linalg.solve(a, a[:, :3] * 2, left=False)),
+    ("linalg.solve_triangular", "square", lambda a: torch.linalg.solve_triangular(a, a[..., :3], upper=True)),
+    ("linalg.solve_triangular right unit", "square",
+     lambda a: torch.linalg.solve_triangular(a, a[:, :2], upper=False, left=False, unitriangular=True)),
+    ("linalg.cholesky upper", "square", lambda a: torch.linalg.cholesky(a @ a.mT, upper=True)),
+    ("slogdet, logdet, det", "square",
+     lambda a: torch.linalg.slogdet(a)[1] + torch.logdet(a @ a.mT) + torch.det(a) * a.slogdet()[0]),
+    ("inv", "square", lambda a: torch.linalg.inv(a) + a.inverse() * 2),
     ("advanced index: rows from the end", "matrix", lambda a: a[torch.tensor([-1, 0, -1])]),
     ("advanced index: points", "matrix", lambda a: a[torch.tensor([[0, 3], [2, 2]]), torch.tensor([5, -6])]),
     ("advanced index: apart", "image", lambda a: a[torch.tensor([1, 0]), :, torch.tensor([7, 2])]),

@@ -29,6 +29,7 @@ from rlx.torch._fx_calls import (
     _static_length,
     _transpose,
     _value,
+    check_kwargs,
     variance_arguments,
 )
 
@@ -627,6 +628,89 @@ def grid_sample(
     return total
 
 
+# ----------------------------------------------------------------------------- linear algebra
+
+
+def _batch_broadcast(g: Graph, a: Value, b: Value, vector: bool) -> tuple[Value, Value]:
+    """``a [..., n, n]`` and ``b [..., n, k]`` (``[..., n]`` when ``vector``) with their batch
+    dimensions broadcast, as torch.linalg broadcasts them."""
+    rhs_batch = b.shape[:-1] if vector else b.shape[:-2]
+    batch = np.broadcast_shapes(tuple(a.shape[:-2]), tuple(rhs_batch))  # type: ignore[arg-type]
+    if tuple(a.shape[:-2]) != batch:
+        a = g.broadcast_to(a, (*batch, *a.shape[-2:]))
+    if tuple(rhs_batch) != batch:
+        b = g.broadcast_to(b, (*batch, *b.shape[len(rhs_batch) :]))
+    return a, b
+
+
+def _is_vector(a: Value, b: Value) -> bool:
+    """torch.linalg.solve's rule: ``b`` is (a batch of) vectors when it is 1-d or has one axis
+    fewer than ``a`` with ``a``'s leading shape."""
+    return b.ndim == 1 or (b.ndim == a.ndim - 1 and tuple(b.shape) == tuple(a.shape[:-1]))
+
+
+def linalg_solve(g: Graph, a: Any, b: Any, *, left: bool = True, **kwargs: Any) -> Value:
+    """``torch.linalg.solve``: ``g.solve``; ``left=False`` solves ``x a = b``."""
+    check_kwargs(kwargs, out=None)
+    matrix, rhs = _float(a), _float(b)
+    vector = _is_vector(matrix, rhs)
+    if not left:
+        if vector:
+            raise Unsupported("solve with left=False of a vector")
+        matrix, rhs = matrix.mT, rhs.mT
+    matrix, rhs = _batch_broadcast(g, matrix, rhs, vector)
+    if vector:
+        return g.squeeze(g.solve(matrix, g.expand_dims(rhs, -1)), -1)
+    solved = g.solve(matrix, rhs)
+    return solved if left else solved.mT
+
+
+def linalg_solve_triangular(
+    g: Graph, a: Any, b: Any, *, upper: bool, left: bool = True, unitriangular: bool = False, **kwargs: Any
+) -> Value:
+    """``torch.linalg.solve_triangular``: ``g.solve_triangular``; ``left=False`` solves ``x a = b``
+    as ``a^T x^T = b^T``."""
+    check_kwargs(kwargs, out=None)
+    matrix, rhs = _batch_broadcast(g, _float(a), _float(b), vector=False)
+    if left:
+        return g.solve_triangular(matrix, rhs, lower=not upper, unit_diagonal=bool(unitriangular))
+    solved = g.solve_triangular(matrix, rhs.mT, lower=not upper, transpose_a=True, unit_diagonal=bool(unitriangular))
+    return solved.mT
+
+
+def cholesky(g: Graph, a: Any, upper: bool = False, **kwargs: Any) -> Value:
+    """``torch.linalg.cholesky`` (and the older ``torch.cholesky``): the lower factor, or its
+    transpose with ``upper``."""
+    check_kwargs(kwargs, out=None)
+    low = g.cholesky(_float(a))
+    return low.mT if upper else low
+
+
+def slogdet(g: Graph, a: Any, **kwargs: Any) -> tuple[Value, Value]:
+    """``torch.linalg.slogdet``: ``(sign, logabsdet)``."""
+    check_kwargs(kwargs, out=None)
+    return g.slogdet(_float(a))
+
+
+def logdet(g: Graph, a: Any) -> Value:
+    """``torch.logdet``: ``log(det)``, NaN for a negative determinant and ``-inf`` for zero:
+    ``logabsdet + log(sign)``."""
+    sign, logabsdet = g.slogdet(_float(a))
+    return logabsdet + g.log(sign)
+
+
+def det(g: Graph, a: Any, **kwargs: Any) -> Value:
+    """``torch.linalg.det``."""
+    check_kwargs(kwargs, out=None)
+    return g.det(_float(a))
+
+
+def inv(g: Graph, a: Any, **kwargs: Any) -> Value:
+    """``torch.linalg.inv`` / ``torch.inverse``."""
+    check_kwargs(kwargs, out=None)
+    return g.inv(_float(a))
+
+
 FUNCTIONS: dict[Any, Callable[..., Any]] = {
     **ACTIVATIONS,
     torch.sign: sign,
@@ -663,6 +747,17 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     F.grid_sample: grid_sample,
     torch.var_mean: moments(root=False),
     torch.std_mean: moments(root=True),
+    torch.linalg.solve: linalg_solve,
+    torch.linalg.solve_triangular: linalg_solve_triangular,
+    torch.linalg.cholesky: cholesky,
+    torch.cholesky: cholesky,
+    torch.linalg.slogdet: slogdet,
+    torch.slogdet: slogdet,
+    torch.logdet: logdet,
+    torch.linalg.det: det,
+    torch.det: det,
+    torch.linalg.inv: inv,
+    torch.inverse: inv,
 }
 
 METHODS: dict[str, Callable[..., Any]] = {
@@ -678,4 +773,9 @@ METHODS: dict[str, Callable[..., Any]] = {
     "narrow": narrow,
     "repeat": repeat,
     "index_add": index_add,
+    "cholesky": cholesky,
+    "slogdet": slogdet,
+    "logdet": logdet,
+    "det": det,
+    "inverse": inv,
 }
