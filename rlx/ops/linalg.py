@@ -16,8 +16,10 @@ ops that have gradients themselves, so second derivatives work too:
 - ``X = solve(A, B)``: ``dB = solve(A^T, dX)``, ``dA = -dB X^T``.
 - ``X = solve_triangular(A, B)``: the same with the triangular solve, ``dA`` kept to the
   triangle that was read.
-- ``L = cholesky(A)``: ``dA = sym(L^-T Phi(L^T dL) L^-1)``, ``Phi`` the lower triangle with its
-  diagonal halved.
+- ``L = cholesky(A)``: ``S = sym(L^-T Phi(L^T dL) L^-1)``, ``Phi`` the lower triangle with its
+  diagonal halved, is the gradient w.r.t. the symmetric matrix; since only A's lower triangle is
+  read, ``dA`` is ``2 S`` below the diagonal, ``S`` on it and 0 above (the exact derivative,
+  which torch and JAX give as ``S`` for an input they take as symmetric).
 - ``logabsdet``: ``dA = dlogabsdet * A^-T``; the sign has none.
 """
 
@@ -111,7 +113,16 @@ def _cholesky_grad(graph: Graph, node: Node, cts: Sequence[Value | None], needed
     phi = graph.matmul(low.mT, dl) * halved
     left = solve_triangular(graph, low, phi, lower=True, transpose_a=True)  # L^-T Phi
     whole = solve_triangular(graph, low, left.mT, lower=True, transpose_a=True).mT  # L^-T Phi L^-1
-    return [(whole + whole.mT) * 0.5]
+    return [_lower_read(graph, (whole + whole.mT) * 0.5)]
+
+
+def _lower_read(graph: Graph, symmetric: Value) -> Value:
+    """The gradient w.r.t. a matrix of which only the lower triangle is read, from the symmetric
+    gradient ``S`` w.r.t. the symmetric matrix it stands for: an entry below the diagonal stands
+    for two (``2 S_ij``), the diagonal for itself, the upper triangle for nothing."""
+    n = int(symmetric.shape[-1])
+    weights = 2.0 * np.tril(np.ones((n, n)), -1) + np.eye(n)
+    return symmetric * graph.constant(weights.astype(np.float32))
 
 
 def cholesky(graph: Graph, a: object) -> Value:

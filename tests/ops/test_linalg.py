@@ -81,6 +81,27 @@ def test_failures_give_nan_and_singular_determinants_zero() -> None:
     np.testing.assert_allclose(rlx.compile(g)(**arrays)["low"][0], np.sqrt(2.0) * np.eye(3), rtol=1e-6)
 
 
+def test_cholesky_differentiates_the_lower_triangle_it_reads() -> None:
+    """On a matrix that is not symmetric, the gradient is the exact derivative of what is
+    computed: entries above the diagonal are not read, so they get 0."""
+    rng = np.random.default_rng(5)
+    a = (rng.standard_normal((4, 4)) / 4 + 2 * np.eye(4)).astype(np.float32)
+    weights = rng.standard_normal((4, 4))
+
+    def np_loss(matrix: np.ndarray) -> float:
+        return float(np.sum(np.linalg.cholesky(np.tril(matrix) + np.tril(matrix, -1).T) * weights))
+
+    value, grad = rlx.value_and_grad(lambda m: (rlx.cholesky(m) * weights.astype(np.float32)).sum())(a)
+    assert float(value) == pytest.approx(np_loss(a.astype(np.float64)), rel=1e-5)
+    numeric = np.zeros((4, 4))
+    for index in np.ndindex(4, 4):
+        step = np.zeros((4, 4))
+        step[index] = 1e-6
+        numeric[index] = (np_loss(a + step) - np_loss(a - step)) / 2e-6
+    np.testing.assert_allclose(grad, numeric, rtol=1e-3, atol=1e-4)
+    assert np.all(np.triu(grad, 1) == 0)
+
+
 def test_a_symbolic_batch_compiles_once() -> None:
     g = Graph("batch")
     a = g.input("a", ("B", 4, 4))
