@@ -107,6 +107,13 @@ def _spd(x: Value) -> Value:
     return x @ x.mT + np.eye(x.shape[-1], dtype=np.float32) * 4.0
 
 
+def _spread(x: Value) -> Value:
+    """A symmetric matrix whose eigenvalues lie well apart (1, 5 and 9 moved by ``x``'s small
+    symmetric part), so that finite differences never cross a repeated one."""
+    n = x.shape[-1]
+    return (x + x.mT) * 0.1 + np.diag(np.arange(n) * 4.0 + 1.0).astype(np.float32)
+
+
 SAMPLES: list[Sample] = [
     Sample("input", lambda g: g.input("x", (2, 3))),
     Sample("constant", lambda g: g.input("x", (2, 3)) * g.constant(np.arange(6, dtype=np.float32).reshape(2, 3))),
@@ -239,6 +246,7 @@ SAMPLES: list[Sample] = [
         ),
         label="upper-transposed-unit",
     ),
+    Sample("eigh", lambda g: g.eigh(_spread(g.input("x", (2, 3, 3))))),
     Sample("slogdet", lambda g: g.slogdet(_dominant(g.input("a", (2, 3, 3))) * -1.0)),
     Sample("slogdet", lambda g: g.det(_dominant(g.input("a", (3, 3)))), label="det"),
     Sample(

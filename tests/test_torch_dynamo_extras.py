@@ -123,6 +123,11 @@ CASES: list[tuple[str, str, Callable[..., Any]]] = [
     ("slogdet, logdet, det", "square",
      lambda a: torch.linalg.slogdet(a)[1] + torch.logdet(a @ a.mT) + torch.det(a) * a.slogdet()[0]),
     ("inv", "square", lambda a: torch.linalg.inv(a) + a.inverse() * 2),
+    # Symmetric inputs, as eigh is for (on others torch's gradient takes the input as symmetric,
+    # rlx's is the derivative of reading one triangle), and uses of the vectors free of their signs.
+    ("eigh, sign-free uses", "square",
+     lambda a: (lambda w, v: v * v * w.unsqueeze(-2) + (v * w.unsqueeze(-2)) @ v.mT)(*torch.linalg.eigh(a + a.mT))),
+    ("eigvalsh upper", "square", lambda a: torch.linalg.eigvalsh(a @ a.mT + a + a.mT, UPLO="U")),
     ("advanced index: rows from the end", "matrix", lambda a: a[torch.tensor([-1, 0, -1])]),
     ("advanced index: points", "matrix", lambda a: a[torch.tensor([[0, 3], [2, 2]]), torch.tensor([5, -6])]),
     ("advanced index: apart", "image", lambda a: a[torch.tensor([1, 0]), :, torch.tensor([7, 2])]),

@@ -12,13 +12,30 @@ from __future__ import annotations
 from llvmlite import ir
 
 from rlx.codegen.blas import ROW_MAJOR
-from rlx.codegen.irutil import F32, I1, I8, I32, I64, PTR, VOID, declare, f32, for_range, gep, i32, i64, intrinsic
+from rlx.codegen.irutil import (
+    F32,
+    I1,
+    I8,
+    I32,
+    I64,
+    PTR,
+    VOID,
+    alloca_entry,
+    declare,
+    f32,
+    for_range,
+    gep,
+    i32,
+    i64,
+    intrinsic,
+)
 
 POTRF = "scipy_LAPACKE_spotrf"  # (layout, uplo, n, a, lda) -> info
 GESV = "scipy_LAPACKE_sgesv"  # (layout, n, nrhs, a, lda, ipiv, b, ldb) -> info
 GETRF = "scipy_LAPACKE_sgetrf"  # (layout, m, n, a, lda, ipiv) -> info
+SYEVD = "scipy_LAPACKE_ssyevd"  # (layout, jobz, uplo, n, a, lda, w) -> info
 TRSM = "scipy_cblas_strsm"  # (layout, side, uplo, trans, diag, m, n, alpha, a, lda, b, ldb)
-LINALG_OPS = frozenset({"cholesky", "solve_triangular", "solve", "slogdet"})
+LINALG_OPS = frozenset({"cholesky", "solve_triangular", "solve", "slogdet", "eigh"})
 LEFT, UPPER, LOWER, NO_TRANS, TRANS, NON_UNIT, UNIT = 141, 121, 122, 111, 112, 131, 132  # cblas.h
 
 
@@ -45,6 +62,9 @@ def emit_linalg_item(module: ir.Module, op: str, n: int, k: int, attrs: object, 
     elif op == "solve":
         a, rhs, out = gep(b, pointers[0], [square], F32), gep(b, pointers[1], [columns], F32), pointers[2]
         _solve(b, module, a, rhs, gep(b, out, [columns], F32), scratch, n, k)
+    elif op == "eigh":
+        a = gep(b, pointers[0], [square], F32)
+        _eigh(b, module, a, gep(b, pointers[1], [b.mul(item, i64(n))], F32), gep(b, pointers[2], [square], F32), n)
     elif op == "slogdet":
         a = gep(b, pointers[0], [square], F32)
         _slogdet(b, module, a, gep(b, pointers[1], [item], F32), gep(b, pointers[2], [item], F32), scratch, n)
@@ -132,3 +152,28 @@ def _slogdet(
     with b.if_then(failed):
         b.store(f32(float("nan")), sign)
         b.store(f32(float("nan")), log)
+
+
+def _eigh(b: ir.IRBuilder, module: ir.Module, a: ir.Value, values: ir.Value, vectors: ir.Value, n: int) -> None:
+    """``values, vectors``: syevd on a copy of ``a``'s lower triangle, each eigenvector (column)
+    then flipped so that its entry of largest magnitude (the first of equal ones) is positive."""
+    syevd = declare(module, SYEVD, I32, [I32, I8, I8, I32, PTR, I32, PTR])
+    fabs = intrinsic(module, "llvm.fabs.f32", F32, [F32])
+    _copy(b, module, vectors, a, n * n)
+    flags = [i32(ROW_MAJOR), ir.Constant(I8, ord("V")), ir.Constant(I8, ord("L")), i32(n)]
+    info = b.call(syevd, [*flags, vectors, i32(n), values], name="info")
+    failed = _fill_nan_if(b, info, vectors, n * n)
+    with b.if_then(failed), for_range(b, 0, n, "nan.w") as j:
+        b.store(f32(float("nan")), gep(b, values, [j], F32))
+    largest = alloca_entry(b, F32, "largest")
+    with b.if_then(b.not_(failed)), for_range(b, 0, n, "column") as col:
+        b.store(b.load(gep(b, vectors, [col], F32), typ=F32), largest)
+        with for_range(b, 1, n, "row") as row:
+            entry = b.load(gep(b, vectors, [b.add(b.mul(row, i64(n)), col)], F32), typ=F32)
+            current = b.load(largest, typ=F32)
+            larger = b.fcmp_ordered(">", b.call(fabs, [entry]), b.call(fabs, [current]))
+            b.store(b.select(larger, entry, current), largest)
+        negative = b.fcmp_ordered("<", b.load(largest, typ=F32), f32(0.0))
+        with b.if_then(negative), for_range(b, 0, n, "flip") as row:
+            at = gep(b, vectors, [b.add(b.mul(row, i64(n)), col)], F32)
+            b.store(b.fneg(b.load(at, typ=F32)), at)

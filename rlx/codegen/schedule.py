@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rlx.codegen.lower_gemm import blas_reads_in_place
+from rlx.codegen.lower_linalg import LINALG_OPS
 from rlx.codegen.sizes import SizeLike, size_of
 from rlx.codegen.views import View
 from rlx.errors import RlxValueError
@@ -47,10 +48,7 @@ CALL_OUT_OPS = frozenset(
         "cummin",
         "logcumsumexp",
         "sort",
-        "cholesky",
-        "solve_triangular",
-        "solve",
-        "slogdet",
+        *LINALG_OPS,
     }
 )
 VIEW_OPS = frozenset({"reshape", "transpose", "split", "broadcast_to", "unfold"})

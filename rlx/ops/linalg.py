@@ -1,5 +1,5 @@
-"""Dense linear algebra on stacks of matrices: ``cholesky``, ``solve_triangular``, ``solve`` and
-``slogdet`` as ops (LAPACK and BLAS from OpenBLAS do the work, one matrix per work item), and
+"""Dense linear algebra on stacks of matrices: ``cholesky``, ``solve_triangular``, ``solve``,
+``slogdet`` and ``eigh`` as ops (LAPACK and BLAS from OpenBLAS do the work, one matrix per work item), and
 ``det`` and ``inv`` built from them, as ``numpy.linalg`` / ``jax.numpy.linalg`` /
 ``torch.linalg`` define them.
 
@@ -21,6 +21,8 @@ ops that have gradients themselves, so second derivatives work too:
   read, ``dA`` is ``2 S`` below the diagonal, ``S`` on it and 0 above (the exact derivative,
   which torch and JAX give as ``S`` for an input they take as symmetric).
 - ``logabsdet``: ``dA = dlogabsdet * A^-T``; the sign has none.
+- ``w, V = eigh(A)``: ``V (diag(dw) + F * (V^T dV)) V^T``, ``F_ij = 1/(w_j - w_i)``, as for
+  ``cholesky`` taken to the lower triangle.
 """
 
 from __future__ import annotations
@@ -285,6 +287,61 @@ def slogdet(graph: Graph, a: object) -> tuple[Value, Value]:
     return outputs[0], outputs[1]
 
 
+# ----------------------------------------------------------------------------- eigh
+
+
+def _eigh_infer(what: str, inputs: Sequence[TensorType], attrs: NoAttrs) -> tuple[TensorType, ...]:
+    (a,) = inputs
+    _square(what, "a", a)
+    return (TensorType(a.shape[:-1], F32), a)
+
+
+def canonical_signs(vectors: np.ndarray) -> np.ndarray:
+    """Eigenvectors (columns) each flipped so that its entry of largest magnitude (the first of
+    equal ones) is positive: one answer where LAPACK may give either sign."""
+    largest = np.argmax(np.abs(vectors), axis=-2)[..., None, :]
+    signs = np.where(np.take_along_axis(vectors, largest, axis=-2) < 0, -1.0, 1.0)
+    return vectors * signs
+
+
+def _eigh_reference(args: Sequence[np.ndarray], attrs: NoAttrs, ctx: EvalContext) -> tuple[np.ndarray, ...]:
+    a = np.tril(np.asarray(args[0], np.float64))  # only the lower triangle is read
+    values = np.full(a.shape[:-1], np.nan)
+    vectors = np.full(a.shape, np.nan)
+    for index in np.ndindex(*a.shape[:-2]):
+        if not np.isnan(a[index]).any():
+            values[index], vectors[index] = np.linalg.eigh(a[index], UPLO="L")
+    return values, canonical_signs(vectors)
+
+
+def _eigh_grad(graph: Graph, node: Node, cts: Sequence[Value | None], needed: Sequence[bool]) -> list[Value | None]:
+    """``S = V (diag(dw) + F * (V^T dV)) V^T`` symmetrized, ``F_ij = 1 / (w_j - w_i)`` off the
+    diagonal (infinite for repeated eigenvalues, as torch's and JAX's), then the lower triangle's
+    share of it."""
+    dw, dv = cts
+    w, v = node.outputs
+    n = int(v.shape[-1])
+    eye = np.eye(n, dtype=np.float32)
+    inner: Value | None = None
+    if dw is not None:
+        inner = graph.expand_dims(dw, -2) * eye
+    if dv is not None:
+        gaps = graph.expand_dims(w, -2) - graph.expand_dims(w, -1) + eye  # w_j - w_i, 1 on the diagonal
+        rotation = graph.matmul(v.mT, dv) * ((1.0 - eye) / gaps)
+        inner = rotation if inner is None else inner + rotation
+    assert inner is not None
+    whole = graph.matmul(graph.matmul(v, inner), v.mT)
+    return [_lower_read(graph, (whole + whole.mT) * 0.5)]
+
+
+def eigh(graph: Graph, a: object) -> tuple[Value, Value]:
+    """``(w, v)``: the eigenvalues ``[..., n]`` (ascending) and eigenvectors (the columns of
+    ``[..., n, n]``) of symmetric matrices ``a [..., n, n]``, of which the lower triangle is read,
+    as ``numpy.linalg.eigh`` (LAPACK ``ssyevd``). Each eigenvector's largest entry is positive."""
+    outputs = graph.add_node(op_kind("eigh"), [as_value(graph, a, "eigh: a")], NoAttrs()).outputs
+    return outputs[0], outputs[1]
+
+
 # ----------------------------------------------------------------------------- compositions
 
 
@@ -316,4 +373,5 @@ register_op(
     )
 )
 register_op(OpDef("solve", ("a", "b"), NoAttrs, _solve_infer, _solve_reference, _solve_grad, builder=solve))
+register_op(OpDef("eigh", ("a",), NoAttrs, _eigh_infer, _eigh_reference, _eigh_grad, builder=eigh))
 register_op(OpDef("slogdet", ("a",), NoAttrs, _slogdet_infer, _slogdet_reference, _slogdet_grad, builder=slogdet))

@@ -705,6 +705,23 @@ def det(g: Graph, a: Any, **kwargs: Any) -> Value:
     return g.det(_float(a))
 
 
+def eigh(g: Graph, a: Any, UPLO: str = "L", **kwargs: Any) -> tuple[Value, Value]:
+    """``torch.linalg.eigh``: ``g.eigh`` of the triangle ``UPLO`` names (the upper one as the lower
+    of the transpose). Each eigenvector's largest entry is positive, one of the signs torch's may
+    have. For the symmetric inputs eigh is for, the gradient is torch's; for others it is the
+    derivative of reading one triangle, where torch's takes the input as symmetric."""
+    check_kwargs(kwargs, out=None)
+    if UPLO not in ("L", "U"):
+        raise Unsupported(f"eigh with UPLO={UPLO!r}")
+    matrix = _float(a)
+    return g.eigh(matrix if UPLO == "L" else matrix.mT)
+
+
+def eigvalsh(g: Graph, a: Any, UPLO: str = "L", **kwargs: Any) -> Value:
+    """``torch.linalg.eigvalsh``: the eigenvalues of ``g.eigh``."""
+    return eigh(g, a, UPLO, **kwargs)[0]
+
+
 def inv(g: Graph, a: Any, **kwargs: Any) -> Value:
     """``torch.linalg.inv`` / ``torch.inverse``."""
     check_kwargs(kwargs, out=None)
@@ -758,6 +775,8 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     torch.det: det,
     torch.linalg.inv: inv,
     torch.inverse: inv,
+    torch.linalg.eigh: eigh,
+    torch.linalg.eigvalsh: eigvalsh,
 }
 
 METHODS: dict[str, Callable[..., Any]] = {

@@ -55,6 +55,25 @@ def test_against_numpy_and_the_identities(threads: int) -> None:
     np.testing.assert_allclose(got["inv"], np.linalg.inv(wide), rtol=1e-4, atol=1e-4)
 
 
+def test_eigh_against_numpy_with_one_sign_per_eigenvector() -> None:
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 3, 24, 24)).astype(np.float32)
+    a = (x + np.swapaxes(x, -1, -2)) / 2
+    g = Graph("eigh")
+    w, v = g.eigh(g.input("a", a.shape))
+    g.output(w=w, v=v)
+    got = rlx.compile(g)(a=a)
+    want_w, want_v = np.linalg.eigh(a.astype(np.float64))
+    np.testing.assert_allclose(got["w"], want_w, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(a @ got["v"], got["v"] * got["w"][..., None, :], atol=1e-4)  # A V = V diag(w)
+    np.testing.assert_allclose(
+        np.swapaxes(got["v"], -1, -2) @ got["v"], np.broadcast_to(np.eye(24), a.shape), atol=1e-5
+    )
+    largest = np.take_along_axis(got["v"], np.argmax(np.abs(got["v"]), axis=-2)[..., None, :], axis=-2)
+    assert np.all(largest > 0)
+    np.testing.assert_allclose(np.abs(got["v"]), np.abs(want_v), atol=1e-3)
+
+
 def test_failures_give_nan_and_singular_determinants_zero() -> None:
     g = Graph("failures")
     a = g.input("a", (3, 3, 3))
