@@ -114,6 +114,15 @@ def _spread(x: Value) -> Value:
     return (x + x.mT) * 0.1 + np.diag(np.arange(n) * 4.0 + 1.0).astype(np.float32)
 
 
+def _apart(x: Value) -> Value:
+    """A matrix whose singular values lie well apart (9, 5, 1, moved by 0.1 ``x``)."""
+    m, n = x.shape[-2:]
+    diagonal = np.zeros((m, n), np.float32)
+    for i, value in enumerate((9.0, 5.0, 1.0)[: min(m, n)]):
+        diagonal[i, i] = value
+    return x * 0.1 + diagonal
+
+
 SAMPLES: list[Sample] = [
     Sample("input", lambda g: g.input("x", (2, 3))),
     Sample("constant", lambda g: g.input("x", (2, 3)) * g.constant(np.arange(6, dtype=np.float32).reshape(2, 3))),
@@ -247,6 +256,10 @@ SAMPLES: list[Sample] = [
         label="upper-transposed-unit",
     ),
     Sample("eigh", lambda g: g.eigh(_spread(g.input("x", (2, 3, 3))))),
+    Sample("svd", lambda g: g.svd(_apart(g.input("x", (2, 3, 3))))),
+    Sample("svd", lambda g: g.svd(_apart(g.input("x", (3, 4))), full_matrices=False), label="wide"),
+    Sample("svd", lambda g: g.svd(_apart(g.input("x", (2, 4, 3))), full_matrices=False), label="tall"),
+    Sample("svd", lambda g: g.matrix_norm(_apart(g.input("x", (2, 4, 3))), "nuc"), label="nuclear-norm"),
     Sample("slogdet", lambda g: g.slogdet(_dominant(g.input("a", (2, 3, 3))) * -1.0)),
     Sample("slogdet", lambda g: g.det(_dominant(g.input("a", (3, 3)))), label="det"),
     Sample(

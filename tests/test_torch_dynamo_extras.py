@@ -127,6 +127,11 @@ CASES: list[tuple[str, str, Callable[..., Any]]] = [
     # rlx's is the derivative of reading one triangle), and uses of the vectors free of their signs.
     ("eigh, sign-free uses", "square",
      lambda a: (lambda w, v: v * v * w.unsqueeze(-2) + (v * w.unsqueeze(-2)) @ v.mT)(*torch.linalg.eigh(a + a.mT))),
+    ("svd, sign-free uses", "matrix",
+     lambda a: (lambda u, s, vh: (u * s.unsqueeze(-2)) @ vh + (vh * vh).sum())(*torch.linalg.svd(a, False))),
+    ("svdvals and matrix norms", "square",
+     lambda a: torch.linalg.svdvals(a).sum(-1) + torch.linalg.matrix_norm(a, "nuc") + torch.linalg.norm(a, 2, (-1, -2))
+     + torch.linalg.matrix_norm(a, -1, keepdim=True).squeeze()),
     ("eigvalsh upper", "square", lambda a: torch.linalg.eigvalsh(a @ a.mT + a + a.mT, UPLO="U")),
     ("advanced index: rows from the end", "matrix", lambda a: a[torch.tensor([-1, 0, -1])]),
     ("advanced index: points", "matrix", lambda a: a[torch.tensor([[0, 3], [2, 2]]), torch.tensor([5, -6])]),
@@ -172,12 +177,12 @@ def test_translation_matches_eager(name: str, kind: str, function: Callable[...,
 
 
 def test_what_rlx_leaves_falls_back() -> None:
-    """A nuclear norm (no SVD in rlx) and a scatter of a tensor (whose result torch leaves
+    """A QR factorisation (not in rlx) and a scatter of a tensor (whose result torch leaves
     undefined where indices repeat) run eagerly, with a warning naming why."""
     x = _inputs("matrix").requires_grad_()
-    with pytest.warns(UserWarning, match="nuc"):
-        torch.testing.assert_close(torch.compile(lambda a: torch.linalg.norm(a, "nuc"), backend="rlx")(x),
-                                   torch.linalg.norm(x, "nuc"))  # fmt: skip
+    with pytest.warns(UserWarning, match="qr"):
+        torch.testing.assert_close(torch.compile(lambda a: torch.linalg.qr(a)[1], backend="rlx")(x),
+                                   torch.linalg.qr(x)[1])  # fmt: skip
     index = torch.tensor([[5, 0, 5], [1, 2, 3], [0, 0, 0], [4, 4, 1]])
     with pytest.warns(UserWarning, match="scatter of a tensor"):
         torch.testing.assert_close(torch.compile(lambda a: a.scatter(1, index, a[:, :3] * 2), backend="rlx")(x),

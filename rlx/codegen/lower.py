@@ -357,7 +357,8 @@ def scratch_bytes(node: Node, config: RuntimeConfig, options: CodegenOptions, sc
         flex = flex_spec(node, options)
         return flex.scratch_bytes() if flex.is_static else 0
     if node.op.value in LINALG_OPS:
-        return linalg_scratch_bytes(node.op.value, int(node.inputs[0].shape[-1]))
+        rows, columns = (int(d) for d in node.inputs[0].shape[-2:])
+        return linalg_scratch_bytes(node.op.value, rows, columns)
     return 0
 
 
@@ -630,8 +631,8 @@ class _Lowering:
             self.call(item_fn, pointers, product(x.shape[:-1]), False, str(node.id))
         elif op in LINALG_OPS:
             matrix = node.inputs[0]
-            n = int(matrix.shape[-1])
-            k = int(node.inputs[1].shape[-1]) if len(node.inputs) > 1 else n
+            n = int(matrix.shape[-2 if op == "svd" else -1])
+            k = int((node.inputs[1] if len(node.inputs) > 1 else matrix).shape[-1])
             name = f"{op}.{node.id}"
             item_fn = self.item_function(
                 (op, n, k, node.attrs), name, lambda: emit_linalg_item(self.module, op, n, k, node.attrs, name)

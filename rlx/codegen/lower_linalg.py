@@ -34,24 +34,33 @@ POTRF = "scipy_LAPACKE_spotrf"  # (layout, uplo, n, a, lda) -> info
 GESV = "scipy_LAPACKE_sgesv"  # (layout, n, nrhs, a, lda, ipiv, b, ldb) -> info
 GETRF = "scipy_LAPACKE_sgetrf"  # (layout, m, n, a, lda, ipiv) -> info
 SYEVD = "scipy_LAPACKE_ssyevd"  # (layout, jobz, uplo, n, a, lda, w) -> info
+GESDD = "scipy_LAPACKE_sgesdd"  # (layout, jobz, m, n, a, lda, s, u, ldu, vt, ldvt) -> info
 TRSM = "scipy_cblas_strsm"  # (layout, side, uplo, trans, diag, m, n, alpha, a, lda, b, ldb)
-LINALG_OPS = frozenset({"cholesky", "solve_triangular", "solve", "slogdet", "eigh"})
+LINALG_OPS = frozenset({"cholesky", "solve_triangular", "solve", "slogdet", "eigh", "svd"})
 LEFT, UPPER, LOWER, NO_TRANS, TRANS, NON_UNIT, UNIT = 141, 121, 122, 111, 112, 131, 132  # cblas.h
 
 
-def linalg_scratch_bytes(op: str, n: int) -> int:
-    """Per-thread scratch of an item: a copy of the matrix and its pivots (``solve``, ``slogdet``)."""
-    return 4 * (n * n + n) if op in ("solve", "slogdet") else 0
+def linalg_scratch_bytes(op: str, m: int, n: int) -> int:
+    """Per-thread scratch of an item (``[m, n]`` its matrix): a copy of the matrix, and its pivots
+    (``solve``, ``slogdet``), where LAPACK would overwrite an operand."""
+    if op in ("solve", "slogdet"):
+        return 4 * (n * n + n)
+    return 4 * m * n if op == "svd" else 0
 
 
 def emit_linalg_item(module: ir.Module, op: str, n: int, k: int, attrs: object, name: str) -> ir.Function:
     """``void item(ptr args, i64 item, ptr scratch)`` for matrix ``item`` of the batch; args are
-    the node's operands then its results, dense; ``k`` the right-hand side's columns."""
+    the node's operands then its results, dense; ``k`` the right-hand side's columns (``svd``: the
+    matrix is ``[n, k]``)."""
     fn = ir.Function(module, ir.FunctionType(VOID, [PTR, I64, PTR]), name=name)
     fn.linkage = "internal"
     args, item, scratch = fn.args
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    pointers = [b.load(gep(b, args, [i64(slot)], PTR), typ=PTR) for slot in range(3)]
+    pointers = [b.load(gep(b, args, [i64(slot)], PTR), typ=PTR) for slot in range(4 if op == "svd" else 3)]
+    if op == "svd":
+        _svd(b, module, pointers, item, scratch, n, k)
+        b.ret_void()
+        return fn
     square = b.mul(item, i64(n * n), name="square")
     columns = b.mul(item, i64(n * k), name="columns")
     if op == "cholesky":
@@ -177,3 +186,41 @@ def _eigh(b: ir.IRBuilder, module: ir.Module, a: ir.Value, values: ir.Value, vec
         with b.if_then(negative), for_range(b, 0, n, "flip") as row:
             at = gep(b, vectors, [b.add(b.mul(row, i64(n)), col)], F32)
             b.store(b.fneg(b.load(at, typ=F32)), at)
+
+
+def _svd(
+    b: ir.IRBuilder, module: ir.Module, pointers: list[ir.Value], item: ir.Value, scratch: ir.Value, m: int, n: int
+) -> None:
+    """``u, s, vt`` of the thin SVD by gesdd on a copy of the ``[m, n]`` matrix (the scratch);
+    each pair of singular vectors then flipped so that ``u``'s column has its entry of largest
+    magnitude (the first of equal ones) positive."""
+    k = min(m, n)
+    gesdd = declare(module, GESDD, I32, [I32, I8, I32, I32, PTR, I32, PTR, PTR, I32, PTR, I32])
+    fabs = intrinsic(module, "llvm.fabs.f32", F32, [F32])
+    a = gep(b, pointers[0], [b.mul(item, i64(m * n))], F32)
+    u = gep(b, pointers[1], [b.mul(item, i64(m * k))], F32)
+    s = gep(b, pointers[2], [b.mul(item, i64(k))], F32)
+    vt = gep(b, pointers[3], [b.mul(item, i64(k * n))], F32)
+    _copy(b, module, scratch, a, m * n)
+    flags = [i32(ROW_MAJOR), ir.Constant(I8, ord("S")), i32(m), i32(n), scratch, i32(n)]
+    info = b.call(gesdd, [*flags, s, u, i32(k), vt, i32(n)], name="info")
+    failed = b.icmp_signed("!=", info, i32(0), name="failed")
+    with b.if_then(failed):
+        for target, count in ((u, m * k), (s, k), (vt, k * n)):
+            with for_range(b, 0, count, "nan") as j:
+                b.store(f32(float("nan")), gep(b, target, [j], F32))
+    largest = alloca_entry(b, F32, "largest")
+    with b.if_then(b.not_(failed)), for_range(b, 0, k, "pair") as pair:
+        b.store(b.load(gep(b, u, [pair], F32), typ=F32), largest)
+        with for_range(b, 1, m, "row") as row:
+            entry = b.load(gep(b, u, [b.add(b.mul(row, i64(k)), pair)], F32), typ=F32)
+            current = b.load(largest, typ=F32)
+            larger = b.fcmp_ordered(">", b.call(fabs, [entry]), b.call(fabs, [current]))
+            b.store(b.select(larger, entry, current), largest)
+        with b.if_then(b.fcmp_ordered("<", b.load(largest, typ=F32), f32(0.0))):
+            with for_range(b, 0, m, "flip.u") as row:
+                at = gep(b, u, [b.add(b.mul(row, i64(k)), pair)], F32)
+                b.store(b.fneg(b.load(at, typ=F32)), at)
+            with for_range(b, 0, n, "flip.v") as col:
+                at = gep(b, vt, [b.add(b.mul(pair, i64(n)), col)], F32)
+                b.store(b.fneg(b.load(at, typ=F32)), at)

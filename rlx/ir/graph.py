@@ -678,6 +678,19 @@ class Graph:
 
         return inv(self, a)
 
+    def svdvals(self, a: object) -> Value:
+        """The singular values of matrices ``[..., m, n]``, descending: see :mod:`rlx.ops.linalg`."""
+        from rlx.ops.linalg import svdvals
+
+        return svdvals(self, a)
+
+    def matrix_norm(self, a: object, ord: object = "fro", keepdims: bool = False) -> Value:
+        """``torch.linalg.matrix_norm`` (``"fro"``, ``"nuc"``, ``2``, ``1``, ``inf`` and their negatives):
+        see :mod:`rlx.ops.linalg`."""
+        from rlx.ops.linalg import matrix_norm
+
+        return matrix_norm(self, a, ord, keepdims)
+
     def pad(self, x: object, pad_width: object, value: float | int | bool = 0) -> Value:
         """``numpy.pad`` with ``constant_values=value``: ``pad_width`` an int, a pair, or a pair per axis."""
         from rlx.ops.arrays import pad
@@ -997,6 +1010,8 @@ def _all_or_nothing(builder: Any) -> Any:
 COMPOSITE_METHODS = (
     "det",
     "inv",
+    "svdvals",
+    "matrix_norm",
     "stack",
     "expand_dims",
     "squeeze",

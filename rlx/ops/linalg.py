@@ -1,6 +1,6 @@
 """Dense linear algebra on stacks of matrices: ``cholesky``, ``solve_triangular``, ``solve``,
-``slogdet`` and ``eigh`` as ops (LAPACK and BLAS from OpenBLAS do the work, one matrix per work item), and
-``det`` and ``inv`` built from them, as ``numpy.linalg`` / ``jax.numpy.linalg`` /
+``slogdet``, ``eigh`` and ``svd`` as ops (LAPACK and BLAS from OpenBLAS do the work, one matrix per work item), and
+``det``, ``inv``, ``svdvals`` and ``matrix_norm`` built from them, as ``numpy.linalg`` / ``jax.numpy.linalg`` /
 ``torch.linalg`` define them.
 
 Every operand is ``[..., n, n]`` (a right-hand side ``[..., n, k]``, or ``[n]`` beside a single
@@ -21,6 +21,7 @@ ops that have gradients themselves, so second derivatives work too:
   read, ``dA`` is ``2 S`` below the diagonal, ``S`` on it and 0 above (the exact derivative,
   which torch and JAX give as ``S`` for an input they take as symmetric).
 - ``logabsdet``: ``dA = dlogabsdet * A^-T``; the sign has none.
+- ``U, s, V^T = svd(A)``: Townsend's (2016), see :func:`_svd_grad`.
 - ``w, V = eigh(A)``: ``V (diag(dw) + F * (V^T dV)) V^T``, ``F_ij = 1/(w_j - w_i)``, as for
   ``cholesky`` taken to the lower triangle.
 """
@@ -342,6 +343,126 @@ def eigh(graph: Graph, a: object) -> tuple[Value, Value]:
     return outputs[0], outputs[1]
 
 
+# ----------------------------------------------------------------------------- svd
+
+
+def _matrix(what: str, ty: TensorType) -> tuple[int, int]:
+    """``(m, n)`` of a stack of float matrices ``[..., m, n]`` (static)."""
+    require_float(what, "a", ty)
+    if ty.rank < 2 or not all(isinstance(d, int) for d in ty.shape[-2:]):
+        raise RlxValueError(f"{what}: a must be a stack of matrices [..., m, n] of sizes known when built, got {ty}")
+    return int(ty.shape[-2]), int(ty.shape[-1])
+
+
+def _svd_infer(what: str, inputs: Sequence[TensorType], attrs: NoAttrs) -> tuple[TensorType, ...]:
+    (a,) = inputs
+    m, n = _matrix(what, a)
+    k = min(m, n)
+    batch = a.shape[:-2]
+    return TensorType((*batch, m, k), F32), TensorType((*batch, k), F32), TensorType((*batch, k, n), F32)
+
+
+def _svd_signs(u: np.ndarray, vh: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each singular pair flipped so that the left vector's largest entry is positive."""
+    largest = np.argmax(np.abs(u), axis=-2)[..., None, :]
+    signs = np.where(np.take_along_axis(u, largest, axis=-2) < 0, -1.0, 1.0)
+    return u * signs, vh * np.swapaxes(signs, -1, -2)
+
+
+def _svd_reference(args: Sequence[np.ndarray], attrs: NoAttrs, ctx: EvalContext) -> tuple[np.ndarray, ...]:
+    a = np.asarray(args[0], np.float64)
+    m, n = a.shape[-2:]
+    k = min(m, n)
+    u = np.full((*a.shape[:-2], m, k), np.nan)
+    s = np.full((*a.shape[:-2], k), np.nan)
+    vh = np.full((*a.shape[:-2], k, n), np.nan)
+    for index in np.ndindex(*a.shape[:-2]):
+        if not np.isnan(a[index]).any():
+            u[index], s[index], vh[index] = np.linalg.svd(a[index], full_matrices=False)
+    u, vh = _svd_signs(u, vh)
+    return u, s, vh
+
+
+def _svd_grad(graph: Graph, node: Node, cts: Sequence[Value | None], needed: Sequence[bool]) -> list[Value | None]:
+    """Townsend's (2016) gradient of the thin SVD ``A = U diag(s) V^T``, ``F_ij = 1/(s_j^2 -
+    s_i^2)`` off the diagonal (infinite for repeated singular values, as torch's and JAX's):
+    ``U [F*(U^T dU - dU^T U) S + diag(ds) + S F*(V^T dV - dV^T V)] V^T``, plus, for a matrix that
+    is not square, ``(I - U U^T) dU S^-1 V^T + U S^-1 dV^T (I - V V^T)``."""
+    du, ds, dvh = cts
+    u, s, vh = node.outputs
+    m, n = (int(d) for d in node.inputs[0].shape[-2:])
+    k = min(m, n)
+    eye = np.eye(k, dtype=np.float32)
+    v = vh.mT
+    dv = dvh.mT if dvh is not None else None
+    row = graph.expand_dims(s, -2)  # s_j along the last axis
+    column = graph.expand_dims(s, -1)  # s_i
+    inner: Value | None = graph.expand_dims(ds, -2) * eye if ds is not None else None
+    gaps = (row * row - column * column) + eye
+    f = (1.0 - eye) / gaps
+    if du is not None:
+        ut_du = graph.matmul(u.mT, du)
+        term = (f * (ut_du - ut_du.mT)) * row
+        inner = term if inner is None else inner + term
+    if dv is not None:
+        vt_dv = graph.matmul(v.mT, dv)
+        term = column * (f * (vt_dv - vt_dv.mT))
+        inner = term if inner is None else inner + term
+    assert inner is not None
+    da = graph.matmul(graph.matmul(u, inner), vh)
+    if du is not None and m > k:
+        projected = du - graph.matmul(u, graph.matmul(u.mT, du))
+        da = da + graph.matmul(projected / row, vh)
+    if dv is not None and n > k:
+        projected = dv - graph.matmul(v, graph.matmul(v.mT, dv))
+        da = da + graph.matmul(u / row, projected.mT)
+    return [da]
+
+
+def svd(graph: Graph, a: object, full_matrices: bool = True) -> tuple[Value, Value, Value]:
+    """``(u, s, vh)`` with ``a = u @ diag(s) @ vh`` for matrices ``a [..., m, n]``: singular
+    values descending, as ``numpy.linalg.svd`` (LAPACK ``sgesdd``). The thin factors
+    (``full_matrices=False``; for square matrices they are the full ones). Each pair of singular
+    vectors is signed so that the left one's largest entry is positive."""
+    value = as_value(graph, a, "svd: a")
+    if not isinstance(full_matrices, bool):
+        raise RlxTypeError(f"svd: full_matrices must be a bool, got {type(full_matrices).__name__}")
+    shape = value.shape[-2:]
+    if full_matrices and value.ndim >= 2 and shape[0] != shape[1]:
+        raise RlxValueError(
+            f"svd: full_matrices=True of the non-square {value.type} is not supported (its extra singular vectors "
+            "have no gradient); pass full_matrices=False"
+        )
+    outputs = graph.add_node(op_kind("svd"), [value], NoAttrs()).outputs
+    return outputs[0], outputs[1], outputs[2]
+
+
+def svdvals(graph: Graph, a: object) -> Value:
+    """The singular values ``[..., min(m, n)]`` of matrices ``a [..., m, n]``, descending."""
+    return svd(graph, a, full_matrices=False)[1]
+
+
+def matrix_norm(graph: Graph, a: object, ord: object = "fro", keepdims: bool = False) -> Value:
+    """``numpy.linalg.norm`` / ``torch.linalg.matrix_norm`` over the last two axes: ``"fro"``,
+    ``"nuc"`` (the sum of singular values), ``2`` / ``-2`` (the largest / smallest), ``1`` / ``-1``
+    (the largest / smallest column sum of magnitudes), ``inf`` / ``-inf`` (row sums)."""
+    value = as_value(graph, a, "matrix_norm: a")
+    _matrix("matrix_norm", value.type)
+    if ord == "fro":
+        result = graph.vector_norm(value, 2, (-2, -1))
+    elif ord == "nuc":
+        result = graph.sum(svdvals(graph, value), axis=-1)
+    elif ord in (2, -2):
+        values = svdvals(graph, value)
+        result = graph.max(values, axis=-1) if ord == 2 else graph.min(values, axis=-1)
+    elif ord in (1, -1, np.inf, -np.inf):
+        sums = graph.sum(graph.abs(value), axis=-2 if ord in (1, -1) else -1)
+        result = graph.max(sums, axis=-1) if ord in (1, np.inf) else graph.min(sums, axis=-1)
+    else:
+        raise RlxValueError(f"matrix_norm: ord must be 'fro', 'nuc', 2, -2, 1, -1, inf or -inf, got {ord!r}")
+    return graph.expand_dims(graph.expand_dims(result, -1), -1) if keepdims else result
+
+
 # ----------------------------------------------------------------------------- compositions
 
 
@@ -373,5 +494,6 @@ register_op(
     )
 )
 register_op(OpDef("solve", ("a", "b"), NoAttrs, _solve_infer, _solve_reference, _solve_grad, builder=solve))
+register_op(OpDef("svd", ("a",), NoAttrs, _svd_infer, _svd_reference, _svd_grad, builder=svd))
 register_op(OpDef("eigh", ("a",), NoAttrs, _eigh_infer, _eigh_reference, _eigh_grad, builder=eigh))
 register_op(OpDef("slogdet", ("a",), NoAttrs, _slogdet_infer, _slogdet_reference, _slogdet_grad, builder=slogdet))

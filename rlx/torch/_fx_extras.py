@@ -180,8 +180,7 @@ def vector_norm(g: Graph, x: Any, ord: Any = 2, dim: Any = None, keepdim: bool =
 
 def norm(g: Graph, x: Any, ord: Any = None, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Value:
     """``torch.linalg.norm``: a vector norm over one axis (or of a 1-d tensor, or over all axes
-    with neither ``ord`` nor ``dim``), the Frobenius norm of matrices; other matrix norms (nuclear,
-    spectral, by columns or rows) are left to torch."""
+    with neither ``ord`` nor ``dim``), else a matrix norm over two axes (:func:`matrix_norm`)."""
     value = _float(x)
     axes = _axis_args(dim)
     if ord is None or ord == "fro":
@@ -190,7 +189,40 @@ def norm(g: Graph, x: Any, ord: Any = None, dim: Any = None, keepdim: bool = Fal
         return vector_norm(g, value, 2, axes, keepdim, dtype=dtype)
     if type(axes) is int or (axes is None and value.ndim == 1):
         return vector_norm(g, value, ord, axes, keepdim, dtype=dtype)
-    raise Unsupported(f"the matrix norm ord={ord!r}")
+    return matrix_norm(g, value, ord, (-2, -1) if axes is None else axes, keepdim, dtype=dtype)
+
+
+def matrix_norm(
+    g: Graph, x: Any, ord: Any = "fro", dim: Any = (-2, -1), keepdim: bool = False, *, dtype: Any = None
+) -> Value:
+    """``torch.linalg.matrix_norm``: ``g.matrix_norm`` over the two axes ``dim`` (moved last)."""
+    if dtype is not None:
+        raise Unsupported("matrix_norm with a dtype")
+    value = _float(x)
+    rows, columns = (int(d) % value.ndim for d in dim)
+    if rows == columns:
+        raise Unsupported(f"a matrix norm over the axes {tuple(dim)}")
+    rest = [a for a in range(value.ndim) if a not in (rows, columns)]
+    moved = g.transpose(value, (*rest, rows, columns)) if (rows, columns) != (value.ndim - 2, value.ndim - 1) else value
+    result = g.matrix_norm(moved, ord)
+    if not keepdim:
+        return result
+    for axis in sorted((rows, columns)):
+        result = g.expand_dims(result, axis)
+    return result
+
+
+def svd(g: Graph, a: Any, full_matrices: bool = True, **kwargs: Any) -> tuple[Value, Value, Value]:
+    """``torch.linalg.svd``: ``(U, S, Vh)`` of ``g.svd`` (each pair of vectors signed so that U's
+    largest entry is positive, one of the signs torch's may have)."""
+    check_kwargs(kwargs, out=None, driver=None)
+    return g.svd(_float(a), full_matrices=bool(full_matrices))
+
+
+def svdvals(g: Graph, a: Any, **kwargs: Any) -> Value:
+    """``torch.linalg.svdvals``."""
+    check_kwargs(kwargs, out=None, driver=None)
+    return g.svdvals(_float(a))
 
 
 def legacy_norm(g: Graph, x: Any, p: Any = "fro", dim: Any = None, keepdim: bool = False, dtype: Any = None) -> Value:
@@ -777,6 +809,9 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     torch.inverse: inv,
     torch.linalg.eigh: eigh,
     torch.linalg.eigvalsh: eigvalsh,
+    torch.linalg.svd: svd,
+    torch.linalg.svdvals: svdvals,
+    torch.linalg.matrix_norm: matrix_norm,
 }
 
 METHODS: dict[str, Callable[..., Any]] = {

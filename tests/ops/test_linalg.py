@@ -74,6 +74,30 @@ def test_eigh_against_numpy_with_one_sign_per_eigenvector() -> None:
     np.testing.assert_allclose(np.abs(got["v"]), np.abs(want_v), atol=1e-3)
 
 
+@pytest.mark.parametrize("shape", [(3, 37, 20), (2, 12, 30), (16, 16)])
+def test_svd_and_matrix_norms_against_numpy(shape: tuple[int, ...]) -> None:
+    a = np.random.default_rng(7).standard_normal(shape).astype(np.float32)
+    g = Graph("svd")
+    av = g.input("a", shape)
+    u, s, vh = g.svd(av, full_matrices=False)
+    orders: list[object] = ["fro", "nuc", 2, -2, 1, -1, np.inf, -np.inf]
+    g.output(u=u, s=s, vh=vh, **{f"norm_{i}": g.matrix_norm(av, o) for i, o in enumerate(orders)})
+    got = rlx.compile(g)(a=a)
+    wide = a.astype(np.float64)
+    np.testing.assert_allclose(got["s"], np.linalg.svd(wide, compute_uv=False), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose((got["u"] * got["s"][..., None, :]) @ got["vh"], wide, atol=1e-4)
+    k = min(shape[-2:])
+    identity = np.broadcast_to(np.eye(k), (*shape[:-2], k, k))
+    np.testing.assert_allclose(np.swapaxes(got["u"], -1, -2) @ got["u"], identity, atol=1e-5)
+    largest = np.take_along_axis(got["u"], np.argmax(np.abs(got["u"]), axis=-2)[..., None, :], axis=-2)
+    assert np.all(largest > 0)
+    for i, order in enumerate(orders):
+        want = np.linalg.norm(wide, order, axis=(-2, -1))  # type: ignore[call-overload]
+        np.testing.assert_allclose(got[f"norm_{i}"], want, rtol=1e-5, atol=1e-5, err_msg=str(order))
+    with pytest.raises(rlx.RlxValueError, match="full_matrices=False"):
+        g.svd(av) if shape[-1] != shape[-2] else g.svd(g.input("wide", (3, 4)))
+
+
 def test_failures_give_nan_and_singular_determinants_zero() -> None:
     g = Graph("failures")
     a = g.input("a", (3, 3, 3))
