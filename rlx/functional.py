@@ -9,6 +9,7 @@ a mod's symbolic scalars and on numbers: a value among the operands picks the gr
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -46,8 +47,10 @@ MOD_FUNCTIONS = ("abs", "exp", "log", "maximum", "minimum", "power", "sigmoid", 
 _GRAPH_NAMES = {"power": "pow"}  # numpy's name for a mod, the Graph's for a value
 
 
+@functools.cache
 def op_function(name: str) -> Callable[..., Any] | None:
-    """``rlx.<name>``: the Graph op ``name`` as a function of values, or None if there is none."""
+    """``rlx.<name>``: the Graph op ``name`` as a function of values, or None if there is none
+    (one function per name: ``rlx.exp is rlx.exp``)."""
     method = _GRAPH_NAMES.get(name, name)
     if name.startswith("_") or method in _NOT_OPS or not callable(getattr(Graph, method, None)):
         return None

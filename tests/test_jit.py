@@ -150,5 +150,6 @@ def test_op_functions_build_in_their_operands_graph() -> None:
     got = rlx.compile(g)(x=array)
     np.testing.assert_allclose(got["y"], np.concatenate([np.tanh(array), np.maximum(array, 0.5)]), rtol=1e-6)
     np.testing.assert_allclose(got["p"], array**2, rtol=1e-6)
+    assert rlx.softmax is rlx.softmax  # one function per name
     with pytest.raises(AttributeError):
         _ = rlx.input  # graph management is not a function of values

@@ -84,7 +84,7 @@ def _built(x: Value, build: Any) -> Value:
     """``build(graph)``, all or nothing: an error leaves no stray nodes."""
     from rlx.ir.graph import _all_or_nothing
 
-    result: Value = _all_or_nothing(lambda graph: build(graph))(x.graph)
+    result: Value = _all_or_nothing(build)(x.graph)
     return result
 
 
@@ -118,11 +118,12 @@ def _block(x: Value, index: object) -> list[slice] | None:
 def _placed(graph: Graph, x: Value, index: object, values: object) -> tuple[Value, Value]:
     """``(y, v)``: the part ``y = x[index]`` and ``values`` in ``x``'s dtype broadcast to it."""
     part = x[index]
-    value = as_value(graph, values, "at[...]: values") if not _is_number(values) else None
-    if value is None:
+    if _is_number(values):
         value = graph.constant(np.asarray(values, dtype=x.dtype))
-    elif value.dtype != x.dtype:
-        value = graph.cast(value, str(np.dtype(x.dtype)))
+    else:
+        value = as_value(graph, values, "at[...]: values")
+        if value.dtype != x.dtype:
+            value = graph.cast(value, str(np.dtype(x.dtype)))
     if value.shape != part.shape:
         value = graph.broadcast_to(value, part.shape)
     return part, value
