@@ -1,14 +1,16 @@
 """Dense linear algebra on stacks of matrices: ``cholesky``, ``solve_triangular``, ``solve``,
-``slogdet``, ``eigh`` and ``svd`` as ops (LAPACK and BLAS from OpenBLAS do the work, one matrix per work item), and
-``det``, ``inv``, ``svdvals`` and ``matrix_norm`` built from them, as ``numpy.linalg`` / ``jax.numpy.linalg`` /
-``torch.linalg`` define them.
+``slogdet``, ``eigh`` and ``svd`` as ops (LAPACK and BLAS from OpenBLAS do the work, one matrix
+per work item), and ``det``, ``inv``, ``svdvals`` and ``matrix_norm`` built from them, as
+``numpy.linalg`` / ``jax.numpy.linalg`` / ``torch.linalg`` define them.
 
-Every operand is ``[..., n, n]`` (a right-hand side ``[..., n, k]``, or ``[n]`` beside a single
-matrix), float32, with the batch dimensions of the matrix; ``n`` is known when the graph is
-built. Where LAPACK reports failure (a matrix that is not positive definite for ``cholesky``,
-an exactly singular one for ``solve``, NaN anywhere) the matrix's results are NaN, as
-``torch.linalg.cholesky_ex`` and JAX return them, never an exception inside native code;
-``slogdet`` of a singular matrix is ``(0, -inf)``, as NumPy's.
+Every operand is ``[..., n, n]`` (``svd``'s ``[..., m, n]``; a right-hand side ``[..., n, k]``,
+or ``[n]`` beside a single matrix), float32, with the batch dimensions of the matrix; the
+matrix sizes are known when the graph is built. Where LAPACK reports failure (a matrix that is
+not positive definite for ``cholesky``, an exactly singular one for ``solve``, NaN in what it
+reads) the matrix's results are NaN, as ``torch.linalg.cholesky_ex`` and JAX return them, never
+an exception inside native code; ``slogdet`` of a singular matrix is ``(0, -inf)``, as NumPy's.
+Eigenvectors and singular vectors, whose signs LAPACK leaves open, are signed so that each
+(the left one of a singular pair) has its entry of largest magnitude positive: one answer.
 
 Gradients are the standard ones (Giles 2008; Murray 2016 for the Cholesky factor), written in
 ops that have gradients themselves, so second derivatives work too:
