@@ -98,8 +98,9 @@ def _conv_flipped_and_cropped(g: Graph) -> Built:
 
 
 def _dominant(a: Value) -> Value:
-    """``a + 4 I``: far from singular for entries within 1.5 of 0."""
-    return a + np.eye(a.shape[-1], dtype=np.float32) * 4.0
+    """``a + 4 I`` (the identity's leading part for a matrix that is not square): far from
+    singular for entries within 1.5 of 0."""
+    return a + np.eye(*a.shape[-2:], dtype=np.float32) * 4.0
 
 
 def _spd(x: Value) -> Value:
@@ -256,6 +257,9 @@ SAMPLES: list[Sample] = [
         label="upper-transposed-unit",
     ),
     Sample("eigh", lambda g: g.eigh(_spread(g.input("x", (2, 3, 3))))),
+    Sample("qr", lambda g: g.qr(_dominant(g.input("a", (2, 4, 3))))),
+    Sample("qr", lambda g: g.qr(_dominant(g.input("a", (3, 3)))), label="square"),
+    Sample("qr", lambda g: g.qr(_dominant(g.input("a", (2, 3, 5)))), label="wide"),
     Sample("svd", lambda g: g.svd(_apart(g.input("x", (2, 3, 3))))),
     Sample("svd", lambda g: g.svd(_apart(g.input("x", (3, 4))), full_matrices=False), label="wide"),
     Sample("svd", lambda g: g.svd(_apart(g.input("x", (2, 4, 3))), full_matrices=False), label="tall"),

@@ -177,8 +177,9 @@ def test_translation_matches_eager(name: str, kind: str, function: Callable[...,
 
 
 def test_what_rlx_leaves_falls_back() -> None:
-    """A QR factorisation (not in rlx) and a scatter of a tensor (whose result torch leaves
-    undefined where indices repeat) run eagerly, with a warning naming why."""
+    """A QR factorisation (rlx's R has a diagonal >= 0; torch's keeps LAPACK's signs) and a
+    scatter of a tensor (whose result torch leaves undefined where indices repeat) run eagerly,
+    with a warning naming why."""
     x = _inputs("matrix").requires_grad_()
     with pytest.warns(UserWarning, match="qr"):
         torch.testing.assert_close(torch.compile(lambda a: torch.linalg.qr(a)[1], backend="rlx")(x),

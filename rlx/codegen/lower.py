@@ -631,11 +631,13 @@ class _Lowering:
             self.call(item_fn, pointers, product(x.shape[:-1]), False, str(node.id))
         elif op in LINALG_OPS:
             matrix = node.inputs[0]
-            n = int(matrix.shape[-2 if op == "svd" else -1])
-            k = int((node.inputs[1] if len(node.inputs) > 1 else matrix).shape[-1])
+            rows, columns = (int(d) for d in matrix.shape[-2:])
+            k = int(node.inputs[1].shape[-1]) if len(node.inputs) > 1 else 0
             name = f"{op}.{node.id}"
             item_fn = self.item_function(
-                (op, n, k, node.attrs), name, lambda: emit_linalg_item(self.module, op, n, k, node.attrs, name)
+                (op, rows, columns, k, node.attrs),
+                name,
+                lambda: emit_linalg_item(self.module, op, (rows, columns), k, node.attrs, name),
             )
             pointers = [self.view_pointer(v) for v in node.inputs] + [self.base_pointer(v) for v in node.outputs]
             self.call(item_fn, pointers, product(matrix.shape[:-2]), False, str(node.id))

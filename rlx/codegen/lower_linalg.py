@@ -34,9 +34,11 @@ POTRF = "scipy_LAPACKE_spotrf"  # (layout, uplo, n, a, lda) -> info
 GESV = "scipy_LAPACKE_sgesv"  # (layout, n, nrhs, a, lda, ipiv, b, ldb) -> info
 GETRF = "scipy_LAPACKE_sgetrf"  # (layout, m, n, a, lda, ipiv) -> info
 SYEVD = "scipy_LAPACKE_ssyevd"  # (layout, jobz, uplo, n, a, lda, w) -> info
+GEQRF = "scipy_LAPACKE_sgeqrf"  # (layout, m, n, a, lda, tau) -> info
+ORGQR = "scipy_LAPACKE_sorgqr"  # (layout, m, n, k, a, lda, tau) -> info
 GESDD = "scipy_LAPACKE_sgesdd"  # (layout, jobz, m, n, a, lda, s, u, ldu, vt, ldvt) -> info
 TRSM = "scipy_cblas_strsm"  # (layout, side, uplo, trans, diag, m, n, alpha, a, lda, b, ldb)
-LINALG_OPS = frozenset({"cholesky", "solve_triangular", "solve", "slogdet", "eigh", "svd"})
+LINALG_OPS = frozenset({"cholesky", "solve_triangular", "solve", "slogdet", "eigh", "svd", "qr"})
 LEFT, UPPER, LOWER, NO_TRANS, TRANS, NON_UNIT, UNIT = 141, 121, 122, 111, 112, 131, 132  # cblas.h
 
 
@@ -45,20 +47,26 @@ def linalg_scratch_bytes(op: str, m: int, n: int) -> int:
     (``solve``, ``slogdet``), where LAPACK would overwrite an operand."""
     if op in ("solve", "slogdet"):
         return 4 * (n * n + n)
+    if op == "qr":
+        return 4 * (m * n + min(m, n))  # the matrix and the reflectors' scales
     return 4 * m * n if op == "svd" else 0
 
 
-def emit_linalg_item(module: ir.Module, op: str, n: int, k: int, attrs: object, name: str) -> ir.Function:
+def emit_linalg_item(
+    module: ir.Module, op: str, shape: tuple[int, int], k: int, attrs: object, name: str
+) -> ir.Function:
     """``void item(ptr args, i64 item, ptr scratch)`` for matrix ``item`` of the batch; args are
-    the node's operands then its results, dense; ``k`` the right-hand side's columns (``svd``: the
-    matrix is ``[n, k]``)."""
+    the node's operands then its results, dense; ``shape`` the matrix's, ``k`` the right-hand
+    side's columns (0: none)."""
     fn = ir.Function(module, ir.FunctionType(VOID, [PTR, I64, PTR]), name=name)
     fn.linkage = "internal"
     args, item, scratch = fn.args
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    pointers = [b.load(gep(b, args, [i64(slot)], PTR), typ=PTR) for slot in range(4 if op == "svd" else 3)]
-    if op == "svd":
-        _svd(b, module, pointers, item, scratch, n, k)
+    slots = 4 if op == "svd" else 3  # operands then results
+    pointers = [b.load(gep(b, args, [i64(slot)], PTR), typ=PTR) for slot in range(slots)]
+    m, n = shape
+    if op in ("svd", "qr"):  # [m, n] matrices
+        (_svd if op == "svd" else _qr)(b, module, pointers, item, scratch, m, n)
         b.ret_void()
         return fn
     square = b.mul(item, i64(n * n), name="square")
@@ -224,3 +232,42 @@ def _svd(
             with for_range(b, 0, n, "flip.v") as col:
                 at = gep(b, vt, [b.add(b.mul(pair, i64(n)), col)], F32)
                 b.store(b.fneg(b.load(at, typ=F32)), at)
+
+
+def _qr(
+    b: ir.IRBuilder, module: ir.Module, pointers: list[ir.Value], item: ir.Value, scratch: ir.Value, m: int, n: int
+) -> None:
+    """``q, r`` of the ``[m, n]`` matrix: geqrf on a copy (the scratch, the reflectors' scales
+    after it), ``r`` its upper triangle's first ``k`` rows, then orgqr forms ``q`` in the copy's
+    first ``k`` columns; each pair then flipped so that ``r``'s diagonal is >= 0."""
+    k = min(m, n)
+    geqrf = declare(module, GEQRF, I32, [I32, I32, I32, PTR, I32, PTR])
+    orgqr = declare(module, ORGQR, I32, [I32, I32, I32, I32, PTR, I32, PTR])
+    a = gep(b, pointers[0], [b.mul(item, i64(m * n))], F32)
+    q = gep(b, pointers[1], [b.mul(item, i64(m * k))], F32)
+    r = gep(b, pointers[2], [b.mul(item, i64(k * n))], F32)
+    tau = gep(b, scratch, [i64(m * n)], F32)
+    _copy(b, module, scratch, a, m * n)
+    info = b.call(geqrf, [i32(ROW_MAJOR), i32(m), i32(n), scratch, i32(n), tau], name="info")
+    with for_range(b, 0, k, "r.row") as row, for_range(b, 0, n, "r.col") as col:
+        kept = b.icmp_signed(">=", col, row)
+        entry = b.load(gep(b, scratch, [b.add(b.mul(row, i64(n)), col)], F32), typ=F32)
+        b.store(b.select(kept, entry, f32(0.0)), gep(b, r, [b.add(b.mul(row, i64(n)), col)], F32))
+    formed = b.call(orgqr, [i32(ROW_MAJOR), i32(m), i32(k), i32(k), scratch, i32(n), tau], name="formed")
+    with for_range(b, 0, m, "q.row") as row, for_range(b, 0, k, "q.col") as col:
+        entry = b.load(gep(b, scratch, [b.add(b.mul(row, i64(n)), col)], F32), typ=F32)
+        b.store(entry, gep(b, q, [b.add(b.mul(row, i64(k)), col)], F32))
+    with for_range(b, 0, k, "sign") as pair:
+        diagonal = b.load(gep(b, r, [b.add(b.mul(pair, i64(n)), pair)], F32), typ=F32)
+        with b.if_then(b.fcmp_ordered("<", diagonal, f32(0.0))):
+            with for_range(b, 0, n, "flip.r") as col:
+                at = gep(b, r, [b.add(b.mul(pair, i64(n)), col)], F32)
+                b.store(b.fneg(b.load(at, typ=F32)), at)
+            with for_range(b, 0, m, "flip.q") as row:
+                at = gep(b, q, [b.add(b.mul(row, i64(k)), pair)], F32)
+                b.store(b.fneg(b.load(at, typ=F32)), at)
+    failed = b.or_(b.icmp_signed("!=", info, i32(0)), b.icmp_signed("!=", formed, i32(0)))
+    with b.if_then(failed):
+        for target, count in ((q, m * k), (r, k * n)):
+            with for_range(b, 0, count, "nan") as j:
+                b.store(f32(float("nan")), gep(b, target, [j], F32))

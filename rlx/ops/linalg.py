@@ -1,16 +1,17 @@
 """Dense linear algebra on stacks of matrices: ``cholesky``, ``solve_triangular``, ``solve``,
-``slogdet``, ``eigh`` and ``svd`` as ops (LAPACK and BLAS from OpenBLAS do the work, one matrix
+``slogdet``, ``qr``, ``eigh`` and ``svd`` as ops (LAPACK and BLAS from OpenBLAS do the work, one matrix
 per work item), and ``det``, ``inv``, ``svdvals`` and ``matrix_norm`` built from them, as
 ``numpy.linalg`` / ``jax.numpy.linalg`` / ``torch.linalg`` define them.
 
-Every operand is ``[..., n, n]`` (``svd``'s ``[..., m, n]``; a right-hand side ``[..., n, k]``,
+Every operand is ``[..., n, n]`` (``svd``'s and ``qr``'s ``[..., m, n]``; a right-hand side ``[..., n, k]``,
 or ``[n]`` beside a single matrix), float32, with the batch dimensions of the matrix; the
 matrix sizes are known when the graph is built. Where LAPACK reports failure (a matrix that is
 not positive definite for ``cholesky``, an exactly singular one for ``solve``, NaN in what it
 reads) the matrix's results are NaN, as ``torch.linalg.cholesky_ex`` and JAX return them, never
 an exception inside native code; ``slogdet`` of a singular matrix is ``(0, -inf)``, as NumPy's.
 Eigenvectors and singular vectors, whose signs LAPACK leaves open, are signed so that each
-(the left one of a singular pair) has its entry of largest magnitude positive: one answer.
+(the left one of a singular pair) has its entry of largest magnitude positive, and ``qr``'s R
+has a diagonal >= 0: one answer.
 
 Gradients are the standard ones (Giles 2008; Murray 2016 for the Cholesky factor), written in
 ops that have gradients themselves, so second derivatives work too:
@@ -24,6 +25,7 @@ ops that have gradients themselves, so second derivatives work too:
   which torch and JAX give as ``S`` for an input they take as symmetric).
 - ``logabsdet``: ``dA = dlogabsdet * A^-T``; the sign has none.
 - ``U, s, V^T = svd(A)``: Townsend's (2016), see :func:`_svd_grad`.
+- ``Q, R = qr(A)``: ``(dQ + Q copyltu(R dR^T - dQ^T Q)) R^-T``, see :func:`_qr_grad`.
 - ``w, V = eigh(A)``: ``V (diag(dw) + F * (V^T dV)) V^T``, ``F_ij = 1/(w_j - w_i)``, as for
   ``cholesky`` taken to the lower triangle.
 """
@@ -62,6 +64,14 @@ def _square(what: str, label: str, ty: TensorType) -> int:
     if not isinstance(n, int):
         raise RlxValueError(f"{what}: {label}'s matrix size must be known when the graph is built, got {ty}")
     return n
+
+
+def _matrix(what: str, ty: TensorType) -> tuple[int, int]:
+    """``(m, n)`` of a stack of float matrices ``[..., m, n]`` (static)."""
+    require_float(what, "a", ty)
+    if ty.rank < 2 or not all(isinstance(d, int) for d in ty.shape[-2:]):
+        raise RlxValueError(f"{what}: a must be a stack of matrices [..., m, n] of sizes known when built, got {ty}")
+    return int(ty.shape[-2]), int(ty.shape[-1])
 
 
 def _right_side(what: str, a: TensorType, b: TensorType) -> None:
@@ -290,6 +300,83 @@ def slogdet(graph: Graph, a: object) -> tuple[Value, Value]:
     return outputs[0], outputs[1]
 
 
+# ----------------------------------------------------------------------------- qr
+
+
+def _qr_infer(what: str, inputs: Sequence[TensorType], attrs: NoAttrs) -> tuple[TensorType, ...]:
+    (a,) = inputs
+    m, n = _matrix(what, a)
+    k = min(m, n)
+    return TensorType((*a.shape[:-2], m, k), F32), TensorType((*a.shape[:-2], k, n), F32)
+
+
+def _qr_reference(args: Sequence[np.ndarray], attrs: NoAttrs, ctx: EvalContext) -> tuple[np.ndarray, ...]:
+    a = np.asarray(args[0], np.float64)
+    m, n = a.shape[-2:]
+    k = min(m, n)
+    q = np.full((*a.shape[:-2], m, k), np.nan)
+    r = np.full((*a.shape[:-2], k, n), np.nan)
+    for index in np.ndindex(*a.shape[:-2]):
+        if not np.isnan(a[index]).any():
+            q[index], r[index] = np.linalg.qr(a[index], mode="reduced")
+    signs = np.where(np.diagonal(r, axis1=-2, axis2=-1) < 0, -1.0, 1.0)  # R's diagonal made >= 0
+    return q * signs[..., None, :], r * signs[..., :, None]
+
+
+def _copy_lower_up(graph: Graph, m: Value) -> Value:
+    """The symmetric matrix of ``m``'s lower triangle: ``tril(m, -1) + tril(m, -1)^T + diag(m)``."""
+    n = int(m.shape[-1])
+    below = graph.constant(np.tril(np.ones((n, n)), -1).astype(np.float32))
+    lower = m * below
+    return lower + lower.mT + m * np.eye(n, dtype=np.float32)
+
+
+def _qr_square_grad(graph: Graph, q: Value, r: Value, dq: Value | None, dr: Value | None) -> Value:
+    """``(dQ + Q copyltu(M)) R^-T``, ``M = R dR^T - dQ^T Q``, for ``A = QR`` with ``m >= n``."""
+    m_terms = []
+    if dr is not None:
+        m_terms.append(graph.matmul(r, dr.mT))
+    if dq is not None:
+        m_terms.append(-graph.matmul(dq.mT, q))
+    middle = m_terms[0] if len(m_terms) == 1 else m_terms[0] + m_terms[1]
+    b = graph.matmul(q, _copy_lower_up(graph, middle))
+    if dq is not None:
+        b = b + dq
+    return solve_triangular(graph, r, b.mT, lower=False).mT  # b R^-T
+
+
+def _qr_grad(graph: Graph, node: Node, cts: Sequence[Value | None], needed: Sequence[bool]) -> list[Value | None]:
+    """``A = QR``: for ``m >= n`` the square formula; for ``m < n``, ``A = [X | Y]`` with ``X``
+    square, ``R = [U | V]``, ``V = Q^T Y``: ``dY = Q dV`` and ``dX`` the square formula with
+    ``dQ + Y dV^T`` and ``dU``."""
+    dq, dr = cts
+    q, r = node.outputs
+    m, n = (int(d) for d in node.inputs[0].shape[-2:])
+    if m >= n:
+        return [_qr_square_grad(graph, q, r, dq, dr)]
+    _, y = graph.split(node.inputs[0], [m, n - m], axis=-1)
+    u, _ = graph.split(r, [m, n - m], axis=-1)
+    du, dv = graph.split(dr, [m, n - m], axis=-1) if dr is not None else (None, None)
+    if dv is not None:
+        moved = graph.matmul(y, dv.mT)
+        dq = moved if dq is None else dq + moved
+    dx = _qr_square_grad(graph, q, u, dq, du)
+    dy = (
+        graph.matmul(q, dv) if dv is not None else graph.broadcast_to(graph.constant(np.zeros((), np.float32)), y.shape)
+    )
+    return [graph.concat([dx, dy], axis=-1)]
+
+
+def qr(graph: Graph, a: object, mode: str = "reduced") -> tuple[Value, Value]:
+    """``(q, r)`` with ``a = q @ r`` for matrices ``a [..., m, n]``: ``q [..., m, k]`` with
+    orthonormal columns and ``r [..., k, n]`` upper triangular with a diagonal >= 0, ``k =
+    min(m, n)``, as ``numpy.linalg.qr(mode="reduced")`` (LAPACK ``sgeqrf`` and ``sorgqr``)."""
+    if mode != "reduced":
+        raise RlxValueError(f"qr: only mode='reduced' is supported, got {mode!r}")
+    outputs = graph.add_node(op_kind("qr"), [as_value(graph, a, "qr: a")], NoAttrs()).outputs
+    return outputs[0], outputs[1]
+
+
 # ----------------------------------------------------------------------------- eigh
 
 
@@ -346,14 +433,6 @@ def eigh(graph: Graph, a: object) -> tuple[Value, Value]:
 
 
 # ----------------------------------------------------------------------------- svd
-
-
-def _matrix(what: str, ty: TensorType) -> tuple[int, int]:
-    """``(m, n)`` of a stack of float matrices ``[..., m, n]`` (static)."""
-    require_float(what, "a", ty)
-    if ty.rank < 2 or not all(isinstance(d, int) for d in ty.shape[-2:]):
-        raise RlxValueError(f"{what}: a must be a stack of matrices [..., m, n] of sizes known when built, got {ty}")
-    return int(ty.shape[-2]), int(ty.shape[-1])
 
 
 def _svd_infer(what: str, inputs: Sequence[TensorType], attrs: NoAttrs) -> tuple[TensorType, ...]:
@@ -496,6 +575,7 @@ register_op(
     )
 )
 register_op(OpDef("solve", ("a", "b"), NoAttrs, _solve_infer, _solve_reference, _solve_grad, builder=solve))
+register_op(OpDef("qr", ("a",), NoAttrs, _qr_infer, _qr_reference, _qr_grad, builder=qr))
 register_op(OpDef("svd", ("a",), NoAttrs, _svd_infer, _svd_reference, _svd_grad, builder=svd))
 register_op(OpDef("eigh", ("a",), NoAttrs, _eigh_infer, _eigh_reference, _eigh_grad, builder=eigh))
 register_op(OpDef("slogdet", ("a",), NoAttrs, _slogdet_infer, _slogdet_reference, _slogdet_grad, builder=slogdet))
