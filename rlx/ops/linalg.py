@@ -63,7 +63,16 @@ def _square(what: str, label: str, ty: TensorType) -> int:
     n = ty.shape[-1]
     if not isinstance(n, int):
         raise RlxValueError(f"{what}: {label}'s matrix size must be known when the graph is built, got {ty}")
+    _within_lapack(what, n, n)
     return n
+
+
+def _within_lapack(what: str, m: int, n: int) -> None:
+    """LAPACK here takes 32-bit sizes, and LAPACKE allocates a matrix's copy by them."""
+    from rlx.codegen.blas import INT32_MAX  # codegen imports the ops: read it when building
+
+    if m * n > INT32_MAX:
+        raise RlxValueError(f"{what}: a {m}x{n} matrix exceeds the 32-bit LAPACK limit of {INT32_MAX} entries")
 
 
 def _matrix(what: str, ty: TensorType) -> tuple[int, int]:
@@ -71,7 +80,9 @@ def _matrix(what: str, ty: TensorType) -> tuple[int, int]:
     require_float(what, "a", ty)
     if ty.rank < 2 or not all(isinstance(d, int) for d in ty.shape[-2:]):
         raise RlxValueError(f"{what}: a must be a stack of matrices [..., m, n] of sizes known when built, got {ty}")
-    return int(ty.shape[-2]), int(ty.shape[-1])
+    m, n = int(ty.shape[-2]), int(ty.shape[-1])
+    _within_lapack(what, m, n)
+    return m, n
 
 
 def _right_side(what: str, a: TensorType, b: TensorType) -> None:
@@ -79,6 +90,9 @@ def _right_side(what: str, a: TensorType, b: TensorType) -> None:
     require_float(what, "b", b)
     if b.rank != a.rank or b.shape[:-2] != a.shape[:-2] or b.shape[-2] != a.shape[-1]:
         raise RlxValueError(f"{what}: b must be [*a.shape[:-2], n, k] for a {a}, got {b}")
+    if not isinstance(b.shape[-1], int):
+        raise RlxValueError(f"{what}: b's columns must be known when the graph is built, got {b}")
+    _within_lapack(what, int(b.shape[-2]), b.shape[-1])
 
 
 def _batched(fn: object, *arrays: np.ndarray) -> np.ndarray:

@@ -210,3 +210,5 @@ def test_errors_name_the_op() -> None:
         with pytest.raises(error, match=match):
             build()
     assert len(g) - before == 5  # only the inputs the cases declared
+    with pytest.raises(rlx.RlxValueError, match="32-bit LAPACK limit"):
+        g.cholesky(g.input("huge", (50_000, 50_000)))
