@@ -220,6 +220,7 @@ def test_input_gradient_of_a_unit_stride_conv_is_a_conv() -> None:
     assert widest < 9  # no sum of nine padded windows
 
 
+@pytest.mark.slow  # the generic second-order check of the conv sample runs by default
 def test_conv_second_order_gradient() -> None:
     """The input's gradient is a convolution, so it differentiates again (a gradient penalty)."""
     g = Graph("conv_second_order")
