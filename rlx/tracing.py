@@ -111,22 +111,26 @@ class Jitted:
 
     def graph(self, *args: Any, **kwargs: Any) -> Graph:
         """The compiled graph for these arguments (``exe.graph``: after the pipeline)."""
-        traced, _ = self._traced(args, kwargs)
+        traced, _ = self._traced(*self._flattened(args, kwargs))
         if traced.executable is None:
             raise RlxValueError(f"rlx.jit: {_graph_name(self._fn)} returns no value of its graph: nothing was compiled")
         return traced.executable.graph  # type: ignore[no-any-return]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _holds_values((args, kwargs)):  # inside another traced function: inlined, as JAX does
+        tree, leaves = self._flattened(args, kwargs)
+        if any(isinstance(leaf, Value) for _, leaf in leaves):  # inside another trace: inlined, as JAX does
             return self._fn(*args, **kwargs)
-        traced, arrays = self._traced(args, kwargs)
+        traced, arrays = self._traced(tree, leaves)
         results = traced.executable(**arrays) if traced.executable is not None else {}
         out = iter(results[name] if name is not None else constant for name, constant in _outputs(traced))
         return _unflatten(traced.output_tree, out)
 
-    def _traced(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Traced, dict[str, object]]:
+    def _flattened(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Tree, list[tuple[str, object]]]:
+        """The arguments by parameter name as a tree, and its leaves with their paths."""
         leaves: list[tuple[str, object]] = []
-        tree = _flatten(_bind(self._signature, self._fn, args, kwargs), "", leaves)
+        return _flatten(_bind(self._signature, self._fn, args, kwargs), "", leaves), leaves
+
+    def _traced(self, tree: _Tree, leaves: list[tuple[str, object]]) -> tuple[_Traced, dict[str, object]]:
         names = _input_names([path for path, _ in leaves])
         key_parts: list[object] = [tree]
         arrays: dict[str, object] = {}
@@ -176,12 +180,6 @@ def _as_array(leaf: object) -> np.ndarray:
     default floats (rlx computes in float32); every other dtype is kept."""
     array = leaf if isinstance(leaf, np.ndarray) else np.asarray(leaf)
     return array.astype(np.float32) if array.dtype == np.float64 else array
-
-
-def _holds_values(obj: object) -> bool:
-    leaves: list[tuple[str, object]] = []
-    _flatten(obj, "", leaves)
-    return any(isinstance(leaf, Value) for _, leaf in leaves)
 
 
 def _outputs(traced: _Traced) -> Any:

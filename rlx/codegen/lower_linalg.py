@@ -96,12 +96,36 @@ def _copy(b: ir.IRBuilder, module: ir.Module, target: ir.Value, source: ir.Value
     b.call(memcpy, [target, source, i64(4 * count), ir.Constant(I1, 0)])
 
 
-def _fill_nan_if(b: ir.IRBuilder, info: ir.Value, target: ir.Value, count: int) -> ir.Value:
-    """``target[:count] = NaN`` where ``info != 0``; returns whether it did."""
+def _fill_nan_if(b: ir.IRBuilder, info: ir.Value, *targets: tuple[ir.Value, int]) -> ir.Value:
+    """Each ``(target, count)``: ``target[:count] = NaN`` where ``info != 0``; returns whether it did."""
     failed = b.icmp_signed("!=", info, i32(0), name="failed")
-    with b.if_then(failed), for_range(b, 0, count, "nan") as j:
-        b.store(f32(float("nan")), gep(b, target, [j], F32))
+    with b.if_then(failed):
+        for target, count in targets:
+            with for_range(b, 0, count, "nan") as j:
+                b.store(f32(float("nan")), gep(b, target, [j], F32))
     return failed
+
+
+def _negate(b: ir.IRBuilder, base: ir.Value, count: int, stride: int, name: str) -> None:
+    """``base[i * stride] = -base[i * stride]`` for ``i < count``: a row or a column flipped."""
+    with for_range(b, 0, count, name) as i:
+        at = gep(b, base, [b.mul(i, i64(stride))], F32)
+        b.store(b.fneg(b.load(at, typ=F32)), at)
+
+
+def _largest_is_negative(
+    b: ir.IRBuilder, module: ir.Module, column: ir.Value, rows: int, stride: int, largest: ir.Value
+) -> ir.Value:
+    """Whether the entry of largest magnitude (the first of equal ones) among ``rows`` entries
+    ``stride`` apart from ``column`` is negative; ``largest`` a float slot to keep it in."""
+    fabs = intrinsic(module, "llvm.fabs.f32", F32, [F32])
+    b.store(b.load(column, typ=F32), largest)
+    with for_range(b, 1, rows, "row") as row:
+        entry = b.load(gep(b, column, [b.mul(row, i64(stride))], F32), typ=F32)
+        current = b.load(largest, typ=F32)
+        larger = b.fcmp_ordered(">", b.call(fabs, [entry]), b.call(fabs, [current]))
+        b.store(b.select(larger, entry, current), largest)
+    return b.fcmp_ordered("<", b.load(largest, typ=F32), f32(0.0))
 
 
 def _cholesky(b: ir.IRBuilder, module: ir.Module, a: ir.Value, out: ir.Value, n: int) -> None:
@@ -109,7 +133,7 @@ def _cholesky(b: ir.IRBuilder, module: ir.Module, a: ir.Value, out: ir.Value, n:
     potrf = declare(module, POTRF, I32, [I32, I8, I32, PTR, I32])
     _copy(b, module, out, a, n * n)
     info = b.call(potrf, [i32(ROW_MAJOR), ir.Constant(I8, ord("L")), i32(n), out, i32(n)], name="info")
-    failed = _fill_nan_if(b, info, out, n * n)
+    failed = _fill_nan_if(b, info, (out, n * n))
     with b.if_then(b.not_(failed)), for_range(b, 0, n, "row") as row, for_range(b, b.add(row, i64(1)), n, "col") as col:
         b.store(f32(0.0), gep(b, out, [b.add(b.mul(row, i64(n)), col)], F32))
 
@@ -136,7 +160,7 @@ def _solve(
     _copy(b, module, out, rhs, n * k)
     pivots = gep(b, scratch, [i64(n * n)], F32)
     info = b.call(gesv, [i32(ROW_MAJOR), i32(n), i32(k), scratch, i32(n), pivots, out, i32(k)], name="info")
-    _fill_nan_if(b, info, out, n * k)
+    _fill_nan_if(b, info, (out, n * k))
 
 
 def _slogdet(
@@ -175,25 +199,15 @@ def _eigh(b: ir.IRBuilder, module: ir.Module, a: ir.Value, values: ir.Value, vec
     """``values, vectors``: syevd on a copy of ``a``'s lower triangle, each eigenvector (column)
     then flipped so that its entry of largest magnitude (the first of equal ones) is positive."""
     syevd = declare(module, SYEVD, I32, [I32, I8, I8, I32, PTR, I32, PTR])
-    fabs = intrinsic(module, "llvm.fabs.f32", F32, [F32])
     _copy(b, module, vectors, a, n * n)
     flags = [i32(ROW_MAJOR), ir.Constant(I8, ord("V")), ir.Constant(I8, ord("L")), i32(n)]
     info = b.call(syevd, [*flags, vectors, i32(n), values], name="info")
-    failed = _fill_nan_if(b, info, vectors, n * n)
-    with b.if_then(failed), for_range(b, 0, n, "nan.w") as j:
-        b.store(f32(float("nan")), gep(b, values, [j], F32))
+    failed = _fill_nan_if(b, info, (vectors, n * n), (values, n))
     largest = alloca_entry(b, F32, "largest")
     with b.if_then(b.not_(failed)), for_range(b, 0, n, "column") as col:
-        b.store(b.load(gep(b, vectors, [col], F32), typ=F32), largest)
-        with for_range(b, 1, n, "row") as row:
-            entry = b.load(gep(b, vectors, [b.add(b.mul(row, i64(n)), col)], F32), typ=F32)
-            current = b.load(largest, typ=F32)
-            larger = b.fcmp_ordered(">", b.call(fabs, [entry]), b.call(fabs, [current]))
-            b.store(b.select(larger, entry, current), largest)
-        negative = b.fcmp_ordered("<", b.load(largest, typ=F32), f32(0.0))
-        with b.if_then(negative), for_range(b, 0, n, "flip") as row:
-            at = gep(b, vectors, [b.add(b.mul(row, i64(n)), col)], F32)
-            b.store(b.fneg(b.load(at, typ=F32)), at)
+        column = gep(b, vectors, [col], F32)
+        with b.if_then(_largest_is_negative(b, module, column, n, n, largest)):
+            _negate(b, column, n, n, "flip")
 
 
 def _svd(
@@ -204,7 +218,6 @@ def _svd(
     magnitude (the first of equal ones) positive."""
     k = min(m, n)
     gesdd = declare(module, GESDD, I32, [I32, I8, I32, I32, PTR, I32, PTR, PTR, I32, PTR, I32])
-    fabs = intrinsic(module, "llvm.fabs.f32", F32, [F32])
     a = gep(b, pointers[0], [b.mul(item, i64(m * n))], F32)
     u = gep(b, pointers[1], [b.mul(item, i64(m * k))], F32)
     s = gep(b, pointers[2], [b.mul(item, i64(k))], F32)
@@ -212,26 +225,13 @@ def _svd(
     _copy(b, module, scratch, a, m * n)
     flags = [i32(ROW_MAJOR), ir.Constant(I8, ord("S")), i32(m), i32(n), scratch, i32(n)]
     info = b.call(gesdd, [*flags, s, u, i32(k), vt, i32(n)], name="info")
-    failed = b.icmp_signed("!=", info, i32(0), name="failed")
-    with b.if_then(failed):
-        for target, count in ((u, m * k), (s, k), (vt, k * n)):
-            with for_range(b, 0, count, "nan") as j:
-                b.store(f32(float("nan")), gep(b, target, [j], F32))
+    failed = _fill_nan_if(b, info, (u, m * k), (s, k), (vt, k * n))
     largest = alloca_entry(b, F32, "largest")
     with b.if_then(b.not_(failed)), for_range(b, 0, k, "pair") as pair:
-        b.store(b.load(gep(b, u, [pair], F32), typ=F32), largest)
-        with for_range(b, 1, m, "row") as row:
-            entry = b.load(gep(b, u, [b.add(b.mul(row, i64(k)), pair)], F32), typ=F32)
-            current = b.load(largest, typ=F32)
-            larger = b.fcmp_ordered(">", b.call(fabs, [entry]), b.call(fabs, [current]))
-            b.store(b.select(larger, entry, current), largest)
-        with b.if_then(b.fcmp_ordered("<", b.load(largest, typ=F32), f32(0.0))):
-            with for_range(b, 0, m, "flip.u") as row:
-                at = gep(b, u, [b.add(b.mul(row, i64(k)), pair)], F32)
-                b.store(b.fneg(b.load(at, typ=F32)), at)
-            with for_range(b, 0, n, "flip.v") as col:
-                at = gep(b, vt, [b.add(b.mul(pair, i64(n)), col)], F32)
-                b.store(b.fneg(b.load(at, typ=F32)), at)
+        column = gep(b, u, [pair], F32)
+        with b.if_then(_largest_is_negative(b, module, column, m, k, largest)):
+            _negate(b, column, m, k, "flip.u")
+            _negate(b, gep(b, vt, [b.mul(pair, i64(n))], F32), n, 1, "flip.v")
 
 
 def _qr(
@@ -260,14 +260,6 @@ def _qr(
     with for_range(b, 0, k, "sign") as pair:
         diagonal = b.load(gep(b, r, [b.add(b.mul(pair, i64(n)), pair)], F32), typ=F32)
         with b.if_then(b.fcmp_ordered("<", diagonal, f32(0.0))):
-            with for_range(b, 0, n, "flip.r") as col:
-                at = gep(b, r, [b.add(b.mul(pair, i64(n)), col)], F32)
-                b.store(b.fneg(b.load(at, typ=F32)), at)
-            with for_range(b, 0, m, "flip.q") as row:
-                at = gep(b, q, [b.add(b.mul(row, i64(k)), pair)], F32)
-                b.store(b.fneg(b.load(at, typ=F32)), at)
-    failed = b.or_(b.icmp_signed("!=", info, i32(0)), b.icmp_signed("!=", formed, i32(0)))
-    with b.if_then(failed):
-        for target, count in ((q, m * k), (r, k * n)):
-            with for_range(b, 0, count, "nan") as j:
-                b.store(f32(float("nan")), gep(b, target, [j], F32))
+            _negate(b, gep(b, r, [b.mul(pair, i64(n))], F32), n, 1, "flip.r")
+            _negate(b, gep(b, q, [pair], F32), m, k, "flip.q")
+    _fill_nan_if(b, b.or_(info, formed), (q, m * k), (r, k * n))
