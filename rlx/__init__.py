@@ -63,6 +63,8 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module("rlx.merge").attention_merge
     if name in ("jit", "value_and_grad"):
         return getattr(importlib.import_module("rlx.tracing"), name)
+    if name == "vmap":
+        return importlib.import_module("rlx.vectorize").vmap
     # rlx.exp(x), rlx.softmax(x), ...: the Graph's ops as functions of values (rlx.where, rlx.tanh,
     # ... on an attention mod's symbolic scalars too: the vocabulary of mods).
     function = importlib.import_module("rlx.functional").op_function(name)
@@ -102,5 +104,6 @@ __all__ = [
     "sqrt",
     "tanh",
     "value_and_grad",
+    "vmap",
     "where",
 ]

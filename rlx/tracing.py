@@ -271,9 +271,11 @@ def value_and_grad(
         _flatten((args, kwargs), "", leaves)
         graphs = {leaf.graph for _, leaf in leaves if isinstance(leaf, Value)}
         if not graphs:  # called on arrays: traced and compiled once per shapes
+            # Python floats among the differentiated arguments are arrays, as jax.grad takes them.
+            args = tuple(_floats_as_arrays(arg) if i in positions else arg for i, arg in enumerate(args))
             if not jitted:
                 jitted.append(Jitted(differentiated))
-            return jitted[0](*args, **kwargs)
+            return call_jitted(jitted[0], "rlx.value_and_grad", args, kwargs)
         if len(graphs) > 1:
             raise RlxValueError("rlx.value_and_grad: the arguments are values of different graphs")
         (graph,) = graphs
@@ -306,6 +308,26 @@ def value_and_grad(
         return ((value, aux) if has_aux else value), grad_tree
 
     return differentiated
+
+
+def call_jitted(jitted: Jitted, what: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A transform called on arrays runs jitted: its trace calls it again on values. Without an
+    array among the arguments the trace would have no values either, and call it forever."""
+    leaves: list[tuple[str, object]] = []
+    _flatten((args, kwargs), "", leaves)
+    if not any(_is_array(leaf) for _, leaf in leaves):
+        raise RlxValueError(f"{what}: the arguments hold no array (nor value of a graph): there is nothing to trace")
+    return jitted(*args, **kwargs)
+
+
+def _floats_as_arrays(obj: Any) -> Any:
+    if isinstance(obj, (float, np.floating)):
+        return np.float32(obj)
+    leaves: list[tuple[str, object]] = []
+    tree = _flatten(obj, "", leaves)
+    if tree.kind == "leaf":
+        return obj
+    return _unflatten(tree, iter(_floats_as_arrays(leaf) for _, leaf in leaves))
 
 
 def grad_of_function(

@@ -112,12 +112,22 @@ def test_grad_of_a_function_argnums_and_aux() -> None:
     assert float(value) == pytest.approx(float((b * b).sum()))
 
 
+def test_python_floats_are_differentiated_as_jax_grad_takes_them() -> None:
+    a = np.ones((2, 3), np.float32)
+    assert float(rlx.grad(lambda x: x * x)(3.0)) == 6.0
+    assert float(rlx.grad(lambda x, n: x.sum() * n, argnums=1)(a, 2.0)) == 6.0
+    value, grads = rlx.value_and_grad(lambda p: p["a"] * p["b"])({"a": 2.0, "b": np.float32(5.0)})
+    assert (float(value), float(grads["a"]), float(grads["b"])) == (10.0, 5.0, 2.0)
+
+
 def test_errors_are_clear() -> None:
     a = np.ones((2, 3), np.float32)
     with pytest.raises(rlx.RlxTypeError, match="scalar value"):
         rlx.grad(lambda x: x * 2.0)(a)
     with pytest.raises(rlx.RlxTypeError, match="only arrays have gradients"):
-        rlx.grad(lambda x, n: x.sum() * n, argnums=1)(a, 2.0)
+        rlx.grad(lambda x, n: x.sum() * n, argnums=1)(a, 2)
+    with pytest.raises(rlx.RlxValueError, match="no array"):  # it used to wait on its own lock forever
+        rlx.grad(lambda n: 2.0)(3)
     with pytest.raises(rlx.RlxValueError, match="argnums 3"):
         rlx.grad(lambda x: x.sum(), argnums=3)(a)
     with pytest.raises(rlx.RlxValueError, match="argnums must be"):

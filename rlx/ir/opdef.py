@@ -4,9 +4,10 @@ Each op module in :mod:`rlx.ops` registers an :class:`OpDef`; everything generic
 methods on ``Graph``, the verifier, the printer and parser, the reference interpreter, autodiff,
 dce and cse) reads these definitions and never names an op. This is JAX's primitive table in
 miniature: ``def_abstract_eval`` is :attr:`OpDef.infer`, ``def_impl`` is :attr:`OpDef.reference`,
-the JVP/transpose pair is :attr:`OpDef.grad`. Lowerings live in ``rlx.codegen`` (the IR stays
-free of LLVM), keyed by op name, except that an elementwise op carries its scalar formula here
-(:attr:`OpDef.scalar`), written against an abstract scalar emitter that codegen implements.
+the JVP/transpose pair is :attr:`OpDef.grad`, the batching rule is :attr:`OpDef.batch`. Lowerings
+live in ``rlx.codegen`` (the IR stays free of LLVM), keyed by op name, except that an elementwise
+op carries its scalar formula here (:attr:`OpDef.scalar`), written against an abstract scalar
+emitter that codegen implements.
 ``tests/ops/test_registry.py`` fails if any registered op lacks a piece.
 """
 
@@ -48,6 +49,12 @@ ReferenceFn = Callable[[Sequence[np.ndarray], Any, EvalContext], "tuple[np.ndarr
 
 GradFn = Callable[["Graph", "Node", Sequence["Value | None"], Sequence[bool]], Sequence["Value | None"]]
 """``grad(graph, node, output_cotangents, needed_per_operand) -> cotangent per operand (None: none)``."""
+
+BatchFn = Callable[["Graph", "Node", Sequence["Value"], Sequence[bool], "Dim"], Sequence["Value"]]
+"""``batch(graph, node, operands, batched, size) -> results``: ``node`` computed for ``size``
+examples at once (``rlx.vmap``). A batched operand carries the examples on a new leading axis;
+the others are ``node``'s own operands, shared by every example. Every result carries the
+examples on its leading axis."""
 
 
 def no_gradient(graph: Graph, node: Node, cotangents: Sequence[Value | None], needed: Sequence[bool]) -> list[None]:
@@ -112,6 +119,9 @@ class OpDef:
     narrow: Callable[[Graph, Node, list[Value]], None] | None = None
     scalar: Callable[..., Any] | None = None
     decompose: Callable[[Graph, Node], tuple[Value, ...]] | None = None
+    # How ``rlx.vmap`` batches the op (``rlx/ops/_batching.py``). None only for ops without
+    # operands and elementwise ops (a ``scalar``), which batch by broadcasting.
+    batch: BatchFn | None = None
     index_operands: tuple[IndexOperand, ...] = ()
     # Index operands that a node's attrs decide, not the op's signature: ``(slot, limit, meaning)``
     # for each (a programmable attention mod reading a tensor at a position another tensor holds).

@@ -19,6 +19,7 @@ from rlx.config import RuntimeConfig, resolve_config
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.opdef import EvalContext, OpDef, register_op
 from rlx.ir.types import Dim, Layout, MaskKind, TensorType, Wrt
+from rlx.ops._batching import batch_into_leading
 from rlx.ops._common import F32, op_kind, zeros
 
 if TYPE_CHECKING:
@@ -531,6 +532,7 @@ ATTENTION = register_op(
         _attention_reference,
         _attention_grad,
         builder=attention,
+        batch=batch_into_leading(),
         summary="scaled-dot-product attention",
     )
 )
@@ -543,6 +545,7 @@ ATTENTION_BWD = register_op(
         _attention_bwd_reference,
         _attention_bwd_grad,
         builder=attention_bwd,
+        batch=batch_into_leading(),
         narrow=_narrow_attention_bwd,
         summary="attention gradients w.r.t. the wrt operands, recomputing the softmax",
     )

@@ -27,14 +27,16 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
+from rlx.ir.dims import dim_text, product
 from rlx.ir.opdef import EvalContext, OpDef, register_op
-from rlx.ir.types import TensorType
+from rlx.ir.types import Dim, TensorType
+from rlx.ops._batching import again, all_with_examples, batch_by_unrolling, batch_into_leading
 from rlx.ops._common import F32, as_value, is_int, op_kind, require_float, zeros
 
 if TYPE_CHECKING:
@@ -521,6 +523,29 @@ def _column_matrices(graph: Graph, x: Value, attrs: ConvAttrs, taps: tuple[int, 
     return matrices
 
 
+def _batch_conv(
+    graph: Graph, node: Node, operands: Sequence[Value], batched: Sequence[bool], size: Dim
+) -> Sequence[Value]:
+    """A shared kernel convolves every example's images as one batch. Kernels per example make
+    one grouped convolution, as JAX batches them: the examples' channels side by side
+    (``[N, n*C, ...]``), their kernels stacked (``[n*O, C/g, ...]``), ``n*g`` groups."""
+    if not batched[1]:
+        return _FOLD_IMAGES(graph, node, operands, batched, size)
+    if not isinstance(size, int):  # the groups are a static count
+        return batch_by_unrolling(graph, node, operands, batched, size)
+    x, w = all_with_examples(graph, operands, batched, size)
+    images, channels, spatial = x.shape[1], x.shape[2], x.shape[3:]
+    side_by_side = graph.transpose(x, (1, 0, *range(2, x.ndim)))
+    merged = graph.reshape(side_by_side, (images, dim_text(product((size, channels))), *spatial))
+    kernels = graph.reshape(w, (dim_text(product(w.shape[:2])), *w.shape[2:]))
+    attrs = replace(node.attrs, groups=node.attrs.groups * size)
+    (out,) = again(graph, node, [merged, kernels], attrs)
+    split = graph.reshape(out, (images, size, w.shape[1], *out.shape[2:]))
+    return (graph.transpose(split, (1, 0, *range(2, split.ndim))),)
+
+
+_FOLD_IMAGES = batch_into_leading(0)
+
 register_op(
     OpDef(
         "conv",
@@ -531,6 +556,7 @@ register_op(
         _grad,
         builder=conv,
         decompose=_decompose,
+        batch=_batch_conv,
         summary="N-d convolution (cross-correlation) as torch's F.conv*d",
     )
 )

@@ -16,6 +16,7 @@ import numpy as np
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.opdef import EvalContext, GradFn, OpDef, no_gradient, register_op
 from rlx.ir.types import DTYPE_NAMES, TensorType, as_dtype
+from rlx.ops._batching import batch_elementwise
 from rlx.ops._common import (
     BOOL,
     F32,
@@ -614,6 +615,7 @@ for _name, _fn in UNARY_REFERENCE.items():
             scalar=SCALAR.get(_name),
             decompose=DECOMPOSE.get(_name),
             builder=_make_builder(_name, 1),
+            batch=batch_elementwise,
         )
     )
 register_op(
@@ -626,6 +628,7 @@ register_op(
         _gelu_grad,
         decompose=_decompose_gelu,
         builder=gelu,
+        batch=batch_elementwise,
     )
 )
 for _name, _fn2 in BINARY_REFERENCE.items():
@@ -639,6 +642,7 @@ for _name, _fn2 in BINARY_REFERENCE.items():
             BINARY_GRAD[_name],
             scalar=SCALAR[_name],
             builder=_make_builder(_name, 2),
+            batch=batch_elementwise,
         )
     )
 for _name, _fn2 in COMPARE_REFERENCE.items():
@@ -652,6 +656,7 @@ for _name, _fn2 in COMPARE_REFERENCE.items():
             no_gradient,
             scalar=SCALAR[_name],
             builder=_make_builder(_name, 2),
+            batch=batch_elementwise,
         )
     )
 for _name, _fn2 in LOGICAL_REFERENCE.items():
@@ -665,6 +670,7 @@ for _name, _fn2 in LOGICAL_REFERENCE.items():
             no_gradient,
             scalar=SCALAR[_name],
             builder=_make_builder(_name, 2),
+            batch=batch_elementwise,
         )
     )
 register_op(
@@ -677,6 +683,7 @@ register_op(
         no_gradient,
         scalar=SCALAR["logical_not"],
         builder=_make_builder("logical_not", 1),
+        batch=batch_elementwise,
     )
 )
 register_op(
@@ -689,6 +696,7 @@ register_op(
         _where_grad,
         scalar=SCALAR["where"],
         builder=_make_builder("where", 3),
+        batch=batch_elementwise,
     )
 )
 register_op(
@@ -701,6 +709,7 @@ register_op(
         _cast_grad,
         scalar=SCALAR["cast"],
         builder=cast,
+        batch=batch_elementwise,
     )
 )
 register_op(
@@ -713,5 +722,6 @@ register_op(
         no_gradient,  # the point of it: the cotangent stops here
         scalar=SCALAR["stop_gradient"],
         builder=stop_gradient,
+        batch=batch_elementwise,
     )
 )

@@ -29,6 +29,7 @@ from rlx.ir.dims import dim_text, poly
 from rlx.ir.opdef import EvalContext, OpDef, register_op
 from rlx.ir.region import GradientRegion, Interval, Region
 from rlx.ir.types import Dim, Layout, TensorType, Wrt
+from rlx.ops._batching import batch_by_unrolling
 from rlx.ops._common import F32, op_kind, zeros
 from rlx.ops.attention import array_dims, from_heads, no_pair_grads, no_pairs, static_sizes, to_heads
 
@@ -668,6 +669,7 @@ FLEX_ATTENTION = register_op(
         _flex_reference,
         _flex_grad,
         builder=flex_attention,
+        batch=batch_by_unrolling,
         node_index_operands=mod_index_operands,
         summary="attention with traced score_mod / mask_mod regions; returns out and lse",
     )
@@ -681,6 +683,7 @@ FLEX_ATTENTION_BWD = register_op(
         _flex_bwd_reference,
         _flex_bwd_grad,
         builder=_builder_flex_attention_bwd,
+        batch=batch_by_unrolling,
         narrow=_narrow_flex_bwd,
         node_index_operands=mod_index_operands,
         summary="flex attention gradients from the forward's out and lse",

@@ -20,6 +20,7 @@ import numpy as np
 from rlx.errors import RlxValueError
 from rlx.ir.opdef import REGISTRY, EvalContext, OpDef, not_differentiable, register_op
 from rlx.ir.types import TensorType
+from rlx.ops._batching import batch_by_unrolling
 from rlx.ops._common import op_kind
 
 if TYPE_CHECKING:
@@ -133,6 +134,7 @@ register_op(
         _reference,
         not_differentiable,
         builder=fused_elementwise,
+        batch=batch_by_unrolling,
         scalar=_scalar,
         summary="a chain of elementwise ops in one node",
     )

@@ -26,6 +26,7 @@ from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.dims import parse_dim
 from rlx.ir.opdef import EvalContext, IndexOperand, OpDef, register_op
 from rlx.ir.types import Dim, TensorType
+from rlx.ops._batching import batch_moving_axes
 from rlx.ops._common import (
     BOOL,
     F32,
@@ -174,6 +175,7 @@ register_op(
         _take_reference,
         _take_grad,
         builder=take_along_axis,
+        batch=batch_moving_axes("axis"),
         no_grad=frozenset({"ids"}),
         index_operands=(
             IndexOperand("ids", lambda node: node.inputs[0].shape[node.attrs.axis], "index", checked_in_kernel=True),
@@ -189,6 +191,7 @@ register_op(
         _scatter_reference,
         _scatter_grad,
         builder=scatter_add_along_axis,
+        batch=batch_moving_axes("axis"),
         no_grad=frozenset({"ids"}),
         index_operands=(IndexOperand("ids", lambda node: node.attrs.size, "index", checked_in_kernel=True),),
     )

@@ -18,6 +18,7 @@ from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.dims import parse_dim
 from rlx.ir.opdef import EvalContext, IndexOperand, OpDef, no_gradient, register_op
 from rlx.ir.types import Dim, TensorType
+from rlx.ops._batching import again, all_with_examples, batch_trailing
 from rlx.ops._common import BOOL, F32, INT_DTYPES, as_value, op_kind, reciprocal_count, require_float, require_int
 from rlx.ops.elementwise import NoAttrs
 
@@ -203,6 +204,45 @@ def _decompose_cross_entropy(graph: Graph, node: Node) -> tuple[Value, ...]:
     return (graph.mean(log_sum - picked),)
 
 
+def _batch_embedding(
+    graph: Graph, node: Node, operands: Sequence[Value], batched: Sequence[bool], size: Dim
+) -> Sequence[Value]:
+    """A shared table (a model's) gathers every example's ids at once; tables per example are
+    one ``take_along_axis`` of every example's rows (``[n, V, E]`` at ids ``[n, N, E]``)."""
+    if not batched[0]:
+        return again(graph, node, operands)
+    table, ids = all_with_examples(graph, operands, batched, size)
+    picked = graph.take_along_axis(table, _rows_per_example(graph, ids, size, table.shape[-1]), axis=1)
+    return (graph.reshape(picked, (*ids.shape, table.shape[-1])),)
+
+
+def _rows_per_example(graph: Graph, ids: Value, size: Dim, width: Dim) -> Value:
+    """Batched ids ``[n, ...]`` as ``[n, N, width]``: one row index per entry, repeated along a row."""
+    flat = graph.reshape(ids, (size, -1)) if ids.ndim != 2 else ids
+    return graph.broadcast_to(graph.expand_dims(flat, -1), (*flat.shape, width))
+
+
+def _batch_embedding_grad(
+    graph: Graph, node: Node, operands: Sequence[Value], batched: Sequence[bool], size: Dim
+) -> Sequence[Value]:
+    """Each example's rows added into its own table: one scatter-add along the rows' axis."""
+    dy, ids = all_with_examples(graph, operands, batched, size)
+    rows = _rows_per_example(graph, ids, size, dy.shape[-1])
+    updates = graph.reshape(dy, rows.shape)
+    return (graph.scatter_add_along_axis(updates, rows, 1, node.attrs.count),)
+
+
+def _batch_cross_entropy(
+    graph: Graph, node: Node, operands: Sequence[Value], batched: Sequence[bool], size: Dim
+) -> Sequence[Value]:
+    """Each example's mean over its own targets: the picked log-probabilities averaged over
+    every axis but the examples'."""
+    logits, targets = all_with_examples(graph, operands, batched, size)
+    log_probs = graph.log_softmax(logits, axis=-1)
+    picked = graph.take_along_axis(log_probs, graph.expand_dims(targets, -1), axis=-1)
+    return (-graph.mean(picked, axis=tuple(range(1, picked.ndim))),)
+
+
 def _rows(node: Node) -> Dim:
     return node.inputs[0].shape[0]
 
@@ -216,6 +256,7 @@ register_op(
         _embedding_reference,
         _embedding_grad,
         builder=embedding,
+        batch=_batch_embedding,
         no_grad=frozenset({"ids"}),
         index_operands=(IndexOperand("ids", _rows, "token id", checked_in_kernel=True),),
     )
@@ -229,6 +270,7 @@ register_op(
         _embedding_grad_reference,
         _embedding_grad_grad,
         builder=embedding_grad,
+        batch=_batch_embedding_grad,
         no_grad=frozenset({"ids"}),
         index_operands=(IndexOperand("ids", lambda node: node.attrs.count, "token id", checked_in_kernel=True),),
     )
@@ -242,6 +284,7 @@ register_op(
         _one_hot_reference,
         no_gradient,
         builder=one_hot,
+        batch=batch_trailing,
         decompose=_decompose_one_hot,
         no_grad=frozenset({"ids"}),
         index_operands=(IndexOperand("ids", lambda node: int(node.attrs.count), "class index"),),
@@ -256,6 +299,7 @@ register_op(
         _cross_entropy_reference,
         _cross_entropy_grad,
         builder=cross_entropy,
+        batch=_batch_cross_entropy,
         decompose=_decompose_cross_entropy,
         no_grad=frozenset({"targets"}),
         index_operands=(IndexOperand("targets", lambda node: node.inputs[0].shape[-1], "class index"),),

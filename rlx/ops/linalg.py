@@ -41,6 +41,7 @@ import numpy as np
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.opdef import EvalContext, OpDef, register_op
 from rlx.ir.types import TensorType
+from rlx.ops._batching import batch_trailing
 from rlx.ops._common import F32, as_value, op_kind, require_float
 from rlx.ops.elementwise import NoAttrs
 
@@ -576,7 +577,10 @@ def inv(graph: Graph, a: object) -> Value:
     return solve(graph, matrix, graph.broadcast_to(identity, matrix.shape) if matrix.ndim > 2 else identity)
 
 
-register_op(OpDef("cholesky", ("a",), NoAttrs, _cholesky_infer, _cholesky_reference, _cholesky_grad, builder=cholesky))
+_T = batch_trailing  # every op here maps over a stack of matrices
+register_op(
+    OpDef("cholesky", ("a",), NoAttrs, _cholesky_infer, _cholesky_reference, _cholesky_grad, builder=cholesky, batch=_T)
+)
 register_op(
     OpDef(
         "solve_triangular",
@@ -586,10 +590,13 @@ register_op(
         _triangular_reference,
         _triangular_grad,
         builder=solve_triangular,
+        batch=_T,
     )
 )
-register_op(OpDef("solve", ("a", "b"), NoAttrs, _solve_infer, _solve_reference, _solve_grad, builder=solve))
-register_op(OpDef("qr", ("a",), NoAttrs, _qr_infer, _qr_reference, _qr_grad, builder=qr))
-register_op(OpDef("svd", ("a",), NoAttrs, _svd_infer, _svd_reference, _svd_grad, builder=svd))
-register_op(OpDef("eigh", ("a",), NoAttrs, _eigh_infer, _eigh_reference, _eigh_grad, builder=eigh))
-register_op(OpDef("slogdet", ("a",), NoAttrs, _slogdet_infer, _slogdet_reference, _slogdet_grad, builder=slogdet))
+register_op(OpDef("solve", ("a", "b"), NoAttrs, _solve_infer, _solve_reference, _solve_grad, builder=solve, batch=_T))
+register_op(OpDef("qr", ("a",), NoAttrs, _qr_infer, _qr_reference, _qr_grad, builder=qr, batch=_T))
+register_op(OpDef("svd", ("a",), NoAttrs, _svd_infer, _svd_reference, _svd_grad, builder=svd, batch=_T))
+register_op(OpDef("eigh", ("a",), NoAttrs, _eigh_infer, _eigh_reference, _eigh_grad, builder=eigh, batch=_T))
+register_op(
+    OpDef("slogdet", ("a",), NoAttrs, _slogdet_infer, _slogdet_reference, _slogdet_grad, builder=slogdet, batch=_T)
+)

@@ -10,6 +10,7 @@ import numpy as np
 from rlx.errors import RlxValueError
 from rlx.ir.opdef import EvalContext, OpDef, register_op
 from rlx.ir.types import TensorType
+from rlx.ops._batching import batch_elementwise
 from rlx.ops._common import F32, as_value, broadcast_shapes, op_kind, require_float, sum_to_shape
 from rlx.ops.elementwise import NoAttrs
 
@@ -98,4 +99,6 @@ def matmul(graph: Graph, a: object, b: object) -> Value:
     return graph.reshape(out, tuple(shape))
 
 
-register_op(OpDef("matmul", ("a", "b"), NoAttrs, _infer, _reference, _grad, builder=matmul))
+# A batched operand gets the result's rank (ones after the examples' axis), so it broadcasts
+# against a shared one as each example's does: ``xs [n, M, K] @ w [K, N]`` is one node.
+register_op(OpDef("matmul", ("a", "b"), NoAttrs, _infer, _reference, _grad, builder=matmul, batch=batch_elementwise))

@@ -17,6 +17,7 @@ from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.dims import SizeLike, dim_text, exact_quotient, poly, product, total
 from rlx.ir.opdef import EvalContext, OpDef, register_op
 from rlx.ir.types import Dim, TensorType
+from rlx.ops._batching import batch_moving_axes, to_rank
 from rlx.ops._common import (
     as_value,
     dim_tuple,
@@ -283,6 +284,25 @@ def _float_only(grad):  # type: ignore[no-untyped-def]
     return rule
 
 
+def _batch_reshape(
+    graph: Graph, node: Node, operands: Sequence[Value], batched: Sequence[bool], size: Dim
+) -> Sequence[Value]:
+    return (graph.reshape(operands[0], (size, *node.attrs.shape)),)
+
+
+def _batch_transpose(
+    graph: Graph, node: Node, operands: Sequence[Value], batched: Sequence[bool], size: Dim
+) -> Sequence[Value]:
+    return (graph.transpose(operands[0], (0, *(axis + 1 for axis in node.attrs.perm))),)
+
+
+def _batch_broadcast(
+    graph: Graph, node: Node, operands: Sequence[Value], batched: Sequence[bool], size: Dim
+) -> Sequence[Value]:
+    shape = node.attrs.shape
+    return (graph.broadcast_to(to_rank(graph, operands[0], len(shape)), (size, *shape)),)
+
+
 register_op(
     OpDef(
         "reshape",
@@ -292,6 +312,7 @@ register_op(
         lambda args, attrs, ctx: np.reshape(args[0], ctx.resolve(attrs.shape)),
         _float_only(_reshape_grad),
         builder=reshape,
+        batch=_batch_reshape,
         view=True,
     )
 )
@@ -304,12 +325,21 @@ register_op(
         lambda args, attrs, ctx: np.transpose(args[0], attrs.perm),
         _float_only(_transpose_grad),
         builder=transpose,
+        batch=_batch_transpose,
         view=True,
     )
 )
 register_op(
     OpDef(
-        "split", ("x",), SplitAttrs, _split_infer, _split_reference, _float_only(_split_grad), builder=split, view=True
+        "split",
+        ("x",),
+        SplitAttrs,
+        _split_infer,
+        _split_reference,
+        _float_only(_split_grad),
+        builder=split,
+        view=True,
+        batch=batch_moving_axes("axis"),
     )
 )
 register_op(
@@ -321,6 +351,7 @@ register_op(
         lambda args, attrs, ctx: np.concatenate(args, axis=attrs.axis),
         _float_only(_concat_grad),
         builder=concat,
+        batch=batch_moving_axes("axis"),
         view=True,
     )
 )
@@ -333,6 +364,7 @@ register_op(
         lambda args, attrs, ctx: np.broadcast_to(args[0], ctx.resolve(attrs.shape)),
         _broadcast_grad,
         builder=broadcast_to,
+        batch=_batch_broadcast,
         view=True,
     )
 )
@@ -411,6 +443,7 @@ register_op(
         _unfold_reference,
         _float_only(_unfold_grad),
         builder=unfold,
+        batch=batch_moving_axes("axis"),
         view=True,
         summary="every window of size entries along an axis, step apart (torch's Tensor.unfold)",
     )

@@ -12,6 +12,7 @@ import numpy as np
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.opdef import EvalContext, OpDef, no_gradient, register_op
 from rlx.ir.types import Dim, TensorType
+from rlx.ops._batching import batch_moving_axes
 from rlx.ops._common import (
     F32,
     as_value,
@@ -117,7 +118,10 @@ def _decompose_mean(graph: Graph, node: Node) -> tuple[Value, ...]:
     return (graph.sum(x, axis=attrs.axes, keepdims=attrs.keepdims) * reciprocal_count(graph, x, attrs.axes),)
 
 
-register_op(OpDef("sum", ("x",), ReduceAttrs, _infer, _reference(np.sum), _sum_grad, builder=_builder("sum")))
+_AXES = batch_moving_axes("axes")
+register_op(
+    OpDef("sum", ("x",), ReduceAttrs, _infer, _reference(np.sum), _sum_grad, builder=_builder("sum"), batch=_AXES)
+)
 register_op(
     OpDef(
         "mean",
@@ -127,10 +131,11 @@ register_op(
         _reference(np.mean),
         _mean_grad,
         builder=_builder("mean"),
+        batch=_AXES,
         decompose=_decompose_mean,
     )
 )
-register_op(OpDef("max", ("x",), ReduceAttrs, _infer, _max_reference, _max_grad, builder=_builder("max")))
+register_op(OpDef("max", ("x",), ReduceAttrs, _infer, _max_reference, _max_grad, builder=_builder("max"), batch=_AXES))
 register_op(
     OpDef(
         "min",
@@ -140,6 +145,7 @@ register_op(
         _min_reference,
         _max_grad,
         builder=_builder("min"),
+        batch=_AXES,
         decompose=_decompose_min,
     )
 )
@@ -225,5 +231,6 @@ for _name in ("argmax", "argmin"):
             no_gradient,
             builder=_arg_builder(_name),
             decompose=_decompose_arg(_name),
+            batch=batch_moving_axes("axis"),
         )
     )

@@ -24,6 +24,7 @@ import numpy as np
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.opdef import EvalContext, OpDef, register_op
 from rlx.ir.types import TensorType
+from rlx.ops._batching import batch_moving_axes
 from rlx.ops._common import F32, INT_DTYPES, as_value, normalize_axis, op_kind, require_axis_attr
 from rlx.ops.gather import scatter_add_along_axis
 
@@ -121,8 +122,13 @@ def _scan_builder(name: str) -> Callable[..., Value]:
 cumsum = _scan_builder("cumsum")
 cumprod = _scan_builder("cumprod")
 
-register_op(OpDef("cumsum", ("x",), ScanAttrs, _infer, _reference(np.cumsum), _cumsum_grad, builder=cumsum))
-register_op(OpDef("cumprod", ("x",), ScanAttrs, _infer, _reference(np.cumprod), _cumprod_grad, builder=cumprod))
+_AXIS = batch_moving_axes("axis")
+register_op(
+    OpDef("cumsum", ("x",), ScanAttrs, _infer, _reference(np.cumsum), _cumsum_grad, builder=cumsum, batch=_AXIS)
+)
+register_op(
+    OpDef("cumprod", ("x",), ScanAttrs, _infer, _reference(np.cumprod), _cumprod_grad, builder=cumprod, batch=_AXIS)
+)
 
 
 # ----------------------------------------------------------------------------- running extremes
@@ -271,6 +277,7 @@ for _name, _largest in (("cummax", True), ("cummin", False)):
             _extreme_reference(_largest),
             _extreme_grad,
             builder=cummax if _largest else cummin,
+            batch=_AXIS,
         )
     )
 register_op(
@@ -282,5 +289,6 @@ register_op(
         _logcumsumexp_reference,
         _logcumsumexp_grad,
         builder=logcumsumexp,
+        batch=_AXIS,
     )
 )

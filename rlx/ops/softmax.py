@@ -15,7 +15,8 @@ import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.opdef import EvalContext, OpDef, register_op
-from rlx.ir.types import TensorType
+from rlx.ir.types import Dim, TensorType
+from rlx.ops._batching import again, batch_moving_axes, to_rank, with_examples
 from rlx.ops._common import as_value, is_number, normalize_axis, op_kind, require_float, sum_to_shape
 
 if TYPE_CHECKING:
@@ -96,6 +97,7 @@ register_op(
         _softmax_reference,
         _softmax_grad,
         builder=_axis_builder("softmax"),
+        batch=batch_moving_axes("axis"),
         decompose=_decompose_softmax,
     )
 )
@@ -108,6 +110,7 @@ register_op(
         _log_softmax_reference,
         _log_softmax_grad,
         builder=_axis_builder("log_softmax"),
+        batch=batch_moving_axes("axis"),
         decompose=_decompose_log_softmax,
     )
 )
@@ -227,6 +230,23 @@ def _decompose_layer_norm(graph: Graph, node: Node) -> tuple[Value, ...]:
     return (out + node.inputs[2] if len(node.inputs) > 2 else out,)
 
 
+def _batch_norm(
+    graph: Graph, node: Node, operands: Sequence[Value], batched: Sequence[bool], size: Dim
+) -> Sequence[Value]:
+    """Shared weights (a model's) stay operands; weights per example scale and shift the
+    normalised rows as elementwise ops."""
+    x = with_examples(graph, operands[0], batched[0], size)
+    if not any(batched[1:]):
+        return again(graph, node, [x, *operands[1:]])
+    eps = node.attrs.eps
+    rank = node.outputs[0].ndim
+    weight, *bias = (to_rank(graph, v, rank) if flag else v for v, flag in zip(operands[1:], batched[1:], strict=True))
+    if node.op.value == "rms_norm":
+        return (graph.rms_norm(x, None, eps) * weight,)
+    out = graph.layer_norm(x, None, None, eps) * weight
+    return (out + bias[0] if bias else out,)
+
+
 register_op(
     OpDef(
         "rms_norm",
@@ -236,6 +256,7 @@ register_op(
         _rms_norm_reference,
         _rms_norm_grad,
         builder=rms_norm,
+        batch=_batch_norm,
         decompose=_decompose_rms_norm,
     )
 )
@@ -248,6 +269,7 @@ register_op(
         _layer_norm_reference,
         _layer_norm_grad,
         builder=layer_norm,
+        batch=_batch_norm,
         decompose=_decompose_layer_norm,
     )
 )

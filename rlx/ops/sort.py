@@ -21,6 +21,7 @@ import numpy as np
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.opdef import EvalContext, OpDef, register_op
 from rlx.ir.types import TensorType
+from rlx.ops._batching import batch_trailing
 from rlx.ops._common import F32, INT_DTYPES, as_value, is_int, normalize_axis, op_kind
 from rlx.ops.gather import scatter_add_along_axis
 
@@ -133,4 +134,4 @@ def topk(graph: Graph, x: object, k: int, axis: int = -1, largest: bool = True) 
     return _moved_back(graph, values, position), _moved_back(graph, indices, position)
 
 
-register_op(OpDef("sort", ("x",), SortAttrs, _infer, _reference, _grad, builder=sort))
+register_op(OpDef("sort", ("x",), SortAttrs, _infer, _reference, _grad, builder=sort, batch=batch_trailing))
