@@ -7,6 +7,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from fuzz_graphs import assert_close_within_spread, graphs, rounding_spread
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from op_samples import SAMPLES, Sample, sample_inputs
 
 import rlx
@@ -292,3 +295,69 @@ def test_symbolic_batch_and_unrolled_ops_need_a_static_count() -> None:
     tables = RNG.standard_normal((2, 1, 4, 2, 8)).astype(np.float32)
     want = np.stack([rlx.jit(attend)(t) for t in tables])
     np.testing.assert_allclose(rlx.vmap(attend)(tables), want, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- fuzzed graphs
+
+
+def _replayed(one: Graph, graph: Graph) -> Any:
+    """``one``'s nodes as a function of its inputs, building in ``graph``: any graph made a
+    function that vmap can map (its gradient nodes included)."""
+
+    def run(*args: Value) -> tuple[Value, ...]:
+        env: dict[Value, Value] = dict(zip(one.inputs.values(), args, strict=True))
+        for node in one.nodes:
+            if node.op is rlx.OpKind.INPUT:
+                continue
+            made = graph.add_node(node.op, [env[v] for v in node.inputs], node.attrs).outputs
+            env.update(zip(node.outputs, made, strict=True))
+        return tuple(env[v] for v in one.outputs.values())
+
+    return run
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graphs(), st.data())
+def test_fuzzed_graphs_and_their_gradients_under_vmap(case: tuple[Graph, int, int], data: st.DataObject) -> None:
+    one, seed, _ = case
+    names = list(one.inputs)
+    pattern = data.draw(st.lists(st.booleans(), min_size=len(names), max_size=len(names)).filter(any))
+    axes = [
+        data.draw(st.integers(0, one.inputs[n].ndim)) if flag else None for n, flag in zip(names, pattern, strict=True)
+    ]
+    many = Graph("many")
+    values = []
+    for name, axis in zip(names, axes, strict=True):
+        shape = list(one.inputs[name].shape)
+        if axis is not None:
+            shape.insert(axis, EXAMPLES)
+        values.append(many.input(name, tuple(shape), dtype=one.inputs[name].dtype))
+    results = rlx.vmap(_replayed(one, many), in_axes=tuple(axes))(*values)
+    many.output(**dict(zip(one.outputs, results, strict=True)))
+    many.verify()
+    rng = np.random.default_rng(seed)
+    stacked = {}
+    for name, axis in zip(names, axes, strict=True):
+        shape = list(one.inputs[name].shape)
+        if axis is not None:
+            shape.insert(axis, EXAMPLES)
+        stacked[name] = rng.uniform(-1.0, 1.0, shape)
+    got = evaluate(many, stacked, exact=True)
+    for i in range(EXAMPLES):
+        example = {
+            name: np.take(array, i, axis=axis) if axis is not None else array
+            for (name, array), axis in zip(stacked.items(), axes, strict=True)
+        }
+        want = evaluate(one, example, exact=True)
+        for name, value in want.items():
+            np.testing.assert_allclose(got[name][i], value, rtol=1e-9, atol=1e-9, err_msg=f"{name}, example {i}")
+    # And the batched graph compiled, against its float32 reference.
+    arrays = {name: array.astype(np.float32) for name, array in stacked.items()}
+    rounded = rlx.reference.run(many, **arrays)
+    compiled = rlx.compile(many)(**arrays)
+    spread = rounding_spread(many, arrays, rounded)
+    scale = max(1.0, *(float(np.max(np.abs(w))) for w in rounded.values() if w.size))
+    for name, value in rounded.items():
+        assert_close_within_spread(
+            compiled[name], value, rtol=2e-4, atol=2e-5 * scale, spread=spread[name], err_msg=f"{name}\n{many}"
+        )
