@@ -65,6 +65,8 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module("rlx.tracing"), name)
     if name == "vmap":
         return importlib.import_module("rlx.vectorize").vmap
+    if name in ("vjp", "jvp", "jacrev", "jacfwd", "hessian"):
+        return getattr(importlib.import_module("rlx.jacobians"), name)
     # rlx.exp(x), rlx.softmax(x), ...: the Graph's ops as functions of values (rlx.where, rlx.tanh,
     # ... on an attention mod's symbolic scalars too: the vocabulary of mods).
     function = importlib.import_module("rlx.functional").op_function(name)
@@ -93,7 +95,11 @@ __all__ = [
     "compile",
     "exp",
     "grad",
+    "hessian",
+    "jacfwd",
+    "jacrev",
     "jit",
+    "jvp",
     "load",
     "log",
     "maximum",
@@ -104,6 +110,7 @@ __all__ = [
     "sqrt",
     "tanh",
     "value_and_grad",
+    "vjp",
     "vmap",
     "where",
 ]
