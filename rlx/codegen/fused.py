@@ -71,6 +71,7 @@ from rlx.codegen.views import View
 from rlx.ir.dims import product, total
 from rlx.ir.graph import Node, Value
 from rlx.ir.types import Dim
+from rlx.ops.fused import typed_scalar
 
 MIN_ITEM_ELEMENTS = 1 << 14  # elements per parallel work item at least: thread overhead pays off
 # How a row's last partial vector runs (FusedEmitter.vector_and_rest, plan_chunking).
@@ -351,7 +352,11 @@ class FusedEmitter:
         width = max(lane.width for lane in operands)
         math_ = LaneMath(self, width)
         args = [math_.widen(lane) for lane in operands]
-        result = definition.scalar(math_, *args, node.attrs)
+        if op == "fused_elementwise":
+            types = [v.type for v in node.inputs]
+            result = typed_scalar(math_, args, node.attrs, types, math_.wrapped)
+        else:
+            result = math_.wrapped(definition.scalar(math_, *args, node.attrs), value.dtype)
         kind = "b" if value.dtype == np.bool_ else ("i" if value.dtype.kind == "i" else "f")
         return Lane(result, width, kind)
 
@@ -934,6 +939,14 @@ class LaneMath:
 
     def select(self, cond: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
         return self.b.select(cond, a, b)
+
+    def wrapped(self, x: ir.Value, dtype: np.dtype) -> ir.Value:
+        """An op's result as ``dtype`` holds it: int32 lanes are computed in i64, so an int32
+        result wraps to 32 bits here, as NumPy's int32 arithmetic does, before the next op
+        reads it (``x * 65536 * 65536`` is 0, not ``2**32 * x``)."""
+        if dtype != np.int32 or _scalar_type(x.type) != I64:
+            return x
+        return self.b.sext(self.b.trunc(x, self._ty(I32)), self._ty(I64))
 
     def rounded(self, mode: str, x: ir.Value) -> ir.Value:
         """``floor``, ``ceil``, ``trunc`` or ``roundeven`` (NumPy's ``round``: halves to even)."""

@@ -114,6 +114,22 @@ def _scalar(emitter: Any, *operands: Any) -> Any:
     return _run(attrs, values, apply)
 
 
+def typed_scalar(
+    emitter: Any, values: Sequence[Any], attrs: FusedAttrs, types: Sequence[TensorType], finish: Any
+) -> Any:
+    """The scalar formula with each step's result type known: ``finish(lanes, dtype)`` after
+    every step (the code generator wraps int32 results there, which it computes in 64 bits)."""
+
+    def apply(step: Step, ops: list[tuple[Any, TensorType]]) -> tuple[Any, TensorType]:
+        definition = REGISTRY[step.op]
+        attrs_ = _default_attrs(step.op)
+        assert definition.scalar is not None
+        ty = definition.infer(step.op, [t for _, t in ops], attrs_)[0]
+        return finish(definition.scalar(emitter, *(v for v, _ in ops), attrs_), ty.dtype), ty
+
+    return _run(attrs, list(zip(values, types, strict=True)), apply)[0]
+
+
 def _default_attrs(op: str) -> Any:
     """The attrs of a step: only ops whose attrs are all defaulted can be fused (``NoAttrs``)."""
     return REGISTRY[op].attrs()

@@ -65,3 +65,25 @@ def test_mixed_dtypes_are_build_errors_and_gradients_skip_ints() -> None:
     g.output(dx=dx)
     got = rlx.compile(g)(i=np.array([1, 2, 3]), x=np.ones(3, np.float32), j=np.zeros(3, np.int32))
     np.testing.assert_array_equal(got["dx"], [2.0, 4.0, 6.0])
+
+
+def test_int32_wraps_between_the_ops_of_one_loop() -> None:
+    """int32 lanes are computed in 64 bits: each op's result wraps to 32 bits before the next
+    reads it, fused or not (``x * 65536 * 65536`` is 0 in int32, so ``// 7 + x`` is ``x``)."""
+    g = Graph("wrap")
+    x = g.input("x", (9,), dtype="int32")
+    g.output(z=(x * 65536) * 65536 // 7 + x, w=(x * 40000) * 40000 - (x * 3), m=g.maximum(x * 2000000000, x))
+    xv = np.arange(-4, 5, dtype=np.int32)
+    with np.errstate(over="ignore"):
+        want = {
+            "z": (xv * np.int32(65536)) * np.int32(65536) // np.int32(7) + xv,
+            "w": (xv * np.int32(40000)) * np.int32(40000) - xv * np.int32(3),
+            "m": np.maximum(xv * np.int32(2000000000), xv),
+        }
+    for exe in (rlx.compile(g), rlx.compile(g, passes=[])):
+        got = exe(x=xv)
+        for name, expected in want.items():
+            np.testing.assert_array_equal(got[name], expected, err_msg=name)
+    reference = rlx.reference.run(g, x=xv)
+    for name, expected in want.items():
+        np.testing.assert_array_equal(reference[name], expected, err_msg=name)
