@@ -183,6 +183,20 @@ SAMPLES: list[Sample] = [
     Sample("logical_and", lambda g: g.logical_and(g.input("a", (3, 4)) > 0.0, g.input("b", (4,)) > 0.0)),
     Sample("logical_or", lambda g: g.logical_or(g.input("a", (3, 4)) > 0.0, g.input("b", (4,)) > 0.0)),
     Sample("logical_not", lambda g: g.logical_not(g.input("a", (3, 4)) > 0.0)),
+    *(
+        Sample(
+            op, lambda g, op=op, dt=dt: getattr(g, op)(g.input("a", (3, 4), dt), g.input("b", (4,), dt)), int_high=hi
+        )
+        for op, dt, hi in (
+            ("bitwise_and", "int32", {"a": 1000, "b": 1000}),
+            ("bitwise_or", "int64", {"a": 1000, "b": 1000}),
+            ("bitwise_xor", "int32", {"a": 2**31 - 1, "b": 1000}),
+            ("left_shift", "int64", {"a": 1000, "b": 70}),  # shifts past 64: 0, as NumPy's
+            ("right_shift", "int32", {"a": 2**31 - 1, "b": 40}),
+        )
+    ),
+    Sample("bitwise_xor", lambda g: g.bitwise_xor(g.input("a", (3, 4)) > 0.0, g.input("b", (4,)) > 0.0), label="bool"),
+    Sample("bitwise_not", lambda g: ~g.input("a", (3, 4), "int32"), int_high={"a": 2**31 - 1}),
     Sample("where", lambda g: g.where(g.input("c", (3, 1)) > 0.0, g.input("a", (3, 4)), g.input("b", (4,)))),
     Sample(
         "cast",

@@ -160,6 +160,9 @@ CASES: list[tuple[str, str, Callable[..., Any]]] = [
     ("any all isnan isinf isfinite as masks", "matrix", lambda a: torch.where(torch.isnan(torch.log(a)) | torch.isinf(1 / a.round()), 0.0, a) * torch.isfinite(a) + torch.any(a > 1, 1, keepdim=True) * a + a.all(0) * a),  # noqa: E501
     ("tensordot", "matrix", lambda a: torch.tensordot(a, a.flip(0), dims=([0], [0])) + torch.tensordot(a[:2], a[:2].T, dims=1).sum()),  # noqa: E501
     ("vector_norm of a row of zeros", "matrix", lambda a: torch.linalg.vector_norm(a * (a.sum(1, keepdim=True) > 0), dim=1)),  # noqa: E501
+    ("bitwise ops and shifts on ints", "matrix",
+     lambda a: a * ((((a * 100).int() << 3) ^ ((a * 7).int() >> 1)) & 255).float() + (~(a > 0)).float() * a
+     + torch.bitwise_or((a * 10).long(), 1).float() + (~(a * 9).int()).float() * a + (torch.bitwise_not(a < 0) ^ (a > 1)) * a),  # noqa: E501
     ("spatial transformer", "theta", lambda t: F.grid_sample(SAMPLED, F.affine_grid(t, (2, 3, 7, 9), False), align_corners=False)),  # noqa: E501
 ]  # fmt: skip
 

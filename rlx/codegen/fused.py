@@ -932,10 +932,25 @@ class LaneMath:
         return self.b.icmp_signed(predicate, a, b)
 
     def logical(self, kind: str, a: ir.Value, b: ir.Value | None = None) -> ir.Value:
+        """``and``, ``or``, ``xor`` and ``not`` of bools (i1 lanes) or, bit by bit, of ints."""
         if kind == "not":
-            return self.b.xor(a, ir.Constant(a.type, 1 if self.width == 1 else [1] * self.width))
+            ones = 1 if _scalar_type(a.type) == I1 else -1
+            return self.b.xor(a, ir.Constant(a.type, ones if self.width == 1 else [ones] * self.width))
         assert b is not None
+        if kind == "xor":
+            return self.b.xor(a, b)
         return self.b.and_(a, b) if kind == "and" else self.b.or_(a, b)
+
+    def shift(self, kind: str, a: ir.Value, b: ir.Value) -> ir.Value:
+        """NumPy's ``<<`` and ``>>`` (arithmetic) on int lanes (64-bit; an int32 result wraps
+        after, which also makes shifts by 32 to 63 right for int32). Amounts outside [0, 64)
+        give 0 to the left and the sign's fill to the right, as NumPy's do, never LLVM's poison."""
+        bld = self.b
+        bits = self.const(64, a)
+        inside = bld.icmp_unsigned("<", b, bits)
+        if kind == "left":
+            return bld.select(inside, bld.shl(a, bld.select(inside, b, self.const(0, a))), self.const(0, a))
+        return bld.ashr(a, bld.select(inside, b, self.const(63, a)))
 
     def select(self, cond: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
         return self.b.select(cond, a, b)

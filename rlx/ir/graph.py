@@ -308,20 +308,42 @@ class Value:
     def __ge__(self, other: object) -> Value:
         return self.graph.greater_equal(self, other)
 
+    # & | ^ ~ are logical on bools and bitwise on ints, as NumPy's; << and >> shift ints.
     def __and__(self, other: object) -> Value:
-        return self.graph.logical_and(self, other)
+        return self._bits("logical_and", "bitwise_and", self, other)
 
     def __rand__(self, other: object) -> Value:
-        return self.graph.logical_and(other, self)
+        return self._bits("logical_and", "bitwise_and", other, self)
 
     def __or__(self, other: object) -> Value:
-        return self.graph.logical_or(self, other)
+        return self._bits("logical_or", "bitwise_or", self, other)
 
     def __ror__(self, other: object) -> Value:
-        return self.graph.logical_or(other, self)
+        return self._bits("logical_or", "bitwise_or", other, self)
+
+    def __xor__(self, other: object) -> Value:
+        return self.graph.bitwise_xor(self, other)
+
+    def __rxor__(self, other: object) -> Value:
+        return self.graph.bitwise_xor(other, self)
 
     def __invert__(self) -> Value:
-        return self.graph.logical_not(self)
+        return self.graph.logical_not(self) if self.dtype.kind == "b" else self.graph.bitwise_not(self)
+
+    def __lshift__(self, other: object) -> Value:
+        return self.graph.left_shift(self, other)
+
+    def __rlshift__(self, other: object) -> Value:
+        return self.graph.left_shift(other, self)
+
+    def __rshift__(self, other: object) -> Value:
+        return self.graph.right_shift(self, other)
+
+    def __rrshift__(self, other: object) -> Value:
+        return self.graph.right_shift(other, self)
+
+    def _bits(self, logical: str, bitwise: str, a: object, b: object) -> Value:
+        return getattr(self.graph, bitwise if self.dtype.kind == "i" else logical)(a, b)
 
     def __repr__(self) -> str:
         if not isinstance(self.node, Node):  # a hand-made Value must still show in error messages

@@ -119,6 +119,25 @@ def _logical_binary(what: str, inputs: Sequence[TensorType], attrs: object) -> t
     return (TensorType(broadcast_shapes(what, inputs[0].shape, inputs[1].shape), BOOL),)
 
 
+def _bitwise_binary(what: str, inputs: Sequence[TensorType], attrs: object) -> tuple[TensorType, ...]:
+    """Ints of one dtype (and bools too, but for the shifts): NumPy's bitwise ops."""
+    a, b = inputs
+    kinds = "i" if what.split(" ")[0] in SHIFTS else "ib"
+    if a.dtype != b.dtype or a.dtype.kind not in kinds:
+        allowed = "int32 or int64" if kinds == "i" else "int32, int64 or bool"
+        raise RlxTypeError(
+            f"{what}: a and b must have one dtype, {allowed}, got {a.dtype_name} ({a}) and {b.dtype_name} ({b})"
+        )
+    return (TensorType(broadcast_shapes(what, a.shape, b.shape), a.dtype),)
+
+
+def _bitwise_unary(what: str, inputs: Sequence[TensorType], attrs: object) -> tuple[TensorType, ...]:
+    (x,) = inputs
+    if x.dtype.kind not in "ib":
+        raise RlxTypeError(f"{what}: x must be int32, int64 or bool, got {x.dtype_name} ({x})")
+    return (x,)
+
+
 def _logical_unary(what: str, inputs: Sequence[TensorType], attrs: object) -> tuple[TensorType, ...]:
     require_bool(what, "x", inputs[0])
     return (inputs[0],)
@@ -231,6 +250,17 @@ LOGICAL_REFERENCE: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "logical_and": np.logical_and,
     "logical_or": np.logical_or,
 }
+
+# NumPy's bitwise ops on ints (and on bools, for and/or/xor/not). A shift by an amount outside
+# [0, bits) gives NumPy's answer: 0 to the left, the sign's fill to the right.
+BITWISE_REFERENCE: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+    "bitwise_and": np.bitwise_and,
+    "bitwise_or": np.bitwise_or,
+    "bitwise_xor": np.bitwise_xor,
+    "left_shift": np.left_shift,
+    "right_shift": np.right_shift,
+}
+SHIFTS = ("left_shift", "right_shift")
 
 
 def _cast_reference(args: Sequence[np.ndarray], attrs: CastAttrs, ctx: EvalContext) -> np.ndarray:
@@ -430,6 +460,7 @@ _SAME_DTYPE_OPERANDS = {
     "not_equal": (0, 1),
     "where": (1, 2),
     **{name: (0, 1) for name in INTEGER_ARITHMETIC if name not in ("neg", "abs")},
+    **{name: (0, 1) for name in BITWISE_REFERENCE},
 }
 
 
@@ -577,6 +608,12 @@ SCALAR: dict[str, Callable[..., object]] = {
     "logical_and": lambda e, a, b, attrs: e.logical("and", a, b),
     "logical_or": lambda e, a, b, attrs: e.logical("or", a, b),
     "logical_not": lambda e, x, attrs: e.logical("not", x),
+    "bitwise_and": lambda e, a, b, attrs: e.logical("and", a, b),
+    "bitwise_or": lambda e, a, b, attrs: e.logical("or", a, b),
+    "bitwise_xor": lambda e, a, b, attrs: e.logical("xor", a, b),
+    "bitwise_not": lambda e, x, attrs: e.logical("not", x),
+    "left_shift": lambda e, a, b, attrs: e.shift("left", a, b),
+    "right_shift": lambda e, a, b, attrs: e.shift("right", a, b),
     "where": lambda e, c, a, b, attrs: e.select(c, a, b),
     "cast": lambda e, x, attrs: e.convert(x, DTYPE_NAMES[attrs.dtype]),
     "stop_gradient": lambda e, x, attrs: x,
@@ -673,6 +710,33 @@ for _name, _fn2 in LOGICAL_REFERENCE.items():
             batch=batch_elementwise,
         )
     )
+for _name, _fn2 in BITWISE_REFERENCE.items():
+    register_op(
+        OpDef(
+            _name,
+            ("a", "b"),
+            NoAttrs,
+            _bitwise_binary,
+            _binary_ref(_fn2),
+            no_gradient,
+            scalar=SCALAR[_name],
+            builder=_make_builder(_name, 2),
+            batch=batch_elementwise,
+        )
+    )
+register_op(
+    OpDef(
+        "bitwise_not",
+        ("x",),
+        NoAttrs,
+        _bitwise_unary,
+        _unary_ref(np.invert),
+        no_gradient,
+        scalar=SCALAR["bitwise_not"],
+        builder=_make_builder("bitwise_not", 1),
+        batch=batch_elementwise,
+    )
+)
 register_op(
     OpDef(
         "logical_not",

@@ -1738,6 +1738,20 @@ def _prod(g: Graph, x: Any, dim: Any = None, keepdim: bool = False, *, dtype: An
     return g.prod(_float(x), _axis_args(dim), keepdim)
 
 
+def _bitwise(op: Callable[[Any, Any], Any]) -> Callable[..., Any]:
+    """``& | ^ << >>``: logical on bools, bit by bit on ints (the Value operators decide, as
+    torch's do); a Python int beside a tensor is a constant of its dtype."""
+
+    def handler(g: Graph, a: Any, b: Any, **kwargs: Any) -> Any:
+        check_kwargs(kwargs, out=None)
+        if not isinstance(a, Value) and not isinstance(b, Value):
+            raise Unsupported(f"{op.__name__} of two constants")
+        return op(a if isinstance(a, Value) else _value(g, a) if isinstance(a, torch.Tensor) else a,
+                  b if isinstance(b, Value) else _value(g, b) if isinstance(b, torch.Tensor) else b)  # fmt: skip
+
+    return handler
+
+
 def _tensordot(g: Graph, a: Any, b: Any, dims: Any = 2, **kwargs: Any) -> Any:
     """``torch.tensordot``: ``g.tensordot`` (dims an int or two lists of axes)."""
     check_kwargs(kwargs, out=None)
@@ -1762,9 +1776,14 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     operator.le: _compare("less_equal"),
     operator.gt: _compare("greater"),
     operator.ge: _compare("greater_equal"),
-    operator.invert: lambda g, x: g.logical_not(_float(x)),
-    operator.and_: lambda g, a, b: g.logical_and(_float(a), _float(b)),
-    operator.or_: lambda g, a, b: g.logical_or(_float(a), _float(b)),
+    operator.invert: lambda g, x: ~_float(x),
+    **{op: _bitwise(op) for op in (operator.and_, operator.or_, operator.xor, operator.lshift, operator.rshift)},
+    torch.bitwise_and: _bitwise(operator.and_),
+    torch.bitwise_or: _bitwise(operator.or_),
+    torch.bitwise_xor: _bitwise(operator.xor),
+    torch.bitwise_left_shift: _bitwise(operator.lshift),
+    torch.bitwise_right_shift: _bitwise(operator.rshift),
+    torch.bitwise_not: lambda g, x: ~_float(x),
     torch.add: _binary("add"),
     torch.sub: _binary("sub"),
     torch.mul: _binary("mul"),

@@ -1,4 +1,4 @@
-"""Random chains of integer elementwise ops (int32 and int64, overflow included) compiled
+"""Random chains of integer elementwise ops (int32 and int64, overflow, bitwise ops and shifts) compiled
 against the reference, which computes as NumPy does: the loop nests compute ints in 64-bit
 lanes, and must wrap int32 results and divide as NumPy does wherever the chain is fused."""
 
@@ -12,7 +12,8 @@ import rlx
 from rlx import Graph, Value
 
 BINARY = ["add", "sub", "mul", "maximum", "minimum", "floor_divide", "remainder", "fmod"]
-UNARY = ["neg", "abs"]
+BINARY += ["bitwise_and", "bitwise_or", "bitwise_xor", "left_shift", "right_shift"]
+UNARY = ["neg", "abs", "bitwise_not"]
 
 
 @st.composite

@@ -87,3 +87,35 @@ def test_int32_wraps_between_the_ops_of_one_loop() -> None:
     reference = rlx.reference.run(g, x=xv)
     for name, expected in want.items():
         np.testing.assert_array_equal(reference[name], expected, err_msg=name)
+
+
+def test_bitwise_operators_are_numpys() -> None:
+    """``& | ^ ~`` are bitwise on ints and logical on bools; ``<< >>`` shift, by amounts past the
+    width too (0 to the left, the sign's fill to the right, as NumPy's)."""
+    g = Graph("bits")
+    a = g.input("a", (6,), dtype="int32")
+    b = g.input("b", (6,), dtype="int32")
+    m = g.input("m", (6,), dtype="bool")
+    g.output(
+        both=a & b, either=a | 3, one=a ^ b, flipped=~a, left=a << b, right=a >> b, lit=3 >> b, mask=~m ^ (a > b),
+        mask_and=m & (a > 0),
+    )  # fmt: skip
+    av = np.array([1, -8, 5, 123456, -1, 2**31 - 1], np.int32)
+    bv = np.array([0, 3, 31, 32, 64, -1], np.int32)
+    mv = np.array([True, False, True, False, True, False])
+    with np.errstate(over="ignore"):
+        want = {
+            "both": av & bv, "either": av | np.int32(3), "one": av ^ bv, "flipped": ~av,
+            "left": np.left_shift(av, bv), "right": np.right_shift(av, bv), "lit": np.right_shift(np.int32(3), bv),
+            "mask": ~mv ^ (av > bv), "mask_and": mv & (av > 0),
+        }  # fmt: skip
+    assert [n.op.value for n in g.nodes if n.op.value.startswith(("logical", "bitwise"))].count("logical_and") == 1
+    got = rlx.compile(g)(a=av, b=bv, m=mv)
+    reference = rlx.reference.run(g, a=av, b=bv, m=mv)
+    for name, expected in want.items():
+        np.testing.assert_array_equal(got[name], expected, err_msg=name)
+        np.testing.assert_array_equal(reference[name], expected, err_msg=name)
+    with pytest.raises(rlx.RlxTypeError, match="int32 or int64"):
+        g.left_shift(m, m)
+    with pytest.raises(rlx.RlxTypeError, match="one dtype"):
+        g.bitwise_and(a, g.input("x", (6,)))
