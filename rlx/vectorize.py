@@ -68,7 +68,7 @@ def vmap(fn: Callable[..., Any], in_axes: Axes = 0, out_axes: Axes = 0, axis_siz
 
 
 def _check_axes_spec(spec: Axes, what: str) -> None:
-    if spec is None or (isinstance(spec, int) and not isinstance(spec, bool)):
+    if spec is None or (isinstance(spec, (int, np.integer)) and not isinstance(spec, bool)):
         return
     if isinstance(spec, (list, tuple)):
         for entry in spec:
@@ -84,8 +84,8 @@ def _check_axes_spec(spec: Axes, what: str) -> None:
 def _axes_per_leaf(spec: Axes, tree: _Tree, what: str, where: str = "") -> list[int | None]:
     """One axis (or None) per leaf of ``tree``: ``spec`` is an int or None for the whole subtree,
     or a nest of the same structure (JAX's prefix rule)."""
-    if spec is None or isinstance(spec, int):
-        return [spec] * _leaf_count(tree)
+    if spec is None or isinstance(spec, (int, np.integer)):
+        return [None if spec is None else int(spec)] * _leaf_count(tree)
     if tree.kind == "leaf":
         raise RlxValueError(f"rlx.vmap: {what}{where} is {spec!r} where the argument is a single array")
     if isinstance(spec, dict) != (tree.kind == "dict") or len(spec) != len(tree.children):
@@ -257,6 +257,8 @@ class _Vectorized:
     def _output(self, path: str, leaf: object, axis: int | None, batched: dict[Value, Value], size: Dim) -> object:
         graph = self.graph
         where = f"result {path.lstrip('.') or '0'}"
+        if leaf is None:  # an empty subtree, as in JAX
+            return None
         if not isinstance(leaf, Value):
             if not isinstance(leaf, (int, float, bool, np.ndarray, np.generic)):
                 raise RlxTypeError(f"rlx.vmap of {self.name}: {where} is a {type(leaf).__name__}, not an array")

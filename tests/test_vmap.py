@@ -212,6 +212,10 @@ def test_nested_results_dicts_and_shared_results() -> None:
     # A result the same for every example is broadcast to each (out_axes 0).
     shared = rlx.vmap(lambda x, w: (w * 2.0, x), in_axes=(0, None))(XS, W)
     np.testing.assert_allclose(shared[0], np.broadcast_to(W * 2.0, (5, 4, 6)))
+    # None is an empty result, as in JAX; NumPy ints name axes.
+    doubled, nothing = rlx.vmap(lambda x: (x * 2.0, None), in_axes=np.int64(1))(XS)
+    np.testing.assert_allclose(doubled, np.moveaxis(XS, 1, 0) * 2.0)
+    assert nothing is None
 
 
 def test_attention_per_example_and_its_gradients() -> None:
