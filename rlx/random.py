@@ -1,5 +1,5 @@
 """Counter-based random numbers, as ``jax.random``: ``key``, ``split``, ``fold_in``, ``bits``,
-``uniform``, ``normal`` and ``bernoulli``.
+``uniform``, ``normal``, ``bernoulli``, ``randint`` and ``categorical``.
 
 A key is two 32-bit words (held as an int64 array of shape ``(2,)``, entries in ``[0, 2**32)``).
 Every draw is a pure function of its key: the Threefry-2x32 hash (20 rounds, JAX's and
@@ -181,6 +181,48 @@ def bernoulli(key: Any, p: float = 0.5, shape: Sequence[int] | int = ()) -> Any:
     return _on_values("bernoulli", key, lambda g, k: uniform(k, dims) < chance, chance, dims)
 
 
+def randint(key: Any, shape: Sequence[int] | int, minval: int, maxval: int) -> Any:
+    """int32 draws from ``[minval, maxval)``, as ``jax.random.randint`` draws them: two words per
+    entry (from the key split in two), ``(hi % span) * (2**32 % span) + lo % span`` modulo the
+    span, so that no residue is favoured by more than 2**-32."""
+    dims = _shape("randint", shape)
+    for label, bound in (("minval", minval), ("maxval", maxval)):
+        if isinstance(bound, bool) or not isinstance(bound, (int, np.integer)):
+            raise RlxTypeError(f"rlx.random.randint: {label} must be an int, got {type(bound).__name__}")
+    low, high = int(minval), int(maxval)
+    if not -(2**31) <= low < high <= 2**31:
+        raise RlxValueError(f"rlx.random.randint: need -2**31 <= minval < maxval <= 2**31, got [{low}, {high})")
+    span = high - low
+    multiplier = pow(2**16 % span, 2, span)  # 2**32 modulo the span, in the span's range
+
+    def build(g: Graph, k: Value) -> Value:
+        keys = split(k, 2)
+        higher, lower = bits(keys[0], dims), bits(keys[1], dims)
+        # 32-bit words wrap as JAX's uint32 arithmetic does: the low 32 bits of each result.
+        offset = ((((higher % span) * multiplier) & _MASK) + lower % span) & _MASK
+        offset = offset % span
+        return g.cast(offset + low, "int32")
+
+    return _on_values("randint", key, build, dims, low, high)
+
+
+def categorical(key: Any, logits: Any, axis: int = -1) -> Any:
+    """Indices drawn with probabilities ``softmax(logits)`` along ``axis`` (int64), as
+    ``jax.random.categorical``: the largest of ``logits`` plus Gumbel noise."""
+    if isinstance(logits, Value) and not isinstance(key, Value):  # a NumPy key beside a graph's logits
+        key = logits.graph.constant(np.asarray(key, np.int64))
+
+    def build(g: Graph, k: Value) -> Value:
+        scores = logits if isinstance(logits, Value) else g.constant(np.asarray(logits, np.float32))
+        if scores.graph is not g:
+            raise RlxValueError("rlx.random.categorical: the key and the logits are values of different graphs")
+        tiny = float(np.finfo(np.float32).tiny)
+        noise = -g.log(-g.log(uniform(k, scores.static_shape, tiny, 1.0)))
+        return g.argmax(scores + noise, axis=axis)
+
+    return _on_values("categorical", key, build, logits, axis)
+
+
 def erfinv(x: Value) -> Value:
     """The inverse error function in float32 (Giles's approximation, as XLA computes it): NaN
     outside [-1, 1], infinite at the ends."""
@@ -207,4 +249,6 @@ _PUBLIC: dict[str, Callable[..., Any]] = {
     "uniform": lambda k, dims, low, high: uniform(k, dims, low, high),
     "normal": lambda k, dims: normal(k, dims),
     "bernoulli": lambda k, chance, dims: bernoulli(k, chance, dims),
+    "randint": lambda k, dims, low, high: randint(k, dims, low, high),
+    "categorical": lambda k, logits, axis: categorical(k, logits, axis),
 }

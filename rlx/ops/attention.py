@@ -20,7 +20,7 @@ from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.opdef import EvalContext, OpDef, register_op
 from rlx.ir.types import Dim, Layout, MaskKind, TensorType, Wrt
 from rlx.ops._batching import batch_into_leading
-from rlx.ops._common import F32, as_value, op_kind, zeros
+from rlx.ops._common import F32, op_kind, zeros
 
 if TYPE_CHECKING:
     from rlx.ir.graph import Graph, Node, Value
@@ -483,14 +483,7 @@ def attention(
     ``flex_attention`` node instead (:mod:`rlx.ops.flex_attention`); the mods replace ``mask``.
     Keys and values may have fewer heads than q (GQA: query head h reads kv head
     ``h // (H // Hkv)``) and values their own head dim ``Dv`` (``out`` is then ``[.., Dv]``).
-    NumPy arrays among the operands are constants of the graph, as for every other op.
     """
-    q, k, v = (
-        as_value(graph, x, f"attention: {name}") if isinstance(x, np.ndarray) else x
-        for name, x in zip("qkv", (q, k, v), strict=True)
-    )
-    if isinstance(mask_input, np.ndarray):
-        mask_input = as_value(graph, mask_input, "attention: mask_input")
     if score_mod is not None or mask_mod is not None or scale is not None or return_lse:
         from rlx.ops.flex_attention import flex_attention
 
