@@ -26,7 +26,18 @@ import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.graph import Graph, Value
-from rlx.tracing import Jitted, _argnums, _as_array, _flatten, _is_array, _split_aux, _Tree, _unflatten, call_jitted
+from rlx.tracing import (
+    Jitted,
+    OnArrays,
+    _argnums,
+    _as_array,
+    _flatten,
+    _is_array,
+    _split_aux,
+    _Tree,
+    _unflatten,
+    call_jitted,
+)
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -206,10 +217,7 @@ def jacfwd(fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bo
 def hessian(fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable[..., Any]:
     """``jacfwd(jacrev(fn))``, as ``jax.hessian``: for a scalar ``fn`` and an argument of shape
     ``X``, an array ``X + X``."""
-    if has_aux:
-        inner = jacrev(fn, argnums, has_aux=True)
-        return jacfwd(inner, argnums, has_aux=True)
-    return jacfwd(jacrev(fn, argnums), argnums)
+    return jacfwd(jacrev(fn, argnums, has_aux), argnums, has_aux)
 
 
 def _jacobian(
@@ -218,15 +226,13 @@ def _jacobian(
     if not callable(fn):
         raise RlxTypeError(f"{what}: expected a function, got {type(fn).__name__}")
     positions = _argnums(argnums)
-    jitted: list[Jitted] = []
+    on_arrays = OnArrays(what)
 
     @functools.wraps(fn)
     def jacobian(*args: Any, **kwargs: Any) -> Any:
         graph = _graph_of(what, args, kwargs)
         if graph is None:
-            if not jitted:
-                jitted.append(Jitted(jacobian))
-            return call_jitted(jitted[0], what, args, kwargs)
+            return on_arrays(jacobian, args, kwargs)
         for position in positions:
             if position >= len(args):
                 raise RlxValueError(f"{what}: argnums {position}, but only {len(args)} positional arguments")

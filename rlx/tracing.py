@@ -263,7 +263,7 @@ def value_and_grad(
     if not callable(fn):
         raise RlxTypeError(f"rlx.value_and_grad: expected a function, got {type(fn).__name__}")
     positions = _argnums(argnums)
-    jitted: list[Jitted] = []  # made at the first call on arrays, reused after
+    on_arrays = OnArrays("rlx.value_and_grad")
 
     @functools.wraps(fn)
     def differentiated(*args: Any, **kwargs: Any) -> Any:
@@ -273,9 +273,7 @@ def value_and_grad(
         if not graphs:  # called on arrays: traced and compiled once per shapes
             # Python floats among the differentiated arguments are arrays, as jax.grad takes them.
             args = tuple(_floats_as_arrays(arg) if i in positions else arg for i, arg in enumerate(args))
-            if not jitted:
-                jitted.append(Jitted(differentiated))
-            return call_jitted(jitted[0], "rlx.value_and_grad", args, kwargs)
+            return on_arrays(differentiated, args, kwargs)
         if len(graphs) > 1:
             raise RlxValueError("rlx.value_and_grad: the arguments are values of different graphs")
         (graph,) = graphs
@@ -318,6 +316,20 @@ def call_jitted(jitted: Jitted, what: str, args: tuple[Any, ...], kwargs: dict[s
     if not any(_is_array(leaf) for _, leaf in leaves):
         raise RlxValueError(f"{what}: the arguments hold no array (nor value of a graph): there is nothing to trace")
     return jitted(*args, **kwargs)
+
+
+class OnArrays:
+    """The jitted form of a transformed function, made at its first call on arrays and kept:
+    ``on_arrays(transformed, args, kwargs)`` traces ``transformed`` once per shapes."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._jitted: Jitted | None = None
+
+    def __call__(self, transformed: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._jitted is None:
+            self._jitted = Jitted(transformed)
+        return call_jitted(self._jitted, self.what, args, kwargs)
 
 
 def _floats_as_arrays(obj: Any) -> Any:

@@ -29,7 +29,7 @@ from rlx.ir.graph import Graph, Node, Value
 from rlx.ir.ops import OpKind
 from rlx.ir.types import Dim
 from rlx.ops._batching import batch_elementwise
-from rlx.tracing import Jitted, _as_array, _flatten, _is_array, _Tree, _unflatten, call_jitted
+from rlx.tracing import OnArrays, _as_array, _flatten, _is_array, _Tree, _unflatten
 
 Axes = Any  # an int, None, or a nest of them matching (a prefix of) the arguments' nest
 
@@ -48,7 +48,7 @@ def vmap(fn: Callable[..., Any], in_axes: Axes = 0, out_axes: Axes = 0, axis_siz
     _check_axes_spec(out_axes, "out_axes")
     if axis_size is not None and (isinstance(axis_size, bool) or not isinstance(axis_size, int) or axis_size < 1):
         raise RlxValueError(f"rlx.vmap: axis_size must be an int >= 1, got {axis_size!r}")
-    jitted: list[Jitted] = []  # made at the first call on arrays, reused after
+    on_arrays = OnArrays("rlx.vmap")
 
     @functools.wraps(fn)
     def mapped(*args: Any, **kwargs: Any) -> Any:
@@ -56,9 +56,7 @@ def vmap(fn: Callable[..., Any], in_axes: Axes = 0, out_axes: Axes = 0, axis_siz
         _flatten((args, kwargs), "", leaves)
         graphs = {leaf.graph for _, leaf in leaves if isinstance(leaf, Value)}
         if not graphs:  # called on arrays: traced and compiled once per shapes
-            if not jitted:
-                jitted.append(Jitted(mapped))
-            return call_jitted(jitted[0], "rlx.vmap", args, kwargs)
+            return on_arrays(mapped, args, kwargs)
         if len(graphs) > 1:
             raise RlxValueError("rlx.vmap: the arguments are values of different graphs")
         (graph,) = graphs
