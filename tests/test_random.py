@@ -139,22 +139,22 @@ def test_errors() -> None:
 
 
 def test_randint_and_categorical() -> None:
-    draws = rr.randint(rr.key(3), (50_000,), -5, 7)
+    draws = rr.randint(rr.key(3), (6000,), -5, 7)
     assert draws.dtype == np.int32 and draws.min() == -5 and draws.max() == 6
     counts = np.bincount(draws + 5, minlength=12) / draws.size
-    assert np.abs(counts - 1 / 12).max() < 0.006
+    assert np.abs(counts - 1 / 12).max() < 0.02
     # The same words as an independent computation of JAX's rule from the split key's bits.
     halves = rr.split(rr.key(3), 2)
-    hi, lo = (np.array(_python_bits(k, 6), np.uint64) for k in halves)
+    hi, lo = (np.array(_python_bits(k, 6000), np.uint64) for k in halves)
     span = 12
     want = (((hi % span) * (2**32 % span) % 2**32 + lo % span) % 2**32 % span).astype(np.int64) - 5
-    np.testing.assert_array_equal(rr.randint(rr.key(3), (6,), -5, 7), want)
+    np.testing.assert_array_equal(draws, want)
     logits = np.log(np.array([[0.1, 0.6, 0.3], [0.5, 0.25, 0.25]], np.float32))
-    picks = rlx.vmap(lambda k: rr.categorical(k, logits))(rr.split(rr.key(9), 20_000))
-    assert picks.shape == (20_000, 2) and picks.dtype == np.int64
+    picks = rlx.vmap(lambda k: rr.categorical(k, logits))(rr.split(rr.key(9), 8_000))
+    assert picks.shape == (8_000, 2) and picks.dtype == np.int64
     for row, probabilities in enumerate(np.exp(logits)):
         frequencies = np.bincount(picks[:, row], minlength=3) / len(picks)
-        np.testing.assert_allclose(frequencies, probabilities, atol=0.015)
+        np.testing.assert_allclose(frequencies, probabilities, atol=0.02)
     np.testing.assert_array_equal(rr.categorical(rr.key(1), logits, axis=0), rr.categorical(rr.key(1), logits, axis=0))
     with pytest.raises(rlx.RlxValueError, match="minval < maxval"):
         rr.randint(rr.key(0), (2,), 3, 3)

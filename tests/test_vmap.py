@@ -320,7 +320,7 @@ def _replayed(one: Graph, graph: Graph) -> Any:
     return run
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(graphs(), st.data())
 def test_fuzzed_graphs_and_their_gradients_under_vmap(case: tuple[Graph, int, int], data: st.DataObject) -> None:
     one, seed, _ = case

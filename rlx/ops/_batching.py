@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rlx.errors import RlxValueError
-from rlx.ir.dims import dim_text, product
+from rlx.ir.dims import dim_text, exact_quotient, poly, product
 from rlx.ir.opdef import BatchFn
 
 if TYPE_CHECKING:
@@ -93,8 +93,6 @@ def merge_examples(graph: Graph, value: Value) -> Value:
 
 def split_examples(graph: Graph, value: Value, size: Dim) -> Value:
     """``merge_examples`` undone: ``[n*b, ...] -> [n, b, ...]``."""
-    from rlx.ir.dims import exact_quotient, poly
-
     inner = exact_quotient(poly(value.shape[0]), poly(size))
     assert inner is not None
     return graph.reshape(value, (size, dim_text(inner), *value.shape[1:]))
@@ -125,10 +123,11 @@ def batch_by_unrolling(
     graph: Graph, node: Node, operands: Sequence[Value], batched: Sequence[bool], size: Dim
 ) -> tuple[Value, ...]:
     """The op once per example, the results stacked: right for any op, and the rule of ops whose
-    examples cannot share one node (a table gathered from per example, a programmable attention)."""
+    examples cannot share one node (a programmable attention, whose mods may read the batch
+    index; a fused chain, made after tracing) or whose other rule needs a static count."""
     if not isinstance(size, int):
         raise RlxValueError(
-            f"vmap: {node.op} (node {node.id}) is batched one example at a time, which needs a static number of "
+            f"rlx.vmap: {node.op} (node {node.id}) is batched one example at a time, which needs a static number of "
             f"examples; got the symbolic {size!r}"
         )
     per_example: list[list[Value]] = [[] for _ in node.types]

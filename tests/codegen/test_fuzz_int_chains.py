@@ -48,7 +48,7 @@ def chains(draw: st.DrawFn) -> tuple[Graph, dict[str, np.ndarray]]:
     return g, arrays
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(chains())
 def test_integer_chains_compile_to_numpys_arithmetic(case: tuple[Graph, dict[str, np.ndarray]]) -> None:
     g, arrays = case
