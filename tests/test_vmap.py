@@ -14,7 +14,7 @@ from op_samples import SAMPLES, Sample, sample_inputs
 
 import rlx
 from rlx import Graph, MaskKind, Value
-from rlx.ops._batching import batch_by_unrolling
+from rlx.ops._batching import batch_by_unrolling, batch_elementwise
 from rlx.reference import evaluate
 
 EXAMPLES = 3
@@ -112,9 +112,20 @@ def test_batching_rule_matches_the_op_example_by_example(sample: Sample, pattern
         assert count <= base
 
 
-@pytest.mark.parametrize(
-    "sample", [s for s in SAMPLES if s.op not in ("flex_attention", "flex_attention_bwd")], ids=lambda s: s.id
-)
+def _compiled_cases() -> list[Any]:
+    """Every sample but the programmable attention (which unrolls); the elementwise ops share one
+    rule, so all but a few of them are slow cases (``-m slow``)."""
+    cases = []
+    for sample in SAMPLES:
+        if sample.op in ("flex_attention", "flex_attention_bwd"):
+            continue
+        shared_rule = rlx.ir.opdef.REGISTRY[sample.op].batch is batch_elementwise
+        slow = shared_rule and sample.op not in ("add", "where", "cast", "gelu", "matmul", "bitwise_xor")
+        cases.append(pytest.param(sample, id=sample.id, marks=[pytest.mark.slow] if slow else []))
+    return cases
+
+
+@pytest.mark.parametrize("sample", _compiled_cases())
 def test_batched_graph_compiles_to_the_reference(sample: Sample) -> None:
     one = Graph(sample.op)
     sample.build(one)
