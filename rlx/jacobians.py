@@ -37,19 +37,10 @@ from rlx.tracing import (
     _Tree,
     _unflatten,
     call_jitted,
+    graph_of,
 )
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _graph_of(what: str, *nests: Any) -> Graph | None:
-    """The graph of the values among ``nests``; None when there are none (called on arrays)."""
-    leaves: list[tuple[str, object]] = []
-    _flatten(nests, "", leaves)
-    graphs = {leaf.graph for _, leaf in leaves if isinstance(leaf, Value)}
-    if len(graphs) > 1:
-        raise RlxValueError(f"{what}: the arguments are values of different graphs")
-    return next(iter(graphs), None)
 
 
 def _float_leaves(what: str, nest: Any, label: str) -> tuple[_Tree, list[Value]]:
@@ -126,7 +117,7 @@ def vjp(fn: Callable[..., Any], *primals: Any, has_aux: bool = False) -> Any:
     ``ct`` of the result's structure, gives a tuple with the cotangent of each primal."""
     if not callable(fn):
         raise RlxTypeError(f"rlx.vjp: expected a function, got {type(fn).__name__}")
-    graph = _graph_of("rlx.vjp", primals)
+    graph = graph_of("rlx.vjp", primals)
     if graph is None:
         return _vjp_of_arrays(fn, primals, has_aux)
     out, aux = _split_aux(fn(*primals), has_aux)
@@ -172,7 +163,7 @@ def jvp(fn: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any],
         raise RlxTypeError("rlx.jvp: primals and tangents must be tuples (or lists) of the function's arguments")
     if len(primals) != len(tangents):
         raise RlxValueError(f"rlx.jvp: {len(primals)} primals but {len(tangents)} tangents")
-    graph = _graph_of("rlx.jvp", primals, tangents)
+    graph = graph_of("rlx.jvp", primals, tangents)
     if graph is None:
         jitted = _jitted_for(fn, ("jvp", has_aux), lambda: lambda p, t: jvp(fn, p, t, has_aux))
         return call_jitted(jitted, "rlx.jvp", (tuple(primals), tuple(tangents)), {})
@@ -230,7 +221,7 @@ def _jacobian(
 
     @functools.wraps(fn)
     def jacobian(*args: Any, **kwargs: Any) -> Any:
-        graph = _graph_of(what, args, kwargs)
+        graph = graph_of(what, args, kwargs)
         if graph is None:
             return on_arrays(jacobian, args, kwargs)
         for position in positions:

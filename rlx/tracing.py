@@ -267,16 +267,11 @@ def value_and_grad(
 
     @functools.wraps(fn)
     def differentiated(*args: Any, **kwargs: Any) -> Any:
-        leaves: list[tuple[str, object]] = []
-        _flatten((args, kwargs), "", leaves)
-        graphs = {leaf.graph for _, leaf in leaves if isinstance(leaf, Value)}
-        if not graphs:  # called on arrays: traced and compiled once per shapes
+        graph = graph_of("rlx.value_and_grad", args, kwargs)
+        if graph is None:  # called on arrays: traced and compiled once per shapes
             # Python floats among the differentiated arguments are arrays, as jax.grad takes them.
             args = tuple(_floats_as_arrays(arg) if i in positions else arg for i, arg in enumerate(args))
             return on_arrays(differentiated, args, kwargs)
-        if len(graphs) > 1:
-            raise RlxValueError("rlx.value_and_grad: the arguments are values of different graphs")
-        (graph,) = graphs
         for position in positions:
             if position >= len(args):
                 raise RlxValueError(
@@ -308,6 +303,16 @@ def value_and_grad(
     return differentiated
 
 
+def graph_of(what: str, *nests: Any) -> Graph | None:
+    """The graph of the values among ``nests``; None when they hold none (a call on arrays)."""
+    leaves: list[tuple[str, object]] = []
+    _flatten(nests, "", leaves)
+    graphs = {leaf.graph for _, leaf in leaves if isinstance(leaf, Value)}
+    if len(graphs) > 1:
+        raise RlxValueError(f"{what}: the arguments are values of different graphs")
+    return next(iter(graphs), None)
+
+
 def call_jitted(jitted: Jitted, what: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A transform called on arrays runs jitted: its trace calls it again on values. Without an
     array among the arguments the trace would have no values either, and call it forever."""
@@ -333,13 +338,10 @@ class OnArrays:
 
 
 def _floats_as_arrays(obj: Any) -> Any:
-    if isinstance(obj, (float, np.floating)):
-        return np.float32(obj)
+    """``obj`` with its Python (and NumPy scalar) floats as float32 arrays."""
     leaves: list[tuple[str, object]] = []
     tree = _flatten(obj, "", leaves)
-    if tree.kind == "leaf":
-        return obj
-    return _unflatten(tree, iter(_floats_as_arrays(leaf) for _, leaf in leaves))
+    return _unflatten(tree, (np.float32(x) if isinstance(x, (float, np.floating)) else x for _, x in leaves))
 
 
 def grad_of_function(

@@ -25,11 +25,10 @@ from typing import Any
 import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
-from rlx.ir.graph import Graph, Node, Value
+from rlx.ir.graph import Graph, Node, Value, _all_or_nothing
 from rlx.ir.ops import OpKind
 from rlx.ir.types import Dim
-from rlx.ops._batching import batch_elementwise
-from rlx.tracing import OnArrays, _as_array, _flatten, _is_array, _Tree, _unflatten
+from rlx.tracing import OnArrays, _as_array, _flatten, _is_array, _Tree, _unflatten, graph_of
 
 Axes = Any  # an int, None, or a nest of them matching (a prefix of) the arguments' nest
 
@@ -52,15 +51,12 @@ def vmap(fn: Callable[..., Any], in_axes: Axes = 0, out_axes: Axes = 0, axis_siz
 
     @functools.wraps(fn)
     def mapped(*args: Any, **kwargs: Any) -> Any:
-        leaves: list[tuple[str, object]] = []
-        _flatten((args, kwargs), "", leaves)
-        graphs = {leaf.graph for _, leaf in leaves if isinstance(leaf, Value)}
-        if not graphs:  # called on arrays: traced and compiled once per shapes
+        graph = graph_of("rlx.vmap", args, kwargs)
+        if graph is None:  # called on arrays: traced and compiled once per shapes
             return on_arrays(mapped, args, kwargs)
-        if len(graphs) > 1:
-            raise RlxValueError("rlx.vmap: the arguments are values of different graphs")
-        (graph,) = graphs
-        return _Vectorized(graph, fn, in_axes, out_axes, axis_size).call(args, kwargs)
+        # An error inside fn (or a rule) leaves the graph as it was.
+        vectorized = _Vectorized(graph, fn, in_axes, out_axes, axis_size)
+        return _all_or_nothing(lambda _: vectorized.call(args, kwargs))(graph)
 
     return mapped
 
@@ -122,22 +118,6 @@ class _Vectorized:
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         graph = self.graph
         first_id = graph._next_id  # every node made from here on is this call's
-        done = False
-        try:
-            result = self._call(args, kwargs)
-            done = True
-            return result
-        finally:
-            if not done:  # leave the graph as it was
-                for node in sorted(graph._nodes.values(), key=lambda n: -n.id):
-                    if node.id < first_id or graph.users(node):
-                        continue
-                    if not any(graph.output_names_of(value) for value in node.outputs):
-                        graph.erase(node)
-
-    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        graph = self.graph
-        first_id = graph._next_id
         arg_leaves: list[tuple[str, object]] = []
         arg_tree = _flatten(tuple(args), "", arg_leaves)
         kw_leaves: list[tuple[str, object]] = []
@@ -239,8 +219,8 @@ class _Vectorized:
             if node.op is OpKind.INPUT or not any(flags):
                 continue
             operands = [batched.get(value, value) for value in node.inputs]
-            definition = node.op.definition
-            rule = definition.batch if definition.batch is not None else batch_elementwise
+            rule = node.op.definition.batch
+            assert rule is not None, f"{node.op} has operands and no batching rule"  # the registry test's contract
             results = rule(graph, node, operands, flags, size)
             for one, many in zip(node.outputs, results, strict=True):
                 want = (size, *one.shape)

@@ -120,7 +120,7 @@ class OpDef:
     scalar: Callable[..., Any] | None = None
     decompose: Callable[[Graph, Node], tuple[Value, ...]] | None = None
     # How ``rlx.vmap`` batches the op (``rlx/ops/_batching.py``). None only for ops without
-    # operands and elementwise ops (a ``scalar``), which batch by broadcasting.
+    # operands, which nothing batches.
     batch: BatchFn | None = None
     index_operands: tuple[IndexOperand, ...] = ()
     # Index operands that a node's attrs decide, not the op's signature: ``(slot, limit, meaning)``
