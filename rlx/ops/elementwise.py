@@ -119,16 +119,20 @@ def _logical_binary(what: str, inputs: Sequence[TensorType], attrs: object) -> t
     return (TensorType(broadcast_shapes(what, inputs[0].shape, inputs[1].shape), BOOL),)
 
 
-def _bitwise_binary(what: str, inputs: Sequence[TensorType], attrs: object) -> tuple[TensorType, ...]:
-    """Ints of one dtype (and bools too, but for the shifts): NumPy's bitwise ops."""
-    a, b = inputs
-    kinds = "i" if what.split(" ")[0] in SHIFTS else "ib"
-    if a.dtype != b.dtype or a.dtype.kind not in kinds:
-        allowed = "int32 or int64" if kinds == "i" else "int32, int64 or bool"
-        raise RlxTypeError(
-            f"{what}: a and b must have one dtype, {allowed}, got {a.dtype_name} ({a}) and {b.dtype_name} ({b})"
-        )
-    return (TensorType(broadcast_shapes(what, a.shape, b.shape), a.dtype),)
+def _bitwise_binary(kinds: str) -> Callable[..., tuple[TensorType, ...]]:
+    """The shape rule of NumPy's bitwise ops: operands of one dtype whose kind is in ``kinds``
+    (``"ib"``: ints or bools; ``"i"``: ints only, for the shifts)."""
+    allowed = "int32 or int64" if kinds == "i" else "int32, int64 or bool"
+
+    def infer(what: str, inputs: Sequence[TensorType], attrs: object) -> tuple[TensorType, ...]:
+        a, b = inputs
+        if a.dtype != b.dtype or a.dtype.kind not in kinds:
+            raise RlxTypeError(
+                f"{what}: a and b must have one dtype, {allowed}, got {a.dtype_name} ({a}) and {b.dtype_name} ({b})"
+            )
+        return (TensorType(broadcast_shapes(what, a.shape, b.shape), a.dtype),)
+
+    return infer
 
 
 def _bitwise_unary(what: str, inputs: Sequence[TensorType], attrs: object) -> tuple[TensorType, ...]:
@@ -716,7 +720,7 @@ for _name, _fn2 in BITWISE_REFERENCE.items():
             _name,
             ("a", "b"),
             NoAttrs,
-            _bitwise_binary,
+            _bitwise_binary("i" if _name in SHIFTS else "ib"),
             _binary_ref(_fn2),
             no_gradient,
             scalar=SCALAR[_name],

@@ -1746,10 +1746,14 @@ def _bitwise(op: Callable[[Any, Any], Any]) -> Callable[..., Any]:
         check_kwargs(kwargs, out=None)
         if not isinstance(a, Value) and not isinstance(b, Value):
             raise Unsupported(f"{op.__name__} of two constants")
-        return op(a if isinstance(a, Value) else _value(g, a) if isinstance(a, torch.Tensor) else a,
-                  b if isinstance(b, Value) else _value(g, b) if isinstance(b, torch.Tensor) else b)  # fmt: skip
+        return op(*(_value(g, x) if isinstance(x, torch.Tensor) else x for x in (a, b)))
 
     return handler
+
+
+def _invert(g: Graph, x: Any) -> Any:
+    """``~``: logical on bools, bit by bit on ints."""
+    return ~_float(x)
 
 
 def _tensordot(g: Graph, a: Any, b: Any, dims: Any = 2, **kwargs: Any) -> Any:
@@ -1776,14 +1780,14 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     operator.le: _compare("less_equal"),
     operator.gt: _compare("greater"),
     operator.ge: _compare("greater_equal"),
-    operator.invert: lambda g, x: ~_float(x),
+    operator.invert: _invert,
     **{op: _bitwise(op) for op in (operator.and_, operator.or_, operator.xor, operator.lshift, operator.rshift)},
     torch.bitwise_and: _bitwise(operator.and_),
     torch.bitwise_or: _bitwise(operator.or_),
     torch.bitwise_xor: _bitwise(operator.xor),
     torch.bitwise_left_shift: _bitwise(operator.lshift),
     torch.bitwise_right_shift: _bitwise(operator.rshift),
-    torch.bitwise_not: lambda g, x: ~_float(x),
+    torch.bitwise_not: _invert,
     torch.add: _binary("add"),
     torch.sub: _binary("sub"),
     torch.mul: _binary("mul"),
