@@ -82,8 +82,10 @@ def _hash_counts(graph: Graph, key: Value, count: int) -> Value:
 # ----------------------------------------------------------------------------- keys and draws
 
 
-def _on_values(name: str, key: object, build: Any, *static: Any) -> Any:
-    """``build(graph, key_value)`` in the key's graph; on a NumPy key, jitted with ``static``."""
+def _on_values(public: Callable[..., Any], key: object, build: Any, *static: Any) -> Any:
+    """``build(graph, key_value)`` in the key's graph; on a NumPy key, ``public(key, *static)``
+    jitted (traced once per shapes and static arguments, its key a value)."""
+    name = public.__name__
     if isinstance(key, Value):
         if key.dtype != np.int64 or key.shape[-1:] != (2,):
             raise RlxTypeError(f"rlx.random.{name}: a key is an int64 array of shape (..., 2), got {key.type}")
@@ -99,7 +101,7 @@ def _on_values(name: str, key: object, build: Any, *static: Any) -> Any:
         )
     jitted = _JITTED.get(name)
     if jitted is None:
-        jitted = _JITTED[name] = Jitted(lambda k, *s: _PUBLIC[name](k, *s))
+        jitted = _JITTED[name] = Jitted(public)
     return jitted(array.astype(np.int64), *static)
 
 
@@ -118,7 +120,7 @@ def split(key: Any, num: int = 2) -> Any:
     """``num`` new keys from ``key`` (shape ``(num, 2)``), as ``jax.random.split``."""
     if isinstance(num, bool) or not isinstance(num, int) or num < 1:
         raise RlxValueError(f"rlx.random.split: num must be an int >= 1, got {num!r}")
-    return _on_values("split", key, lambda g, k: g.reshape(_hash_counts(g, k, 2 * num), (num, 2)), num)
+    return _on_values(split, key, lambda g, k: g.reshape(_hash_counts(g, k, 2 * num), (num, 2)), num)
 
 
 def fold_in(key: Any, data: int) -> Any:
@@ -131,7 +133,7 @@ def fold_in(key: Any, data: int) -> Any:
         x0, x1 = threefry_2x32(k[0], k[1], g.constant(words[:1]), g.constant(words[1:]))
         return g.concat([x0, x1], axis=0)
 
-    return _on_values("fold_in", key, build, int(data))
+    return _on_values(fold_in, key, build, int(data))
 
 
 def bits(key: Any, shape: Sequence[int] | int = ()) -> Any:
@@ -144,7 +146,7 @@ def bits(key: Any, shape: Sequence[int] | int = ()) -> Any:
             raise RlxValueError("rlx.random.bits: a shape with no entries")
         return g.reshape(_hash_counts(g, k, count), dims)
 
-    return _on_values("bits", key, build, dims)
+    return _on_values(bits, key, build, dims)
 
 
 def uniform(key: Any, shape: Sequence[int] | int = (), minval: float = 0.0, maxval: float = 1.0) -> Any:
@@ -157,7 +159,7 @@ def uniform(key: Any, shape: Sequence[int] | int = (), minval: float = 0.0, maxv
         unit = g.cast(bits(k, dims) >> 9, "float32") * float(2.0**-23)
         return g.maximum(unit * (high - low) + low, low)
 
-    return _on_values("uniform", key, build, dims, low, high)
+    return _on_values(uniform, key, build, dims, low, high)
 
 
 def normal(key: Any, shape: Sequence[int] | int = ()) -> Any:
@@ -169,7 +171,7 @@ def normal(key: Any, shape: Sequence[int] | int = ()) -> Any:
     def build(g: Graph, k: Value) -> Value:
         return math.sqrt(2.0) * erfinv(uniform(k, dims, low, 1.0))
 
-    return _on_values("normal", key, build, dims)
+    return _on_values(normal, key, build, dims)
 
 
 def bernoulli(key: Any, p: float = 0.5, shape: Sequence[int] | int = ()) -> Any:
@@ -178,7 +180,7 @@ def bernoulli(key: Any, p: float = 0.5, shape: Sequence[int] | int = ()) -> Any:
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
         raise RlxValueError(f"rlx.random.bernoulli: p must be a number in [0, 1], got {p!r}")
     chance = float(p)
-    return _on_values("bernoulli", key, lambda g, k: uniform(k, dims) < chance, chance, dims)
+    return _on_values(bernoulli, key, lambda g, k: uniform(k, dims) < chance, chance, dims)
 
 
 def randint(key: Any, shape: Sequence[int] | int, minval: int, maxval: int) -> Any:
@@ -203,7 +205,7 @@ def randint(key: Any, shape: Sequence[int] | int, minval: int, maxval: int) -> A
         offset = offset % span
         return g.cast(offset + low, "int32")
 
-    return _on_values("randint", key, build, dims, low, high)
+    return _on_values(randint, key, build, dims, low, high)
 
 
 def categorical(key: Any, logits: Any, axis: int = -1) -> Any:
@@ -220,7 +222,7 @@ def categorical(key: Any, logits: Any, axis: int = -1) -> Any:
         noise = -g.log(-g.log(uniform(k, scores.static_shape, tiny, 1.0)))
         return g.argmax(scores + noise, axis=axis)
 
-    return _on_values("categorical", key, build, logits, axis)
+    return _on_values(categorical, key, build, logits, axis)
 
 
 def erfinv(x: Value) -> Value:
@@ -240,15 +242,3 @@ def erfinv(x: Value) -> Value:
         q = c + q * far
     out = g.where(w < 5.0, p, q) * x
     return g.where(g.equal(g.abs(x), 1.0), x * float("inf"), out)
-
-
-_PUBLIC: dict[str, Callable[..., Any]] = {
-    "split": lambda k, num: split(k, num),
-    "fold_in": lambda k, data: fold_in(k, data),
-    "bits": lambda k, dims: bits(k, dims),
-    "uniform": lambda k, dims, low, high: uniform(k, dims, low, high),
-    "normal": lambda k, dims: normal(k, dims),
-    "bernoulli": lambda k, chance, dims: bernoulli(k, chance, dims),
-    "randint": lambda k, dims, low, high: randint(k, dims, low, high),
-    "categorical": lambda k, logits, axis: categorical(k, logits, axis),
-}
