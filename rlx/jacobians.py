@@ -26,6 +26,7 @@ import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.graph import Graph, Value
+from rlx.ops._common import zeros
 from rlx.tracing import (
     Jitted,
     OnArrays,
@@ -176,7 +177,7 @@ def jvp(fn: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any],
     ]
     # J^T u for a u that stands for any cotangent (zeros: only its place in the graph matters),
     # then J t as the gradient of <J^T u, t> with respect to u.
-    us = [graph.broadcast_to(graph.constant(np.float32(0.0)), value.shape) for value in outs]
+    us = [zeros(graph, value.shape) for value in outs]
     transposed = _graph_grad(graph, _sum_of_products(graph, list(zip(outs, us, strict=True))), xs)
     tangent_out = _graph_grad(graph, _sum_of_products(graph, list(zip(transposed, ts, strict=True))), us)
     result = (out, _unflatten(out_tree, iter(tangent_out)))
@@ -278,10 +279,7 @@ def _reverse_jacobian(
         rows = graph.constant(np.eye(n, dtype=np.float32).reshape(n, *o.shape))
 
         def pull(row: Value, k: int = k) -> Any:
-            cts = [
-                row if j == k else graph.broadcast_to(graph.constant(np.float32(0.0)), v.shape)
-                for j, v in enumerate(outs)
-            ]
+            cts = [row if j == k else zeros(graph, v.shape) for j, v in enumerate(outs)]
             return vjp_fn(_unflatten(out_tree, iter(cts)))
 
         per_arg = vmap(pull)(rows)  # a tuple over the chosen arguments of nests [n, *X]
@@ -304,10 +302,7 @@ def _forward_jacobian(
         columns = graph.constant(np.eye(n, dtype=np.float32).reshape(n, *x.shape))
 
         def push(column: Value, i: int = i) -> Any:
-            ts = [
-                column if j == i else graph.broadcast_to(graph.constant(np.float32(0.0)), v.shape)
-                for j, v in enumerate(xs)
-            ]
+            ts = [column if j == i else zeros(graph, v.shape) for j, v in enumerate(xs)]
             return jvp(lambda *c: _split_aux(fn(*c), has_aux)[0], chosen, _unflatten(primal_tree, iter(ts)))[1]
 
         tangents = vmap(push)(columns)  # the result's structure of [n, *O]
