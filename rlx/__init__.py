@@ -63,6 +63,8 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module("rlx.merge").attention_merge
     if name in ("jit", "value_and_grad"):
         return getattr(importlib.import_module("rlx.tracing"), name)
+    if name == "custom_vjp":
+        return importlib.import_module("rlx.custom_gradients").custom_vjp
     if name == "vmap":
         return importlib.import_module("rlx.vectorize").vmap
     if name in ("vjp", "jvp", "jacrev", "jacfwd", "hessian"):
@@ -93,6 +95,7 @@ __all__ = [
     "abs",
     "attention_merge",
     "compile",
+    "custom_vjp",
     "exp",
     "grad",
     "hessian",

@@ -124,6 +124,19 @@ def _apart(x: Value) -> Value:
     return x * 0.1 + diagonal
 
 
+def _custom_vjp(g: Graph) -> Built:
+    """w * softplus(x) with its gradient written out: traced on the stand-in, as rlx.custom_vjp
+    builds it, and right, so that the generic finite-difference checks hold it to the truth."""
+    x, w = g.input("x", (3, 4)), g.input("w", (4,))
+    softplus = g.log(1.0 + g.exp(x))
+    primal = softplus * w
+    ct = g.custom_vjp_cotangent(primal, [x, w])
+    gx = ct * g.sigmoid(x) * w
+    gw = g.sum(ct * softplus, axis=0)
+    (y,) = g.custom_vjp([primal], [ct], [x, w], [gx, gw])
+    return y
+
+
 SAMPLES: list[Sample] = [
     Sample("input", lambda g: g.input("x", (2, 3))),
     Sample("constant", lambda g: g.input("x", (2, 3)) * g.constant(np.arange(6, dtype=np.float32).reshape(2, 3))),
@@ -162,6 +175,8 @@ SAMPLES: list[Sample] = [
         lambda g: g.stop_gradient(g.input("ids", (3, 4), "int64")).astype("float32") * g.input("x", (3, 4)),
         int_high={"ids": 7},
     ),
+    Sample("custom_vjp", _custom_vjp),
+    Sample("custom_vjp_cotangent", lambda g: g.custom_vjp_cotangent(g.input("x", (3, 4)), [g.input("w", (4,))])),
     _unary("floor"),
     _unary("ceil"),
     _unary("trunc"),

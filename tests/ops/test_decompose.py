@@ -30,6 +30,8 @@ def test_composites_are_the_expected_ones() -> None:
         "argmax",
         "argmin",
         "conv",
+        "custom_vjp",
+        "custom_vjp_cotangent",
     }
 
 

@@ -56,6 +56,7 @@ def test_gradient_sentinels_are_used_on_purpose() -> None:
         "config_value",
         "sign",
         "stop_gradient",
+        "custom_vjp_cotangent",
         "floor",
         "ceil",
         "trunc",

@@ -1,0 +1,300 @@
+"""``rlx.custom_vjp``: gradients the user writes, as ``jax.custom_vjp``.
+
+Checked against closed forms, finite differences of the forward (where the written gradient is
+the true one), and each transform rlx has: ``rlx.grad`` on graphs and functions, gradients of
+gradients, ``rlx.vmap``, ``rlx.jit``, the textual IR and the compiler.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import pytest
+
+import rlx
+from rlx import Graph, OpKind
+
+
+@rlx.custom_vjp
+def softplus(x):  # type: ignore[no-untyped-def]
+    return rlx.log(1.0 + rlx.exp(x))
+
+
+def _softplus_fwd(x):  # type: ignore[no-untyped-def]
+    return softplus(x), x  # fwd may call the function itself: that is its plain forward
+
+
+def _softplus_bwd(x, g):  # type: ignore[no-untyped-def]
+    return (g * rlx.sigmoid(x),)
+
+
+softplus.defvjp(_softplus_fwd, _softplus_bwd)
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x.astype(np.float64)))
+
+
+def test_a_stable_gradient_where_autodiff_overflows() -> None:
+    x = np.array([-30.0, -1.0, 0.0, 2.0, 100.0], np.float32)
+    naive = rlx.grad(lambda x: rlx.log(1.0 + rlx.exp(x)).sum())(x)
+    assert np.isnan(naive[-1])  # exp(100) overflows float32: inf / inf
+    got = rlx.grad(lambda x: softplus(x).sum())(x)
+    np.testing.assert_allclose(got, _sigmoid(x), rtol=1e-6)
+    np.testing.assert_allclose(softplus(np.array([0.0, 1.0], np.float32)), np.log1p(np.exp([0.0, 1.0])), rtol=1e-6)
+
+
+def test_the_graph_holds_the_traced_backward_and_prints_and_parses() -> None:
+    g = Graph("custom")
+    x = g.input("x", (2, 3))
+    y = softplus(x)
+    assert y.node.op is OpKind.CUSTOM_VJP
+    assert any(node.op is OpKind.CUSTOM_VJP_COTANGENT for node in g.nodes)
+    loss = g.sum(y * y)
+    (dx,) = rlx.grad(g, loss, [x])
+    g.output(loss=loss, dx=dx)
+    text = str(g)
+    assert "custom_vjp_cotangent" in text and "custom_vjp " in text
+    assert str(rlx.parse(text)) == text
+    xa = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
+    want = 2 * np.log1p(np.exp(xa.astype(np.float64))) * _sigmoid(xa)
+    for run in (rlx.reference.run(g, x=xa), rlx.compile(g)(x=xa), rlx.compile(g, passes=[])(x=xa)):
+        np.testing.assert_allclose(run["dx"], want, rtol=1e-5, atol=1e-7)
+
+
+def test_compiled_forward_keeps_nothing_of_the_backward() -> None:
+    def plain(x):  # type: ignore[no-untyped-def]
+        return rlx.log(1.0 + rlx.exp(x)) * 2.0
+
+    graphs = []
+    for fn in (plain, lambda x: softplus(x) * 2.0):
+        g = Graph()
+        g.output(y=fn(g.input("x", (4, 8))))
+        graphs.append(rlx.compile(g))
+    plain_exe, custom_exe = graphs
+    assert len(custom_exe.kernels) == len(plain_exe.kernels)
+    assert not any(n.op in (OpKind.CUSTOM_VJP, OpKind.CUSTOM_VJP_COTANGENT) for n in custom_exe.graph.nodes)
+    xa = np.linspace(-3, 3, 32, dtype=np.float32).reshape(4, 8)
+    np.testing.assert_allclose(custom_exe(x=xa)["y"], plain_exe(x=xa)["y"], rtol=1e-6)
+
+
+def test_straight_through_estimator() -> None:
+    @rlx.custom_vjp
+    def ste_round(x):  # type: ignore[no-untyped-def]
+        return rlx.round(x)
+
+    ste_round.defvjp(lambda x: (ste_round(x), None), lambda _, g: (g,))
+    x = np.array([0.4, 1.6, -2.2], np.float32)
+    # d/dx [round(x) * x] with round's gradient taken as 1: round(x) + x
+    np.testing.assert_allclose(rlx.grad(lambda x: (ste_round(x) * x).sum())(x), np.round(x) + x)
+    # without the custom gradient, round's is zero
+    np.testing.assert_allclose(rlx.grad(lambda x: (rlx.round(x) * x).sum())(x), np.round(x))
+
+
+def _scaled_function():  # type: ignore[no-untyped-def]
+    """k * a * b and a + b, k static (nondiff), a and b differentiated, a tuple result."""
+
+    @partial(rlx.custom_vjp, nondiff_argnums=(0,))
+    def scaled(k, a, b):  # type: ignore[no-untyped-def]
+        return a * b * k, a + b
+
+    def fwd(k, a, b):  # type: ignore[no-untyped-def]
+        return scaled(k, a, b), (a, b)
+
+    def bwd(k, residuals, g):  # type: ignore[no-untyped-def]
+        a, b = residuals
+        g_product, g_sum = g
+        return g_product * b * k + g_sum, g_product * a * k + g_sum
+
+    scaled.defvjp(fwd, bwd)
+    return scaled
+
+
+def test_several_arguments_and_results_and_a_static_argument() -> None:
+    scaled = _scaled_function()
+
+    def loss(a, b):  # type: ignore[no-untyped-def]
+        p, s = scaled(3.0, a, b)
+        return (p * p).sum() + (s * s * s).sum()
+
+    a = np.array([1.0, 2.0, -0.5], np.float32)
+    b = np.array([0.5, -1.0, 3.0], np.float32)
+    da, db = rlx.grad(loss, argnums=(0, 1))(a, b)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    np.testing.assert_allclose(da, 18 * a64 * b64 * b64 + 3 * (a64 + b64) ** 2, rtol=1e-5)
+    np.testing.assert_allclose(db, 18 * a64 * a64 * b64 + 3 * (a64 + b64) ** 2, rtol=1e-5)
+    # only one result used: the other's cotangent is zeros
+    only = rlx.grad(lambda a, b: scaled(2.0, a, b)[1].sum(), argnums=(0, 1))(a, b)
+    for got in only:
+        np.testing.assert_allclose(got, np.ones(3))
+
+
+def test_nested_arguments_none_cotangents_and_int_arguments() -> None:
+    @rlx.custom_vjp
+    def lookup(params, ids):  # type: ignore[no-untyped-def]
+        return rlx.embedding(params["table"], ids) * params["scale"]
+
+    def fwd(params, ids):  # type: ignore[no-untyped-def]
+        return lookup(params, ids), (params, ids)
+
+    def bwd(residuals, g):  # type: ignore[no-untyped-def]
+        params, ids = residuals
+        rows = g.graph.embedding_grad(g * params["scale"], ids, params["table"].shape[0])
+        return {"table": rows, "scale": None}, None  # no gradient for scale here, none for the ids
+
+    lookup.defvjp(fwd, bwd)
+    table = np.arange(12, dtype=np.float32).reshape(4, 3)
+    params = {"table": table, "scale": np.float32(2.0)}
+    ids = np.array([1, 3, 1], np.int64)
+    grads = rlx.grad(lambda p, i: lookup(p, i).sum())(params, ids)
+    want = np.zeros((4, 3))
+    np.add.at(want, ids, 2.0)
+    np.testing.assert_allclose(grads["table"], want)
+    assert grads["scale"] == 0.0
+
+
+def test_gradients_of_gradients_differentiate_the_written_backward() -> None:
+    x = np.array([0.0, 1.0, -2.0], np.float32)
+    hess = rlx.hessian(lambda x: softplus(x).sum())(x)
+    s = _sigmoid(x)
+    np.testing.assert_allclose(hess, np.diag(s * (1 - s)), rtol=1e-5, atol=1e-7)
+    second = rlx.grad(rlx.grad(lambda x: softplus(x)))(np.float32(0.5))
+    np.testing.assert_allclose(second, _sigmoid(np.float32(0.5)) * (1 - _sigmoid(np.float32(0.5))), rtol=1e-5)
+    # jvp is the gradient of a gradient in rlx: it runs through the written backward too
+    _, tangent = rlx.jvp(lambda x: softplus(x), (x,), (np.ones(3, np.float32),))
+    np.testing.assert_allclose(tangent, s, rtol=1e-6)
+
+
+def test_gradient_matches_finite_differences_of_the_forward() -> None:
+    scaled = _scaled_function()
+    rng = np.random.default_rng(5)
+    g = Graph()
+    a, b = g.input("a", (2, 3)), g.input("b", (3,))
+    p, s = scaled(0.7, a, b)
+    loss = g.sum(rlx.tanh(p) * s + softplus(s))
+    da, db = rlx.grad(g, loss, [a, b])
+    g.output(loss=loss, da=da, db=db)
+    arrays = {"a": rng.standard_normal((2, 3)).astype(np.float32), "b": rng.standard_normal(3).astype(np.float32)}
+    got = rlx.reference.evaluate(g, arrays, exact=True)
+    compiled = rlx.compile(g)(**arrays)
+    for name in ("a", "b"):
+        numeric = np.zeros(arrays[name].shape)
+        for index in np.ndindex(*numeric.shape):
+            shifted = []
+            for step in (1e-6, -1e-6):
+                moved = {k: v.astype(np.float64) for k, v in arrays.items()}
+                moved[name][index] += step
+                shifted.append(rlx.reference.evaluate(g, moved, exact=True)["loss"])
+            numeric[index] = (shifted[0] - shifted[1]) / 2e-6
+        np.testing.assert_allclose(got[f"d{name}"], numeric, rtol=1e-5, atol=1e-8)
+        np.testing.assert_allclose(compiled[f"d{name}"], numeric, rtol=1e-4, atol=1e-5)
+
+
+def test_vmap_batches_the_backward_with_the_forward() -> None:
+    @rlx.custom_vjp
+    def layer(w, x):  # type: ignore[no-untyped-def]
+        return rlx.tanh(x @ w)
+
+    def fwd(w, x):  # type: ignore[no-untyped-def]
+        y = layer(w, x)
+        return y, (w, x, y)
+
+    def bwd(residuals, g):  # type: ignore[no-untyped-def]
+        w, x, y = residuals
+        dz = g * (1.0 - y * y)
+        return x[:, None] * dz, dz @ w.T
+
+    layer.defvjp(fwd, bwd)
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((4, 3)).astype(np.float32)
+    xs = rng.standard_normal((5, 4)).astype(np.float32)
+
+    def loss(w, x):  # type: ignore[no-untyped-def]
+        return (layer(w, x) ** 2).sum()
+
+    per_example = rlx.vmap(rlx.grad(loss, argnums=(0, 1)), in_axes=(None, 0))(w, xs)
+    summed = rlx.grad(lambda w, xs: rlx.vmap(loss, in_axes=(None, 0))(w, xs).sum(), argnums=(0, 1))(w, xs)
+    dw_total = np.zeros((4, 3))
+    for i, x in enumerate(xs.astype(np.float64)):
+        y = np.tanh(x @ w)
+        dz = 2 * y * (1 - y * y)
+        np.testing.assert_allclose(per_example[0][i], np.outer(x, dz), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(per_example[1][i], dz @ w.T, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(summed[1][i], dz @ w.T, rtol=1e-5, atol=1e-6)
+        dw_total += np.outer(x, dz)
+    np.testing.assert_allclose(summed[0], dw_total, rtol=1e-5, atol=1e-6)
+
+
+def test_every_use_adds_its_gradient() -> None:
+    x = np.array([0.3, -0.7], np.float32)
+    got = rlx.grad(lambda x: (softplus(x) + 3.0 * softplus(2.0 * x)).sum())(x)
+    np.testing.assert_allclose(got, _sigmoid(x) + 6.0 * _sigmoid(2 * x), rtol=1e-6)
+    scaled = _scaled_function()
+    same = rlx.grad(lambda a: scaled(1.0, a, a)[0].sum())(x)  # a * a: 2a
+    np.testing.assert_allclose(same, 2 * x, rtol=1e-6)
+
+
+def test_values_read_without_being_arguments_get_no_gradient_through_it() -> None:
+    g = Graph()
+    x, w = g.input("x", (3,)), g.input("w", (3,))
+
+    @rlx.custom_vjp
+    def scale(x):  # type: ignore[no-untyped-def]
+        return x * w
+
+    scale.defvjp(lambda x: (x * w, None), lambda _, ct: (ct * w,))
+    dx, dw = rlx.grad(g, g.sum(scale(x)), [x, w])
+    g.output(dx=dx, dw=dw)
+    out = rlx.reference.run(g, x=np.ones(3, np.float32), w=np.full(3, 2.0, np.float32))
+    np.testing.assert_allclose(out["dx"], 2.0)
+    np.testing.assert_allclose(out["dw"], 0.0)
+
+
+def test_errors_are_clear() -> None:
+    g = Graph()
+    x = g.input("x", (3,))
+
+    @rlx.custom_vjp
+    def undefined(x):  # type: ignore[no-untyped-def]
+        return x * 2.0
+
+    with pytest.raises(rlx.RlxValueError, match=r"undefined\.defvjp"):
+        undefined(x)
+
+    def make(fwd, bwd):  # type: ignore[no-untyped-def]
+        @rlx.custom_vjp
+        def f(x):  # type: ignore[no-untyped-def]
+            return x * 2.0
+
+        f.defvjp(fwd, bwd)
+        return f
+
+    with pytest.raises(rlx.RlxTypeError, match="pair"):
+        make(lambda x: x * 2.0, lambda r, g: (g,))(x)
+    with pytest.raises(rlx.RlxTypeError, match="one cotangent per differentiated argument"):
+        make(lambda x: (x * 2.0, None), lambda r, g: g)(x)
+    with pytest.raises(rlx.RlxValueError, match=r"f32\[2\].*f32\[3\]"):
+        make(lambda x: (x * 2.0, None), lambda r, g: (g[:2],))(x)
+    with pytest.raises(rlx.RlxTypeError, match="structure"):
+        make(lambda x: (x * 2.0, None), lambda r, g: ((g, g),))(x)
+    with pytest.raises(rlx.RlxTypeError, match="float32"):
+        make(lambda x: (x * 2.0, None), lambda r, g: (g.astype("int32"),))(x)
+    with pytest.raises(rlx.RlxTypeError, match="nondiff_argnums"):
+        rlx.custom_vjp(lambda x: x, nondiff_argnums=("0",))  # type: ignore[arg-type]
+    with pytest.raises(rlx.RlxTypeError, match="expected a function"):
+        rlx.custom_vjp(3)  # type: ignore[arg-type]
+    with pytest.raises(rlx.RlxTypeError, match="defvjp's bwd"):
+        softplus.defvjp(_softplus_fwd, None)  # type: ignore[arg-type]
+    before = len(g.nodes)
+    with pytest.raises(rlx.RlxValueError):
+        g.custom_vjp([x], [x], [], [])  # the cotangent must be a stand-in
+    assert len(g.nodes) == before
+
+
+def test_keyword_arguments_are_placed_by_the_signature() -> None:
+    scaled = _scaled_function()
+    a = np.array([1.0, 2.0], np.float32)
+    b = np.array([3.0, 4.0], np.float32)
+    got = rlx.grad(lambda a, b: scaled(1.0, b=b, a=a)[0].sum())(a, b)
+    np.testing.assert_allclose(got, b)
