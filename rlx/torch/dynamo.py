@@ -288,6 +288,8 @@ class _Translation:
             what = f"Tensor.{node.target}"
         elif node.op == "get_attr":
             attribute = _attribute(self.gm, str(node.target))
+            if isinstance(attribute, torch.fx.GraphModule):  # an autograd.Function's forward or backward
+                return attribute
             if not isinstance(attribute, torch.Tensor):
                 raise Unsupported(f"attribute {node.target} is a {type(attribute).__name__}")
             if attribute.requires_grad:
@@ -299,6 +301,8 @@ class _Translation:
             # vmap's levels (create_block_mask's mask is a vmap): folding one would leave the
             # interpreter stack pushed when a later node is refused, and TorchDynamo's guards fail.
             raise Unsupported(f"{what}: a torch.func transform (vmap) inside the graph")
+        if node.target is _AUTOGRAD_FUNCTION_APPLY:
+            return self._autograd_function(*args, **kwargs)
         if _foldable(what, args, kwargs):
             return _fold(node, args, kwargs)
         if node.target is torch.arange:
@@ -330,6 +334,63 @@ class _Translation:
             raise Unsupported(f"{what}: {why}") from None
         except RlxError as why:
             raise Unsupported(f"{what}: {why}") from None
+
+    def _autograd_function(
+        self, forward: Any, backward: Any, *args: Any, non_differentiable_idx: Sequence[int] = (), **kwargs: Any
+    ) -> Any:
+        """``torch.autograd.Function.apply`` as TorchDynamo captures it (its forward and backward
+        traced into two graphs): an ``rlx.custom_vjp`` whose ``fwd`` and ``bwd`` are those graphs,
+        translated into this one. The backward receives zeros for the results the Function
+        marked non-differentiable, as torch's autograd passes them, and nothing flows into them."""
+        from rlx.custom_gradients import custom_vjp
+
+        if kwargs.get("dirty_idx"):
+            raise Unsupported("an autograd.Function that marks an input dirty (updates it in place)")
+        if set(kwargs) - {"dirty_idx", "saved_for_backward_idx"}:
+            raise Unsupported(f"autograd_function_apply with {sorted(kwargs)}")
+        args = _nested(args, lambda a: constant_of(self.graph, a) if isinstance(a, torch.Tensor) else a)
+        if not any(isinstance(a, Value) for a in args):
+            raise Unsupported("an autograd.Function of no tensor input")
+        results: list[Any] = []
+
+        def fwd(*inputs: Any) -> tuple[Any, Any]:
+            out, saved = self._inline(forward, inputs)
+            results[:] = list(out) if isinstance(out, (tuple, list)) else [out]
+            return out, saved
+
+        def bwd(saved: Any, g: Any) -> tuple[Any, ...]:
+            cotangents = list(g) if isinstance(g, (tuple, list)) else [g]
+            for i, result in enumerate(results):
+                if isinstance(result, Value) and (cotangents[i] is None or i in non_differentiable_idx):
+                    cotangents[i] = self.graph.broadcast_to(self.graph.constant(0.0).astype(result.dtype), result.shape)
+            grads = self._inline(backward, [*cotangents, *saved])
+            grads = list(grads) if isinstance(grads, (tuple, list)) else [grads]
+            return tuple(grads[: len(args)]) + (None,) * (len(args) - len(grads))
+
+        function = custom_vjp(lambda *inputs: fwd(*inputs)[0])
+        function.defvjp(fwd, bwd)
+        return function(*args)
+
+    def _inline(self, body: torch.fx.GraphModule, inputs: Sequence[Any]) -> Any:
+        """What the FX graph ``body`` returns for ``inputs``, its nodes translated into this graph."""
+        if not isinstance(body, torch.fx.GraphModule):
+            raise Unsupported(f"a body that is a {type(body).__name__}, not a GraphModule")
+        placeholders = [node for node in body.graph.nodes if node.op == "placeholder"]
+        if len(placeholders) != len(inputs):
+            raise Unsupported(f"a body of {len(placeholders)} inputs called with {len(inputs)}")
+        outer = self.gm, self.env
+        self.gm, self.env = body, dict(zip(placeholders, inputs, strict=True))
+        try:
+            for node in body.graph.nodes:
+                if node.op == "output":
+                    return self._load(node.args[0])
+                if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+                    self.env[node] = None  # the bodies run without grad in torch; rlx.grad decides here
+                elif node.op != "placeholder":
+                    self.env[node] = self._node(node)
+            raise Unsupported("a body without an output")
+        finally:
+            self.gm, self.env = outer
 
     def _arange(self, *bounds: Any, dtype: torch.dtype | None = None, **kwargs: Any) -> Value:
         """``torch.arange(S)`` or ``torch.arange(P, P + S)`` of dynamic sizes: an input of the rlx
@@ -605,6 +666,7 @@ def _size_of(args: Sequence[Any], source: tuple[int, int | None]) -> int:
     return int(args[position]) if axis is None else int(args[position].shape[axis])
 
 
+_AUTOGRAD_FUNCTION_APPLY = getattr(getattr(torch.ops, "higher_order", None), "autograd_function_apply", None)
 _SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 
 _IN_PLACE: dict[Any, Any] = {

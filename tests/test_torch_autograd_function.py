@@ -1,0 +1,125 @@
+"""``torch.autograd.Function`` under ``torch.compile(backend="rlx")``: TorchDynamo traces its
+forward and backward into two graphs, which rlx translates into one ``rlx.custom_vjp``. The
+model runs on rlx (no fallback) with eager torch's values and the gradients the Function's own
+backward gives, not autodiff's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dynamo_backend = pytest.importorskip("rlx.torch.dynamo")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> None:
+    torch._dynamo.reset()
+    dynamo_backend.fallbacks.clear()
+    dynamo_backend.stats.update(compiled=0, eager=0)
+
+
+class StableSoftplus(torch.autograd.Function):
+    """log(1 + e^x) with the gradient sigmoid(x): autodiff of the formula gives NaN at x = 100."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Any) -> Any:
+        ctx.save_for_backward(x)
+        return torch.log1p(torch.exp(x))
+
+    @staticmethod
+    def backward(ctx: Any, g: Any) -> Any:
+        (x,) = ctx.saved_tensors
+        return g * torch.sigmoid(x)
+
+
+class RoundThrough(torch.autograd.Function):
+    """Rounding with a straight-through gradient, as quantisation-aware training writes it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Any) -> Any:
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: Any) -> Any:
+        return g
+
+
+class ScaledPair(torch.autograd.Function):
+    """Two results (one marked non-differentiable), a float argument kept on ctx, and a weight
+    whose gradient the backward leaves broadcast (torch sums it to the weight's shape)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Any, w: Any, k: float) -> Any:
+        ctx.save_for_backward(x, w)
+        ctx.k = k
+        scaled = x * w * k
+        signs = torch.sign(x)
+        ctx.mark_non_differentiable(signs)
+        return scaled, signs
+
+    @staticmethod
+    def backward(ctx: Any, g: Any, g_signs: Any) -> Any:
+        x, w = ctx.saved_tensors
+        return g * w * ctx.k, g * x * ctx.k, None
+
+
+def _compiled_matches_eager(function: Any, *inputs: Any) -> None:
+    leaves = [t.detach().clone().requires_grad_(t.dtype.is_floating_point) for t in inputs]
+    eager_leaves = [t.detach().clone().requires_grad_(t.dtype.is_floating_point) for t in inputs]
+    got, want = torch.compile(function, backend="rlx")(*leaves), function(*eager_leaves)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    got.backward(torch.ones_like(got))
+    want.backward(torch.ones_like(want))
+    for mine, theirs in zip(leaves, eager_leaves, strict=True):
+        if theirs.grad is not None:
+            torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-6)
+    assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks
+
+
+def test_a_stable_softplus_runs_on_rlx_with_its_own_gradient() -> None:
+    x = torch.tensor([[-30.0, -1.0, 0.0], [2.0, 50.0, 100.0]])
+    w = torch.eye(3) + 0.1
+    _compiled_matches_eager(lambda x, w: StableSoftplus.apply(x @ w).sum(dim=1), x, w)
+    leaf = x.clone().requires_grad_()
+    torch.compile(lambda x: StableSoftplus.apply(x).sum(), backend="rlx")(leaf).backward()
+    assert torch.isfinite(leaf.grad).all()  # autodiff of log1p(exp(x)) would give NaN at 100
+    torch.testing.assert_close(leaf.grad, torch.sigmoid(x))
+
+
+def test_a_straight_through_estimator() -> None:
+    x = torch.linspace(-2, 2, 12).reshape(3, 4)
+    _compiled_matches_eager(lambda x: RoundThrough.apply(x * 1.7) * x, x)
+
+
+def test_several_results_a_non_differentiable_one_and_a_broadcast_weight() -> None:
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(3))
+    w = torch.randn(3, generator=torch.Generator().manual_seed(4))
+
+    def model(x: Any, w: Any) -> Any:
+        scaled, signs = ScaledPair.apply(x, w, 2.5)
+        return torch.tanh(scaled) * signs + scaled
+
+    _compiled_matches_eager(model, x, w)
+
+
+def test_a_model_with_a_function_trains_with_a_torch_optimizer() -> None:
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(6, 6)
+
+    def loss_of(x: Any) -> Any:
+        return (StableSoftplus.apply(layer(x)) ** 2).mean()
+
+    compiled = torch.compile(loss_of, backend="rlx")
+    optimiser = torch.optim.SGD(layer.parameters(), lr=0.1)
+    x = torch.randn(8, 6)
+    first = None
+    for _ in range(20):
+        optimiser.zero_grad()
+        loss = compiled(x)
+        loss.backward()
+        optimiser.step()
+        first = first if first is not None else loss.item()
+    assert loss.item() < first
+    assert dynamo_backend.stats["eager"] == 0, dynamo_backend.fallbacks
