@@ -2,9 +2,10 @@
 
 Random shapes with broadcasting, random fan-out (any earlier value may be reused), random views
 (transpose, reshape, split, broadcast_to, concat), reductions over random axes, norms, matmuls,
-gathers by computed ids, running sums, advanced indexing by constant ids and `x.at[...]` updates;
-then a scalar loss and ``rlx.grad`` of it w.r.t. every float input. Used by the codegen fuzzer
-(compiled against the reference) and the text round-trip tests.
+gathers by computed ids, running sums, advanced indexing by constant ids, `x.at[...]` updates,
+a function whose gradient is written out (``rlx.custom_vjp``); then a scalar loss and
+``rlx.grad`` of it w.r.t. every float input. Used by the codegen fuzzer (compiled against the
+reference), the text round-trip tests and the vmap fuzzer.
 """
 
 from __future__ import annotations
@@ -20,6 +21,26 @@ from rlx import Graph, Value
 UNARY = ["neg", "exp", "tanh", "sigmoid", "relu", "silu", "gelu", "abs", "erf", "sin", "cos", "expm1", "softplus"]
 POSITIVE_UNARY = ["log", "sqrt", "rsqrt", "log1p"]
 BINARY = ["add", "sub", "mul", "maximum", "minimum"]
+
+
+@rlx.custom_vjp
+def _tanh_times(a: Value, b: Value) -> Value:
+    """tanh(a) * b with its gradient written out (rlx.custom_vjp): a and b broadcast, so the
+    written gradients have the result's shape and are summed back to each argument's."""
+    return rlx.tanh(a) * b
+
+
+def _tanh_times_fwd(a: Value, b: Value) -> tuple[Value, tuple[Value, Value]]:
+    t = rlx.tanh(a)
+    return t * b, (t, b)
+
+
+def _tanh_times_bwd(residuals: tuple[Value, Value], g: Value) -> tuple[Value, Value]:
+    t, b = residuals
+    return g * (1.0 - t * t) * b, g * t
+
+
+_tanh_times.defvjp(_tanh_times_fwd, _tanh_times_bwd)
 
 
 def _positive(g: Graph, v: Value) -> Value:
@@ -60,6 +81,7 @@ def _build(draw: st.DrawFn) -> tuple[Graph, list[Value]]:
                     "cumsum",
                     "advanced",
                     "update",
+                    "custom",
                 ]
             )
         )
@@ -68,7 +90,7 @@ def _build(draw: st.DrawFn) -> tuple[Graph, list[Value]]:
             values.append(getattr(g, draw(st.sampled_from(UNARY)))(v))
         elif kind == "positive":
             values.append(getattr(g, draw(st.sampled_from(POSITIVE_UNARY)))(_positive(g, v)))
-        elif kind in ("binary", "div"):
+        elif kind in ("binary", "div", "custom"):
             # A partner that broadcasts: an earlier value of a compatible shape, or a new input with
             # some dimensions set to 1 or dropped.
             others = [w for w in values if _broadcasts(w.shape, shape)]
@@ -79,6 +101,8 @@ def _build(draw: st.DrawFn) -> tuple[Graph, list[Value]]:
                 w = new_input(tuple(dims[draw(st.integers(0, len(dims) - 1)) :]) if dims else ())
             if kind == "div":
                 values.append(v / (w * w + 1.0))
+            elif kind == "custom":
+                values.append(_tanh_times(v, w) if draw(st.booleans()) else _tanh_times(w, v))
             else:
                 op = draw(st.sampled_from(BINARY))
                 values.append(getattr(g, op)(v, w) if draw(st.booleans()) else getattr(g, op)(w, v))
