@@ -102,7 +102,9 @@ class Jitted:
         self._signature = _signature_of(fn)
         self._cache: dict[Any, _Traced] = {}
         self._lock = threading.Lock()
-        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+        # Name and docstring only: fn's __dict__ may hold another Jitted's fields (functools.wraps
+        # of a jitted function copies them), which must not replace this one's cache.
+        functools.update_wrapper(self, fn, updated=())  # type: ignore[arg-type]
 
     @property
     def compile_count(self) -> int:

@@ -163,3 +163,18 @@ def test_op_functions_build_in_their_operands_graph() -> None:
     assert rlx.softmax is rlx.softmax  # one function per name
     with pytest.raises(AttributeError):
         _ = rlx.input  # graph management is not a function of values
+
+
+def test_transforms_of_a_jitted_function() -> None:
+    """Regression: a transform of a jitted function (``rlx.grad(rlx.jit(f))``, as JAX composes
+    them) ran the inner function's compiled graph instead: functools.wraps copied the jitted
+    function's cache into the transform's own jitted form."""
+    f = rlx.jit(lambda x: (x * x).sum())
+    x = np.arange(3, dtype=np.float32)
+    np.testing.assert_allclose(rlx.grad(f)(x), 2 * x)
+    value, grads = rlx.value_and_grad(f)(x)
+    assert value == 5.0
+    np.testing.assert_allclose(grads, 2 * x)
+    np.testing.assert_allclose(rlx.vmap(f)(np.ones((2, 3), np.float32)), [3.0, 3.0])
+    np.testing.assert_allclose(rlx.jit(rlx.grad(f))(x), 2 * x)
+    assert f(x) == 5.0
