@@ -63,8 +63,8 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module("rlx.merge").attention_merge
     if name in ("jit", "value_and_grad"):
         return getattr(importlib.import_module("rlx.tracing"), name)
-    if name == "custom_vjp":
-        return importlib.import_module("rlx.custom_gradients").custom_vjp
+    if name in ("custom_vjp", "checkpoint"):
+        return getattr(importlib.import_module("rlx.custom_gradients"), name)
     if name == "vmap":
         return importlib.import_module("rlx.vectorize").vmap
     if name in ("vjp", "jvp", "jacrev", "jacfwd", "hessian"):
@@ -94,6 +94,7 @@ __all__ = [
     "Wrt",
     "abs",
     "attention_merge",
+    "checkpoint",
     "compile",
     "custom_vjp",
     "exp",

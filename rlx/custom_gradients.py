@@ -64,7 +64,7 @@ class custom_vjp:  # named as jax.custom_vjp, and a decorator like it
             raise RlxTypeError(
                 f"rlx.custom_vjp: nondiff_argnums must be a tuple of non-negative ints, got {nondiff_argnums!r}"
             )
-        functools.update_wrapper(self, fun)
+        functools.update_wrapper(self, fun, updated=())  # name and docstring, not a Jitted's fields
         self.fun = fun
         self.nondiff_argnums = tuple(sorted(set(nondiff_argnums)))
         self.fwd: Callable[..., Any] | None = None
@@ -227,3 +227,91 @@ def _is_float_value(leaf: object, graph: Graph) -> bool:
 
 def _kind(obj: object) -> str:
     return f"a {type(obj).__name__} of {len(obj)}" if isinstance(obj, (tuple, list)) else f"a {type(obj).__name__}"
+
+
+def checkpoint(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` whose values are not kept for the backward but computed again there, as
+    ``jax.checkpoint`` (``jax.remat``) and ``torch.utils.checkpoint``: memory for compute.
+
+    Called on values, ``fn`` runs as usual; differentiating its results copies the nodes it
+    built and differentiates the copy. The copy reads the values ``fn`` read that were computed
+    before it (its inputs, and values it closes over) through a ``barrier`` on the cotangent; graph
+    inputs (a layer's weights) it reads in place. So it runs in the backward, once the cotangent
+    exists, and ``cse`` cannot merge it with the forward; the forward's own values are freed after
+    their last forward use. The gradient is the one autodiff
+    gives ``fn``, to every float value it reads. It is a ``custom_vjp`` node in the graph (the
+    recomputation is its traced backward), so it composes as one: ``rlx.grad``, gradients of
+    gradients, ``rlx.vmap``, ``rlx.jit``. Called on arrays, ``fn`` is jitted.
+    """
+    if not callable(fn):
+        raise RlxTypeError(f"rlx.checkpoint: expected a function, got {type(fn).__name__}")
+    what = f"rlx.checkpoint of {getattr(fn, '__name__', 'a function')}"
+    on_arrays = OnArrays(what)
+
+    @functools.wraps(fn)
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        graph = graph_of(what, args, kwargs)
+        if graph is None:
+            return on_arrays(checkpointed, args, kwargs)
+        first_id = graph._next_id
+        out = fn(*args, **kwargs)
+        leaves: list[tuple[str, object]] = []
+        tree = _flatten(out, "", leaves)
+        slots = [i for i, (_, leaf) in enumerate(leaves) if _is_float_value(leaf, graph)]
+        if not slots:
+            return out
+        primals = [leaves[i][1] for i in slots]
+        new = _recomputed_in_backward(graph, first_id, primals)  # type: ignore[arg-type]
+        replaced = dict(zip(slots, new, strict=True))
+        return _unflatten(tree, iter(replaced.get(i, leaf) for i, (_, leaf) in enumerate(leaves)))
+
+    return checkpointed
+
+
+def _recomputed_in_backward(graph: Graph, first_id: int, primals: list[Value]) -> tuple[Value, ...]:
+    """``primals`` (made by the nodes from ``first_id`` on) behind a ``custom_vjp`` whose backward
+    computes them again from what those nodes read, and differentiates that."""
+    from rlx.autodiff import grad
+    from rlx.ops.custom_vjp import copy_with
+
+    reads: dict[Value, None] = {}  # float values from before the call that the call's nodes read, in order
+    for node in graph.nodes:
+        if node.id >= first_id:
+            for value in node.inputs:
+                if value.node.id < first_id and value.dtype == F32 and value.node.op.value not in _FIXED:
+                    reads[value] = None
+    for primal in primals:  # a result that is an argument itself
+        if primal.node.id < first_id and primal.node.op.value not in _FIXED:
+            reads[primal] = None
+    arguments = list(reads)
+    cotangents = [graph.custom_vjp_cotangent(primal, arguments) for primal in primals]
+    after = _first_entries(graph, cotangents)
+    # Graph inputs stay alive through the call anyway: read in place, unless nothing else is
+    # read (then the copy would be merged with the forward, and run with it).
+    computed = [argument for argument in arguments if argument.node.op.value != "input"]
+    held = {argument: graph.barrier(argument, after) for argument in computed or arguments}
+    again = copy_with(graph, primals, held)
+    projected = None
+    for value, cotangent in zip(again, cotangents, strict=True):
+        term = graph.sum(value * cotangent)
+        projected = term if projected is None else projected + term
+    assert projected is not None
+    gradients = grad(graph, projected, [held.get(argument, argument) for argument in arguments])
+    return graph.custom_vjp(primals, cotangents, arguments, gradients)
+
+
+_FIXED = ("constant", "config_value")  # values a recomputation reads as they are: nothing to free
+
+
+def _first_entries(graph: Graph, values: Sequence[Value]) -> Value:
+    """A scalar that depends on every value (the sum of their first entries; of all entries for
+    one whose size is not a known positive number), for a ``barrier`` to wait on."""
+    total = None
+    for value in values:
+        if all(isinstance(size, int) and size > 0 for size in value.shape):
+            entry = graph.reshape(value, (-1,))[0] if value.shape else value
+        else:
+            entry = graph.sum(value)
+        total = entry if total is None else total + entry
+    assert total is not None
+    return total

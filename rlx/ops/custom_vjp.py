@@ -33,7 +33,7 @@ from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.opdef import OpDef, no_gradient, register_op
 from rlx.ir.types import TensorType
 from rlx.ops._batching import with_examples
-from rlx.ops._common import op_kind, sum_to_shape, zeros
+from rlx.ops._common import as_value, op_kind, sum_to_shape, zeros
 from rlx.ops.elementwise import NoAttrs
 
 if TYPE_CHECKING:
@@ -248,5 +248,52 @@ register_op(
         decompose=lambda graph, node: tuple(node.inputs[: node.attrs.outputs]),
         batch=_custom_batch,
         summary="results whose gradient a traced backward gives (rlx.custom_vjp)",
+    )
+)
+
+
+# ----------------------------------------------------------------------------- barrier
+
+
+def _barrier_infer(what: str, inputs: Sequence[TensorType], attrs: NoAttrs) -> tuple[TensorType, ...]:
+    x, after = inputs
+    if after.shape != ():
+        raise RlxValueError(f"{what}: after must be a scalar (a value's first element or sum), got {after}")
+    return (x,)
+
+
+def barrier(graph: Graph, x: object, after: Value) -> Value:
+    """``x`` itself, computed only once the scalar ``after`` is: what ``rlx.checkpoint`` reads
+    its inputs through when it computes a function's forward again in the backward. The copy
+    cannot be merged with the forward by ``cse`` (it reads ``after`` too), nor run before the
+    cotangent it waits for exists, so the forward's values are freed in between."""
+    value = as_value(graph, x, "barrier: x")
+    return graph.add_node(op_kind("barrier"), [value, as_value(graph, after, "barrier: after")], NoAttrs()).outputs[0]
+
+
+def _barrier_grad(graph: Graph, node: Node, cts: Sequence[Value | None], needed: Sequence[bool]) -> list[Value | None]:
+    return [cts[0], None]
+
+
+def _barrier_batch(
+    graph: Graph, node: Node, operands: Sequence[Value], batched: Sequence[bool], size: Dim
+) -> tuple[Value, ...]:
+    x = with_examples(graph, operands[0], batched[0], size)
+    after = graph.sum(operands[1]) if batched[1] else operands[1]  # every example's, at once
+    return graph.add_node(node.op, [x, after], node.attrs).outputs
+
+
+register_op(
+    OpDef(
+        "barrier",
+        ("x", "after"),
+        NoAttrs,
+        _barrier_infer,
+        lambda args, attrs, ctx: args[0],
+        _barrier_grad,
+        scalar=lambda e, x, after, attrs: x,
+        builder=barrier,
+        batch=_barrier_batch,
+        summary="x, computed once the scalar after is (a rematerialised forward's inputs)",
     )
 )
