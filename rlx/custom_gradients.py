@@ -261,22 +261,23 @@ def checkpoint(fn: Callable[..., Any]) -> Callable[..., Any]:
         if not slots:
             return out
         primals = [leaves[i][1] for i in slots]
-        new = _recomputed_in_backward(graph, first_id, primals)  # type: ignore[arg-type]
+        new = _recomputed_in_backward(graph, range(first_id, graph._next_id), primals)  # type: ignore[arg-type]
         replaced = dict(zip(slots, new, strict=True))
         return _unflatten(tree, iter(replaced.get(i, leaf) for i, (_, leaf) in enumerate(leaves)))
 
     return checkpointed
 
 
-def _recomputed_in_backward(graph: Graph, first_id: int, primals: list[Value]) -> tuple[Value, ...]:
-    """``primals`` (made by the nodes from ``first_id`` on) behind a ``custom_vjp`` whose backward
-    computes them again from what those nodes read, and differentiates that."""
+def _recomputed_in_backward(graph: Graph, region: range, primals: list[Value]) -> tuple[Value, ...]:
+    """``primals`` (made by the nodes whose ids are in ``region``) behind a ``custom_vjp`` whose
+    backward computes them again from what those nodes read, and differentiates that."""
+    first_id = region.start
     from rlx.autodiff import grad
     from rlx.ops.custom_vjp import copy_with
 
     reads: dict[Value, None] = {}  # float values from before the call that the call's nodes read, in order
     for node in graph.nodes:
-        if node.id >= first_id:
+        if node.id in region:
             for value in node.inputs:
                 if value.node.id < first_id and value.dtype == F32 and value.node.op.value not in _FIXED:
                     reads[value] = None
@@ -286,11 +287,20 @@ def _recomputed_in_backward(graph: Graph, first_id: int, primals: list[Value]) -
     arguments = list(reads)
     cotangents = [graph.custom_vjp_cotangent(primal, arguments) for primal in primals]
     after = _first_entries(graph, cotangents)
-    # Graph inputs stay alive through the call anyway: read in place, unless nothing else is
-    # read (then the copy would be merged with the forward, and run with it).
+    # Graph inputs stay alive through the call anyway: the copy reads them in place, unless
+    # nothing else is read (then it would be merged with the forward, and run with it) or they
+    # are upstream of another value it reads (a layer's weight used by an earlier layer too):
+    # differentiated in place, they would also get the gradient that flows through that value.
     computed = [argument for argument in arguments if argument.node.op.value != "input"]
-    held = {argument: graph.barrier(argument, after) for argument in computed or arguments}
-    again = copy_with(graph, primals, held)
+    upstream = _ancestors(computed)
+    held = {
+        argument: graph.barrier(argument, after)
+        for argument in arguments
+        if not computed or argument.node.op.value != "input" or argument in upstream
+    }
+    # Only the region is copied: a node before it that reads a held value (an earlier layer
+    # reading a shared weight) is upstream of what the region reads, and stays as it is.
+    again = copy_with(graph, primals, held, lambda node: node.id in region)
     projected = None
     for value, cotangent in zip(again, cotangents, strict=True):
         term = graph.sum(value * cotangent)
@@ -298,6 +308,18 @@ def _recomputed_in_backward(graph: Graph, first_id: int, primals: list[Value]) -
     assert projected is not None
     gradients = grad(graph, projected, [held.get(argument, argument) for argument in arguments])
     return graph.custom_vjp(primals, cotangents, arguments, gradients)
+
+
+def _ancestors(values: Sequence[Value]) -> set[Value]:
+    """Every value the given ones are computed from."""
+    found: set[Value] = set()
+    stack = [operand for value in values for operand in value.node.inputs]
+    while stack:
+        value = stack.pop()
+        if value not in found:
+            found.add(value)
+            stack.extend(value.node.inputs)
+    return found
 
 
 _FIXED = ("constant", "config_value")  # values a recomputation reads as they are: nothing to free

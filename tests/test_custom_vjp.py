@@ -393,3 +393,24 @@ def test_checkpoint_composes() -> None:
     assert str(rlx.parse(str(g))) == str(g)
     with pytest.raises(rlx.RlxTypeError, match="expected a function"):
         rlx.checkpoint(None)  # type: ignore[arg-type]
+
+
+def test_checkpoint_of_layers_sharing_their_weights() -> None:
+    """Regression: a weight read by two checkpointed layers reaches the second both directly and
+    through the first; the second's recomputation copied the first layer too and took that
+    path's gradient twice."""
+    params, x = _stack_inputs(depth=1, rows=4, width=8, hidden=16)
+
+    def shared(layer):  # type: ignore[no-untyped-def]
+        def loss(p, x):  # type: ignore[no-untyped-def]
+            for _ in range(3):
+                x = layer(p, x)  # one weight value, read by every layer
+            return (x * x).mean()
+
+        return loss
+
+    want = rlx.grad(shared(_residual_mlp), argnums=(0, 1))(params[0], x)
+    got = rlx.grad(shared(rlx.checkpoint(_residual_mlp)), argnums=(0, 1))(params[0], x)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-6)
+    for name in ("a", "b"):
+        np.testing.assert_allclose(got[0][name], want[0][name], rtol=1e-4, atol=1e-6)

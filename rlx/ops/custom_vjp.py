@@ -23,7 +23,7 @@ batched whenever they are. Before code generation both ops decompose to what the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -190,9 +190,12 @@ def _custom_grad(graph: Graph, node: Node, cts: Sequence[Value | None], needed: 
     return result
 
 
-def copy_with(graph: Graph, values: Sequence[Value], replaced: dict[Value, Value]) -> list[Value]:
+def copy_with(
+    graph: Graph, values: Sequence[Value], replaced: dict[Value, Value], among: Callable[[Node], bool] | None = None
+) -> list[Value]:
     """``values`` computed again with each key of ``replaced`` read as its value: every node
-    between them is copied (in order), every node that reads none of the keys is kept."""
+    between them is copied (in order; only nodes ``among`` accepts, if given), every node that
+    reads none of the keys is kept."""
     ancestors: set[Node] = set()
     stack = [value.node for value in values]
     while stack:
@@ -203,6 +206,8 @@ def copy_with(graph: Graph, values: Sequence[Value], replaced: dict[Value, Value
     mapping = dict(replaced)
     for original in graph.nodes:
         if original not in ancestors or not any(value in mapping for value in original.inputs):
+            continue
+        if among is not None and not among(original):
             continue
         copied = graph.add_node(original.op, [mapping.get(v, v) for v in original.inputs], original.attrs)
         mapping.update(zip(original.outputs, copied.outputs, strict=True))

@@ -303,6 +303,8 @@ class _Translation:
             raise Unsupported(f"{what}: a torch.func transform (vmap) inside the graph")
         if node.target is _AUTOGRAD_FUNCTION_APPLY:
             return self._autograd_function(*args, **kwargs)
+        if node.target is _ACTIVATION_CHECKPOINT:
+            return self._checkpoint(*args, **kwargs)
         if _foldable(what, args, kwargs):
             return _fold(node, args, kwargs)
         if node.target is torch.arange:
@@ -370,6 +372,18 @@ class _Translation:
         function = custom_vjp(lambda *inputs: fwd(*inputs)[0])
         function.defvjp(fwd, bwd)
         return function(*args)
+
+    def _checkpoint(self, body: Any, *args: Any, **kwargs: Any) -> Any:
+        """``torch.utils.checkpoint.checkpoint(fn, ...)`` as TorchDynamo captures it (``fn``
+        traced into a graph): ``rlx.checkpoint`` of that graph, its forward computed again in
+        the backward. A selective policy (``context_fn``) is not followed: everything is
+        recomputed, which gives the same values and gradients."""
+        from rlx.custom_gradients import checkpoint
+
+        args = _nested(args, lambda a: constant_of(self.graph, a) if isinstance(a, torch.Tensor) else a)
+        if not any(isinstance(a, Value) for a in args):
+            raise Unsupported("a checkpoint of no tensor input")
+        return checkpoint(lambda *inputs: self._inline(body, inputs))(*args)
 
     def _inline(self, body: torch.fx.GraphModule, inputs: Sequence[Any]) -> Any:
         """What the FX graph ``body`` returns for ``inputs``, its nodes translated into this graph."""
@@ -667,6 +681,7 @@ def _size_of(args: Sequence[Any], source: tuple[int, int | None]) -> int:
 
 
 _AUTOGRAD_FUNCTION_APPLY = getattr(getattr(torch.ops, "higher_order", None), "autograd_function_apply", None)
+_ACTIVATION_CHECKPOINT = getattr(getattr(torch.ops, "higher_order", None), "tag_activation_checkpoint", None)
 _SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 
 _IN_PLACE: dict[Any, Any] = {

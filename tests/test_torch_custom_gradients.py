@@ -1,7 +1,10 @@
-"""``torch.autograd.Function`` under ``torch.compile(backend="rlx")``: TorchDynamo traces its
-forward and backward into two graphs, which rlx translates into one ``rlx.custom_vjp``. The
-model runs on rlx (no fallback) with eager torch's values and the gradients the Function's own
-backward gives, not autodiff's."""
+"""Gradients a torch model shapes itself, under ``torch.compile(backend="rlx")``.
+
+A ``torch.autograd.Function``: TorchDynamo traces its forward and backward into two graphs,
+which rlx translates into one ``rlx.custom_vjp``; the model runs on rlx (no fallback) with eager
+torch's values and the gradients the Function's own backward gives, not autodiff's. And
+``torch.utils.checkpoint``: TorchDynamo traces the checkpointed function into a graph, which
+becomes an ``rlx.checkpoint``."""
 
 from __future__ import annotations
 
@@ -123,3 +126,32 @@ def test_a_model_with_a_function_trains_with_a_torch_optimizer() -> None:
         first = first if first is not None else loss.item()
     assert loss.item() < first
     assert dynamo_backend.stats["eager"] == 0, dynamo_backend.fallbacks
+
+
+def test_activation_checkpointing_runs_on_rlx() -> None:
+    """Two checkpointed residual blocks sharing their weights (so a weight reaches the second
+    block both directly and through the first): loss and every gradient as eager torch's."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(8, 32), torch.nn.Linear(32, 8)
+
+    def block(x: Any) -> Any:
+        return x + second(torch.nn.functional.gelu(first(x)))
+
+    def model(x: Any) -> Any:
+        h = checkpoint(block, x, use_reentrant=False)
+        return checkpoint(block, h, use_reentrant=False) * 0.5
+
+    x = torch.randn(4, 8)
+    parameters = [*first.parameters(), *second.parameters()]
+    leaf = x.clone().requires_grad_()
+    torch.compile(model, backend="rlx")(leaf).square().mean().backward()
+    got = [leaf.grad, *(p.grad.clone() for p in parameters)]
+    for p in parameters:
+        p.grad = None
+    eager = x.clone().requires_grad_()
+    model(eager).square().mean().backward()
+    for mine, theirs in zip(got, [eager.grad, *(p.grad for p in parameters)], strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks
