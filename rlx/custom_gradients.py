@@ -1,4 +1,5 @@
-"""``rlx.custom_vjp``: a function whose gradient you write, as ``jax.custom_vjp``.
+"""``rlx.custom_vjp``: a function whose gradient you write, as ``jax.custom_vjp``; and
+``rlx.checkpoint`` (at the end), built on it.
 
 ::
 
@@ -235,13 +236,13 @@ def checkpoint(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     Called on values, ``fn`` runs as usual; differentiating its results copies the nodes it
     built and differentiates the copy. The copy reads the values ``fn`` read that were computed
-    before it (its inputs, and values it closes over) through a ``barrier`` on the cotangent; graph
-    inputs (a layer's weights) it reads in place. So it runs in the backward, once the cotangent
-    exists, and ``cse`` cannot merge it with the forward; the forward's own values are freed after
-    their last forward use. The gradient is the one autodiff
-    gives ``fn``, to every float value it reads. It is a ``custom_vjp`` node in the graph (the
-    recomputation is its traced backward), so it composes as one: ``rlx.grad``, gradients of
-    gradients, ``rlx.vmap``, ``rlx.jit``. Called on arrays, ``fn`` is jitted.
+    before it (its inputs, and values it closes over) through a ``barrier`` on the cotangent;
+    graph inputs (a layer's weights) it reads in place. So it runs in the backward, once the
+    cotangent exists, and ``cse`` cannot merge it with the forward; the forward's own values are
+    freed after their last forward use. The gradient is the one autodiff gives ``fn``, to every
+    float value it reads. It is a ``custom_vjp`` node in the graph (the recomputation is its
+    traced backward), so it composes as one: ``rlx.grad``, gradients of gradients, ``rlx.vmap``,
+    ``rlx.jit``. Called on arrays, ``fn`` is jitted.
     """
     if not callable(fn):
         raise RlxTypeError(f"rlx.checkpoint: expected a function, got {type(fn).__name__}")
@@ -271,15 +272,18 @@ def checkpoint(fn: Callable[..., Any]) -> Callable[..., Any]:
 def _recomputed_in_backward(graph: Graph, region: range, primals: list[Value]) -> tuple[Value, ...]:
     """``primals`` (made by the nodes whose ids are in ``region``) behind a ``custom_vjp`` whose
     backward computes them again from what those nodes read, and differentiates that."""
-    first_id = region.start
     from rlx.autodiff import grad
     from rlx.ops.custom_vjp import copy_with
 
-    reads: dict[Value, None] = {}  # float values from before the call that the call's nodes read, in order
+    first_id = region.start
+    # What the call's nodes read (in order): float values from before the call, and graph inputs
+    # (a layer may declare its weights as it builds itself).
+    reads: dict[Value, None] = {}
     for node in graph.nodes:
         if node.id in region:
             for value in node.inputs:
-                if value.node.id < first_id and value.dtype == F32 and value.node.op.value not in _FIXED:
+                made_before = value.node.id < first_id or value.node.op.value == "input"
+                if made_before and value.dtype == F32 and value.node.op.value not in _FIXED:
                     reads[value] = None
     for primal in primals:  # a result that is an argument itself
         if primal.node.id < first_id and primal.node.op.value not in _FIXED:

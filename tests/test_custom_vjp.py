@@ -414,3 +414,35 @@ def test_checkpoint_of_layers_sharing_their_weights() -> None:
     np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-6)
     for name in ("a", "b"):
         np.testing.assert_allclose(got[0][name], want[0][name], rtol=1e-4, atol=1e-6)
+
+
+def test_checkpoint_of_transformer_blocks_that_declare_their_weights() -> None:
+    """Regression: weights a layer declares as it builds itself (``rlx.models.transformer_block``
+    makes its inputs) got no gradient through the checkpoint. Causal attention recomputed too."""
+    from rlx.models import transformer_block
+
+    def build(checkpointed: bool) -> Graph:
+        g = Graph()
+        h = x = g.input("x", (2, 16, 32))
+        for i in range(3):
+            block = partial(lambda h, i: transformer_block(g, h, 4, prefix=f"l{i}."), i=i)
+            h = rlx.checkpoint(block)(h) if checkpointed else block(h)
+        loss = g.mean(h * h)
+        xs = list(g.inputs.values())
+        g.output(loss=loss, **{f"d_{v.node.attrs.name}": d for v, d in zip(xs, rlx.grad(g, loss, xs), strict=True)})
+        assert x in xs
+        return g
+
+    plain, saved = build(False), build(True)
+    rng = np.random.default_rng(3)
+    arrays = {
+        name: (rng.standard_normal(v.shape) / np.sqrt(v.shape[0])).astype(np.float32)
+        for name, v in plain.inputs.items()
+    }
+    want, exe = rlx.compile(plain)(**arrays), rlx.compile(saved)
+    got = exe(**arrays)
+    assert set(got) == set(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-6, err_msg=name)
+    assert sum(node.op is OpKind.ATTENTION for node in exe.graph.nodes) == 6  # 3 forward, 3 again in the backward
+    assert exe._program.plan.arena_bytes < rlx.compile(plain)._program.plan.arena_bytes

@@ -19,6 +19,11 @@ graph, gradients of gradients differentiate the copied backward, and ``rlx.vmap`
 backward with everything else. The stand-in reads the primal result and the arguments, so it is
 batched whenever they are. Before code generation both ops decompose to what they stand for
 (the primal results; zeros), and the unused backward is dead code that ``dce`` removes.
+
+``barrier(x, after)`` is ``x``, computed once the scalar ``after`` is. ``rlx.checkpoint`` is a
+``custom_vjp`` whose traced backward computes the forward again from inputs read through a
+barrier on the cotangent: it cannot run before the cotangent exists, and ``cse`` cannot merge
+it with the forward it copies.
 """
 
 from __future__ import annotations
