@@ -63,7 +63,7 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module("rlx.merge").attention_merge
     if name in ("jit", "value_and_grad"):
         return getattr(importlib.import_module("rlx.tracing"), name)
-    if name in ("custom_vjp", "checkpoint"):
+    if name in ("custom_vjp", "custom_jvp", "checkpoint"):
         return getattr(importlib.import_module("rlx.custom_gradients"), name)
     if name == "vmap":
         return importlib.import_module("rlx.vectorize").vmap
@@ -96,6 +96,7 @@ __all__ = [
     "attention_merge",
     "checkpoint",
     "compile",
+    "custom_jvp",
     "custom_vjp",
     "exp",
     "grad",

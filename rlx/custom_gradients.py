@@ -72,7 +72,7 @@ class custom_vjp:  # named as jax.custom_vjp, and a decorator like it
         self.bwd: Callable[..., Any] | None = None
         self._name = getattr(fun, "__name__", "a function")
         self._on_arrays = OnArrays(f"rlx.custom_vjp of {self._name}")
-        self._running = threading.local()  # whether this thread is inside fwd
+        self._running = threading.local()  # whether this thread is inside fwd or bwd
 
     def defvjp(self, fwd: Callable[..., Any], bwd: Callable[..., Any]) -> None:
         """``fwd(*args) -> (result, residuals)``; ``bwd(*nondiff_args, residuals, g) -> tuple``."""
@@ -96,14 +96,14 @@ class custom_vjp:  # named as jax.custom_vjp, and a decorator like it
                     f"rlx.custom_vjp of {self._name}: nondiff_argnums has {position}, "
                     f"but it was called with {len(args)} arguments"
                 )
-        if getattr(self._running, "fwd", False):  # fwd calls the function itself, as JAX's fwd rules do
+        if getattr(self._running, "rules", False):  # fwd (or bwd) calls the function itself, as JAX's rules do
             return self.fun(*args)
-        self._running.fwd = True
+        self._running.rules = True
         try:
             out, residuals = _run_fwd(self, args)
+            return _Call(self, graph, args).result(out, residuals)
         finally:
-            self._running.fwd = False
-        return _Call(self, graph, args).result(out, residuals)
+            self._running.rules = False
 
     def _positional(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """Keyword arguments in their places, as JAX resolves them against ``fun``'s signature."""
@@ -341,3 +341,130 @@ def _first_entries(graph: Graph, values: Sequence[Value]) -> Value:
         total = entry if total is None else total + entry
     assert total is not None
     return total
+
+
+class custom_jvp:  # named as jax.custom_jvp, and a decorator like it
+    """``fun`` with the derivative a JVP rule gives, as ``jax.custom_jvp``::
+
+        @rlx.custom_jvp
+        def log1pexp(x):
+            return rlx.log(1.0 + rlx.exp(x))
+
+        @log1pexp.defjvp
+        def log1pexp_jvp(primals, tangents):
+            (x,), (t,) = primals, tangents
+            return log1pexp(x), t * rlx.sigmoid(x)
+
+    rlx differentiates in reverse, so the rule is used transposed: the cotangent of an argument is
+    the gradient of ``<rule's tangent out, g>`` with respect to the argument's tangent, which the
+    rule makes linear. That is a ``custom_vjp`` (see the module) whose backward is traced once, at
+    the call: forward-mode results come, as every ``rlx.jvp`` does, from differentiating it again.
+    ``defjvps(*rules)`` gives one rule per argument, ``rule(t, result, *args)``, as in JAX.
+    Integer arguments get ``None`` tangents.
+    """
+
+    def __init__(self, fun: Callable[..., Any], nondiff_argnums: Sequence[int] = ()) -> None:
+        self._vjp = custom_vjp(fun, nondiff_argnums)
+        functools.update_wrapper(self, fun, updated=())
+        self.fun = fun
+        self.nondiff_argnums = self._vjp.nondiff_argnums
+        self.jvp: Callable[..., Any] | None = None
+
+    def defjvp(self, jvp: Callable[..., Any]) -> Callable[..., Any]:
+        """``jvp(primals, tangents) -> (result, tangent_out)`` (with ``nondiff_argnums``,
+        ``jvp(*nondiff_args, primals, tangents)``); returned, so it can decorate the rule."""
+        if not callable(jvp):
+            raise RlxTypeError(f"rlx.custom_jvp of {self._vjp._name}: defjvp takes a function")
+        self.jvp = jvp
+        self._vjp.defvjp(self._fwd, self._bwd)
+        return jvp
+
+    def defjvps(self, *rules: Callable[..., Any] | None) -> None:
+        """One rule per differentiated argument, ``rule(tangent, result, *args)`` (``None``:
+        no dependence), their tangents summed, as ``jax.custom_jvp.defjvps``."""
+        fun = self.fun
+
+        def jvp(*given: Any) -> tuple[Any, Any]:
+            primals, tangents = given[-2], given[-1]
+            result = fun(*given[:-2], *primals)
+            total = None
+            for rule, tangent in zip(rules, tangents, strict=False):
+                if rule is None or tangent is None:
+                    continue
+                term = rule(tangent, result, *primals)
+                total = term if total is None else total + term
+            return result, total if total is not None else zeros_like_tree(result)
+
+        self.defjvp(jvp)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.jvp is None and graph_of("rlx.custom_jvp", args, kwargs) is not None:
+            name = self._vjp._name
+            raise RlxValueError(f"rlx.custom_jvp of {name}: no derivative defined; call {name}.defjvp(rule) first")
+        return self._vjp(*args, **kwargs)
+
+    def _fwd(self, *args: Any) -> tuple[Any, Any]:
+        return self.fun(*args), args
+
+    def _bwd(self, *given: Any) -> tuple[Any, ...]:
+        """The rule transposed: per differentiated argument, the gradient of ``<tangent_out, g>``
+        with respect to a stand-in for its tangent (zeros; the rule is linear in it)."""
+        from rlx.autodiff import grad
+
+        assert self.jvp is not None
+        nondiff, args, g = given[:-2], given[-2], given[-1]
+        positions = [i for i in range(len(args)) if i not in self.nondiff_argnums]
+        primals = [args[i] for i in positions]
+        stand_ins: list[Value] = []
+        tangents = []
+        for primal in primals:
+            leaves: list[tuple[str, object]] = []
+            tree = _flatten(primal, "", leaves)
+            made = []
+            for _, leaf in leaves:
+                if isinstance(leaf, Value) and leaf.dtype == F32:
+                    made.append(leaf.graph.custom_vjp_cotangent(leaf))  # zeros, a value of its own
+                    stand_ins.append(made[-1])
+                else:
+                    made.append(None)
+            tangents.append(_unflatten(tree, iter(made)))
+        returned = self.jvp(*nondiff, tuple(primals), tuple(tangents))
+        if not isinstance(returned, tuple) or len(returned) != 2:
+            raise RlxTypeError(
+                f"rlx.custom_jvp of {self._vjp._name}: the JVP rule must return a pair (result, tangent_out), "
+                f"got {_kind(returned)}"
+            )
+        out_leaves: list[tuple[str, object]] = []
+        _flatten(returned[1], "", out_leaves)
+        g_leaves: list[tuple[str, object]] = []
+        _flatten(g, "", g_leaves)
+        if len(out_leaves) != len(g_leaves):
+            raise RlxTypeError(
+                f"rlx.custom_jvp of {self._vjp._name}: the rule's tangent_out has another structure than the result"
+            )
+        projected = None
+        for (_, tangent), (_, cotangent) in zip(out_leaves, g_leaves, strict=True):
+            if cotangent is None or tangent is None:
+                continue
+            if not isinstance(tangent, Value):
+                raise RlxTypeError(f"rlx.custom_jvp of {self._vjp._name}: a tangent_out is a {type(tangent).__name__}")
+            term = tangent.graph.sum(tangent * cotangent)
+            projected = term if projected is None else projected + term
+        if projected is None:
+            return tuple(None for _ in positions)
+        found = iter(grad(projected.graph, projected, stand_ins))
+        cotangents = []
+        for tangent_tree in tangents:
+            leaves = []
+            tree = _flatten(tangent_tree, "", leaves)
+            cotangents.append(_unflatten(tree, (next(found) if leaf is not None else None for _, leaf in leaves)))
+        return tuple(cotangents)
+
+
+def zeros_like_tree(tree: Any) -> Any:
+    """``tree`` with each float value replaced by zeros of its shape (a tangent that is zero)."""
+    leaves: list[tuple[str, object]] = []
+    structure = _flatten(tree, "", leaves)
+    return _unflatten(
+        structure, (zeros(leaf.graph, leaf.shape) if isinstance(leaf, Value) else None for _, leaf in leaves)
+    )

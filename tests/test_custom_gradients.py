@@ -1,4 +1,5 @@
-"""``rlx.custom_vjp``: gradients the user writes, as ``jax.custom_vjp``.
+"""``rlx.custom_vjp``, ``rlx.custom_jvp`` and ``rlx.checkpoint``: gradients the user shapes, as
+``jax.custom_vjp``, ``jax.custom_jvp`` and ``jax.checkpoint``.
 
 Checked against closed forms, finite differences of the forward (where the written gradient is
 the true one), and each transform rlx has: ``rlx.grad`` on graphs and functions, gradients of
@@ -446,3 +447,65 @@ def test_checkpoint_of_transformer_blocks_that_declare_their_weights() -> None:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-6, err_msg=name)
     assert sum(node.op is OpKind.ATTENTION for node in exe.graph.nodes) == 6  # 3 forward, 3 again in the backward
     assert exe._program.plan.arena_bytes < rlx.compile(plain)._program.plan.arena_bytes
+
+
+# ----------------------------------------------------------------------------- rlx.custom_jvp
+
+
+@rlx.custom_jvp
+def log1pexp(x):  # type: ignore[no-untyped-def]
+    return rlx.log(1.0 + rlx.exp(x))
+
+
+@log1pexp.defjvp
+def _log1pexp_jvp(primals, tangents):  # type: ignore[no-untyped-def]
+    (x,), (t,) = primals, tangents
+    return log1pexp(x), t * rlx.sigmoid(x)  # the rule may call the function: its plain forward
+
+
+def test_custom_jvp_rule_is_used_in_reverse_and_forward_mode() -> None:
+    x = np.array([0.0, 1.0, 100.0], np.float32)
+    np.testing.assert_allclose(rlx.grad(lambda x: log1pexp(x).sum())(x), _sigmoid(x), rtol=1e-6)
+    _, tangent = rlx.jvp(log1pexp, (x,), (np.array([1.0, 2.0, 3.0], np.float32),))
+    np.testing.assert_allclose(tangent, _sigmoid(x) * [1, 2, 3], rtol=1e-6)
+    s = _sigmoid(x[:2])
+    np.testing.assert_allclose(rlx.hessian(lambda x: log1pexp(x).sum())(x[:2]), np.diag(s * (1 - s)), rtol=1e-5)
+    np.testing.assert_allclose(log1pexp(x[:2]), np.log1p(np.exp(x[:2].astype(np.float64))), rtol=1e-6)
+    per_example = rlx.vmap(rlx.grad(lambda x: log1pexp(x).sum()))(np.ones((2, 3), np.float32))
+    np.testing.assert_allclose(per_example, np.full((2, 3), _sigmoid(np.float32(1.0))), rtol=1e-6)
+
+
+def test_custom_jvp_per_argument_rules_and_static_arguments() -> None:
+    @rlx.custom_jvp
+    def f(x, y):  # type: ignore[no-untyped-def]
+        return rlx.sin(x) * y
+
+    f.defjvps(lambda tx, ans, x, y: rlx.cos(x) * tx * y, lambda ty, ans, x, y: rlx.sin(x) * ty)
+    a = np.array([0.3, 1.0], np.float32)
+    b = np.array([2.0, -1.0], np.float32)
+    da, db = rlx.grad(lambda a, b: f(a, b).sum(), argnums=(0, 1))(a, b)
+    np.testing.assert_allclose(da, np.cos(a) * b, rtol=1e-6)
+    np.testing.assert_allclose(db, np.sin(a), rtol=1e-6)
+
+    @partial(rlx.custom_jvp, nondiff_argnums=(0,))
+    def scale_gradient(k, x):  # type: ignore[no-untyped-def]
+        return x * 1.0
+
+    @scale_gradient.defjvp
+    def _(k, primals, tangents):  # type: ignore[no-untyped-def]
+        return scale_gradient(k, *primals), tangents[0] * k
+
+    np.testing.assert_allclose(rlx.grad(lambda x: scale_gradient(3.0, x).sum())(a), [3.0, 3.0])
+    g = Graph()
+    x = g.input("x", (2,))
+
+    @rlx.custom_jvp
+    def undefined(x):  # type: ignore[no-untyped-def]
+        return x
+
+    with pytest.raises(rlx.RlxValueError, match=r"undefined\.defjvp"):
+        undefined(x)
+    bad = rlx.custom_jvp(lambda x: x * 2.0)
+    bad.defjvp(lambda primals, tangents: primals[0] * 2.0)
+    with pytest.raises(rlx.RlxTypeError, match="pair"):
+        bad(x)
