@@ -398,7 +398,7 @@ class custom_jvp:  # named as jax.custom_jvp, and a decorator like it
         self.defjvp(jvp)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.jvp is None and graph_of("rlx.custom_jvp", args, kwargs) is not None:
+        if self.jvp is None:
             name = self._vjp._name
             raise RlxValueError(f"rlx.custom_jvp of {name}: no derivative defined; call {name}.defjvp(rule) first")
         return self._vjp(*args, **kwargs)
