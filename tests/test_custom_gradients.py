@@ -509,3 +509,23 @@ def test_custom_jvp_per_argument_rules_and_static_arguments() -> None:
     bad.defjvp(lambda primals, tangents: primals[0] * 2.0)
     with pytest.raises(rlx.RlxTypeError, match="pair"):
         bad(x)
+
+
+def test_vmap_refuses_a_backward_that_varies_where_nothing_else_does() -> None:
+    """A backward reading a mapped value the function does not take (its results and arguments
+    the same for every example) has no batched cotangent to run on: a clear error, and the
+    graph as it was."""
+    g = Graph()
+    x, ys = g.input("x", (3,)), g.input("ys", (4, 3))
+
+    def per_example(x, y):  # type: ignore[no-untyped-def]
+        @rlx.custom_vjp
+        def double(x):  # type: ignore[no-untyped-def]
+            return x * 2.0
+
+        double.defvjp(lambda x: (double(x), None), lambda _, ct: (ct * y,))
+        return double(x)
+
+    with pytest.raises(rlx.RlxValueError, match="pass it in"):
+        rlx.vmap(per_example, in_axes=(None, 0))(x, ys)
+    assert len(g.nodes) == 2
