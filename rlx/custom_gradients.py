@@ -279,12 +279,11 @@ def _recomputed_in_backward(graph: Graph, region: range, primals: list[Value]) -
     # What the call's nodes read (in order): float values from before the call, and graph inputs
     # (a layer may declare its weights as it builds itself).
     reads: dict[Value, None] = {}
-    for node in graph.nodes:
-        if node.id in region:
-            for value in node.inputs:
-                made_before = value.node.id < first_id or value.node.op.value == "input"
-                if made_before and value.dtype == F32 and value.node.op.value not in _FIXED:
-                    reads[value] = None
+    for node in (graph._nodes[i] for i in region if i in graph._nodes):
+        for value in node.inputs:
+            made_before = value.node.id < first_id or value.node.op.value == "input"
+            if made_before and value.dtype == F32 and value.node.op.value not in _FIXED:
+                reads[value] = None
     for primal in primals:  # a result that is an argument itself
         if primal.node.id < first_id and primal.node.op.value not in _FIXED:
             reads[primal] = None

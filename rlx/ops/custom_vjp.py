@@ -199,23 +199,27 @@ def copy_with(
     graph: Graph, values: Sequence[Value], replaced: dict[Value, Value], among: Callable[[Node], bool] | None = None
 ) -> list[Value]:
     """``values`` computed again with each key of ``replaced`` read as its value: every node
-    between them is copied (in order; only nodes ``among`` accepts, if given), every node that
-    reads none of the keys is kept."""
-    ancestors: set[Node] = set()
-    stack = [value.node for value in values]
-    while stack:
-        found = stack.pop()
-        if found not in ancestors:
-            ancestors.add(found)
-            stack.extend(value.node for value in found.inputs)
+    between them is copied (operands first; only nodes ``among`` accepts, if given), every node
+    that reads none of the keys is kept.
+
+    The nodes are visited by a depth-first walk from ``values``, copied in its post-order (each
+    after its operands): only their ancestors, never a sort of the whole graph, which a deep
+    model's every custom gradient would otherwise pay for."""
     mapping = dict(replaced)
-    for original in graph.nodes:
-        if original not in ancestors or not any(value in mapping for value in original.inputs):
+    visited: set[Node] = set()
+    stack: list[tuple[Node, bool]] = [(value.node, False) for value in reversed(values)]
+    while stack:
+        node, operands_done = stack.pop()
+        if node in visited:
             continue
-        if among is not None and not among(original):
+        if not operands_done:
+            stack.append((node, True))
+            stack.extend((value.node, False) for value in reversed(node.inputs) if value.node not in visited)
             continue
-        copied = graph.add_node(original.op, [mapping.get(v, v) for v in original.inputs], original.attrs)
-        mapping.update(zip(original.outputs, copied.outputs, strict=True))
+        visited.add(node)
+        if any(value in mapping for value in node.inputs) and (among is None or among(node)):
+            copied = graph.add_node(node.op, [mapping.get(v, v) for v in node.inputs], node.attrs)
+            mapping.update(zip(node.outputs, copied.outputs, strict=True))
     return [mapping.get(value, value) for value in values]
 
 
