@@ -59,7 +59,12 @@ def evaluate(
     given = inputs
     wide: dict[str, np.ndarray] = {}
     if exact and isinstance(inputs, Mapping):
-        wide = {name: a for name, a in inputs.items() if isinstance(a, np.ndarray) and a.dtype == np.float64}
+        wide = {  # a NumPy float64 scalar (what indexing a 1-d array gives) counts as a 0-d array
+            name: np.asarray(a)
+            for name, a in inputs.items()
+            if isinstance(a, (np.ndarray, np.float64))
+        }
+        wide = {name: a for name, a in wide.items() if a.dtype == np.float64}
         given = {name: wide[name].astype(np.float32) if name in wide else a for name, a in inputs.items()}
     bound = bind_inputs(graph, given)
     sizes = symbol_sizes(graph, bound)

@@ -305,6 +305,18 @@ def test_evaluate_takes_a_mapping_so_any_input_name_works(rng: np.random.Generat
     np.testing.assert_allclose(got["y"], attention_forward(xa, xa, xa), rtol=1e-6)
 
 
+def test_exact_takes_float64_scalars_as_zero_d_arrays() -> None:
+    """Indexing a 1-d float64 array gives a NumPy scalar, not an array; exact mode reads it in float64."""
+    g = Graph()
+    x = g.input("x", ())
+    w = g.input("w", (2,))
+    g.output(y=x * w)
+    row = np.array([0.1, 0.7])
+    got = evaluate(g, {"x": row[1], "w": row}, exact=True)
+    assert got["y"].dtype == np.float64
+    np.testing.assert_array_equal(got["y"], row * 0.7)
+
+
 @pytest.mark.parametrize("wrt", [Wrt.QUERY, Wrt.KEY, Wrt.VALUE, Wrt.QUERY | Wrt.VALUE, Wrt.KEY | Wrt.VALUE], ids=str)
 def test_subsets_of_wrt_equal_the_full_backward_in_qkv_order(wrt: Wrt, rng: np.random.Generator) -> None:
     case = Case(4, 5, 3, mask=MaskKind.sliding_window(2), layout=Layout.BHSD)
