@@ -24,7 +24,7 @@ import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir import Graph, Node, OpKind, Value
-from rlx.ir.opdef import not_differentiable
+from rlx.ir.opdef import no_gradient, not_differentiable
 from rlx.ops._common import zeros
 
 F32 = np.dtype(np.float32)
@@ -38,7 +38,7 @@ def grad(graph: Graph, y: Value, xs: Sequence[Value], dy: Value | float | np.nda
     seed_array = _seed_array(y, dy) if dy is not None and not isinstance(dy, Value) else None
     _check_arguments(graph, y, xs, dy if isinstance(dy, Value) else None, seeded=seed_array is not None)
     xs = list(xs)
-    order = graph.nodes
+    order = _path(graph, y, xs)
     active = _active_values(order, y, set(xs))
     _check_differentiable(graph, order, active)
     first_new_id = graph._next_id
@@ -114,16 +114,42 @@ def _check_arguments(graph: Graph, y: Value, xs: Sequence[Value], dy: Value | No
         raise RlxValueError(f"grad: dy must have the type of y, expected {y.type}, got {dy.type}")
 
 
-def _active_values(order: list[Node], y: Value, xs: set[Value]) -> set[Value]:
-    """Values on a path from some x to y (xs and y included when connected)."""
+def _path(graph: Graph, y: Value, xs: Sequence[Value]) -> list[Node]:
+    """The nodes a gradient can flow through from ``y`` to some x, in the graph's order.
+
+    Found from both ends, never by a walk of the whole graph: the nodes downstream of the xs,
+    then among them the ones ``y`` reaches back through float operands of ops that pass a
+    gradient. So the cost follows the path, not the graph: what a deep model's every
+    ``rlx.checkpoint`` (an ``rlx.grad`` of its own region) would otherwise pay for each layer.
+    Sorted by the graph's order, the path visits the nodes as a walk of the whole graph would,
+    so the fan-out cotangents are summed in the same order.
+    """
+    downstream = graph._descendants({x.node.id for x in xs})
+    found: set[int] = set()
+    stack = [y.node] if y.node.id in downstream else []
+    while stack:
+        node = stack.pop()
+        if node.id in found:
+            continue
+        found.add(node.id)
+        if node.op.definition.grad is no_gradient:
+            continue
+        stack.extend(v.node for v in node.inputs if v.dtype == F32 and v.node.id in downstream)
+    place = graph._place()
+    return [graph._nodes[i] for i in sorted(found, key=place.__getitem__)]
+
+
+def _active_values(path: list[Node], y: Value, xs: set[Value]) -> set[Value]:
+    """Values on a path from some x to y (xs and y included when connected): the ones that
+    depend on an x and that y reaches back through float operands of ops that pass gradients."""
     depends: set[Value] = set(xs)
-    for node in order:
+    for node in path:
         if any(value in depends for value in node.inputs):
             depends.update(node.outputs)
     reaches: set[Value] = {y}
-    for node in reversed(order):
-        if any(value in reaches for value in node.outputs):
-            reaches.update(node.inputs)
+    for node in reversed(path):
+        if node.op.definition.grad is not no_gradient and any(value in reaches for value in node.outputs):
+            reaches.update(value for value in node.inputs if value.dtype == F32)
     return depends & reaches
 
 

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
-from rlx.ir.graph import Graph, Value
+from rlx.ir.graph import Graph, Value, _all_or_nothing
 from rlx.ir.types import Dim
 from rlx.ops._common import as_value, sum_to_shape, zeros
 from rlx.tracing import OnArrays, _flatten, _Tree, _unflatten, graph_of
@@ -100,10 +100,14 @@ class custom_vjp:  # named as jax.custom_vjp, and a decorator like it
             return self.fun(*args)
         self._running.rules = True
         try:
-            out, residuals = _run_fwd(self, args)
-            return _Call(self, graph, args).result(out, residuals)
+            return _all_or_nothing(self._traced)(graph, args)
         finally:
             self._running.rules = False
+
+    def _traced(self, graph: Graph, args: tuple[Any, ...]) -> Any:
+        """``fwd`` run and ``bwd`` traced on ``graph`` (which is left as it was if either raises)."""
+        out, residuals = _run_fwd(self, args)
+        return _Call(self, graph, args).result(out, residuals)
 
     def _positional(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """Keyword arguments in their places, as JAX resolves them against ``fun``'s signature."""
@@ -254,6 +258,10 @@ def checkpoint(fn: Callable[..., Any]) -> Callable[..., Any]:
         graph = graph_of(what, args, kwargs)
         if graph is None:
             return on_arrays(checkpointed, args, kwargs)
+        return _all_or_nothing(traced)(graph, args, kwargs)
+
+    def traced(graph: Graph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``fn`` run on values, its region behind a ``custom_vjp``; ``graph`` as it was if it raises."""
         first_id = graph._next_id
         out = fn(*args, **kwargs)
         leaves: list[tuple[str, object]] = []
@@ -295,7 +303,7 @@ def _recomputed_in_backward(graph: Graph, region: range, primals: list[Value]) -
     # are upstream of another value it reads (a layer's weight used by an earlier layer too):
     # differentiated in place, they would also get the gradient that flows through that value.
     computed = [argument for argument in arguments if argument.node.op.value != "input"]
-    upstream = _ancestors(computed)
+    upstream = _upstream_inputs(graph, arguments, computed, first_id)
     held = {
         argument: graph.barrier(argument, after)
         for argument in arguments
@@ -313,15 +321,29 @@ def _recomputed_in_backward(graph: Graph, region: range, primals: list[Value]) -
     return graph.custom_vjp(primals, cotangents, arguments, gradients)
 
 
-def _ancestors(values: Sequence[Value]) -> set[Value]:
-    """Every value the given ones are computed from."""
+def _upstream_inputs(graph: Graph, arguments: list[Value], computed: list[Value], first_id: int) -> set[Value]:
+    """The graph inputs among ``arguments`` that some value of ``computed`` (all made before the
+    region, which starts at node ``first_id``) is computed from.
+
+    Searched forward from each input through the nodes made before the region only: a layer's
+    own weights (read by the region alone) cost nothing, where a walk back from ``computed``
+    would visit the whole model built so far, at every layer."""
+    targets = {value.node.id for value in computed}
+    successors = graph._store.succ
     found: set[Value] = set()
-    stack = [operand for value in values for operand in value.node.inputs]
-    while stack:
-        value = stack.pop()
-        if value not in found:
-            found.add(value)
-            stack.extend(value.node.inputs)
+    for argument in arguments:
+        if argument.node.op.value != "input":
+            continue
+        seen: set[int] = set()
+        stack = [user for user in successors[argument.node.id] if user < first_id]
+        while stack:
+            node_id = stack.pop()
+            if node_id in targets:
+                found.add(argument)
+                break
+            if node_id not in seen:
+                seen.add(node_id)
+                stack.extend(user for user in successors[node_id] if user < first_id)
     return found
 
 

@@ -414,7 +414,10 @@ class Graph:
         self._inputs: dict[str, Node] = {}
         self._inputs_view: Mapping[str, Value] | None = None  # cache of `inputs`; reset when _inputs changes
         self._outputs: dict[str, Value] = {}
-        self._order: list[Node] | None = None  # cached topological order; every mutation resets it
+        # The cached topological order, and each node id's place in it. A new node (the largest
+        # id, its operands already in the graph) joins the order at its end; other edits reset it.
+        self._order: list[Node] | None = None
+        self._places: dict[int, int] | None = None
         # A rank per node id that grows along every edge (not unique, gaps between): what lets
         # set_input skip the search for a cycle. Kept across edits while it stays valid.
         self._rank: dict[int, int] | None = None
@@ -424,10 +427,34 @@ class Graph:
     @property
     def nodes(self) -> list[Node]:
         """All nodes in a topological order; ties go to the node created first."""
+        return list(self._ordered())
+
+    def _descendants(self, node_ids: set[int]) -> set[int]:
+        """Ids of the nodes that read, directly or not, an output of a node in ``node_ids``."""
+        found: set[int] = set()
+        successors = self._store.succ
+        stack = [user for node_id in node_ids for user in successors[node_id]]
+        while stack:
+            node_id = stack.pop()
+            if node_id not in found:
+                found.add(node_id)
+                stack.extend(successors[node_id])
+        return found
+
+    def _ordered(self) -> list[Node]:
+        """:attr:`nodes` without the copy (callers must not change the list)."""
         if self._order is None:
             order = nx.lexicographical_topological_sort(self._store, key=lambda node_id: node_id)
             self._order = [self._nodes[node_id] for node_id in order]
-        return list(self._order)
+            self._places = None
+        return self._order
+
+    def _place(self) -> dict[int, int]:
+        """Each node id's position in :attr:`nodes`: sorting a subset by it keeps the graph's order."""
+        order = self._ordered()
+        if self._places is None:
+            self._places = {node.id: place for place, node in enumerate(order)}
+        return self._places
 
     def __iter__(self) -> Iterator[Node]:
         return iter(self.nodes)
@@ -497,8 +524,12 @@ class Graph:
         if isinstance(shape, Sequence) and not isinstance(shape, (str, bytes)):
             entries = tuple(canonical_dim(d) for d in shape)
         ty = TensorType(check_shape(entries, f"input {name!r}"), as_dtype(dtype))
-        bound = {
-            symbol for value in self._inputs.values() for symbol in value.outputs[0].type.shape if is_symbol(symbol)
+        expressions = any(isinstance(dim, str) and not is_symbol(dim) for dim in ty.shape)
+        bound = {  # only an expression needs them: a model declaring hundreds of weights pays nothing
+            symbol
+            for node in (self._inputs.values() if expressions else ())
+            for symbol in node.outputs[0].type.shape
+            if is_symbol(symbol)
         }
         for dim in ty.shape:
             if is_symbol(dim):
@@ -599,7 +630,7 @@ class Graph:
         old = node.inputs[slot]
         if old.type != value.type:
             raise RlxValueError(f"set_input: slot {slot} of node {node.id} has type {old.type}, got {value.type}")
-        self._order = None
+        self._order = self._places = None
         rank = self._ranks()
         self._store.remove_edge(old.node.id, node.id, key=slot)
         # A value ranked below the node cannot be reached from it: no cycle, and the ranks still
@@ -623,7 +654,7 @@ class Graph:
         outs = [name for name, v in self._outputs.items() if v.node is node]
         if outs:
             raise RlxValueError(f"cannot erase node {node.id} ({node.op}): it is graph output {', '.join(outs)}")
-        self._order = None
+        self._order = self._places = None
         self._store.remove_node(node.id)
         del self._nodes[node.id]
         if node.op is OpKind.INPUT:
@@ -644,7 +675,7 @@ class Graph:
         """Check the whole graph; raises ``RlxValueError`` ending with the printed graph."""
         from rlx.ir.verify import verify
 
-        self._order = None  # the store may have been changed behind the API: recompute the order
+        self._order = self._places = None  # the store may have been changed behind the API: recompute
         self._rank = None
         verify(self)
 
@@ -931,12 +962,21 @@ class Graph:
     def _add(self, op: OpKind, attrs: Attrs, inputs: tuple[Value, ...], types: tuple[TensorType, ...]) -> Node:
         node = Node(self, self._next_id, op, attrs, inputs, types)
         self._next_id += 1
+        order, places = self._order, self._places
         self._insert(node)
+        if order is not None:
+            # Every earlier choice of the lexicographic sort (ready, and a smaller id) stays
+            # available and first, so the order grows by the new node at its end.
+            order.append(node)
+            self._order = order
+            if places is not None:
+                places[node.id] = len(order) - 1
+                self._places = places
         return node
 
     def _insert(self, node: Node) -> None:
         self._nodes[node.id] = node
-        self._order = None
+        self._order = self._places = None
         if self._rank is not None:  # nothing reads a new node yet: above its inputs is enough
             self._rank[node.id] = 1 + max((self._rank[value.node.id] for value in node.inputs), default=0)
         self._store.add_node(node.id)

@@ -204,20 +204,30 @@ def copy_with(
 
     The nodes are visited by a depth-first walk from ``values``, copied in its post-order (each
     after its operands): only their ancestors, never a sort of the whole graph, which a deep
-    model's every custom gradient would otherwise pay for."""
+    model's every custom gradient would otherwise pay for. The walk stops at a node ``among``
+    refuses: it is kept as it is, so a copy of what it reads would be read by nothing. It also
+    stops at a node ranked no higher than every key (ranks grow along every edge): it reads none
+    of them, so it and all it reads are kept (a custom gradient's forward and all before it)."""
     mapping = dict(replaced)
-    visited: set[Node] = set()
+    if not mapping:
+        return list(values)
+    rank = graph._ranks()
+    floor = min(rank[key.node.id] for key in mapping)
+    visited: set[int] = set()
     stack: list[tuple[Node, bool]] = [(value.node, False) for value in reversed(values)]
     while stack:
         node, operands_done = stack.pop()
-        if node in visited:
+        if node.id in visited:
+            continue
+        if rank[node.id] <= floor or (among is not None and not among(node)):
+            visited.add(node.id)
             continue
         if not operands_done:
             stack.append((node, True))
-            stack.extend((value.node, False) for value in reversed(node.inputs) if value.node not in visited)
+            stack.extend((value.node, False) for value in reversed(node.inputs) if value.node.id not in visited)
             continue
-        visited.add(node)
-        if any(value in mapping for value in node.inputs) and (among is None or among(node)):
+        visited.add(node.id)
+        if any(value in mapping for value in node.inputs):
             copied = graph.add_node(node.op, [mapping.get(v, v) for v in node.inputs], node.attrs)
             mapping.update(zip(node.outputs, copied.outputs, strict=True))
     return [mapping.get(value, value) for value in values]

@@ -51,6 +51,30 @@ def test_nodes_break_ties_by_creation_order() -> None:
     assert [n.op for n in g.nodes] == [OpKind.INPUT] * 4 + [OpKind.ATTENTION, OpKind.ATTENTION_BWD]
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_the_cached_order_grows_as_a_fresh_sort_would(seed: int) -> None:
+    """A new node joins the cached order at its end, also after rewiring has made creation order
+    differ from graph order: the list is the one a sort of the whole graph gives."""
+    rng = np.random.default_rng(seed)
+    g = Graph()
+    values = [g.input(f"x{i}", (2,)) for i in range(2)]
+    for step in range(40):
+        _ = g.nodes  # keep the order cached, so the next node is appended to it
+        if step % 7 == 6:  # rewire an older node to read a newer input (creation order stops being topological)
+            late = g.input(f"late{step}", (2,))
+            computed = [v.node for v in values if v.node.inputs]
+            target = computed[int(rng.integers(0, len(computed)))]
+            g.set_input(target, int(rng.integers(0, len(target.inputs))), late)
+            values.append(late)
+            continue
+        a, b = (values[int(i)] for i in rng.integers(0, len(values), 2))
+        values.append(a * b if rng.random() < 0.5 else rlx.tanh(a) + b)
+        cached = [n.id for n in g.nodes]
+        g._order = g._places = None
+        assert cached == [n.id for n in g.nodes], step
+        assert g._place() == {node_id: place for place, node_id in enumerate(cached)}
+
+
 def test_users_are_distinct_and_oldest_first() -> None:
     g = Graph("u")
     x = g.input("x", (1, 3, 1, 2))
