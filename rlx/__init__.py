@@ -63,8 +63,12 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module("rlx.merge").attention_merge
     if name in ("jit", "value_and_grad"):
         return getattr(importlib.import_module("rlx.tracing"), name)
-    if name in ("custom_vjp", "custom_jvp", "checkpoint"):
+    if name in ("custom_vjp", "custom_jvp"):
         return getattr(importlib.import_module("rlx.custom_gradients"), name)
+    if name in ("checkpoint", "remat"):
+        return importlib.import_module("rlx.checkpointing").checkpoint
+    if name == "checkpoint_policies":
+        return importlib.import_module("rlx.checkpoint_policies")
     if name == "vmap":
         return importlib.import_module("rlx.vectorize").vmap
     if name in ("vjp", "jvp", "jacrev", "jacfwd", "hessian"):
@@ -95,6 +99,7 @@ __all__ = [
     "abs",
     "attention_merge",
     "checkpoint",
+    "checkpoint_policies",
     "compile",
     "custom_jvp",
     "custom_vjp",
@@ -111,6 +116,7 @@ __all__ = [
     "minimum",
     "parse",
     "power",
+    "remat",
     "sigmoid",
     "sqrt",
     "tanh",

@@ -196,11 +196,16 @@ def _custom_grad(graph: Graph, node: Node, cts: Sequence[Value | None], needed: 
 
 
 def copy_with(
-    graph: Graph, values: Sequence[Value], replaced: dict[Value, Value], among: Callable[[Node], bool] | None = None
+    graph: Graph,
+    values: Sequence[Value],
+    replaced: dict[Value, Value],
+    among: Callable[[Node], bool] | None = None,
+    copy_node: Callable[[Node, list[Value]], Sequence[Value]] | None = None,
 ) -> list[Value]:
     """``values`` computed again with each key of ``replaced`` read as its value: every node
     between them is copied (operands first; only nodes ``among`` accepts, if given), every node
-    that reads none of the keys is kept.
+    that reads none of the keys is kept. ``copy_node(node, operands)`` makes a copy's results
+    (by default the same op on the new operands).
 
     The nodes are visited by a depth-first walk from ``values``, copied in its post-order (each
     after its operands): only their ancestors, never a sort of the whole graph, which a deep
@@ -228,8 +233,12 @@ def copy_with(
             continue
         visited.add(node.id)
         if any(value in mapping for value in node.inputs):
-            copied = graph.add_node(node.op, [mapping.get(v, v) for v in node.inputs], node.attrs)
-            mapping.update(zip(node.outputs, copied.outputs, strict=True))
+            operands = [mapping.get(v, v) for v in node.inputs]
+            if copy_node is None:
+                copies: Sequence[Value] = graph.add_node(node.op, operands, node.attrs).outputs
+            else:
+                copies = copy_node(node, operands)
+            mapping.update(zip(node.outputs, copies, strict=True))
     return [mapping.get(value, value) for value in values]
 
 

@@ -378,7 +378,7 @@ class _Translation:
         traced into a graph): ``rlx.checkpoint`` of that graph, its forward computed again in
         the backward. A selective policy (``context_fn``) is not followed: everything is
         recomputed, which gives the same values and gradients."""
-        from rlx.custom_gradients import checkpoint
+        from rlx.checkpointing import checkpoint
 
         args = _nested(args, lambda a: constant_of(self.graph, a) if isinstance(a, torch.Tensor) else a)
         if not any(isinstance(a, Value) for a in args):

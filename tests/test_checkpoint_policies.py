@@ -1,0 +1,123 @@
+"""``rlx.checkpoint(fn, policy=...)``: which values the backward reads from the forward and
+which it computes again, as ``jax.checkpoint``'s policies. Whatever the policy, the values and
+gradients are the function's own; what changes is which ops run again and the memory.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from functools import partial
+
+import numpy as np
+import pytest
+
+import rlx
+from rlx import Graph
+from rlx.models import transformer_block
+
+P = rlx.checkpoint_policies
+
+
+def _blocks(wrap, depth: int = 2):  # type: ignore[no-untyped-def]
+    """``depth`` transformer blocks, each through ``wrap``, with the loss and every gradient."""
+    g = Graph()
+    h = g.input("x", (2, 16, 32))
+    for i in range(depth):
+        h = wrap(partial(transformer_block, g, heads=4, prefix=f"b{i}."))(h)
+    loss = rlx.mean(h * h)
+    xs = list(g.inputs.values())
+    grads = rlx.grad(g, loss, xs)
+    g.output(loss=loss, **{f"d_{x.node.attrs.name}": d for x, d in zip(xs, grads, strict=True)})
+    return g
+
+
+def _compiled(g: Graph) -> tuple[Counter[str], int, rlx.codegen.Executable]:
+    exe = rlx.compile(g)
+    return Counter(node.op.value for node in exe.graph.nodes), exe._program.plan.arena_bytes, exe
+
+
+@pytest.fixture(scope="module")
+def plain() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], Counter[str], int]:
+    g = _blocks(lambda f: f)
+    rng = np.random.default_rng(0)
+    arrays = {name: (rng.standard_normal(v.shape) * 0.3).astype(np.float32) for name, v in g.inputs.items()}
+    ops, arena, exe = _compiled(g)
+    return arrays, exe(**arrays), ops, arena
+
+
+@pytest.mark.parametrize(
+    ("policy", "products_again", "attention_again"),
+    [
+        (None, True, True),
+        (P.nothing_saveable, True, True),
+        (P.dots_saveable, False, True),
+        (P.checkpoint_dots, False, True),
+        (P.dots_with_no_batch_dims_saveable, False, True),
+        (lambda node: node.op.value == "attention", True, False),
+        (P.save_from_both_policies(P.dots_saveable, lambda node: node.op.value == "attention"), False, False),
+        (lambda node: True, False, False),
+        (P.everything_saveable, False, False),
+    ],
+    ids=["default", "nothing", "dots", "checkpoint_dots", "no_batch_dims", "attention", "both", "all", "everything"],
+)
+def test_a_policy_decides_what_runs_again_and_nothing_else(
+    plain: tuple[dict[str, np.ndarray], dict[str, np.ndarray], Counter[str], int],
+    policy: object,
+    products_again: bool,
+    attention_again: bool,
+) -> None:
+    arrays, want, plain_ops, plain_arena = plain
+    g = _blocks(partial(rlx.checkpoint, policy=policy))
+    ops, arena, exe = _compiled(g)
+    got = exe(**arrays)
+    for name, value in want.items():  # the same ops on the same values: the same bits
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    # Each block has four products of a weight (qkv, out, w1 and w3 side by side or not, w2):
+    # with products computed again, the backward runs those of the forward once more.
+    assert (ops["matmul"] > plain_ops["matmul"]) == products_again, (ops, plain_ops)
+    assert ops["attention"] == plain_ops["attention"] * (2 if attention_again else 1), (ops, plain_ops)
+    if products_again or attention_again:
+        assert arena < plain_arena, (arena, plain_arena)
+
+
+def test_a_policy_holds_through_vmap_and_second_order_gradients() -> None:
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((4, 4)) / 2).astype(np.float32)
+    xs = rng.standard_normal((3, 4)).astype(np.float32)
+
+    def f(x, w):  # type: ignore[no-untyped-def]
+        return (rlx.tanh(x @ w) * x).sum()
+
+    kept = rlx.checkpoint(f, policy=P.dots_saveable)
+    np.testing.assert_allclose(rlx.hessian(kept)(xs[0], w), rlx.hessian(f)(xs[0], w), rtol=1e-5, atol=1e-6)
+    per_example = rlx.vmap(rlx.grad(kept, argnums=(0, 1)), in_axes=(0, None))(xs, w)
+    want = rlx.vmap(rlx.grad(f, argnums=(0, 1)), in_axes=(0, None))(xs, w)
+    for mine, theirs in zip(per_example, want, strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+    # Against central differences of the float64 forward, too.
+    eps, x = 1e-3, xs[0].astype(np.float64)
+    grad_x = rlx.grad(kept)(xs[0], w)
+    numeric = [
+        (np.sum(np.tanh((x + eps * e) @ w) * (x + eps * e)) - np.sum(np.tanh((x - eps * e) @ w) * (x - eps * e)))
+        / (2 * eps)
+        for e in np.eye(4)
+    ]
+    np.testing.assert_allclose(grad_x, numeric, rtol=1e-3, atol=1e-4)
+
+
+def test_policy_decorator_forms_and_errors() -> None:
+    def f(x):  # type: ignore[no-untyped-def]
+        return rlx.sin(x @ x)
+
+    x = np.eye(3, dtype=np.float32) * 0.5
+    by_partial = partial(rlx.checkpoint, policy=P.dots_saveable)(f)
+    by_keyword = rlx.checkpoint(policy=P.dots_saveable)(f)
+    want = rlx.grad(lambda x: f(x).sum())(x)
+    for wrapped in (by_partial, by_keyword, rlx.remat(f)):
+        np.testing.assert_allclose(rlx.grad(lambda x, w=wrapped: w(x).sum())(x), want, rtol=1e-6)
+    with pytest.raises(rlx.RlxTypeError, match="policy must be a function of a node"):
+        rlx.checkpoint(f, policy="dots")  # type: ignore[arg-type]
+    with pytest.raises(rlx.RlxTypeError, match="second policy"):
+        P.save_from_both_policies(P.dots_saveable, None)  # type: ignore[arg-type]
+    with pytest.raises(rlx.RlxTypeError, match="expected a function"):
+        rlx.checkpoint(None)  # type: ignore[arg-type]
