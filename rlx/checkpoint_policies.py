@@ -8,7 +8,9 @@ cheap elementwise ops, norms and softmaxes around them are computed again::
 
     layer = rlx.checkpoint(block, policy=rlx.checkpoint_policies.dots_saveable)
 
-A policy of your own reads the node: ``lambda node: node.op.value in ("matmul", "attention")``.
+Or name values in the function, ``h = rlx.checkpoint_name(h, "ffn_in")``, and keep those by name:
+``policy=rlx.checkpoint_policies.save_only_these_names("ffn_in")``. A policy of your own reads
+the node: ``lambda node: node.op.value in ("matmul", "attention")``.
 The gradient is the same whatever the policy says: a kept node still passes its gradient to
 the recomputed values it read.
 """
@@ -53,6 +55,35 @@ def dots_with_no_batch_dims_saveable(node: Node) -> bool:
 checkpoint_dots_with_no_batch_dims = dots_with_no_batch_dims_saveable
 
 
+def _names(which: str, names: tuple[str, ...]) -> frozenset[str]:
+    if not all(isinstance(name, str) for name in names):
+        raise RlxTypeError(f"{which}: names must be strs (given to rlx.checkpoint_name), got {names!r}")
+    return frozenset(names)
+
+
+def _name_of(node: Node) -> str | None:
+    """The name ``rlx.checkpoint_name`` gave the node's result, or None."""
+    return node.attrs.name if node.op.value == "checkpoint_name" else None
+
+
+def save_only_these_names(*names: str) -> Policy:
+    """Keep the values named (``rlx.checkpoint_name(x, name)``) one of ``names``; nothing else."""
+    wanted = _names("save_only_these_names", names)
+    return lambda node: _name_of(node) in wanted
+
+
+def save_any_names_but_these(*names: str) -> Policy:
+    """Keep every named value except those named one of ``names``; nothing unnamed."""
+    unwanted = _names("save_any_names_but_these", names)
+    return lambda node: (name := _name_of(node)) is not None and name not in unwanted
+
+
+def save_anything_except_these_names(*names: str) -> Policy:
+    """Keep every value except those named one of ``names`` (and what only they need)."""
+    unwanted = _names("save_anything_except_these_names", names)
+    return lambda node: _name_of(node) not in unwanted
+
+
 def save_from_both_policies(first: Policy, second: Policy) -> Policy:
     """Keep what either policy keeps."""
     for which, policy in (("first", first), ("second", second)):
@@ -73,5 +104,8 @@ __all__ = [
     "dots_with_no_batch_dims_saveable",
     "everything_saveable",
     "nothing_saveable",
+    "save_any_names_but_these",
+    "save_anything_except_these_names",
     "save_from_both_policies",
+    "save_only_these_names",
 ]

@@ -177,6 +177,7 @@ SAMPLES: list[Sample] = [
     ),
     Sample("custom_vjp", _custom_vjp),
     Sample("barrier", lambda g: g.exp(g.barrier(g.input("x", (3, 4)), g.sum(g.input("after", (2,)))))),
+    Sample("checkpoint_name", lambda g: g.exp(g.checkpoint_name(g.input("x", (3, 4)), "h"))),
     Sample("custom_vjp_cotangent", lambda g: g.custom_vjp_cotangent(g.input("x", (3, 4)), [g.input("w", (4,))])),
     _unary("floor"),
     _unary("ceil"),

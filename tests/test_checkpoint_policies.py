@@ -121,3 +121,64 @@ def test_policy_decorator_forms_and_errors() -> None:
         P.save_from_both_policies(P.dots_saveable, None)  # type: ignore[arg-type]
     with pytest.raises(rlx.RlxTypeError, match="expected a function"):
         rlx.checkpoint(None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("policy", "products_again"),
+    [
+        (None, 2),
+        (P.save_only_these_names("h"), 1),
+        (P.save_only_these_names("h", "z"), 0),
+        (P.save_any_names_but_these("z"), 1),
+        (P.save_any_names_but_these(), 0),
+        (P.save_anything_except_these_names("h"), 0),  # h's product is kept, as in JAX
+        (P.save_from_both_policies(P.save_only_these_names("z"), P.dots_with_no_batch_dims_saveable), 0),
+    ],
+    ids=["default", "h", "h-z", "but-z", "any", "except-h", "both"],
+)
+def test_named_values_are_kept_by_name(policy: object, products_again: int) -> None:
+    def f(x, w1, w2):  # type: ignore[no-untyped-def]
+        h = rlx.checkpoint_name(x @ w1, "h")
+        z = rlx.checkpoint_name(rlx.tanh(h) @ w2, "z")
+        return rlx.sin(z).sum()
+
+    rng = np.random.default_rng(5)
+    arrays = {
+        "x": rng.standard_normal((6, 5)).astype(np.float32),
+        "w1": (rng.standard_normal((5, 7)) / 2).astype(np.float32),
+        "w2": (rng.standard_normal((7, 3)) / 2).astype(np.float32),
+    }
+
+    def compiled(fn):  # type: ignore[no-untyped-def]
+        g = Graph()
+        values = [g.input(name, a.shape) for name, a in arrays.items()]
+        loss, grads = rlx.value_and_grad(fn, argnums=(0, 1, 2))(*values)
+        g.output(loss=loss, **{f"d{name}": d for name, d in zip(arrays, grads, strict=True)})
+        exe = rlx.compile(g)
+        return exe, sum(1 for node in exe.graph.nodes if node.op.value == "matmul")
+
+    plain, plain_products = compiled(f)
+    kept, products = compiled(rlx.checkpoint(f, policy=policy))
+    assert products - plain_products == products_again
+    want, got = plain(**arrays), kept(**arrays)
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    assert "checkpoint_name" not in {node.op.value for node in kept.graph.nodes}  # gone before codegen
+
+
+def test_checkpoint_name_checks_its_name_and_is_the_value_itself() -> None:
+    g = Graph()
+    x = g.input("x", (3,))
+    named = rlx.checkpoint_name(x * 2.0, "doubled")
+    assert named.type == x.type and named.node.attrs.name == "doubled"
+    (dx,) = rlx.grad(g, rlx.sum(named * named), [x])
+    g.output(y=named, dx=dx)
+    got = rlx.compile(g)(x=np.array([1.0, -2.0, 0.5], np.float32))
+    np.testing.assert_array_equal(got["y"], [2.0, -4.0, 1.0])
+    np.testing.assert_array_equal(got["dx"], [8.0, -16.0, 4.0])
+    assert str(rlx.parse(str(g))) == str(g)
+    for bad in ("", 3, None):
+        with pytest.raises(rlx.RlxTypeError, match="non-empty str"):
+            rlx.checkpoint_name(x, bad)  # type: ignore[arg-type]
+    with pytest.raises(rlx.RlxTypeError, match="names must be strs"):
+        P.save_only_these_names("a", 1)  # type: ignore[arg-type]

@@ -330,3 +330,43 @@ register_op(
         summary="x, computed once the scalar after is (a rematerialised forward's inputs)",
     )
 )
+
+
+# ----------------------------------------------------------------------------- checkpoint_name
+
+
+@dataclass(frozen=True)
+class CheckpointNameAttrs:
+    name: str
+
+
+def checkpoint_name(graph: Graph, x: object, name: str) -> Value:
+    """``x`` itself, named for ``rlx.checkpoint``'s policies (``jax.ad_checkpoint.checkpoint_name``):
+    ``rlx.checkpoint_policies.save_only_these_names("qkv")`` keeps what is named so from the
+    forward. It is gone before code generation (the ``decompose`` pass)."""
+    if not isinstance(name, str) or not name:
+        raise RlxTypeError(f"checkpoint_name: the name must be a non-empty str, got {name!r}")
+    value = as_value(graph, x, "checkpoint_name: x")
+    return graph.add_node(op_kind("checkpoint_name"), [value], CheckpointNameAttrs(name)).outputs[0]
+
+
+def _named_batch(
+    graph: Graph, node: Node, operands: Sequence[Value], batched: Sequence[bool], size: Dim
+) -> tuple[Value, ...]:
+    return graph.add_node(node.op, [with_examples(graph, operands[0], batched[0], size)], node.attrs).outputs
+
+
+register_op(
+    OpDef(
+        "checkpoint_name",
+        ("x",),
+        CheckpointNameAttrs,
+        lambda what, inputs, attrs: (inputs[0],),  # any dtype: the value itself
+        lambda args, attrs, ctx: args[0],
+        lambda graph, node, cts, needed: [cts[0]],
+        builder=checkpoint_name,
+        decompose=lambda graph, node: (node.inputs[0],),
+        batch=_named_batch,
+        summary="x, named for rlx.checkpoint's policies",
+    )
+)

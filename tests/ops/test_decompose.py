@@ -32,6 +32,7 @@ def test_composites_are_the_expected_ones() -> None:
         "conv",
         "custom_vjp",
         "custom_vjp_cotangent",
+        "checkpoint_name",
     }
 
 
