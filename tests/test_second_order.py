@@ -93,7 +93,11 @@ def assert_compiled_matches_reference(g: Graph, arrays: dict[str, np.ndarray], c
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("mask", MASKS, ids=str)
+# NONE, SLIDING and BIAS are slow cases: CAUSAL and CUSTOM (a mask tensor) cover both kinds of mask.
+@pytest.mark.parametrize(
+    "mask", [m if m in (MaskKind.CAUSAL, MaskKind.CUSTOM) else pytest.param(m, marks=pytest.mark.slow) for m in MASKS],
+    ids=str,
+)
 def test_second_order_gradients_through_attention(mask: MaskKind, layout: Layout) -> None:
     g, xs = penalty_graph(mask, layout)
     arrays = inputs(g, seed=1)
@@ -200,7 +204,16 @@ def flex_inputs(g: Graph, seed: int) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("mods", ["causal", "softcap-window", "alibi", "bias-document", "table-lse"])
+@pytest.mark.parametrize(  # by default one mod of each kind: a score mod with a mask, and one reading tensors
+    "mods",
+    [
+        pytest.param("causal", marks=pytest.mark.slow),
+        "softcap-window",
+        pytest.param("alibi", marks=pytest.mark.slow),
+        pytest.param("bias-document", marks=pytest.mark.slow),
+        "table-lse",
+    ],
+)
 def test_second_order_gradients_through_programmable_attention(mods: str, layout: Layout) -> None:
     g, xs = flex_penalty_graph(mods, layout)
     arrays = flex_inputs(g, seed=7)

@@ -188,7 +188,7 @@ def _operand(g: Graph, name: str, kind: str, dims: tuple[int, int, int, int], la
     return g.broadcast_to(one, bshd if layout is Layout.BSHD else (batch, heads, seq, width))
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     batch=st.integers(1, 3),
     seq=st.integers(1, 70),
@@ -297,7 +297,7 @@ def test_flex_symbolic_lengths_read_in_place() -> None:
             np.testing.assert_allclose(got[name], value, rtol=2e-4, atol=2e-5, err_msg=f"{name}, {sizes}")
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     batch=st.integers(1, 3),
     seq=st.integers(1, 70),

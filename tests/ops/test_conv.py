@@ -155,12 +155,15 @@ LAYOUT_CASES = [
 ]  # fmt: skip
 
 
+SLOW_LAYOUT_CASES = ((2, 3, 9, 20), (1, 2, 3, 4, 9))
+
+
 @pytest.mark.parametrize("planes", [True, False], ids=["planes", "channels_last"])
 @pytest.mark.parametrize(
     "case",
-    # The largest case (strides, asymmetric padding and dilation together) is a slow case: the
-    # others cover both layouts in the default run.
-    [pytest.param(c, marks=pytest.mark.slow) if c["x"] == (2, 3, 9, 20) else c for c in LAYOUT_CASES],
+    # The largest case (strides, asymmetric padding and dilation together) and the 3-D one are
+    # slow cases: the others cover both layouts in the default run.
+    [pytest.param(c, marks=pytest.mark.slow) if c["x"] in SLOW_LAYOUT_CASES else c for c in LAYOUT_CASES],
     ids=[str(c["x"]) + str(c["w"]) for c in LAYOUT_CASES],
 )
 def test_both_column_layouts_against_the_definition(case: dict, planes: bool, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -616,7 +619,8 @@ def direct_adaptive(x: np.ndarray, kind: str, outs: tuple[int, ...]) -> np.ndarr
 @pytest.mark.parametrize(
     ("shape", "output_size", "outs"),
     [((2, 3, 10), 4, (4,)), ((2, 2, 7, 9), (3, None), (3, 9)), ((1, 2, 5, 5), 7, (7, 7)),
-     ((1, 2, 5, 6, 7), (2, 3, 4), (2, 3, 4)), ((2, 2, 8, 6), (4, 2), (4, 2)), ((2, 3, 12, 10), 1, (1, 1)),
+     pytest.param((1, 2, 5, 6, 7), (2, 3, 4), (2, 3, 4), marks=pytest.mark.slow),  # 3-D: a slow case
+     ((2, 2, 8, 6), (4, 2), (4, 2)), ((2, 3, 12, 10), 1, (1, 1)),
      ((2, 2, 8, 6), (2, 1), (2, 1))],
 )  # fmt: skip
 def test_adaptive_pooling_against_the_definition(
