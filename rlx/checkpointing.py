@@ -119,8 +119,10 @@ def _recomputed_in_backward(
 
     # Only the region is copied: a node before it that reads a held value (an earlier layer
     # reading a shared weight) is upstream of what the region reads, and stays as it is.
+    backward = _in_traced_backwards(graph, region) if keeps is not None else set()
+
     def copy_node(node: Node, operands: list[Value]) -> Sequence[Value]:
-        if keeps is not None and _keepable(node) and keeps(node):
+        if keeps is not None and node.id not in backward and _keepable(node) and keeps(node):
             return _kept(graph, node, operands, after)
         return graph.add_node(node.op, operands, node.attrs).outputs
 
@@ -177,6 +179,22 @@ def _first_entries(graph: Graph, values: Sequence[Value]) -> Value:
     return total
 
 
+def _in_traced_backwards(graph: Graph, region: range) -> set[int]:
+    """Ids of the region's nodes computed from a ``custom_vjp`` stand-in: the backward a custom
+    gradient (or a checkpoint) inside the region traced. Their forward values were computed on
+    the stand-in's zeros; only a copy on the real cotangent means anything, so none is kept."""
+    nodes, successors = graph._nodes, graph._store.succ
+    stack = [i for i in region if i in nodes and nodes[i].op.value == "custom_vjp_cotangent"]
+    found: set[int] = set()
+    while stack:
+        node_id = stack.pop()
+        if node_id in found or nodes[node_id].op.value == "custom_vjp":  # its results are its primals
+            continue
+        found.add(node_id)
+        stack.extend(user for user in successors[node_id] if user in region)
+    return found
+
+
 def _keepable(node: Node) -> bool:
     """A node whose results a policy may keep: float results and a gradient rule to pass on."""
     grad = node.op.definition.grad
@@ -203,11 +221,17 @@ def _kept(graph: Graph, node: Node, operands: list[Value], after: Value) -> tupl
     ``operands``: a ``custom_vjp`` whose traced backward is that rule, applied with the kept
     results in the place of the node's own (a rule that reads them computes nothing again)."""
     kept = [graph.barrier(value, after) for value in node.outputs]
-    slots = [slot for slot, value in enumerate(operands) if value.dtype == F32]
+    definition = node.op.definition
+    needed = [
+        value.dtype == F32 and definition.operand_name(slot) not in definition.no_grad
+        for slot, value in enumerate(operands)
+    ]
+    slots = [slot for slot, wanted in enumerate(needed) if wanted]
+    if not slots:  # no gradient to pass on: the kept results are all there is
+        return tuple(kept)
     arguments = [operands[slot] for slot in slots]
     stand_ins = [graph.custom_vjp_cotangent(value, arguments) for value in kept]
-    needed = [value.dtype == F32 for value in operands]
-    rule = node.op.definition.grad
+    rule = definition.grad
     contributions = rule(graph, _Restated(node, operands, kept), stand_ins, needed)  # type: ignore[arg-type]
     gradients = [
         contributions[slot] if contributions[slot] is not None else zeros(graph, operands[slot].shape) for slot in slots

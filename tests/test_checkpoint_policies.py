@@ -10,6 +10,9 @@ from functools import partial
 
 import numpy as np
 import pytest
+from fuzz_graphs import assert_close_within_spread, graphs, rounding_spread
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import rlx
 from rlx import Graph
@@ -182,3 +185,63 @@ def test_checkpoint_name_checks_its_name_and_is_the_value_itself() -> None:
             rlx.checkpoint_name(x, bad)  # type: ignore[arg-type]
     with pytest.raises(rlx.RlxTypeError, match="names must be strs"):
         P.save_only_these_names("a", 1)  # type: ignore[arg-type]
+
+
+def _forward_of(one: Graph):  # type: ignore[no-untyped-def]
+    """The fuzzed graph's forward (what its loss and ``y`` outputs need) as a function of its
+    inputs, replayed on whatever graph the arguments belong to."""
+    wanted = [v for name, v in one.outputs.items() if not name.startswith("d_")]
+    needed: set[int] = set()
+    stack = [v.node for v in wanted]
+    while stack:
+        node = stack.pop()
+        if node.id not in needed:
+            needed.add(node.id)
+            stack.extend(v.node for v in node.inputs)
+
+    def forward(*args):  # type: ignore[no-untyped-def]
+        graph = args[0].graph
+        env = dict(zip(one.inputs.values(), args, strict=True))
+        for node in one.nodes:
+            if node.id in needed and node.op is not rlx.OpKind.INPUT:
+                made = graph.add_node(node.op, [env[v] for v in node.inputs], node.attrs).outputs
+                env.update(zip(node.outputs, made, strict=True))
+        return tuple(env[v] for v in wanted)
+
+    return forward, [name for name in one.outputs if not name.startswith("d_")]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(graphs(), st.integers(0, 2**31))
+def test_random_graphs_checkpointed_under_random_policies(case: tuple[Graph, int, int], choice: int) -> None:
+    """A fuzzed graph's forward checkpointed, keeping a random subset of its nodes (every op's
+    gradient rule then runs on the recomputed operands and the kept results): the float64
+    reference gives its gradients exactly as it gives the graph's own."""
+    one, _, _ = case
+    forward, names = _forward_of(one)
+    rng = np.random.default_rng(choice)
+    kinds = sorted({node.op.value for node in one.nodes})
+    kept_kinds = {kind for kind in kinds if rng.random() < 0.5}
+    g = Graph("checkpointed")
+    args = [g.input(name, v.shape, dtype=v.dtype) for name, v in one.inputs.items()]
+    results = rlx.checkpoint(forward, policy=lambda node: node.op.value in kept_kinds)(*args)
+    outputs = dict(zip(names, results, strict=True))
+    xs = [x for x in args if x.dtype == np.float32]
+    grads = rlx.grad(g, outputs["loss"], xs)
+    g.output(**outputs, **{f"d_{x.node.attrs.name}": d for x, d in zip(xs, grads, strict=True)})
+    g.verify()
+    arrays = {
+        name: rng.uniform(-1.0, 1.0, v.shape) if v.dtype == np.float32 else rng.integers(0, 2, v.shape)
+        for name, v in one.inputs.items()
+    }
+    arrays = {name: a.astype(one.inputs[name].dtype) if a.dtype.kind != "f" else a for name, a in arrays.items()}
+    want = rlx.reference.evaluate(one, arrays, exact=True)
+    got = rlx.reference.evaluate(g, arrays, exact=True)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-9, atol=1e-12, err_msg=f"{name}, keeping {kept_kinds}")
+    # And compiled, against its own float32 reference.
+    f32 = {name: a.astype(np.float32) if a.dtype == np.float64 else a for name, a in arrays.items()}
+    rounded, compiled = rlx.reference.run(g, **f32), rlx.compile(g)(**f32)
+    spread = rounding_spread(g, f32, rounded)
+    for name, value in rounded.items():
+        assert_close_within_spread(compiled[name], value, rtol=2e-4, atol=2e-5, spread=spread[name], err_msg=name)
