@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+import rlx
+
 torch = pytest.importorskip("torch")
 dynamo_backend = pytest.importorskip("rlx.torch.dynamo")
 
@@ -155,3 +157,77 @@ def test_activation_checkpointing_runs_on_rlx() -> None:
     for mine, theirs in zip(got, [eager.grad, *(p.grad for p in parameters)], strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
     assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks
+
+
+@pytest.mark.parametrize("form", ["list", "function"])
+def test_selective_checkpointing_saves_what_its_policy_names(form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``context_fn=partial(create_selective_checkpoint_contexts, ...)``: the products it names
+    (aten.mm) are kept, the rest computed again; gradients as eager torch's."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    import rlx.checkpointing
+
+    aten = torch.ops.aten
+    if form == "list":
+        chosen: Any = [aten.mm.default]
+    else:
+
+        def chosen(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+            return CheckpointPolicy.MUST_SAVE if op is aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    context_fn = functools.partial(create_selective_checkpoint_contexts, chosen)
+    policies = []
+    real = rlx.checkpointing.checkpoint
+
+    def recording(fn: Any, *, policy: Any = None) -> Any:
+        policies.append(policy)
+        return real(fn, policy=policy)
+
+    monkeypatch.setattr(rlx.checkpointing, "checkpoint", recording)
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(8, 32), torch.nn.Linear(32, 8)
+
+    def block(x: Any) -> Any:
+        return x + second(torch.tanh(first(x)))
+
+    def model(x: Any) -> Any:
+        return checkpoint(block, x, use_reentrant=False, context_fn=context_fn)
+
+    x = torch.randn(4, 8)
+    parameters = [*first.parameters(), *second.parameters()]
+    leaf = x.clone().requires_grad_()
+    torch.compile(model, backend="rlx")(leaf).square().mean().backward()
+    got = [leaf.grad, *(p.grad.clone() for p in parameters)]
+    for p in parameters:
+        p.grad = None
+    eager = x.clone().requires_grad_()
+    model(eager).square().mean().backward()
+    for mine, theirs in zip(got, [eager.grad, *(p.grad for p in parameters)], strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    assert dynamo_backend.stats == {"compiled": 1, "eager": 0}, dynamo_backend.fallbacks
+    (policy,) = policies
+    g = rlx.Graph()
+    a, b = g.input("a", (2, 3)), g.input("b", (3, 4))
+    assert policy((a @ b).node) and not policy(rlx.tanh(a).node)
+    assert not policy(g.custom_vjp_cotangent(a, [b]).node)  # no aten op of that name: recomputed
+
+
+def test_a_context_fn_rlx_cannot_read_recomputes_everything() -> None:
+    from rlx.torch._checkpoint_policy import policy_of
+
+    assert policy_of(None) is None
+    assert policy_of(lambda: None) is None
+
+    def needs_arguments(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        return args[0]  # IndexError: rlx has no tensors to give it
+
+    import functools
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    policy = policy_of(functools.partial(create_selective_checkpoint_contexts, needs_arguments))
+    g = rlx.Graph()
+    a = g.input("a", (2, 2))
+    assert policy is not None and not policy((a @ a).node)

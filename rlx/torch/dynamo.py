@@ -376,14 +376,16 @@ class _Translation:
     def _checkpoint(self, body: Any, *args: Any, **kwargs: Any) -> Any:
         """``torch.utils.checkpoint.checkpoint(fn, ...)`` as TorchDynamo captures it (``fn``
         traced into a graph): ``rlx.checkpoint`` of that graph, its forward computed again in
-        the backward. A selective policy (``context_fn``) is not followed: everything is
-        recomputed, which gives the same values and gradients."""
+        the backward, but for what a selective policy (``context_fn``) saves: see
+        :func:`rlx.torch._checkpoint_policy.policy_of`."""
         from rlx.checkpointing import checkpoint
+        from rlx.torch._checkpoint_policy import policy_of
 
         args = _nested(args, lambda a: constant_of(self.graph, a) if isinstance(a, torch.Tensor) else a)
         if not any(isinstance(a, Value) for a in args):
             raise Unsupported("a checkpoint of no tensor input")
-        return checkpoint(lambda *inputs: self._inline(body, inputs))(*args)
+        policy = policy_of(getattr(body, "meta", {}).get("_checkpoint_context_fn"))
+        return checkpoint(lambda *inputs: self._inline(body, inputs), policy=policy)(*args)
 
     def _inline(self, body: torch.fx.GraphModule, inputs: Sequence[Any]) -> Any:
         """What the FX graph ``body`` returns for ``inputs``, its nodes translated into this graph."""
