@@ -50,8 +50,6 @@ def checkpoint(fn: Callable[..., Any] = _NO_FUNCTION, *, policy: Policy | None =
             f"rlx.checkpoint: policy must be a function of a node (see rlx.checkpoint_policies), got "
             f"{type(policy).__name__}"
         )
-    if policy is everything_saveable:  # nothing computed again: the function as it is
-        return fn
     keeps = None if policy is None or policy is nothing_saveable else policy
     what = f"rlx.checkpoint of {getattr(fn, '__name__', 'a function')}"
     on_arrays = OnArrays(what)
@@ -65,6 +63,8 @@ def checkpoint(fn: Callable[..., Any] = _NO_FUNCTION, *, policy: Policy | None =
 
     def traced(graph: Graph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``fn`` run on values, its region behind a ``custom_vjp``; ``graph`` as it was if it raises."""
+        if policy is everything_saveable:  # nothing computed again: the function as it is
+            return fn(*args, **kwargs)
         first_id = graph._next_id
         out = fn(*args, **kwargs)
         leaves: list[tuple[str, object]] = []

@@ -118,6 +118,8 @@ def test_policy_decorator_forms_and_errors() -> None:
     want = rlx.grad(lambda x: f(x).sum())(x)
     for wrapped in (by_partial, by_keyword, rlx.remat(f)):
         np.testing.assert_allclose(rlx.grad(lambda x, w=wrapped: w(x).sum())(x), want, rtol=1e-6)
+    for policy in (None, P.dots_saveable, P.everything_saveable):  # called on arrays: jitted
+        np.testing.assert_allclose(rlx.checkpoint(f, policy=policy)(x), np.sin(x @ x), rtol=1e-6)
     with pytest.raises(rlx.RlxTypeError, match="policy must be a function of a node"):
         rlx.checkpoint(f, policy="dots")  # type: ignore[arg-type]
     with pytest.raises(rlx.RlxTypeError, match="second policy"):
