@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+import pytest
 
 import rlx
 from rlx import Graph, MaskKind, OpKind, Value, Wrt
@@ -135,6 +137,11 @@ def _custom_vjp(g: Graph) -> Built:
     gw = g.sum(ct * softplus, axis=0)
     (y,) = g.custom_vjp([primal], [ct], [x, w], [gx, gw])
     return y
+
+
+def as_params(samples: list[Sample], slow: frozenset[str] = frozenset()) -> list[Any]:
+    """``samples`` as pytest params with their ids, those whose id is in ``slow`` as slow cases."""
+    return [pytest.param(s, id=s.id, marks=[pytest.mark.slow] if s.id in slow else []) for s in samples]
 
 
 SAMPLES: list[Sample] = [

@@ -42,7 +42,7 @@ def arrays_for(g: Graph, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize("mask", MASKS, ids=str)
-@pytest.mark.parametrize("layout", [Layout.BSHD, Layout.BHSD], ids=str)
+@pytest.mark.parametrize("layout", [pytest.param(Layout.BSHD, marks=pytest.mark.slow), Layout.BHSD], ids=str)
 @pytest.mark.parametrize(("h", "hkv", "dv"), [(4, 2, 8), (4, 1, 5), (3, 3, 11)])
 def test_compiled_matches_reference(mask: MaskKind, layout: Layout, h: int, hkv: int, dv: int) -> None:
     g = build(mask, layout, 2, 23, 31, h, hkv, 8, dv)

@@ -274,7 +274,16 @@ FLEX_SHAPES = [
 
 
 @pytest.mark.usefixtures("flags")
-@pytest.mark.parametrize("mods", ["causal", "lower_right", "window", "causal&document", "softcap+causal"])
+@pytest.mark.parametrize(  # a window and a document mask are slow cases: their bands are causal's and lower-right's
+    "mods",
+    [
+        "causal",
+        "lower_right",
+        pytest.param("window", marks=pytest.mark.slow),
+        pytest.param("causal&document", marks=pytest.mark.slow),
+        "softcap+causal",
+    ],
+)
 @pytest.mark.parametrize("shape", FLEX_SHAPES, ids=lambda s: f"{s[3]}x{s[4]}-h{s[1]}/{s[2]}-d{s[5]}/{s[6]}")
 def test_flex_kernels_band_their_mask_diagonal(mods: str, shape: tuple) -> None:
     """A mask_mod with a diagonal (``Region.key_bounds``): ``Q K^T`` (and the backward's ``dY

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from op_samples import SAMPLES, Sample, differentiable, sample_inputs, scalar_loss
+from op_samples import SAMPLES, Sample, as_params, differentiable, sample_inputs, scalar_loss
 
 import rlx
 from rlx import Graph
@@ -17,7 +17,12 @@ from rlx.reference import evaluate
 EPS = 1e-6
 
 
-@pytest.mark.parametrize("sample", [s for s in SAMPLES if differentiable(s)], ids=lambda s: s.id)
+# Two of the conv samples are slow cases here: tests/ops/test_conv.py checks every route of the
+# conv gradient rule against central differences in the default run.
+@pytest.mark.parametrize(
+    "sample",
+    as_params([s for s in SAMPLES if differentiable(s)], slow=frozenset({"conv-depthwise", "conv-flipped-cropped"})),
+)
 def test_gradient_matches_finite_differences(sample: Sample) -> None:
     rng = np.random.default_rng(7)
     g = Graph(sample.op)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from op_samples import SAMPLES, Sample, differentiable, sample_inputs, scalar_loss
+from op_samples import SAMPLES, Sample, as_params, differentiable, sample_inputs, scalar_loss
 
 import rlx
 from rlx import Graph
@@ -21,7 +21,12 @@ EPS = 1e-5
 ENTRIES = 8  # random entries of each input checked by central differences
 
 
-@pytest.mark.parametrize("sample", [s for s in SAMPLES if differentiable(s)], ids=lambda s: s.id)
+# The programmable attention samples are slow cases here: tests/test_second_order.py and the
+# mods fuzzer differentiate flex attention twice in the default run.
+@pytest.mark.parametrize(
+    "sample",
+    as_params([s for s in SAMPLES if differentiable(s)], slow=frozenset({"flex_attention", "flex_attention_bwd"})),
+)
 def test_second_order_gradient_matches_finite_differences(sample: Sample) -> None:
     rng = np.random.default_rng(11)
     g = Graph(sample.op)
