@@ -598,3 +598,30 @@ def test_deep_checkpointed_models_build_in_time_linear_in_depth(monkeypatch: pyt
     # the earlier layers is copied again.
     assert len(set(added_per_layer[1:])) == 1
     assert all(gr.type == x.type for gr, x in zip(grads, g.inputs.values(), strict=True))
+
+
+def test_a_barrier_reads_its_operand_in_place() -> None:
+    """A ``barrier`` over a value that has a buffer is that buffer: a product reading it (a
+    checkpoint's recomputed layer reading its input) gets no copy first. Over a value computed
+    inline, the barrier's own loop nest computes it."""
+
+    def compiled(barrier: bool, inline: bool):  # type: ignore[no-untyped-def]
+        g = Graph()
+        x, w, a = g.input("x", (4, 4)), g.input("w", (4, 4)), g.input("a", (3,))
+        y = x @ w
+        held = g.barrier(y, g.sum(a)) if barrier else y
+        outputs = {"z": held @ w, "y": rlx.exp(held)}
+        if inline:
+            outputs["u"] = g.barrier(rlx.exp(x), g.sum(a)) @ w
+        g.output(**outputs)
+        return g, rlx.compile(g)
+
+    assert len(compiled(True, False)[1].kernels) == len(compiled(False, False)[1].kernels) == 3
+    g, exe = compiled(True, True)
+    names = [k.name for k in exe.kernels]
+    assert names.count("matmul") == 3 and len(names) == 6, names  # + exp(held), sum(a), the inline copy
+    rng = np.random.default_rng(0)
+    arrays = {name: rng.standard_normal(v.shape).astype(np.float32) for name, v in g.inputs.items()}
+    got, want = exe(**arrays), rlx.reference.run(g, **arrays)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-5, err_msg=name)

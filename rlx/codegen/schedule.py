@@ -100,6 +100,12 @@ class Schedule:
         elif node.op.value in VIEW_OPS:
             source = self.view(node.inputs[0])
             result = None if source is None else apply_view_op(node, value.index, source)
+        elif node.op.value == "barrier":
+            # x once `after` is computed: where x has a buffer, that buffer (a checkpoint's
+            # recomputation reads its input in place, not a copy of it). The kernels run in the
+            # nodes' order, which puts every reader after `after`; an x computed inline is
+            # computed by the barrier's own loop nest, which reads `after` too.
+            result = self.view(node.inputs[0])
         else:
             result = None
         self.views[value] = result
