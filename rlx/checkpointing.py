@@ -144,22 +144,12 @@ def _upstream_inputs(graph: Graph, arguments: list[Value], computed: list[Value]
     own weights (read by the region alone) cost nothing, where a walk back from ``computed``
     would visit the whole model built so far, at every layer."""
     targets = {value.node.id for value in computed}
-    successors = graph._store.succ
-    found: set[Value] = set()
-    for argument in arguments:
-        if argument.node.op.value != "input":
-            continue
-        seen: set[int] = set()
-        stack = [user for user in successors[argument.node.id] if user < first_id]
-        while stack:
-            node_id = stack.pop()
-            if node_id in targets:
-                found.add(argument)
-                break
-            if node_id not in seen:
-                seen.add(node_id)
-                stack.extend(user for user in successors[node_id] if user < first_id)
-    return found
+    return {
+        argument
+        for argument in arguments
+        if argument.node.op.value == "input"
+        and not targets.isdisjoint(graph._descendants({argument.node.id}, lambda node_id: node_id < first_id))
+    }
 
 
 _FIXED = ("constant", "config_value")  # values a recomputation reads as they are: nothing to free
@@ -183,16 +173,10 @@ def _in_traced_backwards(graph: Graph, region: range) -> set[int]:
     """Ids of the region's nodes computed from a ``custom_vjp`` stand-in: the backward a custom
     gradient (or a checkpoint) inside the region traced. Their forward values were computed on
     the stand-in's zeros; only a copy on the real cotangent means anything, so none is kept."""
-    nodes, successors = graph._nodes, graph._store.succ
-    stack = [i for i in region if i in nodes and nodes[i].op.value == "custom_vjp_cotangent"]
-    found: set[int] = set()
-    while stack:
-        node_id = stack.pop()
-        if node_id in found or nodes[node_id].op.value == "custom_vjp":  # its results are its primals
-            continue
-        found.add(node_id)
-        stack.extend(user for user in successors[node_id] if user in region)
-    return found
+    nodes = graph._nodes
+    stand_ins = {i for i in region if i in nodes and nodes[i].op.value == "custom_vjp_cotangent"}
+    # Not through a custom_vjp node: it reads its stand-ins, but its results are its primals.
+    return graph._descendants(stand_ins, lambda i: i in region and nodes[i].op.value != "custom_vjp")
 
 
 def _keepable(node: Node) -> bool:

@@ -62,9 +62,8 @@ def evaluate(
         wide = {  # a NumPy float64 scalar (what indexing a 1-d array gives) counts as a 0-d array
             name: np.asarray(a)
             for name, a in inputs.items()
-            if isinstance(a, (np.ndarray, np.float64))
+            if isinstance(a, np.float64) or (isinstance(a, np.ndarray) and a.dtype == np.float64)
         }
-        wide = {name: a for name, a in wide.items() if a.dtype == np.float64}
         given = {name: wide[name].astype(np.float32) if name in wide else a for name, a in inputs.items()}
     bound = bind_inputs(graph, given)
     sizes = symbol_sizes(graph, bound)

@@ -12,7 +12,7 @@ import keyword
 import math
 import numbers
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -429,14 +429,15 @@ class Graph:
         """All nodes in a topological order; ties go to the node created first."""
         return list(self._ordered())
 
-    def _descendants(self, node_ids: set[int]) -> set[int]:
-        """Ids of the nodes that read, directly or not, an output of a node in ``node_ids``."""
+    def _descendants(self, node_ids: set[int], within: Callable[[int], bool] | None = None) -> set[int]:
+        """Ids of the nodes that read, directly or not, an output of a node in ``node_ids``; with
+        ``within``, only those reached through node ids it accepts."""
         found: set[int] = set()
         successors = self._store.succ
         stack = [user for node_id in node_ids for user in successors[node_id]]
         while stack:
             node_id = stack.pop()
-            if node_id not in found:
+            if node_id not in found and (within is None or within(node_id)):
                 found.add(node_id)
                 stack.extend(successors[node_id])
         return found

@@ -37,7 +37,7 @@ import numpy as np
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.opdef import OpDef, no_gradient, register_op
 from rlx.ir.types import TensorType
-from rlx.ops._batching import with_examples
+from rlx.ops._batching import batch_elementwise, with_examples
 from rlx.ops._common import as_value, op_kind, sum_to_shape, zeros
 from rlx.ops.elementwise import NoAttrs
 
@@ -350,12 +350,6 @@ def checkpoint_name(graph: Graph, x: object, name: str) -> Value:
     return graph.add_node(op_kind("checkpoint_name"), [value], CheckpointNameAttrs(name)).outputs[0]
 
 
-def _named_batch(
-    graph: Graph, node: Node, operands: Sequence[Value], batched: Sequence[bool], size: Dim
-) -> tuple[Value, ...]:
-    return graph.add_node(node.op, [with_examples(graph, operands[0], batched[0], size)], node.attrs).outputs
-
-
 register_op(
     OpDef(
         "checkpoint_name",
@@ -366,7 +360,7 @@ register_op(
         lambda graph, node, cts, needed: [cts[0]],
         builder=checkpoint_name,
         decompose=lambda graph, node: (node.inputs[0],),
-        batch=_named_batch,
+        batch=batch_elementwise,
         summary="x, named for rlx.checkpoint's policies",
     )
 )
