@@ -132,9 +132,7 @@ def _path(graph: Graph, y: Value, xs: Sequence[Value]) -> list[Node]:
         if node.id in found:
             continue
         found.add(node.id)
-        if node.op.definition.grad is no_gradient:
-            continue
-        stack.extend(v.node for v in node.inputs if v.dtype == F32 and v.node.id in downstream)
+        stack.extend(v.node for v in _gradient_operands(node) if v.node.id in downstream)
     place = graph._place()
     return [graph._nodes[i] for i in sorted(found, key=place.__getitem__)]
 
@@ -148,9 +146,16 @@ def _active_values(path: list[Node], y: Value, xs: set[Value]) -> set[Value]:
             depends.update(node.outputs)
     reaches: set[Value] = {y}
     for node in reversed(path):
-        if node.op.definition.grad is not no_gradient and any(value in reaches for value in node.outputs):
-            reaches.update(value for value in node.inputs if value.dtype == F32)
+        if any(value in reaches for value in node.outputs):
+            reaches.update(_gradient_operands(node))
     return depends & reaches
+
+
+def _gradient_operands(node: Node) -> list[Value]:
+    """The operands a gradient can reach through ``node``: float ones, of an op that passes one."""
+    if node.op.definition.grad is no_gradient:
+        return []
+    return [value for value in node.inputs if value.dtype == F32]
 
 
 def _check_differentiable(graph: Graph, order: list[Node], active: set[Value]) -> None:

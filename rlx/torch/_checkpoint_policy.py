@@ -53,7 +53,7 @@ def policy_of(context_fn: object) -> Callable[[Node], bool] | None:
         saves = functools.partial(_asks, chosen)
     else:
         return None
-    return lambda node: any(saves(op) for op in _aten_ops(node))
+    return lambda node: any(saves(op) for op in _aten_ops(node.op.value))
 
 
 def _asks(policy: Callable[..., Any], op: Any) -> bool:
@@ -67,13 +67,10 @@ def _asks(policy: Callable[..., Any], op: Any) -> bool:
 
 
 @functools.cache
-def _aten_ops_named(name: str) -> tuple[Any, ...]:
+def _aten_ops(name: str) -> tuple[Any, ...]:
+    """The aten ops an rlx op named ``name`` is asked about as."""
     if name in _STANDS_FOR:
         return _STANDS_FOR[name]
     packet = getattr(_ATEN, name, None)
     default = getattr(packet, "default", None) if packet is not None else None
     return (default,) if default is not None else ()
-
-
-def _aten_ops(node: Node) -> tuple[Any, ...]:
-    return _aten_ops_named(node.op.value)
