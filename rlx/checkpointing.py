@@ -17,12 +17,18 @@ from rlx.errors import RlxTypeError
 from rlx.ir.graph import Graph, Node, Value, _all_or_nothing
 from rlx.ir.opdef import no_gradient, not_differentiable
 from rlx.ops._common import zeros
-from rlx.tracing import OnArrays, _flatten, _unflatten, graph_of
+from rlx.tracing import Jitted, OnArrays, _flatten, _unflatten, graph_of
 
 _NO_FUNCTION: Any = object()  # checkpoint(policy=...) without a function: a decorator
 
 
-def checkpoint(fn: Callable[..., Any] = _NO_FUNCTION, *, policy: Policy | None = None) -> Any:
+def checkpoint(
+    fn: Callable[..., Any] = _NO_FUNCTION,
+    *,
+    prevent_cse: bool = True,
+    policy: Policy | None = None,
+    static_argnums: int | Sequence[int] = (),
+) -> Any:
     """``fn`` whose values are not kept for the backward but computed again there, as
     ``jax.checkpoint`` (``jax.remat``) and ``torch.utils.checkpoint``: memory for compute.
 
@@ -40,11 +46,19 @@ def checkpoint(fn: Callable[..., Any] = _NO_FUNCTION, *, policy: Policy | None =
     the nodes it accepts: the backward reads them from the forward instead of computing them
     again, and computes again only the rest. ``rlx.checkpoint(policy=...)`` without ``fn`` is a
     decorator, as is ``functools.partial(rlx.checkpoint, policy=...)``.
+
+    ``static_argnums`` names arguments that are Python values, as ``jax.checkpoint``'s: one that
+    holds a value of a graph is an error, and on arrays they are static arguments of the jitted
+    function (see ``rlx.jit``). ``prevent_cse`` is taken as JAX takes it, but rlx keeps the
+    recomputation apart from the forward either way: the ``barrier`` that stops ``cse`` merging
+    the two is also what makes the recomputation wait for the backward, where it saves memory.
     """
     if fn is _NO_FUNCTION:
-        return functools.partial(checkpoint, policy=policy)
+        return functools.partial(checkpoint, prevent_cse=prevent_cse, policy=policy, static_argnums=static_argnums)
     if not callable(fn):
         raise RlxTypeError(f"rlx.checkpoint: expected a function, got {type(fn).__name__}")
+    if not isinstance(prevent_cse, bool):
+        raise RlxTypeError(f"rlx.checkpoint: prevent_cse must be a bool, got {type(prevent_cse).__name__}")
     if policy is not None and not callable(policy):
         raise RlxTypeError(
             f"rlx.checkpoint: policy must be a function of a node (see rlx.checkpoint_policies), got "
@@ -52,13 +66,17 @@ def checkpoint(fn: Callable[..., Any] = _NO_FUNCTION, *, policy: Policy | None =
         )
     keeps = None if policy is None or policy is nothing_saveable else policy
     what = f"rlx.checkpoint of {getattr(fn, '__name__', 'a function')}"
-    on_arrays = OnArrays(what)
+    on_arrays = OnArrays(what, static_argnums)
+    # Checks static_argnums as rlx.jit does, and the static arguments of each call on values.
+    static = Jitted(fn, static_argnums=static_argnums, what=what) if static_argnums != () else None
 
     @functools.wraps(fn)
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
         graph = graph_of(what, args, kwargs)
         if graph is None:
             return on_arrays(checkpointed, args, kwargs)
+        if static is not None:
+            static._flattened(args, kwargs)
         return _all_or_nothing(traced)(graph, args, kwargs)
 
     def traced(graph: Graph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

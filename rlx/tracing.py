@@ -90,16 +90,34 @@ class _Traced:
     constants: tuple[object, ...]
 
 
+@dataclass(frozen=True)
+class _Static:
+    """An argument named static (``static_argnums``/``static_argnames``): one leaf, passed to the
+    function as it is and part of the cache key by its hash and equality, arrays included in it."""
+
+    value: object
+
+
 class Jitted:
     """``rlx.jit(fn)``: call it as ``fn``; see the module's docstring."""
 
-    def __init__(self, fn: Callable[..., Any], passes: Sequence[str] | None = None, config: Any = None) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        passes: Sequence[str] | None = None,
+        config: Any = None,
+        static_argnums: int | Sequence[int] = (),
+        static_argnames: str | Sequence[str] = (),
+        what: str = "rlx.jit",
+    ) -> None:
         if not callable(fn):
-            raise RlxTypeError(f"rlx.jit: expected a function, got {type(fn).__name__}")
+            raise RlxTypeError(f"{what}: expected a function, got {type(fn).__name__}")
         self._fn = fn
         self._passes = passes
         self._config = config
         self._signature = _signature_of(fn)
+        self._static = _static_parameters(what, fn, self._signature, static_argnums, static_argnames)
+        self._what = what
         self._cache: dict[Any, _Traced] = {}
         self._lock = threading.Lock()
         # Name and docstring only: fn's __dict__ may hold another Jitted's fields (functools.wraps
@@ -130,7 +148,15 @@ class Jitted:
     def _flattened(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Tree, list[tuple[str, object]]]:
         """The arguments by parameter name as a tree, and its leaves with their paths."""
         leaves: list[tuple[str, object]] = []
-        return _flatten(_bind(self._signature, self._fn, args, kwargs), "", leaves), leaves
+        arguments = _bind(self._signature, self._fn, args, kwargs)
+        for name in self._static.intersection(arguments):
+            if _holds_value(arguments[name]):
+                raise RlxTypeError(
+                    f"{self._what}: argument {name} is static (static_argnums/static_argnames) but holds a "
+                    "value of a graph: a static argument is a Python value, known when tracing"
+                )
+            arguments[name] = _Static(arguments[name])
+        return _flatten(arguments, "", leaves), leaves
 
     def _traced(self, tree: _Tree, leaves: list[tuple[str, object]]) -> tuple[_Traced, dict[str, object]]:
         names = _input_names([path for path, _ in leaves])
@@ -158,7 +184,11 @@ class Jitted:
 
         graph = Graph(_graph_name(self._fn))
         traced_leaves = [
-            graph.input(name, leaf.shape, dtype=str(leaf.dtype)) if isinstance(leaf, np.ndarray) else leaf
+            graph.input(name, leaf.shape, dtype=str(leaf.dtype))
+            if isinstance(leaf, np.ndarray)
+            else leaf.value
+            if isinstance(leaf, _Static)
+            else leaf
             for name, leaf in zip(names, leaves, strict=True)
         ]
         result = _call(self._signature, self._fn, _unflatten(tree, iter(traced_leaves)))
@@ -215,10 +245,57 @@ def _call(signature: inspect.Signature | None, fn: Callable[..., Any], arguments
     return fn(*bound.args, **bound.kwargs)
 
 
+def _static_parameters(
+    what: str,
+    fn: Callable[..., Any],
+    signature: inspect.Signature | None,
+    static_argnums: int | Sequence[int],
+    static_argnames: str | Sequence[str],
+) -> frozenset[str]:
+    """The names of the parameters ``static_argnums`` and ``static_argnames`` make static, as
+    ``jax.jit`` reads them: a position counts from the end when negative, names and positions
+    name the same parameters, and one that ``fn`` lacks is an error."""
+    numbers = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+    names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
+    if any(isinstance(n, bool) or not isinstance(n, int) for n in numbers):
+        raise RlxTypeError(f"{what}: static_argnums must be an int or a sequence of ints, got {static_argnums!r}")
+    if any(not isinstance(n, str) for n in names):
+        raise RlxTypeError(f"{what}: static_argnames must be a str or a sequence of strs, got {static_argnames!r}")
+    if not numbers and not names:
+        return frozenset()
+    if signature is None:
+        raise RlxTypeError(f"{what}: {_graph_name(fn)} has no signature to read static arguments from")
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positional = [p.name for p in signature.parameters.values() if p.kind in kinds]
+    static = set(names)
+    for number in numbers:
+        if not -len(positional) <= number < len(positional):
+            raise RlxValueError(
+                f"{what}: static_argnums {number} is out of range for {_graph_name(fn)}'s "
+                f"{len(positional)} positional parameters"
+            )
+        static.add(positional[number])
+    unknown = sorted(static.difference(signature.parameters))
+    if unknown:
+        raise RlxValueError(f"{what}: static_argnames {unknown} are not parameters of {_graph_name(fn)}")
+    return frozenset(static)
+
+
+def _holds_value(obj: object) -> bool:
+    leaves: list[tuple[str, object]] = []
+    _flatten(obj, "", leaves)
+    return any(isinstance(leaf, Value) for _, leaf in leaves)
+
+
 def _hashable(path: str, leaf: object) -> object:
     try:
         hash(leaf)
     except TypeError:
+        if isinstance(leaf, _Static):
+            raise RlxTypeError(
+                f"rlx.jit: static argument {path.lstrip('.')} ({type(leaf.value).__name__}) is not hashable: a "
+                "static argument is part of the cache key (pass an array as a traced argument)"
+            ) from None
         raise RlxTypeError(
             f"rlx.jit: argument {path.lstrip('.')} is a {type(leaf).__name__}, neither an array (traced) nor "
             "hashable (a static argument, part of the cache key)"
@@ -247,11 +324,24 @@ def _graph_name(fn: Callable[..., Any]) -> str:
     return name if name and not name[0].isdigit() and name != "_lambda_" else "jit"
 
 
-def jit(fn: Callable[..., Any] | None = None, *, passes: Sequence[str] | None = None, config: Any = None) -> Any:
-    """``@rlx.jit`` or ``rlx.jit(fn, passes=..., config=...)``: see the module's docstring."""
+def jit(
+    fn: Callable[..., Any] | None = None,
+    *,
+    passes: Sequence[str] | None = None,
+    config: Any = None,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+) -> Any:
+    """``@rlx.jit`` or ``rlx.jit(fn, passes=..., config=...)``: see the module's docstring.
+
+    ``static_argnums`` and ``static_argnames`` name arguments that are static whatever they hold,
+    as ``jax.jit``'s: the function receives them as they are (a NumPy scalar stays one, a tuple
+    of arrays is not traced) and they are part of the cache key, so they must be hashable. Every
+    argument that is not an array is static already without them.
+    """
     if fn is None:
-        return lambda f: Jitted(f, passes, config)
-    return Jitted(fn, passes, config)
+        return lambda f: Jitted(f, passes, config, static_argnums, static_argnames)
+    return Jitted(fn, passes, config, static_argnums, static_argnames)
 
 
 # ----------------------------------------------------------------------------- gradients of functions
@@ -329,13 +419,16 @@ class OnArrays:
     """The jitted form of a transformed function, made at its first call on arrays and kept:
     ``on_arrays(transformed, args, kwargs)`` traces ``transformed`` once per shapes."""
 
-    def __init__(self, what: str) -> None:
+    def __init__(
+        self, what: str, static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = ()
+    ) -> None:
         self.what = what
+        self._static = (static_argnums, static_argnames)
         self._jitted: Jitted | None = None
 
     def __call__(self, transformed: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._jitted is None:
-            self._jitted = Jitted(transformed)
+            self._jitted = Jitted(transformed, None, None, *self._static, what=self.what)
         return call_jitted(self._jitted, self.what, args, kwargs)
 
 

@@ -128,6 +128,27 @@ def test_policy_decorator_forms_and_errors() -> None:
         rlx.checkpoint(None)  # type: ignore[arg-type]
 
 
+def test_checkpoint_takes_static_argnums_and_prevent_cse_as_jax_does() -> None:
+    def layer(x, n):  # type: ignore[no-untyped-def]
+        for _ in range(n):
+            x = rlx.tanh(x)
+        return x
+
+    x = np.linspace(-1, 1, 5, dtype=np.float32)
+    checkpointed = rlx.checkpoint(layer, static_argnums=(1,), prevent_cse=False)
+    y = np.tanh(np.tanh(x))
+    want = 2 * y * (1 - y**2) * (1 - np.tanh(x) ** 2)
+    np.testing.assert_allclose(rlx.grad(lambda x: (checkpointed(x, 2) ** 2).sum())(x), want, rtol=1e-5)
+    np.testing.assert_allclose(checkpointed(x, 2), y, rtol=1e-6)  # on arrays: jitted, n static
+    np.testing.assert_allclose(rlx.checkpoint(static_argnums=1)(layer)(x, 1), np.tanh(x), rtol=1e-6)
+    with pytest.raises(rlx.RlxTypeError, match=r"argument n is static .* holds a value of a graph"):
+        rlx.grad(lambda x: checkpointed(x, x.sum()).sum())(x)
+    with pytest.raises(rlx.RlxValueError, match="static_argnums 4 is out of range"):
+        rlx.checkpoint(layer, static_argnums=4)
+    with pytest.raises(rlx.RlxTypeError, match="prevent_cse must be a bool"):
+        rlx.checkpoint(layer, prevent_cse=1)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("policy", "products_again"),
     [

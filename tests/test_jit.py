@@ -93,6 +93,37 @@ def test_trees_static_arguments_and_nesting() -> None:
     assert set(graph.inputs) == {"pair.0", "pair.1"}
 
 
+def test_static_argnums_and_argnames_as_jax_jit_takes_them() -> None:
+    traced_with: list[object] = []
+
+    def repeat(x: Any, n: Any) -> Any:
+        traced_with.append(n)
+        for _ in range(int(n)):  # Python control flow on n: it must be known when tracing
+            x = x * 2.0
+        return x
+
+    x = np.ones(3, np.float32)
+    by_number = rlx.jit(repeat, static_argnums=1)
+    # A NumPy scalar is an array to jit; made static, the function gets it as it is.
+    np.testing.assert_allclose(by_number(x, np.int64(3)), 8 * x)
+    np.testing.assert_allclose(by_number(x, np.int64(3)), 8 * x)
+    np.testing.assert_allclose(by_number(x, n=np.int64(2)), 4 * x)
+    assert by_number.compile_count == 2
+    assert traced_with == [3, 2] and all(isinstance(n, np.int64) for n in traced_with)
+    for same in (rlx.jit(repeat, static_argnames="n"), rlx.jit(repeat, static_argnums=-1)):
+        np.testing.assert_allclose(same(x, np.int64(1)), 2 * x)
+    with pytest.raises(rlx.RlxTypeError, match=r"static argument n \(ndarray\) is not hashable"):
+        by_number(x, np.ones(2))
+    with pytest.raises(rlx.RlxTypeError, match=r"argument n is static .* holds a value of a graph"):
+        rlx.jit(lambda x: by_number(x, x.sum()))(x)
+    with pytest.raises(rlx.RlxValueError, match="static_argnums 2 is out of range for repeat's 2 positional"):
+        rlx.jit(repeat, static_argnums=(0, 2))
+    with pytest.raises(rlx.RlxValueError, match=r"static_argnames \['m'\] are not parameters of repeat"):
+        rlx.jit(repeat, static_argnames=("n", "m"))
+    with pytest.raises(rlx.RlxTypeError, match="static_argnums must be an int or a sequence of ints"):
+        rlx.jit(repeat, static_argnums="n")  # type: ignore[arg-type]
+
+
 def test_grad_of_a_function_argnums_and_aux() -> None:
     def f(a: Any, b: Any, ids: Any) -> Any:
         picked = rlx.embedding(a, ids)
