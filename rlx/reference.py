@@ -55,7 +55,7 @@ def evaluate(
     as float64 arrays, and no result is rounded to float32, so the whole graph runs in float64.
     """
     config = resolve_config(config)
-    graph.verify()
+    graph._verify_unless_unchanged()
     given = inputs
     wide: dict[str, np.ndarray] = {}
     if exact and isinstance(inputs, Mapping):
@@ -73,7 +73,7 @@ def evaluate(
     check_short_dims(short_dims(graph), sizes)  # an empty "S-1" computes as NumPy does; negative raises
     ctx = EvalContext(config, bound, sizes)
     env: dict[Value, np.ndarray] = {}
-    for node in graph.nodes:
+    for node in graph._ordered():
         results = _eval_node(graph, node, [_widen(env[value]) for value in node.inputs], ctx)
         for value, result in zip(node.outputs, results, strict=True):
             array = np.asarray(result)

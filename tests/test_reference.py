@@ -384,3 +384,27 @@ def test_reference_is_reached_from_the_package(rng: np.random.Generator) -> None
     got = rlx.reference.run(build_graph(case), **arrays)
     want = naive_attention(arrays["q"], arrays["k"], arrays["v"], arrays["dy"])
     np.testing.assert_allclose(got["out"], want["out"], rtol=1e-5, atol=1e-6)
+
+
+def test_repeated_evaluation_still_sees_every_change_to_the_graph() -> None:
+    """The interpreter verifies a graph only when it changed since the last verify that passed
+    (finite differences run it once per entry): edits through the API and replacements behind
+    it both count as changes."""
+    g = Graph("edits")
+    x = g.input("x", (3,))
+    y = g.exp(x)
+    g.output(y=y)
+    ones = {"x": np.ones(3, np.float32)}
+    np.testing.assert_allclose(run(g, **ones)["y"], np.e, rtol=1e-6)
+    np.testing.assert_allclose(run(g, **ones)["y"], np.e, rtol=1e-6)  # unchanged: not verified again
+    z = g.neg(x)
+    g.replace_all_uses_with(y, z)
+    np.testing.assert_allclose(run(g, **ones)["y"], -1.0)
+    z.node.types = (rlx.TensorType((4,)),)  # behind the API: a type its shape rule does not give
+    with pytest.raises(rlx.RlxValueError, match="neg"):
+        run(g, **ones)
+    z.node.types = (rlx.TensorType((3,)),)
+    np.testing.assert_allclose(run(g, **ones)["y"], -1.0)
+    z.node.attrs = object()  # neg takes no attrs object of another kind
+    with pytest.raises(rlx.RlxValueError):
+        run(g, **ones)

@@ -358,7 +358,7 @@ class Value:
 class Node:
     """One operation. ``inputs`` are Values of earlier nodes; ``types`` one per output."""
 
-    __slots__ = ("_inputs", "attrs", "graph", "id", "op", "types")
+    __slots__ = ("_inputs", "_outputs", "attrs", "graph", "id", "op", "types")
     attrs: Any  # the op's attrs dataclass (``op.definition.attrs``)
 
     def __init__(
@@ -376,6 +376,7 @@ class Node:
         self.attrs = attrs
         self._inputs = inputs
         self.types = types
+        self._outputs: tuple[Value, ...] = ()
 
     @property
     def inputs(self) -> tuple[Value, ...]:
@@ -383,7 +384,11 @@ class Node:
 
     @property
     def outputs(self) -> tuple[Value, ...]:
-        return tuple(Value(self, i) for i in range(len(self.types)))
+        # Made once (the interpreter and the code generator ask for them in every loop); made
+        # again if ``types`` was replaced by one of another length.
+        if len(self._outputs) != len(self.types):
+            self._outputs = tuple(Value(self, i) for i in range(len(self.types)))
+        return self._outputs
 
     @property
     def users(self) -> list[Node]:
@@ -421,6 +426,8 @@ class Graph:
         # A rank per node id that grows along every edge (not unique, gaps between): what lets
         # set_input skip the search for a cycle. Kept across edits while it stays valid.
         self._rank: dict[int, int] | None = None
+        # What the last verify that passed saw (see _verify_unless_unchanged).
+        self._verified: tuple[list[object], tuple[object, ...]] | None = None
 
     # ----------------------------------------------------------------- queries
 
@@ -679,6 +686,25 @@ class Graph:
         self._order = self._places = None  # the store may have been changed behind the API: recompute
         self._rank = None
         verify(self)
+
+    def _verify_unless_unchanged(self) -> None:
+        """:meth:`verify`, unless nothing it checks has changed since the last one that passed:
+        every node with its op, attrs, operands and types (the objects themselves, so that one
+        replaced behind the API counts as a change), the inputs, the outputs and the store's
+        size. The float64 interpreter runs a graph once per entry when it checks gradients by
+        finite differences, and verifying it each time was half of that time."""
+        nodes: list[object] = []
+        for node in self._nodes.values():
+            nodes.extend((node, node.op, node.attrs, node._inputs, node.types))
+        nodes.extend(self._inputs.values())
+        rest = (tuple(self._outputs.items()), len(self._store), self._store.number_of_edges())
+        last = self._verified
+        same = last is not None and len(last[0]) == len(nodes) and last[1] == rest
+        if same and all(a is b for a, b in zip(last[0], nodes, strict=True)):  # type: ignore[index]
+            return
+        self._verified = None
+        self.verify()
+        self._verified = (nodes, rest)
 
     @staticmethod
     def parse(text: str) -> Graph:
