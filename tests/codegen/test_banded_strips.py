@@ -93,6 +93,7 @@ SHAPES = [
 ]
 
 
+@pytest.mark.thin("mask")
 @pytest.mark.usefixtures("flags")
 @pytest.mark.parametrize("mask", MASKS, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}-{s[2]}x{s[3]}-h{s[4]}/{s[5]}-d{s[6]}/{s[7]}-q{s[8]}")
@@ -108,6 +109,7 @@ def test_banded_is_bitwise_the_whole_product(mask: MaskKind, shape: tuple) -> No
         np.testing.assert_allclose(banded[name], want, rtol=2e-4, atol=2e-4, err_msg=name)
 
 
+@pytest.mark.thin("value")
 @pytest.mark.usefixtures("flags")
 @pytest.mark.parametrize("where", ["q", "k", "v", "dy"])
 @pytest.mark.parametrize("value", [np.nan, np.inf])
@@ -178,6 +180,7 @@ def test_banded_causal_strips_are_tall_without_a_small_path() -> None:
     assert choose_block_q(512, 512, True, True, True, 64, small_path=True, banded=True) == 32
 
 
+@pytest.mark.thin("mask")
 @pytest.mark.usefixtures("flags")
 @pytest.mark.parametrize("mask", [MaskKind.NONE, MaskKind.CAUSAL, MaskKind.sliding_window(3)], ids=str)
 @pytest.mark.parametrize(
@@ -301,6 +304,7 @@ def test_flex_kernels_band_their_mask_diagonal(mods: str, shape: tuple) -> None:
         np.testing.assert_allclose(banded[name], want, rtol=2e-4, atol=2e-4, err_msg=name)
 
 
+@pytest.mark.thin("value")
 @pytest.mark.usefixtures("flags")
 @pytest.mark.parametrize("where", ["q", "k", "v", "dy"])
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
@@ -402,6 +406,7 @@ def compile_limited(
     return compiled
 
 
+@pytest.mark.thin("lengths")
 @pytest.mark.usefixtures("flags")
 @pytest.mark.parametrize("mods", ["causal", "lower_right", "causal&document", "softcap+causal"])
 @pytest.mark.parametrize("lengths", [(150, 150), (130, 60)], ids=lambda s: f"{s[0]}x{s[1]}")

@@ -30,6 +30,7 @@ SHAPES = [
 ]
 
 
+@pytest.mark.thin("layout")
 @pytest.mark.parametrize("layout", [Layout.BSHD, Layout.BHSD], ids=str)
 @pytest.mark.parametrize("mask", MASKS, ids=str)
 @pytest.mark.parametrize(("label", "seq_q", "seq_k", "head_dim", "heads"), SHAPES, ids=[s[0] for s in SHAPES])

@@ -67,6 +67,7 @@ def arrays_for(g: Graph, seed: int) -> dict[str, np.ndarray]:
 
 @pytest.mark.skipif(not X86, reason="streaming stores are emitted for x86 hosts only")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-sq{c[3]}-sk{c[4]}-h{c[5]}/{c[6]}-d{c[7]}/{c[8]}")
+@pytest.mark.thin("threads")
 @pytest.mark.parametrize("threads", [1, 2])
 def test_streamed_outputs_are_the_in_place_ones(case: tuple, threads: int) -> None:
     *shape, block_q = case

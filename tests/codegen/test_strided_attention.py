@@ -87,6 +87,7 @@ def _check(graph: Graph, rng: np.random.Generator, threads: tuple[int, ...] = (1
     return kernels
 
 
+@pytest.mark.thin("layout")
 @pytest.mark.parametrize("layout", [Layout.BSHD, Layout.BHSD])
 @pytest.mark.parametrize("mask", MASKS, ids=str)
 def test_split_projection_views_are_read_in_place(layout: Layout, mask: MaskKind) -> None:
@@ -98,6 +99,7 @@ def test_split_projection_views_are_read_in_place(layout: Layout, mask: MaskKind
     assert sorted(kernels) == sorted(expected), kernels
 
 
+@pytest.mark.thin("layout")
 @pytest.mark.parametrize("layout", [Layout.BSHD, Layout.BHSD])
 @pytest.mark.parametrize(("seq", "heads", "kv_heads", "dim", "value_dim"), [
     (1, 2, 2, 8, 8),  # one row: its stride is no leading dimension
@@ -246,6 +248,7 @@ def _flex_graph(
     return g
 
 
+@pytest.mark.thin("layout")
 @pytest.mark.parametrize("layout", [Layout.BSHD, Layout.BHSD])
 @pytest.mark.parametrize("mods", sorted(FLEX_MODS))
 def test_flex_kernels_read_views_in_place(layout: Layout, mods: str) -> None:
@@ -257,6 +260,7 @@ def test_flex_kernels_read_views_in_place(layout: Layout, mods: str) -> None:
     assert sorted(kernels) == ["flex_attention", "flex_attention_bwd"], kernels
 
 
+@pytest.mark.thin("layout")
 @pytest.mark.parametrize("layout", [Layout.BSHD, Layout.BHSD])
 @pytest.mark.parametrize(("seq", "heads", "kv_heads", "dim", "value_dim"), [
     (1, 2, 2, 8, 8),  # one row
