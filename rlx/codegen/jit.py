@@ -165,16 +165,19 @@ def compile_ir(llvm_ir: str, prebuilt: Mapping[str, bytes] | None = None) -> Com
     """Optimise and compile ``llvm_ir`` for this CPU and link it; times each stage.
 
     ``prebuilt`` maps IR keys (:func:`cache_key`) to object code already made for them (an
-    unpickled executable's); like a disk-cache hit, it is linked without compiling.
+    unpickled executable's); like a disk-cache hit, it is linked without compiling. So is the
+    object of an IR this process compiled recently (:class:`_RecentObjects`).
     """
     key = cache_key(llvm_ir)
     cache_dir = disk_cache_dir()
     cached = prebuilt.get(key) if prebuilt else None
+    recent = _recent_objects.get(key) if cached is None else None
     if cached is None:
-        cached = _read_cache(cache_dir, key)
-    if cached is not None:
+        cached = recent if recent is not None else _read_cache(cache_dir, key)
+    if cached is not None:  # a recent compile's object is not a disk-cache hit; a prebuilt one counts as one
+        hit = {"llvm_optimize": 0.0, "machine_code": 0.0, "disk_cache_hit": float(recent is None)}
         try:
-            return _load(cached, llvm_ir, None, {"llvm_optimize": 0.0, "machine_code": 0.0, "disk_cache_hit": 1.0})
+            return _load(cached, llvm_ir, None, hit)
         except RlxError:
             pass  # an entry that passed its checksum but does not link: compile afresh, overwrite it
     times: dict[str, float] = {"disk_cache_hit": 0.0}
@@ -189,7 +192,45 @@ def compile_ir(llvm_ir: str, prebuilt: Mapping[str, bytes] | None = None) -> Com
         times["machine_code"] = time.perf_counter() - start
     library = _load(object_code, llvm_ir, optimized_ir, times)
     _write_cache(cache_dir, key, object_code)
+    _recent_objects.put(key, object_code)
     return library
+
+
+class _RecentObjects:
+    """The object code of the last graphs compiled in this process, by IR key: graphs that differ
+    (in names, in a config value their kernels never read) often lower to the same IR, and a hit
+    links without LLVM, as a disk-cache hit does. Bounded in bytes, oldest out first."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self._objects: dict[str, bytes] = {}
+        self._bytes = 0
+
+    def get(self, key: str) -> bytes | None:
+        with _lock:
+            found = self._objects.pop(key, None)
+            if found is not None:
+                self._objects[key] = found  # most recent last
+            return found
+
+    def clear(self) -> None:
+        with _lock:
+            self._objects.clear()
+            self._bytes = 0
+
+    def put(self, key: str, object_code: bytes) -> None:
+        if len(object_code) > self.budget // 4:
+            return
+        with _lock:
+            self._bytes -= len(self._objects.pop(key, b""))
+            self._objects[key] = object_code
+            self._bytes += len(object_code)
+            while self._bytes > self.budget:
+                oldest = next(iter(self._objects))
+                self._bytes -= len(self._objects.pop(oldest))
+
+
+_recent_objects = _RecentObjects(budget=16 << 20)
 
 
 def _load(object_code: bytes, llvm_ir: str, optimized_ir: str | None, times: dict[str, float]) -> CompiledLibrary:

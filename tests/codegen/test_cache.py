@@ -137,6 +137,7 @@ def test_disk_cache_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, 
     assert not list(tmp_path.glob("*.tmp")), "temporary files must be renamed into place"
 
     executable_module._cache.clear()
+    jit._recent_objects.clear()  # nor the object code of recent compiles: what is left is the disk
     second = rlx.compile(build(name))
     assert not is_cache_hit(second)  # not from the process cache ...
     assert _disk_hit(second)  # ... but from disk
@@ -188,6 +189,7 @@ def test_corrupt_cache_entry_is_recompiled(
     (entry,) = tmp_path.glob("*.o")
     entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])
     executable_module._cache.clear()
+    jit._recent_objects.clear()  # nor the object code of recent compiles: what is left is the disk
     exe = rlx.compile(build(name))
     arrays = case_inputs(CASE, rng)
     assert_outputs_close(exe(**arrays), rlx.reference.run(build(name), **arrays))
@@ -199,6 +201,7 @@ def test_disk_hit_reports_the_optimised_code(tmp_path: Path, monkeypatch: pytest
     name = unique_name()
     fresh = rlx.compile(build(name))
     executable_module._cache.clear()
+    jit._recent_objects.clear()  # nor the object code of recent compiles: what is left is the disk
     loaded = rlx.compile(build(name))
     assert _disk_hit(loaded)
     assert loaded.optimized_llvm_ir == fresh.optimized_llvm_ir
@@ -240,6 +243,7 @@ def test_version_change_misses_the_disk_cache(tmp_path: Path, monkeypatch: pytes
     name = unique_name()
     rlx.compile(build(name))
     executable_module._cache.clear()
+    jit._recent_objects.clear()  # nor the object code of recent compiles: what is left is the disk
     monkeypatch.setattr(rlx, "__version__", rlx.__version__ + ".post1")
     exe = rlx.compile(build(name))
     assert not _disk_hit(exe)
@@ -283,3 +287,24 @@ def test_quick_runtime_modules_compute_the_same_and_are_cached_apart(
         results.append(ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64)(address)(100))
     assert results == [sum(i * i for i in range(100))] * 2
     assert len(list(tmp_path.glob("*.o"))) == 2
+
+
+def test_recent_object_code_is_linked_again_without_llvm(
+    monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator
+) -> None:
+    """A graph whose IR this process compiled recently links that object code again (no LLVM
+    pipeline, no machine code), computes the same results, and is not called a disk hit."""
+    monkeypatch.delenv("RLX_CACHE_DIR", raising=False)
+    monkeypatch.delenv("RLX_DISK_CACHE", raising=False)
+    name = unique_name()
+    first = rlx.compile(build(name))
+    executable_module._cache.clear()
+    again = rlx.compile(build(name))
+    assert not is_cache_hit(again) and again._program is not first._program
+    assert again.compile_times["llvm_optimize"] == 0.0 and not _disk_hit(again)
+    assert again.llvm_ir == first.llvm_ir
+    arrays = case_inputs(CASE, rng)
+    assert_outputs_close(again(**arrays), rlx.reference.run(build(name), **arrays))
+    jit._recent_objects.clear()
+    executable_module._cache.clear()
+    assert rlx.compile(build(name)).compile_times["llvm_optimize"] > 0.0
