@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import settings
 
 # `import helpers` works from every test directory through `pythonpath` in pyproject.toml.
+
+# The default run draws the same examples every time (a fuzzer's examples follow from the test's
+# name), so that it passes or fails for the code, not for the draw; `--hypothesis-profile=random`
+# (with `--hypothesis-seed=N` to repeat one) explores new ones, as the long fuzzing runs do.
+settings.register_profile("suite", derandomize=True, database=None)
+settings.register_profile("random", derandomize=False)
+settings.load_profile("suite")
 
 
 @pytest.fixture

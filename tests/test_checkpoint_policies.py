@@ -52,9 +52,9 @@ def plain() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], Counter[str],
     ("policy", "products_again", "attention_again"),
     [
         (None, True, True),
-        (P.nothing_saveable, True, True),
+        pytest.param(P.nothing_saveable, True, True, marks=pytest.mark.slow),  # the default itself
         (P.dots_saveable, False, True),
-        (P.checkpoint_dots, False, True),
+        pytest.param(P.checkpoint_dots, False, True, marks=pytest.mark.slow),  # dots_saveable by another name
         (P.dots_with_no_batch_dims_saveable, False, True),
         (lambda node: node.op.value == "attention", True, False),
         (P.save_from_both_policies(P.dots_saveable, lambda node: node.op.value == "attention"), False, False),
@@ -120,6 +120,8 @@ def test_policy_decorator_forms_and_errors() -> None:
         np.testing.assert_allclose(rlx.grad(lambda x, w=wrapped: w(x).sum())(x), want, rtol=1e-6)
     for policy in (None, P.dots_saveable, P.everything_saveable):  # called on arrays: jitted
         np.testing.assert_allclose(rlx.checkpoint(f, policy=policy)(x), np.sin(x @ x), rtol=1e-6)
+    assert P.checkpoint_dots is P.dots_saveable  # JAX's older names
+    assert P.checkpoint_dots_with_no_batch_dims is P.dots_with_no_batch_dims_saveable
     with pytest.raises(rlx.RlxTypeError, match="policy must be a function of a node"):
         rlx.checkpoint(f, policy="dots")  # type: ignore[arg-type]
     with pytest.raises(rlx.RlxTypeError, match="second policy"):

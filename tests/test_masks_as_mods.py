@@ -90,6 +90,7 @@ def _close(got: dict[str, np.ndarray], want: dict[str, np.ndarray], what: str) -
         np.testing.assert_allclose(got[name], value, rtol=2e-4, atol=2e-5 * scale, err_msg=f"{what}: {name}")
 
 
+@pytest.mark.thin("neg")
 @pytest.mark.parametrize(  # -1e9 is a slow case: -3 is the finite neg that differs most from -inf
     "neg", [pytest.param(-1e9, marks=pytest.mark.slow), -np.inf, -3.0], ids=["neg-1e9", "neg-inf", "neg-3"]
 )

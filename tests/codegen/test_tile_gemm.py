@@ -285,6 +285,7 @@ np.testing.assert_allclose(c, expected, rtol=1e-4, atol=1e-4)
 @pytest.mark.parametrize(
     ("m", "n", "k"), [(20, 45, 7), (3, 17, 5), pytest.param(45, 20, 7, marks=pytest.mark.slow), (14, 100, 33)]
 )
+@pytest.mark.thin("trans_a")
 @pytest.mark.parametrize("trans_a", [False, True])
 def test_reads_nothing_past_the_operands(m: int, n: int, k: int, trans_a: bool) -> None:
     """Operands that end where an unreadable page begins: the tiles read B's panels whole, so a
