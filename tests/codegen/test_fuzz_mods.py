@@ -145,7 +145,7 @@ def evaluate(tree: Tree, env: dict[str, Any]) -> Any:
     return binary[op]()
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(
     score_tree=st.one_of(st.none(), FLOAT_EXPR),
     mask_tree=st.one_of(st.none(), INT_BOOL),
