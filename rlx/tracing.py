@@ -93,9 +93,16 @@ class _Traced:
 @dataclass(frozen=True)
 class _Static:
     """An argument named static (``static_argnums``/``static_argnames``): one leaf, passed to the
-    function as it is and part of the cache key by its hash and equality, arrays included in it."""
+    function as it is and part of the cache key by its type, hash and equality (``2`` and ``2.0``
+    trace apart: the function may tell them apart)."""
 
     value: object
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Static) and type(other.value) is type(self.value) and other.value == self.value
+
+    def __hash__(self) -> int:
+        return hash((type(self.value), self.value))
 
 
 class Jitted:

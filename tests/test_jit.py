@@ -112,6 +112,8 @@ def test_static_argnums_and_argnames_as_jax_jit_takes_them() -> None:
     assert traced_with == [3, 2] and all(isinstance(n, np.int64) for n in traced_with)
     for same in (rlx.jit(repeat, static_argnames="n"), rlx.jit(repeat, static_argnums=-1)):
         np.testing.assert_allclose(same(x, np.int64(1)), 2 * x)
+    np.testing.assert_allclose(by_number(x, 3), 8 * x)  # an int is not the NumPy int of the same value
+    assert by_number.compile_count == 3 and type(traced_with[-1]) is int
     with pytest.raises(rlx.RlxTypeError, match=r"static argument n \(ndarray\) is not hashable"):
         by_number(x, np.ones(2))
     with pytest.raises(rlx.RlxTypeError, match=r"argument n is static .* holds a value of a graph"):
