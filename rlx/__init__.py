@@ -57,7 +57,7 @@ def __getattr__(name: str) -> Any:
     # Submodules load lazily so that `import rlx` stays cheap and llvmlite loads only to compile.
     import importlib
 
-    if name in ("passes", "reference", "codegen", "autodiff", "models", "mods", "random"):
+    if name in ("passes", "reference", "codegen", "autodiff", "models", "mods", "random", "lax"):
         return importlib.import_module(f"rlx.{name}")
     if name == "attention_merge":
         return importlib.import_module("rlx.merge").attention_merge
@@ -110,6 +110,7 @@ __all__ = [
     "jacrev",
     "jit",
     "jvp",
+    "lax",
     "load",
     "log",
     "maximum",
