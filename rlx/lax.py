@@ -24,7 +24,7 @@ import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.graph import Graph, Value
-from rlx.tracing import OnArrays, _flatten, _Tree, _unflatten, graph_of
+from rlx.tracing import OnArrays, _flatten, _is_array, _Tree, _unflatten, graph_of
 
 _on_arrays: dict[str, OnArrays] = {}
 
@@ -206,6 +206,11 @@ def switch(index: Any, branches: Sequence[Callable[..., Any]], *operands: Any, _
         raise RlxTypeError(f"rlx.lax.{_what}: branches must be a non-empty list of functions")
     if not all(callable(branch) for branch in branches):
         raise RlxTypeError(f"rlx.lax.{_what}: every branch must be a function")
+    if graph_of(f"rlx.lax.{_what}", (index, operands)) is None and any(
+        _is_array(leaf) for leaf in _leaves((index, operands))[1]
+    ):  # on arrays: jitted (an array selector is then a value, the branches static)
+        runner = _on_arrays.setdefault(_what, OnArrays(f"rlx.lax.{_what}"))
+        return runner(_switch_on_arrays, (index, tuple(branches), _what, *operands), {})
     if not isinstance(index, Value):
         if isinstance(index, np.ndarray) and index.ndim == 0:
             index = index.item()
@@ -240,3 +245,7 @@ def switch(index: Any, branches: Sequence[Callable[..., Any]], *operands: Any, _
             result = graph.where(taken[k], value, result)
         chosen.append(result)
     return _unflatten(tree, iter(chosen))
+
+
+def _switch_on_arrays(index: Any, branches: tuple[Callable[..., Any], ...], what: str, *operands: Any) -> Any:
+    return switch(index, branches, *operands, _what=what)

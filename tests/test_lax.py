@@ -106,6 +106,11 @@ def test_cond_and_switch_select_on_values_and_pick_on_python_selectors() -> None
         np.testing.assert_allclose(by_value, want, rtol=1e-6, err_msg=f"value index {k}")
         np.testing.assert_allclose(rlx.jit(piecewise)(x, k), want, rtol=1e-6, err_msg=f"Python index {k}")
 
+    # On arrays, as JAX's run on concrete values: jitted, an array selector traced as a value.
+    np.testing.assert_allclose(rlx.lax.switch(np.int32(1), [lambda v: v * v, lambda v: rlx.sin(v)], x), np.sin(x),
+                               rtol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(rlx.lax.cond(False, lambda v: v, lambda v: rlx.exp(v), x), np.exp(x), rtol=1e-6)
+
     def relu_by_cond(v: Any) -> Any:
         return rlx.lax.cond(v > 0.0, lambda t: t * 3.0, lambda t: t * 0.0, v)
 
