@@ -206,11 +206,11 @@ def switch(index: Any, branches: Sequence[Callable[..., Any]], *operands: Any, _
         raise RlxTypeError(f"rlx.lax.{_what}: branches must be a non-empty list of functions")
     if not all(callable(branch) for branch in branches):
         raise RlxTypeError(f"rlx.lax.{_what}: every branch must be a function")
-    if graph_of(f"rlx.lax.{_what}", (index, operands)) is None and any(
-        _is_array(leaf) for leaf in _leaves((index, operands))[1]
-    ):  # on arrays: jitted (an array selector is then a value, the branches static)
-        runner = _on_arrays.setdefault(_what, OnArrays(f"rlx.lax.{_what}"))
-        return runner(_switch_on_arrays, (index, tuple(branches), _what, *operands), {})
+    if any(_is_array(leaf) for leaf in _leaves((index, operands))[1]):
+        # On arrays (and no value): jitted, an array selector then a value, the branches static.
+        graph, result = _values_or_jitted(_what, _switch_on_arrays, (index, tuple(branches), _what, *operands))
+        if graph is None:
+            return result
     if not isinstance(index, Value):
         if isinstance(index, np.ndarray) and index.ndim == 0:
             index = index.item()

@@ -157,7 +157,7 @@ class Jitted:
         leaves: list[tuple[str, object]] = []
         arguments = _bind(self._signature, self._fn, args, kwargs)
         for name in self._static.intersection(arguments):
-            if _holds_value(arguments[name]):
+            if graph_of(self._what, arguments[name]) is not None:
                 raise RlxTypeError(
                     f"{self._what}: argument {name} is static (static_argnums/static_argnames) but holds a "
                     "value of a graph: a static argument is a Python value, known when tracing"
@@ -286,12 +286,6 @@ def _static_parameters(
     if unknown:
         raise RlxValueError(f"{what}: static_argnames {unknown} are not parameters of {_graph_name(fn)}")
     return frozenset(static)
-
-
-def _holds_value(obj: object) -> bool:
-    leaves: list[tuple[str, object]] = []
-    _flatten(obj, "", leaves)
-    return any(isinstance(leaf, Value) for _, leaf in leaves)
 
 
 def _hashable(path: str, leaf: object) -> object:
