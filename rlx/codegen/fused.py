@@ -50,7 +50,6 @@ from rlx.codegen.irutil import (
     declare,
     element_type,
     gep,
-    i32,
     i64,
     intrinsic,
     smin,
@@ -106,6 +105,18 @@ class Loop:
     # Loads and stores of the others are masked, and lane-by-lane reads take lane 0's position,
     # so they compute on lane 0's data (no out-of-range read, no trap lane 0 would not meet).
     mask: ir.Value | None = None
+    # A concat part's lanes (:meth:`FusedEmitter._concat_by_lanes`): lane j is at ``var + j``
+    # where that lies in the part, ``[low, high]``; the others are not used, but are read at
+    # positions inside it all the same (see :meth:`FusedEmitter.load`).
+    window: Window | None = None
+
+
+@dataclass(frozen=True)
+class Window:
+    """The positions ``[low, high]`` of a concat part along its joined axis."""
+
+    low: ir.Value
+    high: ir.Value
 
 
 @dataclass(frozen=True, eq=False)
@@ -383,15 +394,46 @@ class FusedEmitter:
                 if position >= start:  # type: ignore[operator]
                     return self.eval(part, _replace(idx, axis, Ix(None, position - start, 0)))  # type: ignore[operator]
         if ix.loop is not None and ix.loop.vector:
-            # Only this axis runs along the vector loop, so each lane's read is one scalar.
-            lanes = [self._concat_at(value, _replace(idx, axis, _lane_of(self.b, ix, lane))) for lane in range(WIDTH)]
-            # A part may still come back as a vector: a reduction inside a vector loop makes
-            # WIDTH lanes whatever its index (a softmax over a size-1 axis of a flat loop's part).
-            # Its index is scalar here, so its lanes are all equal: lane 0 is the value.
-            scalars = [lane.value if lane.width == 1 else self.b.extract_element(lane.value, i32(0)) for lane in lanes]
-            packed = _pack(self.b, scalars, scalars[0].type)
-            return Lane(packed, WIDTH, lanes[0].kind)
+            return self._concat_by_lanes(value, idx)
         return self._concat_at(value, idx)
+
+    def _concat_by_lanes(self, value: Value, idx: tuple[Ix, ...]) -> Lane:
+        """A concat whose joined axis the vector lanes run along (through a transpose: joined
+        along the last axis a concat gets a buffer), a vector at a time: each part is read at
+        the window's positions, as a vector loop of its own whose lanes outside the part are
+        not used (:class:`Window`), and each lane selected from its part. (Read lane by lane, an
+        average pool's gradient, a sum of nine pads of pads, was 38,000 lines of IR.)"""
+        b = self.b
+        axis = value.node.attrs.axis
+        window = idx[axis]
+        outer = window.loop
+        assert outer is not None and outer.vector
+        assert all(entry.loop is not outer for i, entry in enumerate(idx) if i != axis), "one axis per vector loop"
+        first = self._scalar_position(window)  # the window's lane 0 along the joined axis
+        lane_numbers = ir.Constant(ir.VectorType(I32, WIDTH), list(range(WIDTH)))
+        result: ir.Value | None = None
+        kind = ""
+        for part, start in zip(value.node.inputs, _part_starts(value), strict=True):
+            begin, count = self.size(start), self.size(part.shape[axis])
+            local = b.sub(first, begin)  # the window's lane 0 in the part's positions
+            lanes = Loop(local, outer.level, True, outer.tail, window=Window(i64(0), b.sub(count, i64(1))))
+            read = self.eval(part, _replace(idx, axis, Ix(lanes, 0, window.level)))
+            kind = read.kind
+            moved = LaneMath(self, WIDTH).widen(read)
+            if result is None:
+                result = moved
+                continue
+            # The window's lanes in this part: [begin - first, begin + count - first) within
+            # [0, WIDTH], compared in 32-bit lanes (half the vector registers of 64-bit ones).
+            low = b.trunc(clamp(b, b.neg(local), i64(0), i64(WIDTH)), I32)
+            high = b.trunc(clamp(b, b.sub(count, local), i64(0), i64(WIDTH)), I32)
+            inside = b.and_(
+                b.icmp_signed(">=", lane_numbers, splat(b, low, WIDTH)),
+                b.icmp_signed("<", lane_numbers, splat(b, high, WIDTH)),
+            )
+            result = b.select(inside, moved, result)
+        assert result is not None
+        return Lane(result, WIDTH, kind)
 
     def _concat_at(self, value: Value, idx: tuple[Ix, ...]) -> Lane:
         """The concat at an index whose entry along the joined axis is one scalar. The positions
@@ -632,6 +674,8 @@ class FusedEmitter:
         if vector_loop is None or lane_stride == 0:
             loaded = b.load(gep(b, base, [offset], element), typ=element)
             return Lane(_widen_scalar(b, loaded, kind), 1, kind)
+        if vector_loop.window is not None:
+            return self._load_window(view, idx, dtype, vector_loop, vector_loop.window, offset, lane_stride)
         mask = vector_loop.mask
         if lane_stride == 1:
             vec = ir.VectorType(element, WIDTH)
@@ -651,6 +695,50 @@ class FusedEmitter:
                 for lane in range(WIDTH)
             ]
             loaded = _pack(b, lanes, element)
+        return Lane(_widen_vector(b, loaded, kind), WIDTH, kind)
+
+    def _load_window(
+        self,
+        view: View,
+        idx: tuple[Ix, ...],
+        dtype: np.dtype,
+        lanes: Loop,
+        window: Window,
+        offset: ir.Value,
+        lane_stride: SizeLike,
+    ) -> Lane:
+        """A load along a concat part's lanes (:class:`Window`) that reads nothing outside the
+        part. Contiguous: one load masked to the lanes inside the part (a masked-off lane is not
+        read, so it cannot fault; away from the part's ends every lane is on). Strided: lane by
+        lane, each position clamped into the part, so the reads of several windows over one
+        source (the shifted pads of a pool's gradient) are the same scalar loads, which LLVM
+        merges. Either way an unused lane holds the part's data (ints: an entry of it, which a
+        gather may take as an id), never a value the part does not hold."""
+        b = self.b
+        if lane_stride != 1:
+            per_lane = [self.load(view, tuple(_lane_of(b, ix, lane) for ix in idx), dtype) for lane in range(WIDTH)]
+            values = [lane.value for lane in per_lane]
+            return Lane(_pack(b, values, values[0].type), WIDTH, per_lane[0].kind)
+        element, kind = _element_type(dtype)
+        vec = ir.VectorType(element, WIDTH)
+        align = element.width // 8 if element != F32 else 4
+        base = self.constant(view.base) if view.base.node.op.value == "constant" else self.pointer(view.base)
+        # Lanes low - var ..= high - var, in 32-bit lanes: clamped to [0, WIDTH] first.
+        numbers = ir.Constant(ir.VectorType(I32, WIDTH), list(range(WIDTH)))
+        first = b.trunc(clamp(b, b.sub(window.low, lanes.var), i64(0), i64(WIDTH)), I32)
+        stop = b.trunc(clamp(b, b.sub(b.add(window.high, i64(1)), lanes.var), i64(0), i64(WIDTH)), I32)
+        mask = b.and_(
+            b.icmp_signed(">=", numbers, splat(b, first, WIDTH)), b.icmp_signed("<", numbers, splat(b, stop, WIDTH))
+        )
+        if kind == "i":  # lane 0's position clamped into the part, for the unused lanes
+            inside = b.sub(clamp(b, lanes.var, window.low, window.high), lanes.var)
+            unused = splat(b, b.load(gep(b, base, [b.add(offset, inside)], element), typ=element), WIDTH)
+        else:
+            unused = ir.Constant(vec, None)
+        # Not ``inbounds``: at a part's edge lane 0's address lies outside it.
+        pointer = gep(b, base, [offset], element, inbounds=False)
+        masked_load = intrinsic(self.module, f"llvm.masked.load.{_mangled(vec)}.p0", vec, [PTR, I32, mask.type, vec])
+        loaded = b.call(masked_load, [pointer, ir.Constant(I32, align), mask, unused])
         return Lane(_widen_vector(b, loaded, kind), WIDTH, kind)
 
     def store(self, view: View, idx: tuple[Ix, ...], lane: Lane, dtype: np.dtype) -> None:
@@ -1184,6 +1272,8 @@ def _lane_of(b: ir.IRBuilder, ix: Ix, lane: int) -> Ix:
     position = b.add(ix.loop.var, i64(lane))
     if ix.loop.mask is not None and lane:  # past the range: lane 0's position
         position = b.select(b.extract_element(ix.loop.mask, ir.Constant(I32, lane)), position, ix.loop.var)
+    if ix.loop.window is not None:  # a concat part's lanes: its positions (the others are unused)
+        position = clamp(b, position, ix.loop.window.low, ix.loop.window.high)
     if isinstance(ix.add, _AddLater):
         position = b.add(position, b.add(ix.add.value, i64(ix.add.amount)))
     elif isinstance(ix.add, int):

@@ -87,15 +87,23 @@ def for_range(
     builder.position_at_end(end)
 
 
-def gep(builder: ir.IRBuilder, base: ir.Value, indices: list[ir.Value], element: ir.Type, name: str = "") -> ir.Value:
-    """``getelementptr inbounds element, base, indices``.
+def gep(
+    builder: ir.IRBuilder,
+    base: ir.Value,
+    indices: list[ir.Value],
+    element: ir.Type,
+    name: str = "",
+    inbounds: bool = True,
+) -> ir.Value:
+    """``getelementptr inbounds element, base, indices`` (``inbounds=False``: an address that may
+    lie outside ``base``'s object, which ``inbounds`` would make poison).
 
     llvmlite's ``alloca`` returns typed pointers whose element type it already knows, and giving
     it ``source_etype`` as well yields a wrong result type; opaque pointers need it.
     """
     if base.type.is_opaque:
-        return builder.gep(base, indices, inbounds=True, source_etype=element, name=name)
-    return builder.gep(base, indices, inbounds=True, name=name)
+        return builder.gep(base, indices, inbounds=inbounds, source_etype=element, name=name)
+    return builder.gep(base, indices, inbounds=inbounds, name=name)
 
 
 def gep_f32(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value | int, name: str = "") -> ir.Value:
