@@ -38,7 +38,7 @@ from rlx.codegen.lower_attention import (
     rows_strided,
     slot_heads_and_width,
 )
-from rlx.codegen.lower_gemm import emit_gemm_item, gemm_spec
+from rlx.codegen.lower_gemm import Operand, emit_gemm_item, gemm_spec
 from rlx.codegen.lower_linalg import LINALG_OPS, emit_linalg_item, linalg_scratch_bytes
 from rlx.codegen.lower_scan import SCAN_OPS, emit_scan_item
 from rlx.codegen.lower_scatter import emit_scatter_along_axis_item, emit_scatter_item
@@ -575,12 +575,21 @@ class _Lowering:
             a, bm = (self.schedule.view(v) for v in node.inputs)
             assert a is not None and bm is not None
             gemm = gemm_spec(a, bm, node.outputs[0].shape)
+            # A static offset goes into the operand's pointer, so that the matmuls of an unrolled
+            # loop (each reading its own step of the scanned array) share one function.
+            operands = []
+            for view, side in ((a, gemm.a), (bm, gemm.b)):
+                pointer = self.base_pointer(view.base)
+                if isinstance(side.offset, int) and side.offset:
+                    pointer = gep(self.b, pointer, [i64(side.offset * view.base.dtype.itemsize)], I8)
+                operands.append(pointer)
+            gemm = replace(gemm, a=_without_static_offset(gemm.a), b=_without_static_offset(gemm.b))
             symbols = self.table_symbols
             name = f"matmul.{node.id}"
             item_fn = self.item_function(
                 ("matmul", gemm, symbols), name, lambda: emit_gemm_item(self.module, gemm, name, symbols)
             )
-            pointers = [self.base_pointer(a.base), self.base_pointer(bm.base), self.base_pointer(node.outputs[0])]
+            pointers = [*operands, self.base_pointer(node.outputs[0])]
             if self.sizes is not None:
                 pointers.append(self.sizes)
             items = gemm.emit_items(self.b, self.entry_symbols())
@@ -781,6 +790,11 @@ def emit_zero_item(module: ir.Module, sizes: list[SizeLike], name: str, symbols:
         b.call(memset, [ptr, ir.Constant(I8, 0), emit_size(b, size, values), ir.Constant(ir.IntType(1), 0)])
     b.ret_void()
     return fn
+
+
+def _without_static_offset(operand: Operand) -> Operand:
+    """``operand`` with its offset 0 where the offset is static (the caller moved it into the pointer)."""
+    return replace(operand, offset=0) if isinstance(operand.offset, int) else operand
 
 
 def call_data_offset(plan: MemoryPlan) -> int:

@@ -49,8 +49,10 @@ def run(
         raise RlxTypeError(f"run expects an rlx.Graph, got {type(graph).__name__}")
     passes = resolve(names)
     stream: TextIO | None = sys.stdout if print_after_all is True else (print_after_all or None)
+    # Each check is skipped where nothing it checks changed since the last one that passed
+    # (Graph._verify_unless_unchanged): a pass that changed nothing, or a graph just verified.
     if verify:
-        graph.verify()  # a graph broken on entry is the caller's problem, not the first pass's
+        graph._verify_unless_unchanged()  # a graph broken on entry is the caller's problem, not the first pass's
     changed_any = False
     for pass_ in passes:
         start = time.perf_counter()
@@ -58,7 +60,7 @@ def run(
             changed = pass_.apply(graph)
             elapsed = time.perf_counter() - start
             if verify:
-                graph.verify()
+                graph._verify_unless_unchanged()
         except RlxError as exc:
             raise type(exc)(f"pass '{pass_.name}': {exc}") from exc
         if timings is not None:

@@ -92,3 +92,22 @@ def test_functions_that_only_name_a_kernel_are_not_compiled() -> None:
     assert optimized is not None
     for name in forwarding:
         assert f'@"{name}"' not in optimized
+
+
+def test_matmuls_of_different_steps_of_one_array_share_a_function() -> None:
+    """An unrolled loop's products each read their own step of the scanned array: the step's
+    offset goes into the operand's pointer, not into the kernel's code."""
+    g = Graph("steps")
+    xs, w = g.input("xs", (5, 3, 4)), g.input("w", (4, 6))
+    g.output(**{f"y{i}": xs[i] @ w for i in range(5)}, z=xs[1][:, :3] @ w[1:4])
+    exe = rlx.compile(g)
+    own, forwarding = kernel_functions(exe.llvm_ir)
+    matmuls = [name for name in own if name.startswith("matmul")]
+    assert len(matmuls) == 2, own.keys()  # the five steps' products, and the one with other sizes
+    assert sum(name.startswith("matmul") for name in forwarding) == 4  # the other steps call the first's
+    rng = np.random.default_rng(1)
+    arrays = {n: rng.standard_normal(v.shape).astype(np.float32) for n, v in g.inputs.items()}
+    got = exe(**arrays)
+    for i in range(5):
+        np.testing.assert_allclose(got[f"y{i}"], arrays["xs"][i] @ arrays["w"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["z"], arrays["xs"][1][:, :3] @ arrays["w"][1:4], rtol=1e-5, atol=1e-6)
