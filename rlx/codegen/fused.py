@@ -105,18 +105,10 @@ class Loop:
     # Loads and stores of the others are masked, and lane-by-lane reads take lane 0's position,
     # so they compute on lane 0's data (no out-of-range read, no trap lane 0 would not meet).
     mask: ir.Value | None = None
-    # A concat part's lanes (:meth:`FusedEmitter._concat_by_lanes`): lane j is at ``var + j``
-    # where that lies in the part, ``[low, high]``; the others are not used, but are read at
-    # positions inside it all the same (see :meth:`FusedEmitter.load`).
-    window: Window | None = None
-
-
-@dataclass(frozen=True)
-class Window:
-    """The positions ``[low, high]`` of a concat part along its joined axis."""
-
-    low: ir.Value
-    high: ir.Value
+    # A concat part's lanes (:meth:`FusedEmitter._concat_by_lanes`): the part's size along the
+    # joined axis. Lane j is at ``var + j`` where that lies in ``[0, part)``; the other lanes are
+    # not used, but read only positions inside the part all the same (see ``_load_part``).
+    part: ir.Value | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -401,7 +393,7 @@ class FusedEmitter:
         """A concat whose joined axis the vector lanes run along (through a transpose: joined
         along the last axis a concat gets a buffer), a vector at a time: each part is read at
         the window's positions, as a vector loop of its own whose lanes outside the part are
-        not used (:class:`Window`), and each lane selected from its part. (Read lane by lane, an
+        not used (:attr:`Loop.part`), and each lane selected from its part. (Read lane by lane, an
         average pool's gradient, a sum of nine pads of pads, was 38,000 lines of IR.)"""
         b = self.b
         axis = value.node.attrs.axis
@@ -410,28 +402,16 @@ class FusedEmitter:
         assert outer is not None and outer.vector
         assert all(entry.loop is not outer for i, entry in enumerate(idx) if i != axis), "one axis per vector loop"
         first = self._scalar_position(window)  # the window's lane 0 along the joined axis
-        lane_numbers = ir.Constant(ir.VectorType(I32, WIDTH), list(range(WIDTH)))
         result: ir.Value | None = None
         kind = ""
         for part, start in zip(value.node.inputs, _part_starts(value), strict=True):
-            begin, count = self.size(start), self.size(part.shape[axis])
-            local = b.sub(first, begin)  # the window's lane 0 in the part's positions
-            lanes = Loop(local, outer.level, True, outer.tail, window=Window(i64(0), b.sub(count, i64(1))))
+            size = self.size(part.shape[axis])
+            local = b.sub(first, self.size(start))  # the window's lane 0 in the part's positions
+            lanes = Loop(local, outer.level, True, outer.tail, part=size)
             read = self.eval(part, _replace(idx, axis, Ix(lanes, 0, window.level)))
             kind = read.kind
-            moved = LaneMath(self, WIDTH).widen(read)
-            if result is None:
-                result = moved
-                continue
-            # The window's lanes in this part: [begin - first, begin + count - first) within
-            # [0, WIDTH], compared in 32-bit lanes (half the vector registers of 64-bit ones).
-            low = b.trunc(clamp(b, b.neg(local), i64(0), i64(WIDTH)), I32)
-            high = b.trunc(clamp(b, b.sub(count, local), i64(0), i64(WIDTH)), I32)
-            inside = b.and_(
-                b.icmp_signed(">=", lane_numbers, splat(b, low, WIDTH)),
-                b.icmp_signed("<", lane_numbers, splat(b, high, WIDTH)),
-            )
-            result = b.select(inside, moved, result)
+            vector = LaneMath(self, WIDTH).widen(read)
+            result = vector if result is None else b.select(_lanes_inside(b, local, size), vector, result)
         assert result is not None
         return Lane(result, WIDTH, kind)
 
@@ -674,8 +654,8 @@ class FusedEmitter:
         if vector_loop is None or lane_stride == 0:
             loaded = b.load(gep(b, base, [offset], element), typ=element)
             return Lane(_widen_scalar(b, loaded, kind), 1, kind)
-        if vector_loop.window is not None:
-            return self._load_window(view, idx, dtype, vector_loop, vector_loop.window, offset, lane_stride)
+        if vector_loop.part is not None:
+            return self._load_part(view, idx, dtype, vector_loop, vector_loop.part, offset, lane_stride)
         mask = vector_loop.mask
         if lane_stride == 1:
             vec = ir.VectorType(element, WIDTH)
@@ -689,6 +669,8 @@ class FusedEmitter:
                     self.module, f"llvm.masked.load.{_mangled(vec)}.p0", vec, [PTR, I32, mask.type, vec]
                 )
                 loaded = b.call(masked_load, [pointer, ir.Constant(I32, align), mask, first])
+        elif isinstance(lane_stride, int) and lane_stride != 1 and abs(lane_stride) <= MAX_SPAN_STRIDE:
+            loaded = self._load_span(base, offset, lane_stride, element, mask)
         else:
             lanes = [
                 b.load(gep(b, base, [self._lane_offset(offset, lane, lane_stride, mask)], element), typ=element)
@@ -697,17 +679,69 @@ class FusedEmitter:
             loaded = _pack(b, lanes, element)
         return Lane(_widen_vector(b, loaded, kind), WIDTH, kind)
 
-    def _load_window(
+    def _load_span(
+        self, base: ir.Value, offset: ir.Value, stride: int, element: ir.Type, mask: ir.Value | None
+    ) -> ir.Value:
+        """Lanes ``stride`` elements apart (a stride-2 window of a convolution, a flip) from the
+        contiguous span that holds them: a few vector loads and one shuffle, where lane by lane
+        they were 16 loads and 16 inserts. Only the span between the first and the last lane
+        used is read (the last vector's loads masked past it; with a masked loop's ``mask``, past
+        its last lane on), and lanes past the mask take lane 0's entry, as :meth:`load`'s do."""
+        b = self.b
+        step = abs(stride)
+        low = offset if stride > 0 else b.add(offset, i64((WIDTH - 1) * stride))
+        vectors = -(-((WIDTH - 1) * step + 1) // WIDTH)
+        vec = ir.VectorType(element, WIDTH)
+        align = element.width // 8 if element != F32 else 4
+        masked_load = intrinsic(self.module, f"llvm.masked.load.{_mangled(vec)}.p0", vec, [PTR, I32, I1_LANES, vec])
+
+        def lane_of(e: int) -> int | None:
+            """The lane whose entry is element ``e`` of the span, or for an element between two
+            lanes' the later lane along the loop (read only if that lane is): None past the span."""
+            lane = -(-e // step) if stride > 0 else WIDTH - 1 - e // step
+            return lane if e <= (WIDTH - 1) * step else None
+
+        parts = []
+        for k in range(vectors):
+            lanes = [lane_of(WIDTH * k + i) for i in range(WIDTH)]
+            if mask is None:
+                on: ir.Value = ir.Constant(I1_LANES, [lane is not None for lane in lanes])
+            else:  # element e is read where its lane is inside the loop's range
+                off = ir.Constant(I1_LANES, [False] * WIDTH)
+                on = b.shuffle_vector(
+                    mask,
+                    off,
+                    ir.Constant(ir.VectorType(I32, WIDTH), [WIDTH if lane is None else lane for lane in lanes]),
+                )
+            # Not ``inbounds``: a vector whose lanes are all masked off may start outside the buffer.
+            pointer = gep(b, base, [b.add(low, i64(WIDTH * k))], element, inbounds=False)
+            parts.append(b.call(masked_load, [pointer, ir.Constant(I32, align), on, ir.Constant(vec, None)]))
+        while len(parts) & (len(parts) - 1) or len(parts) == 1:  # a power of two of at least two, to join in pairs
+            parts.append(ir.Constant(vec, None))
+        while len(parts) > 1:
+            width = parts[0].type.count
+            joined = ir.Constant(ir.VectorType(I32, 2 * width), list(range(2 * width)))
+            parts = [b.shuffle_vector(parts[i], parts[i + 1], joined) for i in range(0, len(parts), 2)]
+        picks = [(j * stride if stride > 0 else (WIDTH - 1 - j) * step) for j in range(WIDTH)]
+        loaded = b.shuffle_vector(
+            parts[0], ir.Constant(parts[0].type, None), ir.Constant(ir.VectorType(I32, WIDTH), picks)
+        )
+        if mask is None:
+            return loaded
+        first = b.shuffle_vector(loaded, ir.Constant(vec, None), ir.Constant(ir.VectorType(I32, WIDTH), [0] * WIDTH))
+        return b.select(mask, loaded, first)
+
+    def _load_part(
         self,
         view: View,
         idx: tuple[Ix, ...],
         dtype: np.dtype,
         lanes: Loop,
-        window: Window,
+        part: ir.Value,
         offset: ir.Value,
         lane_stride: SizeLike,
     ) -> Lane:
-        """A load along a concat part's lanes (:class:`Window`) that reads nothing outside the
+        """A load along a concat part's lanes (:attr:`Loop.part`) that reads nothing outside the
         part. Contiguous: one load masked to the lanes inside the part (a masked-off lane is not
         read, so it cannot fault; away from the part's ends every lane is on). Strided: lane by
         lane, each position clamped into the part, so the reads of several windows over one
@@ -723,20 +757,14 @@ class FusedEmitter:
         vec = ir.VectorType(element, WIDTH)
         align = element.width // 8 if element != F32 else 4
         base = self.constant(view.base) if view.base.node.op.value == "constant" else self.pointer(view.base)
-        # Lanes low - var ..= high - var, in 32-bit lanes: clamped to [0, WIDTH] first.
-        numbers = ir.Constant(ir.VectorType(I32, WIDTH), list(range(WIDTH)))
-        first = b.trunc(clamp(b, b.sub(window.low, lanes.var), i64(0), i64(WIDTH)), I32)
-        stop = b.trunc(clamp(b, b.sub(b.add(window.high, i64(1)), lanes.var), i64(0), i64(WIDTH)), I32)
-        mask = b.and_(
-            b.icmp_signed(">=", numbers, splat(b, first, WIDTH)), b.icmp_signed("<", numbers, splat(b, stop, WIDTH))
-        )
         if kind == "i":  # lane 0's position clamped into the part, for the unused lanes
-            inside = b.sub(clamp(b, lanes.var, window.low, window.high), lanes.var)
+            inside = b.sub(clamp(b, lanes.var, i64(0), b.sub(part, i64(1))), lanes.var)
             unused = splat(b, b.load(gep(b, base, [b.add(offset, inside)], element), typ=element), WIDTH)
         else:
             unused = ir.Constant(vec, None)
         # Not ``inbounds``: at a part's edge lane 0's address lies outside it.
         pointer = gep(b, base, [offset], element, inbounds=False)
+        mask = _lanes_inside(b, lanes.var, part)
         masked_load = intrinsic(self.module, f"llvm.masked.load.{_mangled(vec)}.p0", vec, [PTR, I32, mask.type, vec])
         loaded = b.call(masked_load, [pointer, ir.Constant(I32, align), mask, unused])
         return Lane(_widen_vector(b, loaded, kind), WIDTH, kind)
@@ -897,6 +925,8 @@ def plan_chunking(kernel: Kernel, schedule: Schedule, threads: int) -> Chunking:
 
 
 MASKED_REST_WORK = 6  # see plan_chunking
+MAX_SPAN_STRIDE = 4  # lanes this many elements apart or fewer load as a span (FusedEmitter._load_span)
+I1_LANES = ir.VectorType(I1, WIDTH)
 # Ops whose scalar formula calls the exp or the C math library, and the few dear ones.
 _DEAR_OPS = {"div": 3, "sqrt": 3, "rsqrt": 3, "floor_divide": 3, "remainder": 3, "fmod": 3}
 _TRANSCENDENTAL = frozenset(
@@ -1254,6 +1284,17 @@ def _pack(b: ir.IRBuilder, lanes: list[ir.Value], element: ir.Type) -> ir.Value:
     return vector
 
 
+def _lanes_inside(b: ir.IRBuilder, first: ir.Value, size: ir.Value) -> ir.Value:
+    """The lanes ``j`` of a vector whose lane 0 is at position ``first`` (an i64) that lie in
+    ``[0, size)``, as a ``<WIDTH x i1>``. Compared in 32-bit lanes (half the vector registers of
+    64-bit ones), the bounds clamped to ``[0, WIDTH]`` first."""
+    numbers = ir.Constant(ir.VectorType(I32, WIDTH), list(range(WIDTH)))
+    low = b.trunc(clamp(b, b.neg(first), i64(0), i64(WIDTH)), I32)
+    stop = b.trunc(clamp(b, b.sub(size, first), i64(0), i64(WIDTH)), I32)
+    after_low = b.icmp_signed(">=", numbers, splat(b, low, WIDTH))
+    return b.and_(after_low, b.icmp_signed("<", numbers, splat(b, stop, WIDTH)))
+
+
 def _replace(idx: tuple[Ix, ...], axis: int, entry: Ix) -> tuple[Ix, ...]:
     return (*idx[:axis], entry, *idx[axis + 1 :])
 
@@ -1272,8 +1313,8 @@ def _lane_of(b: ir.IRBuilder, ix: Ix, lane: int) -> Ix:
     position = b.add(ix.loop.var, i64(lane))
     if ix.loop.mask is not None and lane:  # past the range: lane 0's position
         position = b.select(b.extract_element(ix.loop.mask, ir.Constant(I32, lane)), position, ix.loop.var)
-    if ix.loop.window is not None:  # a concat part's lanes: its positions (the others are unused)
-        position = clamp(b, position, ix.loop.window.low, ix.loop.window.high)
+    if ix.loop.part is not None:  # a concat part's lanes: its positions (the others are unused)
+        position = clamp(b, position, i64(0), b.sub(ix.loop.part, i64(1)))
     if isinstance(ix.add, _AddLater):
         position = b.add(position, b.add(ix.add.value, i64(ix.add.amount)))
     elif isinstance(ix.add, int):
