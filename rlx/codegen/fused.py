@@ -669,7 +669,7 @@ class FusedEmitter:
                     self.module, f"llvm.masked.load.{_mangled(vec)}.p0", vec, [PTR, I32, mask.type, vec]
                 )
                 loaded = b.call(masked_load, [pointer, ir.Constant(I32, align), mask, first])
-        elif isinstance(lane_stride, int) and lane_stride != 1 and abs(lane_stride) <= MAX_SPAN_STRIDE:
+        elif isinstance(lane_stride, int) and 1 < lane_stride <= MAX_SPAN_STRIDE:
             loaded = self._load_span(base, offset, lane_stride, element, mask)
         else:
             lanes = [
@@ -682,50 +682,36 @@ class FusedEmitter:
     def _load_span(
         self, base: ir.Value, offset: ir.Value, stride: int, element: ir.Type, mask: ir.Value | None
     ) -> ir.Value:
-        """Lanes ``stride`` elements apart (a stride-2 window of a convolution, a flip) from the
+        """Lanes ``stride`` elements apart (a stride-2 window of a convolution or a pool) from the
         contiguous span that holds them: a few vector loads and one shuffle, where lane by lane
-        they were 16 loads and 16 inserts. Only the span between the first and the last lane
-        used is read (the last vector's loads masked past it; with a masked loop's ``mask``, past
-        its last lane on), and lanes past the mask take lane 0's entry, as :meth:`load`'s do."""
+        they were 16 loads and 16 inserts. Only the span from the first to the last lane used is
+        read (the last vector's loads masked past it; with a masked loop's ``mask``, past its
+        last lane on), and lanes past the mask take lane 0's entry, as :meth:`load`'s do."""
         b = self.b
-        step = abs(stride)
-        low = offset if stride > 0 else b.add(offset, i64((WIDTH - 1) * stride))
-        vectors = -(-((WIDTH - 1) * step + 1) // WIDTH)
+        vectors = -(-((WIDTH - 1) * stride + 1) // WIDTH)
         vec = ir.VectorType(element, WIDTH)
         align = element.width // 8 if element != F32 else 4
         masked_load = intrinsic(self.module, f"llvm.masked.load.{_mangled(vec)}.p0", vec, [PTR, I32, I1_LANES, vec])
-
-        def lane_of(e: int) -> int | None:
-            """The lane whose entry is element ``e`` of the span, or for an element between two
-            lanes' the later lane along the loop (read only if that lane is): None past the span."""
-            lane = -(-e // step) if stride > 0 else WIDTH - 1 - e // step
-            return lane if e <= (WIDTH - 1) * step else None
-
         parts = []
         for k in range(vectors):
-            lanes = [lane_of(WIDTH * k + i) for i in range(WIDTH)]
+            # Element e of the span is read if the lane at or after it is: ceil(e / stride).
+            lanes = [-(-e // stride) if e <= (WIDTH - 1) * stride else None for e in range(WIDTH * k, WIDTH * (k + 1))]
             if mask is None:
                 on: ir.Value = ir.Constant(I1_LANES, [lane is not None for lane in lanes])
-            else:  # element e is read where its lane is inside the loop's range
+            else:
                 off = ir.Constant(I1_LANES, [False] * WIDTH)
-                on = b.shuffle_vector(
-                    mask,
-                    off,
-                    ir.Constant(ir.VectorType(I32, WIDTH), [WIDTH if lane is None else lane for lane in lanes]),
-                )
-            # Not ``inbounds``: a vector whose lanes are all masked off may start outside the buffer.
-            pointer = gep(b, base, [b.add(low, i64(WIDTH * k))], element, inbounds=False)
+                picks = ir.Constant(ir.VectorType(I32, WIDTH), [WIDTH if lane is None else lane for lane in lanes])
+                on = b.shuffle_vector(mask, off, picks)
+            # Not ``inbounds``: a vector whose lanes are all masked off may start past the buffer.
+            pointer = gep(b, base, [b.add(offset, i64(WIDTH * k))], element, inbounds=False)
             parts.append(b.call(masked_load, [pointer, ir.Constant(I32, align), on, ir.Constant(vec, None)]))
         while len(parts) & (len(parts) - 1) or len(parts) == 1:  # a power of two of at least two, to join in pairs
             parts.append(ir.Constant(vec, None))
         while len(parts) > 1:
-            width = parts[0].type.count
-            joined = ir.Constant(ir.VectorType(I32, 2 * width), list(range(2 * width)))
+            joined = ir.Constant(ir.VectorType(I32, 2 * parts[0].type.count), list(range(2 * parts[0].type.count)))
             parts = [b.shuffle_vector(parts[i], parts[i + 1], joined) for i in range(0, len(parts), 2)]
-        picks = [(j * stride if stride > 0 else (WIDTH - 1 - j) * step) for j in range(WIDTH)]
-        loaded = b.shuffle_vector(
-            parts[0], ir.Constant(parts[0].type, None), ir.Constant(ir.VectorType(I32, WIDTH), picks)
-        )
+        picks = ir.Constant(ir.VectorType(I32, WIDTH), [j * stride for j in range(WIDTH)])
+        loaded = b.shuffle_vector(parts[0], ir.Constant(parts[0].type, None), picks)
         if mask is None:
             return loaded
         first = b.shuffle_vector(loaded, ir.Constant(vec, None), ir.Constant(ir.VectorType(I32, WIDTH), [0] * WIDTH))
@@ -925,7 +911,7 @@ def plan_chunking(kernel: Kernel, schedule: Schedule, threads: int) -> Chunking:
 
 
 MASKED_REST_WORK = 6  # see plan_chunking
-MAX_SPAN_STRIDE = 4  # lanes this many elements apart or fewer load as a span (FusedEmitter._load_span)
+MAX_SPAN_STRIDE = 4  # lanes 2 to this many elements apart load as a span (FusedEmitter._load_span)
 I1_LANES = ir.VectorType(I1, WIDTH)
 # Ops whose scalar formula calls the exp or the C math library, and the few dear ones.
 _DEAR_OPS = {"div": 3, "sqrt": 3, "rsqrt": 3, "floor_divide": 3, "remainder": 3, "fmod": 3}

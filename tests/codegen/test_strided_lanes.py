@@ -1,8 +1,8 @@
-"""Lanes a few elements apart (a stride-2 window, every third entry, a flip) load as the
-contiguous span that holds them and one shuffle. Checked against NumPy for every stride the
-span takes and one it does not, in rows that end in a partial vector: a cheap body (whose row
-ends overlap the vector before) and a dear one (whose row ends are one masked step), every
-dtype, and reads that end at the last element of their buffer."""
+"""Lanes a few elements apart (a stride-2 window, every third entry) load as the contiguous
+span that holds them and one shuffle. Checked against NumPy for every stride the span takes
+and one it does not (and flips, which gather), in rows that end in a partial vector: a cheap
+body (whose row ends overlap the vector before) and a dear one (whose row ends are one masked
+step), every dtype, and reads that end at the last element of their buffer."""
 
 from __future__ import annotations
 
