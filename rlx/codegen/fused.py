@@ -659,16 +659,11 @@ class FusedEmitter:
         mask = vector_loop.mask
         if lane_stride == 1:
             vec = ir.VectorType(element, WIDTH)
-            align = element.width // 8 if element != F32 else 4
             pointer = gep(b, base, [offset], element)
             if mask is None:
-                loaded = b.load(pointer, typ=vec, align=align)
+                loaded = b.load(pointer, typ=vec, align=_alignment(element))
             else:  # the lanes past the range take lane 0's entry
-                first = splat(b, b.load(pointer, typ=element), WIDTH)
-                masked_load = intrinsic(
-                    self.module, f"llvm.masked.load.{_mangled(vec)}.p0", vec, [PTR, I32, mask.type, vec]
-                )
-                loaded = b.call(masked_load, [pointer, ir.Constant(I32, align), mask, first])
+                loaded = self._masked_load(pointer, vec, mask, splat(b, b.load(pointer, typ=element), WIDTH))
         elif isinstance(lane_stride, int) and 1 < lane_stride <= MAX_SPAN_STRIDE:
             loaded = self._load_span(base, offset, lane_stride, element, mask)
         else:
@@ -690,8 +685,6 @@ class FusedEmitter:
         b = self.b
         vectors = -(-((WIDTH - 1) * stride + 1) // WIDTH)
         vec = ir.VectorType(element, WIDTH)
-        align = element.width // 8 if element != F32 else 4
-        masked_load = intrinsic(self.module, f"llvm.masked.load.{_mangled(vec)}.p0", vec, [PTR, I32, I1_LANES, vec])
         parts = []
         for k in range(vectors):
             # Element e of the span is read if the lane at or after it is: ceil(e / stride).
@@ -704,7 +697,7 @@ class FusedEmitter:
                 on = b.shuffle_vector(mask, off, picks)
             # Not ``inbounds``: a vector whose lanes are all masked off may start past the buffer.
             pointer = gep(b, base, [b.add(offset, i64(WIDTH * k))], element, inbounds=False)
-            parts.append(b.call(masked_load, [pointer, ir.Constant(I32, align), on, ir.Constant(vec, None)]))
+            parts.append(self._masked_load(pointer, vec, on, ir.Constant(vec, None)))
         while len(parts) & (len(parts) - 1) or len(parts) == 1:  # a power of two of at least two, to join in pairs
             parts.append(ir.Constant(vec, None))
         while len(parts) > 1:
@@ -732,8 +725,8 @@ class FusedEmitter:
         read, so it cannot fault; away from the part's ends every lane is on). Strided: lane by
         lane, each position clamped into the part, so the reads of several windows over one
         source (the shifted pads of a pool's gradient) are the same scalar loads, which LLVM
-        merges. Either way an unused lane holds the part's data (ints: an entry of it, which a
-        gather may take as an id), never a value the part does not hold."""
+        merges. An unused lane of ints holds an entry of the part (a gather may take it as an
+        id), never a value the part does not hold; of floats and bools, an entry or 0."""
         b = self.b
         if lane_stride != 1:
             per_lane = [self.load(view, tuple(_lane_of(b, ix, lane) for ix in idx), dtype) for lane in range(WIDTH)]
@@ -741,7 +734,6 @@ class FusedEmitter:
             return Lane(_pack(b, values, values[0].type), WIDTH, per_lane[0].kind)
         element, kind = _element_type(dtype)
         vec = ir.VectorType(element, WIDTH)
-        align = element.width // 8 if element != F32 else 4
         base = self.constant(view.base) if view.base.node.op.value == "constant" else self.pointer(view.base)
         if kind == "i":  # lane 0's position clamped into the part, for the unused lanes
             inside = b.sub(clamp(b, lanes.var, i64(0), b.sub(part, i64(1))), lanes.var)
@@ -750,10 +742,14 @@ class FusedEmitter:
             unused = ir.Constant(vec, None)
         # Not ``inbounds``: at a part's edge lane 0's address lies outside it.
         pointer = gep(b, base, [offset], element, inbounds=False)
-        mask = _lanes_inside(b, lanes.var, part)
-        masked_load = intrinsic(self.module, f"llvm.masked.load.{_mangled(vec)}.p0", vec, [PTR, I32, mask.type, vec])
-        loaded = b.call(masked_load, [pointer, ir.Constant(I32, align), mask, unused])
+        loaded = self._masked_load(pointer, vec, _lanes_inside(b, lanes.var, part), unused)
         return Lane(_widen_vector(b, loaded, kind), WIDTH, kind)
+
+    def _masked_load(self, pointer: ir.Value, vec: ir.VectorType, mask: ir.Value, passthrough: ir.Value) -> ir.Value:
+        """``llvm.masked.load``: the lanes of ``mask`` read from ``pointer`` (the others are not
+        read, so they cannot fault), the others ``passthrough``'s."""
+        load = intrinsic(self.module, f"llvm.masked.load.{_mangled(vec)}.p0", vec, [PTR, I32, I1_LANES, vec])
+        return self.b.call(load, [pointer, ir.Constant(I32, _alignment(vec.element)), mask, passthrough])
 
     def store(self, view: View, idx: tuple[Ix, ...], lane: Lane, dtype: np.dtype) -> None:
         b = self.b
@@ -1268,6 +1264,12 @@ def _pack(b: ir.IRBuilder, lanes: list[ir.Value], element: ir.Type) -> ir.Value:
     for i, lane in enumerate(lanes):
         vector = b.insert_element(vector, lane, ir.Constant(I32, i))
     return vector
+
+
+def _alignment(element: ir.Type) -> int:
+    """The alignment a load or store of ``element`` lanes may assume: its own size (f32 4, an
+    int its bytes, bools 1)."""
+    return 4 if element == F32 else max(1, element.width // 8)
 
 
 def _lanes_inside(b: ir.IRBuilder, first: ir.Value, size: ir.Value) -> ir.Value:
