@@ -260,36 +260,59 @@ def _emit_team_main(
     if now is not None:
         b.store(now(b), clock)
 
-    for index, step in enumerate(steps):
-        args = b.load(gep(b, args_table, [i64(index)], PTR), typ=PTR, name=f"args.{index}")
-        if step.serial:
-            with b.if_then(is_first):
-                b.call(step.item_fn, [args, i64(0), mine])
-        else:
-            counter = gep(b, counters, [i64(index)], I64)
-            take = b.append_basic_block(f"step{index}.take")
-            work = b.append_basic_block(f"step{index}.work")
-            done = b.append_basic_block(f"step{index}.done")
-            b.branch(take)
-            b.position_at_end(take)
-            item = b.atomic_rmw("add", counter, i64(1), "monotonic", name="item")
-            if isinstance(step.items, int):
-                limit: ir.Value = i64(step.items)
-            else:
-                limit = b.load(gep(b, limits, [i64(index)], I64), typ=I64, name=f"items.{index}")
-            b.cbranch(b.icmp_signed("<", item, limit), work, done)
-            b.position_at_end(work)
-            b.call(step.item_fn, [args, item, mine])
-            b.branch(take)
-            b.position_at_end(done)
+    # The steps as data, run by one loop: the item functions' addresses and the serial flags in
+    # constant tables. Emitted step by step, a graph of a thousand kernels (an unrolled loop, a
+    # deep model) made this function tens of thousands of lines, each kernel inlined into it.
+    functions = _constant_table(module, "steps.functions", PTR, [step.item_fn for step in steps])
+    serial = _constant_table(module, "steps.serial", I8, [ir.Constant(I8, int(step.serial)) for step in steps])
+    item_type = ir.FunctionType(VOID, [PTR, I64, PTR])  # item_fn(args, item, scratch)
+    with for_range(b, 0, len(steps), "step") as index:
+        args = b.load(gep(b, args_table, [index], PTR), typ=PTR, name="args")
+        item_fn = _callable(b, b.load(gep(b, functions, [i64(0), index], functions.value_type), typ=PTR), item_type)
+        is_serial = b.load(gep(b, serial, [i64(0), index], serial.value_type), typ=I8, name="serial")
+        with b.if_else(b.icmp_unsigned("!=", is_serial, ir.Constant(I8, 0))) as (alone, shared_items):
+            with alone, b.if_then(is_first):
+                b.call(item_fn, [args, i64(0), mine])
+            with shared_items:
+                counter = gep(b, counters, [index], I64)
+                limit = b.load(gep(b, limits, [index], I64), typ=I64, name="items")
+                take = b.append_basic_block("step.take")
+                work = b.append_basic_block("step.work")
+                done = b.append_basic_block("step.done")
+                b.branch(take)
+                b.position_at_end(take)
+                item = b.atomic_rmw("add", counter, i64(1), "monotonic", name="item")
+                b.cbranch(b.icmp_signed("<", item, limit), work, done)
+                b.position_at_end(work)
+                b.call(item_fn, [args, item, mine])
+                b.branch(take)
+                b.position_at_end(done)
         b.call(wait, [barrier])
         if now is not None:
             with b.if_then(is_first):
                 t = now(b)
-                b.store(b.sub(t, b.load(clock, typ=I64)), gep(b, profile, [i64(index)], I64))
+                b.store(b.sub(t, b.load(clock, typ=I64)), gep(b, profile, [index], I64))
                 b.store(t, clock)
     b.ret_void()
     return fn
+
+
+def _callable(b: ir.IRBuilder, address: ir.Value, function_type: ir.FunctionType) -> ir.Value:
+    """``address`` as a pointer llvmlite can call with ``function_type`` (its IR text is still
+    ``ptr``; the builder's own ``bitcast`` returns a pointer unchanged, as pointers compare equal)."""
+    cast = ir.CastInstr(b.block, "bitcast", address, function_type.as_pointer(), "item.fn")
+    b._insert(cast)
+    return cast
+
+
+def _constant_table(module: ir.Module, name: str, element: ir.Type, entries: list[ir.Constant]) -> ir.GlobalVariable:
+    """An internal constant array of ``entries`` (at least one entry: LLVM has no empty tables)."""
+    table_type = ir.ArrayType(element, max(1, len(entries)))
+    table = ir.GlobalVariable(module, table_type, name=module.get_unique_name(name))
+    table.linkage = "internal"
+    table.global_constant = True
+    table.initializer = ir.Constant(table_type, entries or [ir.Constant(element, None)])
+    return table
 
 
 def _emit_thread_main(module: ir.Module, team: ir.Function) -> ir.Function:
