@@ -25,7 +25,7 @@ from llvmlite import ir
 from rlx.bind import checked_in_kernel
 from rlx.codegen.blas import load_blas, refuse_beyond_blas
 from rlx.codegen.fused import FusedEmitter, plan_chunking
-from rlx.codegen.irutil import I8, I64, PTR, VOID, alloca_entry, clock, declare, gep, i64
+from rlx.codegen.irutil import I8, I64, PTR, VOID, clock, declare, gep, i64
 from rlx.codegen.jit import ENTRY
 from rlx.codegen.kernel_clock import COUNTERS_BYTES
 from rlx.codegen.lower_attention import (
@@ -44,7 +44,7 @@ from rlx.codegen.lower_scan import SCAN_OPS, emit_scan_item
 from rlx.codegen.lower_scatter import emit_scatter_along_axis_item, emit_scatter_item
 from rlx.codegen.lower_sort import emit_sort_item
 from rlx.codegen.memory_plan import MemoryPlan
-from rlx.codegen.parallel import Step, emit_team, forward_to, share_identical_items
+from rlx.codegen.parallel import Arguments, Step, emit_team, forward_to, share_identical_items
 from rlx.codegen.schedule import Kernel, Schedule, attention_batch_stride
 from rlx.codegen.sizes import Size, SizeLike, emit_size, load_symbols
 from rlx.codegen.strip_heights import choose_block_q, strip_heights
@@ -476,6 +476,8 @@ class _Lowering:
     arena: ir.Value
     constants: dict[Value, ir.GlobalVariable]
     steps: list[Step] = field(default_factory=list)
+    arguments: Arguments = field(default_factory=Arguments)  # every step's pointers
+    _bases: dict[tuple[object, ...], ir.Value] = field(default_factory=dict)
     call_data: list[CallData] = field(default_factory=list)
     call_data_bytes: int = 0
     symbols: tuple[str, ...] = ()
@@ -502,12 +504,21 @@ class _Lowering:
         b = self.b
         location = self.plan.locations.get(value)
         if value.node.op is OpKind.CONSTANT and (location is None or location.kind == "constant"):
-            return opaque(b, self.constants[value])
+            return self._base(("constant", value), lambda: opaque(b, self.constants[value]))
         assert location is not None, f"no location for {value}"
         if location.kind == "arena":
-            return gep(b, self.arena, [i64(location.index)], I8, f"v{value.node.id}.{value.index}")
+            return self.arguments.at(b, self.arena, location.index, f"v{value.node.id}.{value.index}")
         name = self.plan.buffer_names[location.index]
-        return b.load(gep(b, self.buffers, [i64(location.index)], PTR, f"{name}.slot"), typ=PTR, name=name)
+        slot = location.index
+        return self._base(("buffer", slot), lambda: b.load(gep(b, self.buffers, [i64(slot)], PTR), typ=PTR, name=name))
+
+    def _base(self, key: tuple[object, ...], make: Callable[[], ir.Value]) -> ir.Value:
+        """A buffer's or a constant's address, made once in the entry function (which runs
+        straight through), so that every step's pointer into it has the same base."""
+        found = self._bases.get(key)
+        if found is None:
+            found = self._bases[key] = self.arguments.at(self.b, make())
+        return found
 
     def fault_word(self, node: Node) -> ir.Value:
         """The address, in the entry function, of the word where kernels report a bad id of
@@ -519,29 +530,22 @@ class _Lowering:
             self.index_faults[node] = fault
             self.call_data.append(CallData(fault.offset, 8, _no_fault))
             self.call_data_bytes += 64
-        return gep(self.b, self.arena, [i64(call_data_offset(self.plan) + fault.offset)], I8, f"fault.{node.id}")
+        return self.arguments.at(self.b, self.arena, call_data_offset(self.plan) + fault.offset, f"fault.{node.id}")
 
     def view_pointer(self, value: Value) -> ir.Value:
         """The address of a value read through its view: base plus the view's offset."""
         view = self.schedule.view(value)
         assert view is not None
-        base = self.base_pointer(view.base)
-        if view.offset == 0:
-            return base
-        return gep(self.b, base, [i64(view.offset * view.base.dtype.itemsize)], I8)
+        return self.arguments.at(self.b, self.base_pointer(view.base), view.offset * view.base.dtype.itemsize)
 
     def call(
         self, item_fn: ir.Function, pointers: list[ir.Value], items: SizeLike | ir.Value, serial: bool, tag: str
     ) -> None:
         """Add a step to the call's parallel region: ``item_fn`` over ``items`` items (a count of
         the call's symbols, such as a symbolic batch's items, is computed in the entry function)."""
-        b = self.b
-        args = alloca_entry(b, PTR, f"args.{tag}", max(1, len(pointers)))
-        for slot, ptr in enumerate(pointers):
-            b.store(ptr, gep(b, args, [i64(slot)], PTR))
         if isinstance(items, Size):
-            items = emit_size(b, items, self.entry_symbols())
-        self.steps.append(Step(item_fn, args, items, serial))
+            items = emit_size(self.b, items, self.entry_symbols())
+        self.steps.append(Step(item_fn, self.arguments.add(pointers), items, serial))
 
     @property
     def table_symbols(self) -> tuple[str, ...]:
@@ -579,10 +583,8 @@ class _Lowering:
             # loop (each reading its own step of the scanned array) share one function.
             operands = []
             for view, side in ((a, gemm.a), (bm, gemm.b)):
-                pointer = self.base_pointer(view.base)
-                if isinstance(side.offset, int) and side.offset:
-                    pointer = gep(self.b, pointer, [i64(side.offset * view.base.dtype.itemsize)], I8)
-                operands.append(pointer)
+                offset = side.offset * view.base.dtype.itemsize if isinstance(side.offset, int) else 0
+                operands.append(self.arguments.at(self.b, self.base_pointer(view.base), offset))
             gemm = replace(gemm, a=_without_static_offset(gemm.a), b=_without_static_offset(gemm.b))
             symbols = self.table_symbols
             name = f"matmul.{node.id}"
@@ -815,7 +817,7 @@ def lower_graph(
     state.symbols = graph_symbols(graph)
     dynamic = None
     if state.symbols:  # the sizes table comes first in the call data: [size of each symbol..., scratch stride]
-        state.sizes = gep(b, arena, [i64(call_data_offset(plan))], I8, "sizes")
+        state.sizes = state.arguments.at(b, arena, call_data_offset(plan), "sizes")
         state.call_data_bytes = -(-(8 * (len(state.symbols) + 1)) // 64) * 64
     for index, kernel in enumerate(schedule.kernels):
         state.lower(index, kernel)
@@ -834,7 +836,8 @@ def lower_graph(
     # plan's names): the most threads this call may use.
     cap_slot = len(plan.buffer_names)
     cap = b.ptrtoint(b.load(gep(b, buffers, [i64(cap_slot)], PTR), typ=PTR), I64, name="threads.cap")
-    emit_team(module, b, share_identical_items(state.steps), threads, scratch, stride, profile, now, cap)
+    steps = share_identical_items(state.steps)
+    emit_team(module, b, steps, state.arguments, threads, scratch, stride, profile, now, cap)
     b.ret_void()
     return LoweredModule(
         str(module),

@@ -17,7 +17,7 @@ fewer threads than asked), and they take the others' share.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llvmlite import ir
 
@@ -32,12 +32,78 @@ _THREAD_ARG = ir.LiteralStructType([PTR, I64])
 
 @dataclass(frozen=True)
 class Step:
-    """One kernel of the call: ``item_fn(args, item, scratch)`` over ``items`` items."""
+    """One kernel of the call: ``item_fn(args, item, scratch)`` over ``items`` items, ``args``
+    the call's argument array (:class:`Arguments`) from slot ``first_slot`` on."""
 
     item_fn: ir.Function
-    args: ir.Value  # the kernel's argument array, filled in the entry block
+    first_slot: int
     items: int | ir.Value  # an i64 of the entry function when it depends on the call's sizes
     serial: bool = False  # run by member 0 alone, as one item
+
+
+@dataclass
+class Arguments:
+    """The pointers every step of a call passes its kernel, one array for the call, filled in
+    the entry function from tables: most pointers are a base (the arena, a buffer's address, a
+    constant's data) plus a byte offset, so a slot is a base's number and an offset, and one
+    loop fills them all. Written slot by slot, a graph of a thousand kernels made the entry
+    function tens of thousands of lines. :meth:`at` makes such a pointer; any other value a
+    step passes is stored as it is."""
+
+    pointers: list[ir.Value] = field(default_factory=list)
+    # id of a pointer made by at() -> (the pointer, its base, its byte offset): the pointer is
+    # held, so no id is reused while it is in the table
+    _sources: dict[int, tuple[ir.Value, ir.Value, int]] = field(default_factory=dict)
+
+    def at(self, b: ir.IRBuilder, base: ir.Value, offset: int = 0, name: str = "") -> ir.Value:
+        """``base + offset`` bytes (``base`` itself at 0), remembered as a base and an offset;
+        ``base`` may be such a pointer itself."""
+        source = self._sources.get(id(base))
+        root, start = (source[1], source[2]) if source is not None else (base, 0)
+        pointer = gep(b, base, [i64(offset)], I8, name) if offset else base
+        self._sources[id(pointer)] = (pointer, root, start + offset)
+        return pointer
+
+    def add(self, pointers: list[ir.Value]) -> int:
+        """Append one step's pointers; the slot of its first."""
+        first = len(self.pointers)
+        self.pointers.extend(pointers)
+        return first
+
+    def emit(self, module: ir.Module, b: ir.IRBuilder) -> ir.Value:
+        """Fill the array at ``b`` (the entry function, after every pointer is made); its address."""
+        array = alloca_entry(b, PTR, "steps.args", max(1, len(self.pointers)))
+        roots: dict[int, int] = {}
+        bases: list[ir.Value] = []
+        base_of, offset_of = [], []
+        direct = []
+        for slot, pointer in enumerate(self.pointers):
+            source = self._sources.get(id(pointer))
+            if source is None:
+                base_of.append(-1)
+                offset_of.append(0)
+                direct.append((slot, pointer))
+                continue
+            _, root, offset = source
+            if id(root) not in roots:
+                roots[id(root)] = len(bases)
+                bases.append(root)
+            base_of.append(roots[id(root)])
+            offset_of.append(offset)
+        base_table = alloca_entry(b, PTR, "steps.bases", max(1, len(bases)))
+        for index, base in enumerate(bases):
+            b.store(base, gep(b, base_table, [i64(index)], PTR))
+        which = _constant_table(module, "args.base", I32, [i32(v) for v in base_of])
+        offsets = _constant_table(module, "args.offset", I64, [i64(v) for v in offset_of])
+        with for_range(b, 0, len(self.pointers), "arg") as slot:
+            base_index = b.load(gep(b, which, [i64(0), slot], which.value_type), typ=I32)
+            with b.if_then(b.icmp_signed(">=", base_index, i32(0))):
+                base = b.load(gep(b, base_table, [b.sext(base_index, I64)], PTR), typ=PTR)
+                offset = b.load(gep(b, offsets, [i64(0), slot], offsets.value_type), typ=I64)
+                b.store(gep(b, base, [offset], I8), gep(b, array, [slot], PTR))
+        for slot, pointer in direct:
+            b.store(pointer, gep(b, array, [i64(slot)], PTR))
+        return array
 
 
 def share_identical_items(steps: list[Step]) -> list[Step]:
@@ -56,7 +122,7 @@ def share_identical_items(steps: list[Step]) -> list[Step]:
     for step in steps:
         fn = step.item_fn
         if id(fn) in decided:  # a function emitted once for several kernels
-            shared.append(Step(decided[id(fn)], step.args, step.items, step.serial))
+            shared.append(Step(decided[id(fn)], step.first_slot, step.items, step.serial))
             continue
         header = f"{fn.get_reference()}("
         text = str(fn)
@@ -65,7 +131,7 @@ def share_identical_items(steps: list[Step]) -> list[Step]:
         kept = decided[id(fn)] = first.setdefault(body, fn)
         if kept is not fn:
             forward_to(fn, kept)
-        shared.append(Step(kept, step.args, step.items, step.serial))
+        shared.append(Step(kept, step.first_slot, step.items, step.serial))
     return shared
 
 
@@ -91,6 +157,7 @@ def emit_team(
     module: ir.Module,
     b: ir.IRBuilder,
     steps: list[Step],
+    arguments: Arguments,
     threads: int,
     scratch: ir.Value,
     stride: int | ir.Value,
@@ -104,13 +171,19 @@ def emit_team(
     knows a call is too small to pay for a team asks for one thread without a second build.
     """
     team = _emit_team_main(module, steps, now if profile is not None else None)
-    args_table = alloca_entry(b, PTR, "steps.args", max(1, len(steps)))
+    args_table = arguments.emit(module, b)
     counters = alloca_entry(b, I64, "steps.counters", max(1, len(steps)))
     limits = alloca_entry(b, I64, "steps.items", max(1, len(steps)))
-    for index, step in enumerate(steps):
-        b.store(step.args, gep(b, args_table, [i64(index)], PTR))
-        b.store(i64(0), gep(b, counters, [i64(index)], I64))
-        b.store(i64(step.items) if isinstance(step.items, int) else step.items, gep(b, limits, [i64(index)], I64))
+    static_items = _constant_table(
+        module, "steps.static_items", I64, [i64(step.items if isinstance(step.items, int) else 0) for step in steps]
+    )
+    with for_range(b, 0, len(steps), "step.init") as index:
+        b.store(i64(0), gep(b, counters, [index], I64))
+        items = b.load(gep(b, static_items, [i64(0), index], static_items.value_type), typ=I64)
+        b.store(items, gep(b, limits, [index], I64))
+    for index, step in enumerate(steps):  # the counts a call's sizes decide
+        if not isinstance(step.items, int):
+            b.store(step.items, gep(b, limits, [i64(index)], I64))
     barrier = alloca_entry(b, ir.ArrayType(I32, BARRIER_WORDS), "barrier")
     barrier.align = 16
     ready = alloca_entry(b, I32, "ready")
@@ -265,9 +338,11 @@ def _emit_team_main(
     # deep model) made this function tens of thousands of lines, each kernel inlined into it.
     functions = _constant_table(module, "steps.functions", PTR, [step.item_fn for step in steps])
     serial = _constant_table(module, "steps.serial", I8, [ir.Constant(I8, int(step.serial)) for step in steps])
+    first_slots = _constant_table(module, "steps.first_slot", I64, [i64(step.first_slot) for step in steps])
     item_type = ir.FunctionType(VOID, [PTR, I64, PTR])  # item_fn(args, item, scratch)
     with for_range(b, 0, len(steps), "step") as index:
-        args = b.load(gep(b, args_table, [index], PTR), typ=PTR, name="args")
+        first_slot = b.load(gep(b, first_slots, [i64(0), index], first_slots.value_type), typ=I64)
+        args = gep(b, args_table, [first_slot], PTR, "args")
         item_fn = _callable(b, b.load(gep(b, functions, [i64(0), index], functions.value_type), typ=PTR), item_type)
         is_serial = b.load(gep(b, serial, [i64(0), index], serial.value_type), typ=I8, name="serial")
         with b.if_else(b.icmp_unsigned("!=", is_serial, ir.Constant(I8, 0))) as (alone, shared_items):
