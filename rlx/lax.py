@@ -5,9 +5,10 @@ rlx has no loop or branch in its IR: a graph is a fixed set of ops, which is wha
 generator fuse and plan memory across all of it. So a loop is unrolled while tracing, once per
 step (JAX's ``unroll=True``), and a branch on a value of the graph computes every branch and
 selects the result with ``where``, as JAX's ``cond`` does under ``vmap``. The results and their
-gradients are JAX's; what differs is cost. The graph grows with the number of steps (a small
-RNN cell's gradient took 2.7 s to trace and compile for 50 steps, 9.7 s for 200), so a trip count must be
-known when tracing: a Python int, or a leading axis of the scanned arrays. A branch on a value
+gradients are JAX's; what differs is cost. The graph grows with the number of steps (the
+steps' kernels share their code, and a call runs them from tables, so a small RNN cell's
+gradient traces and compiles in 0.6 s for 50 steps and 2.0 s for 200 on an Intel Xeon host),
+and a trip count must be known when tracing: a Python int, or a leading axis of the scanned arrays. A branch on a value
 runs every branch. A loop or branch whose bound or predicate is a value of the graph, where no
 unrolling can say how many steps to take, is an error naming it.
 
