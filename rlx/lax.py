@@ -1,5 +1,7 @@
-"""``rlx.lax``: JAX's structured control flow (``scan``, ``fori_loop``, ``while_loop``,
-``cond``, ``switch``) for functions traced by ``rlx.jit``, ``rlx.grad`` and the other transforms.
+"""``rlx.lax``: JAX's structured control flow (``scan``, ``map``, ``fori_loop``,
+``while_loop``, ``cond``, ``switch``) for functions traced by ``rlx.jit``, ``rlx.grad`` and the
+other transforms, and its slices at run-time starts (``dynamic_slice``,
+``dynamic_update_slice`` and their one-axis forms), built from ``take`` and ``.at[].set``.
 
 rlx has no loop or branch in its IR: a graph is a fixed set of ops, which is what lets the code
 generator fuse and plan memory across all of it. So a loop is unrolled while tracing, once per
@@ -103,7 +105,8 @@ def scan(
     if not lengths:
         raise RlxValueError("rlx.lax.scan: give xs or length")
     if len(lengths) != 1:
-        raise RlxValueError(f"rlx.lax.scan: xs and length disagree on the number of steps: {sorted(map(str, lengths))}")
+        counts = sorted(str(n) for n in lengths)
+        raise RlxValueError(f"rlx.lax.scan: xs and length disagree on the number of steps: {counts}")
     steps = lengths.pop()
     if not isinstance(steps, int):
         raise RlxValueError(f"rlx.lax.scan: the number of steps must be static, got the symbolic {steps!r}")
@@ -250,3 +253,178 @@ def switch(index: Any, branches: Sequence[Callable[..., Any]], *operands: Any, _
 
 def _switch_on_arrays(index: Any, branches: tuple[Callable[..., Any], ...], what: str, *operands: Any) -> Any:
     return switch(index, branches, *operands, _what=what)
+
+
+# ----------------------------------------------------------------------------- slices at run-time starts
+
+
+def map(f: Callable[[Any], Any], xs: Any) -> Any:  # jax.lax.map (shadows the builtin in this module)
+    """``jax.lax.map``: ``f`` applied to each slice of ``xs`` along its leading axis (a nest of
+    values or arrays), the results stacked: ``scan`` with no carry, unrolled as it is."""
+    if not callable(f):
+        raise RlxTypeError(f"rlx.lax.map: f must be a function, got {type(f).__name__}")
+    _, ys = scan(lambda carry, x: (carry, f(x)), None, xs)
+    return ys
+
+
+def dynamic_slice(operand: Any, start_indices: Any, slice_sizes: Sequence[int]) -> Any:
+    """``jax.lax.dynamic_slice``: the block of ``slice_sizes`` of ``operand`` from
+    ``start_indices``, each an int or a scalar int value of the graph (or one int vector of
+    them), clamped as JAX clamps them into ``[0, size - slice_size]`` so that the block lies in
+    ``operand``. A static start is a view; a start the graph computes is a gather (``take``),
+    whose gradient adds into the block it read."""
+    graph, result = _values_or_jitted("dynamic_slice", _dynamic_slice_on_arrays, (operand, start_indices, slice_sizes))
+    if graph is None:
+        return result
+    value = _operand("dynamic_slice", graph, operand)
+    sizes = _slice_sizes("dynamic_slice", value, slice_sizes)
+    for axis, (start, size) in enumerate(zip(_starts("dynamic_slice", value, start_indices), sizes, strict=True)):
+        first = _clamped_start("dynamic_slice", value, axis, start, size)
+        if isinstance(first, int):
+            index: list[Any] = [slice(None)] * value.ndim
+            index[axis] = slice(first, first + size)
+            value = value[tuple(index)]
+        else:
+            value = graph.take(value, first + graph.constant(np.arange(size, dtype=np.int64)), axis)
+    return value
+
+
+def _dynamic_slice_on_arrays(operand: Any, start_indices: Any, slice_sizes: Any) -> Any:
+    return dynamic_slice(operand, start_indices, slice_sizes)
+
+
+def dynamic_update_slice(operand: Any, update: Any, start_indices: Any) -> Any:
+    """``jax.lax.dynamic_update_slice``: ``operand`` with ``update`` written over the block of
+    its shape from ``start_indices`` (ints or scalar int values of the graph, or one int vector
+    of them), clamped into ``[0, size - update_size]`` as JAX clamps them. The gradient of the
+    result goes to ``update`` from the block and to ``operand`` everywhere else."""
+    graph, result = _values_or_jitted("dynamic_update_slice", _update_on_arrays, (operand, update, start_indices))
+    if graph is None:
+        return result
+    value = _operand("dynamic_update_slice", graph, operand)
+    patch = _operand("dynamic_update_slice", graph, update)
+    if patch.ndim != value.ndim or patch.dtype != value.dtype:
+        raise RlxTypeError(
+            f"rlx.lax.dynamic_update_slice: update {patch.type} must have operand {value.type}'s rank and dtype"
+        )
+    sizes = _slice_sizes("dynamic_update_slice", value, patch.shape)
+    starts = [
+        _clamped_start("dynamic_update_slice", value, axis, start, size)
+        for axis, (start, size) in enumerate(
+            zip(_starts("dynamic_update_slice", value, start_indices), sizes, strict=True)
+        )
+    ]
+    if all(isinstance(start, int) for start in starts):
+        return value.at[tuple(slice(start, start + size) for start, size in zip(starts, sizes, strict=True))].set(patch)
+    # Each axis's positions as an index array shaped to broadcast against the others' (NumPy's
+    # ix_), so that the block is one advanced index whose axes stay in place.
+    grids = []
+    for axis, (start, size) in enumerate(zip(starts, sizes, strict=True)):
+        shape = [1] * value.ndim
+        shape[axis] = size
+        positions = np.arange(size, dtype=np.int64).reshape(shape)
+        grids.append(graph.constant(positions + start) if isinstance(start, int) else start + graph.constant(positions))
+    return value.at[tuple(grids)].set(patch)
+
+
+def _update_on_arrays(operand: Any, update: Any, start_indices: Any) -> Any:
+    return dynamic_update_slice(operand, update, start_indices)
+
+
+def dynamic_slice_in_dim(operand: Any, start_index: Any, slice_size: int, axis: int = 0) -> Any:
+    """``jax.lax.dynamic_slice_in_dim``: :func:`dynamic_slice` along one axis."""
+    ndim = _ndim("dynamic_slice_in_dim", operand)
+    axis = _axis("dynamic_slice_in_dim", axis, ndim)
+    shape = _shape(operand)
+    starts = [start_index if a == axis else 0 for a in range(ndim)]
+    return dynamic_slice(operand, starts, [slice_size if a == axis else shape[a] for a in range(ndim)])
+
+
+def dynamic_index_in_dim(operand: Any, index: Any, axis: int = 0, keepdims: bool = True) -> Any:
+    """``jax.lax.dynamic_index_in_dim``: the slice at ``index`` along ``axis`` (kept as size 1
+    with ``keepdims``, as JAX's default)."""
+    ndim = _ndim("dynamic_index_in_dim", operand)
+    axis = _axis("dynamic_index_in_dim", axis, ndim)
+    block = dynamic_slice_in_dim(operand, index, 1, axis)
+    if keepdims:
+        return block
+    return block.squeeze(axis) if isinstance(block, Value) else np.squeeze(block, axis)
+
+
+def dynamic_update_slice_in_dim(operand: Any, update: Any, start_index: Any, axis: int) -> Any:
+    """``jax.lax.dynamic_update_slice_in_dim``: :func:`dynamic_update_slice` along one axis."""
+    ndim = _ndim("dynamic_update_slice_in_dim", operand)
+    axis = _axis("dynamic_update_slice_in_dim", axis, ndim)
+    return dynamic_update_slice(operand, update, [start_index if a == axis else 0 for a in range(ndim)])
+
+
+def _operand(what: str, graph: Graph, x: Any) -> Value:
+    if isinstance(x, Value):
+        return x
+    if isinstance(x, (np.ndarray, int, float, np.number)):
+        return graph.constant(np.asarray(x))
+    raise RlxTypeError(f"rlx.lax.{what}: expected a value of the graph or an array, got {type(x).__name__}")
+
+
+def _shape(x: Any) -> tuple[Any, ...]:
+    return tuple(x.shape) if isinstance(x, Value) else np.shape(x)
+
+
+def _ndim(what: str, x: Any) -> int:
+    if not isinstance(x, (Value, np.ndarray)):
+        raise RlxTypeError(f"rlx.lax.{what}: expected a value of the graph or an array, got {type(x).__name__}")
+    return len(_shape(x))
+
+
+def _axis(what: str, axis: object, ndim: int) -> int:
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -ndim <= int(axis) < ndim:
+        raise RlxValueError(f"rlx.lax.{what}: axis {axis!r} is out of range for rank {ndim}")
+    return int(axis) % ndim
+
+
+def _slice_sizes(what: str, value: Value, sizes: Any) -> list[int]:
+    """Static sizes, one per axis, each at most the axis's size (JAX's rule)."""
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or len(sizes) != value.ndim:
+        raise RlxValueError(f"rlx.lax.{what}: give one size per axis of {value.type}, got {sizes!r}")
+    result = []
+    for axis, (size, dim) in enumerate(zip(sizes, value.shape, strict=True)):
+        if isinstance(size, (Value, bool)) or not isinstance(size, (int, np.integer)):
+            raise RlxTypeError(f"rlx.lax.{what}: slice size {axis} must be a Python int, got {size!r}")
+        if not isinstance(dim, int):
+            raise RlxValueError(f"rlx.lax.{what}: axis {axis} of {value.type} has a symbolic size; slice it statically")
+        if not 0 <= int(size) <= dim:
+            raise RlxValueError(f"rlx.lax.{what}: slice size {size} does not fit axis {axis} of {value.type}")
+        result.append(int(size))
+    return result
+
+
+def _starts(what: str, value: Value, start_indices: Any) -> list[Any]:
+    """One start per axis: ints, scalar int values, or the entries of one int vector value."""
+    if isinstance(start_indices, Value):
+        if start_indices.ndim != 1 or start_indices.shape[0] != value.ndim:
+            raise RlxValueError(f"rlx.lax.{what}: start_indices {start_indices.type} must hold one start per axis")
+        return [start_indices[axis] for axis in range(value.ndim)]
+    if isinstance(start_indices, np.ndarray):
+        start_indices = list(start_indices.reshape(-1)) if start_indices.ndim == 1 else start_indices
+    if isinstance(start_indices, (str, bytes)) or not isinstance(start_indices, Sequence):
+        raise RlxTypeError(
+            f"rlx.lax.{what}: start_indices must be a sequence of starts, got {type(start_indices).__name__}"
+        )
+    if len(start_indices) != value.ndim:
+        raise RlxValueError(f"rlx.lax.{what}: {len(start_indices)} start(s) for the {value.ndim} axes of {value.type}")
+    return list(start_indices)
+
+
+def _clamped_start(what: str, value: Value, axis: int, start: Any, size: int) -> int | Value:
+    """``start`` clamped into ``[0, dim - size]``: an int, or an int64 scalar value."""
+    dim = value.shape[axis]
+    assert isinstance(dim, int)  # _slice_sizes refused symbolic sizes
+    if isinstance(start, np.ndarray) and start.ndim == 0:
+        start = start.item()
+    if isinstance(start, Value):
+        if start.ndim != 0 or start.dtype.kind != "i":
+            raise RlxTypeError(f"rlx.lax.{what}: start {axis} must be a scalar int value, got {start.type}")
+        return value.graph.clip(start.astype("int64"), 0, dim - size)
+    if isinstance(start, bool) or not isinstance(start, (int, np.integer)):
+        raise RlxTypeError(f"rlx.lax.{what}: start {axis} must be an int or a scalar int value, got {start!r}")
+    return min(max(int(start), 0), dim - size)

@@ -142,3 +142,106 @@ def test_loops_and_branches_that_cannot_unroll_are_clear_errors() -> None:
         rlx.jit(lambda x: rlx.lax.cond(x.sum() > 0.0, lambda v: v, lambda v: v.sum(), x))(x)
     with pytest.raises(rlx.RlxValueError, match="selector must be a scalar"):
         rlx.jit(lambda x: rlx.lax.cond(x > 0.0, lambda v: v, lambda v: v, x))(x)
+
+
+# ----------------------------------------------------------------------------- slices at run-time starts
+
+
+def jax_dynamic_slice(x: np.ndarray, starts: list[int], sizes: list[int]) -> np.ndarray:
+    """JAX's rule, written out: each start clamped into [0, dim - size]."""
+    clamped = [min(max(int(s), 0), dim - size) for s, dim, size in zip(starts, x.shape, sizes, strict=True)]
+    return x[tuple(slice(s, s + size) for s, size in zip(clamped, sizes, strict=True))]
+
+
+def jax_dynamic_update_slice(x: np.ndarray, update: np.ndarray, starts: list[int]) -> np.ndarray:
+    out = x.copy()
+    clamped = [min(max(int(s), 0), dim - size) for s, dim, size in zip(starts, x.shape, update.shape, strict=True)]
+    out[tuple(slice(s, s + size) for s, size in zip(clamped, update.shape, strict=True))] = update
+    return out
+
+
+@pytest.mark.parametrize("starts", [(1, 2), (-4, 9), (3, 0), (0, 5)])
+def test_dynamic_slice_and_update_clamp_as_jax_with_static_and_computed_starts(starts: tuple[int, int]) -> None:
+    rng = np.random.default_rng(sum(starts) + 10)
+    x = rng.standard_normal((5, 7)).astype(np.float32)
+    update = rng.standard_normal((2, 3)).astype(np.float32)
+    want = jax_dynamic_slice(x, list(starts), [2, 3])
+    np.testing.assert_array_equal(rlx.lax.dynamic_slice(x, starts, (2, 3)), want)  # Python ints: views
+    computed = [np.int32(s) for s in starts]  # arrays: inputs of the jitted call, so the starts are values
+    np.testing.assert_array_equal(rlx.lax.dynamic_slice(x, computed, (2, 3)), want)
+    np.testing.assert_array_equal(rlx.lax.dynamic_slice(x, [computed[0], starts[1]], (2, 3)), want)
+    as_vector = np.asarray(starts, dtype=np.int64)
+    np.testing.assert_array_equal(rlx.jit(lambda a, s: rlx.lax.dynamic_slice(a, s, (2, 3)))(x, as_vector), want)
+    want_update = jax_dynamic_update_slice(x, update, list(starts))
+    np.testing.assert_array_equal(rlx.lax.dynamic_update_slice(x, update, starts), want_update)
+    np.testing.assert_array_equal(rlx.lax.dynamic_update_slice(x, update, computed), want_update)
+
+
+def test_dynamic_slicing_in_one_dim() -> None:
+    x = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    np.testing.assert_array_equal(rlx.lax.dynamic_slice_in_dim(x, np.int32(2), 2, axis=2), x[:, :, 2:4])
+    np.testing.assert_array_equal(rlx.lax.dynamic_index_in_dim(x, np.int32(1), axis=1), x[:, 1:2])
+    np.testing.assert_array_equal(rlx.lax.dynamic_index_in_dim(x, 7, axis=-1, keepdims=False), x[..., 3])
+    patch = -np.ones((2, 3, 1), np.float32)
+    want = x.copy()
+    want[:, :, 0:1] = patch
+    np.testing.assert_array_equal(rlx.lax.dynamic_update_slice_in_dim(x, patch, np.int32(-2), axis=2), want)
+
+
+def test_gradients_through_slices_at_computed_starts_match_central_differences() -> None:
+    """The start comes from the data (an argmax), so it is a value of the graph; the gradient of
+    the slice adds into the block it read, the update's goes to the update, the rest to x."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((6, 5)).astype(np.float32)
+    update = rng.standard_normal((3, 2)).astype(np.float32)
+    w = rng.standard_normal((3, 2)).astype(np.float32)
+
+    def loss(x: Any, update: Any, mask: Any) -> Any:
+        row = rlx.argmax(mask)  # int64, from data that carries no gradient
+        block = rlx.lax.dynamic_slice(x, (row, 1), (3, 2))
+        written = rlx.lax.dynamic_update_slice(x, update * block, (row - 1, 2))
+        return (block * w).sum() + (written * written).sum()
+
+    def loss_numpy(x: np.ndarray, update: np.ndarray, mask: np.ndarray) -> float:
+        row = int(np.argmax(mask))
+        block = jax_dynamic_slice(x, [row, 1], [3, 2])
+        written = jax_dynamic_update_slice(x, update * block, [row - 1, 2])
+        return float((block * w).sum() + (written * written).sum())
+
+    for hot in (0, 2, 5):  # a block inside, and starts clamped at either end
+        mask = np.zeros(6, np.float32)
+        mask[hot] = 1.0
+        value, grads = rlx.value_and_grad(loss, argnums=(0, 1))(x, update, mask)
+        wide_x, wide_update = x.astype(np.float64), update.astype(np.float64)
+        assert abs(float(value) - loss_numpy(wide_x, wide_update, mask)) < 1e-4
+        for got, wide in zip(grads, (wide_x, wide_update), strict=True):
+            want = central_differences(lambda: loss_numpy(wide_x, wide_update, mask), wide)  # noqa: B023
+            np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)
+
+
+def test_map_is_a_scan_without_a_carry() -> None:
+    xs = np.arange(12, dtype=np.float32).reshape(3, 2, 2)
+    np.testing.assert_array_equal(rlx.lax.map(lambda m: m @ m, xs), np.stack([m @ m for m in xs]))
+    ys = rlx.lax.map(lambda pair: {"sum": pair[0] + pair[1], "first": pair[0]}, (xs, xs * 2))
+    np.testing.assert_array_equal(ys["sum"], xs * 3)
+    np.testing.assert_array_equal(ys["first"], xs)
+
+
+def test_bad_slices_are_clear_errors() -> None:
+    x = np.zeros((4, 5), np.float32)
+    with pytest.raises(rlx.RlxValueError, match="one size per axis"):
+        rlx.lax.dynamic_slice(x, (0, 0), (2,))
+    with pytest.raises(rlx.RlxValueError, match="does not fit axis 1"):
+        rlx.lax.dynamic_slice(x, (0, 0), (2, 6))
+    with pytest.raises(rlx.RlxValueError, match="1 start"):
+        rlx.lax.dynamic_slice(x, (0,), (2, 2))
+    with pytest.raises(rlx.RlxTypeError, match="start 1 must be"):
+        rlx.lax.dynamic_slice(x, (0, 1.5), (2, 2))
+    with pytest.raises(rlx.RlxTypeError, match="scalar int value"):
+        rlx.lax.dynamic_slice(x, (np.float32(1.0), 0), (2, 2))
+    with pytest.raises(rlx.RlxTypeError, match="rank and dtype"):
+        rlx.lax.dynamic_update_slice(x, np.zeros((2,), np.float32), (0, 0))
+    with pytest.raises(rlx.RlxValueError, match="does not fit"):
+        rlx.lax.dynamic_update_slice(x, np.zeros((5, 1), np.float32), (0, 0))
+    with pytest.raises(rlx.RlxValueError, match="axis 2 is out of range"):
+        rlx.lax.dynamic_slice_in_dim(x, 0, 1, axis=2)
