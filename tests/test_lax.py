@@ -245,3 +245,16 @@ def test_bad_slices_are_clear_errors() -> None:
         rlx.lax.dynamic_update_slice(x, np.zeros((5, 1), np.float32), (0, 0))
     with pytest.raises(rlx.RlxValueError, match="axis 2 is out of range"):
         rlx.lax.dynamic_slice_in_dim(x, 0, 1, axis=2)
+
+
+def test_dynamic_slices_under_vmap_take_each_examples_start() -> None:
+    xs = np.arange(2 * 5 * 4, dtype=np.float32).reshape(2, 5, 4)
+    starts = np.array([1, 7], dtype=np.int32)  # the second clamps to 3
+    got = rlx.vmap(lambda x, s: rlx.lax.dynamic_slice(x, (s, 0), (2, 3)))(xs, starts)
+    np.testing.assert_array_equal(got, np.stack([xs[0, 1:3, 0:3], xs[1, 3:5, 0:3]]))
+    patch = np.ones((2, 3), np.float32)
+    got = rlx.vmap(lambda x, s: rlx.lax.dynamic_update_slice(x, patch, (s, 1)))(xs, starts)
+    want = xs.copy()
+    want[0, 1:3, 1:4] = 1.0
+    want[1, 3:5, 1:4] = 1.0
+    np.testing.assert_array_equal(got, want)
