@@ -538,9 +538,7 @@ class _Lowering:
         assert view is not None
         return self.arguments.at(self.b, self.base_pointer(view.base), view.offset * view.base.dtype.itemsize)
 
-    def call(
-        self, item_fn: ir.Function, pointers: list[ir.Value], items: SizeLike | ir.Value, serial: bool, tag: str
-    ) -> None:
+    def call(self, item_fn: ir.Function, pointers: list[ir.Value], items: SizeLike | ir.Value, serial: bool) -> None:
         """Add a step to the call's parallel region: ``item_fn`` over ``items`` items (a count of
         the call's symbols, such as a symbolic batch's items, is computed in the entry function)."""
         if isinstance(items, Size):
@@ -572,7 +570,7 @@ class _Lowering:
                 assert self.sizes is not None
                 pointers.append(self.sizes)
                 self.attention_specs.append((f"node {node.id} ({node.op})", spec))
-            self.call(item_fn, pointers, spec.work_items, False, str(node.id))
+            self.call(item_fn, pointers, spec.work_items, False)
         elif op in FLEX_OPS:
             self.lower_flex(node)
         elif op == "matmul":
@@ -595,7 +593,7 @@ class _Lowering:
             if self.sizes is not None:
                 pointers.append(self.sizes)
             items = gemm.emit_items(self.b, self.entry_symbols())
-            self.call(item_fn, pointers, items, False, str(node.id))
+            self.call(item_fn, pointers, items, False)
         elif op in SCAN_OPS:
             x = node.inputs[0]
             axis, reverse = node.attrs.axis, node.attrs.reverse
@@ -609,7 +607,7 @@ class _Lowering:
             pointers = [self.view_pointer(x), *(self.base_pointer(v) for v in node.outputs)]
             if self.sizes is not None:
                 pointers.append(self.sizes)
-            self.call(item_fn, pointers, product(x.shape[:axis]), False, str(node.id))
+            self.call(item_fn, pointers, product(x.shape[:axis]), False)
         elif op == "embedding_grad":
             dy, ids = (self.schedule.view(v) for v in node.inputs)
             assert dy is not None and ids is not None
@@ -626,7 +624,7 @@ class _Lowering:
                 pointers.append(self.sizes)
             if checked:
                 pointers.append(self.fault_word(node))
-            self.call(item_fn, pointers, 1, True, str(node.id))
+            self.call(item_fn, pointers, 1, True)
         elif op == "sort":
             x = node.inputs[0]
             symbols, descending = self.table_symbols, node.attrs.descending
@@ -639,7 +637,7 @@ class _Lowering:
             pointers = [self.view_pointer(x), *(self.base_pointer(v) for v in node.outputs)]
             if self.sizes is not None:
                 pointers.append(self.sizes)
-            self.call(item_fn, pointers, product(x.shape[:-1]), False, str(node.id))
+            self.call(item_fn, pointers, product(x.shape[:-1]), False)
         elif op in LINALG_OPS:
             matrix = node.inputs[0]
             rows, columns = (int(d) for d in matrix.shape[-2:])
@@ -651,7 +649,7 @@ class _Lowering:
                 lambda: emit_linalg_item(self.module, op, (rows, columns), k, node.attrs, name),
             )
             pointers = [self.view_pointer(v) for v in node.inputs] + [self.base_pointer(v) for v in node.outputs]
-            self.call(item_fn, pointers, product(matrix.shape[:-2]), False, str(node.id))
+            self.call(item_fn, pointers, product(matrix.shape[:-2]), False)
         elif op == "scatter_add_along_axis":
             updates, indices = node.inputs
             axis, symbols = node.attrs.axis, self.table_symbols
@@ -669,7 +667,7 @@ class _Lowering:
                 pointers.append(self.sizes)
             if checked:
                 pointers.append(self.fault_word(node))
-            self.call(item_fn, pointers, product(updates.shape[:axis]), False, str(node.id))
+            self.call(item_fn, pointers, product(updates.shape[:axis]), False)
         else:
             raise AssertionError(f"no lowering for {op}")
 
@@ -690,14 +688,14 @@ class _Lowering:
             symbols = self.table_symbols
             zero = emit_zero_item(self.module, [product(v.shape) * 4 for v in partials], f"zero.{node.id}", symbols)
             pointers = [self.base_pointer(v) for v in partials] + ([self.sizes] if symbols else [])
-            self.call(zero, pointers, 1, True, f"z{node.id}")
+            self.call(zero, pointers, 1, True)
         item_fn = FlexLowering(self.module, spec, f"{node.op}.{node.id}").emit()
         pointers = [self.view_pointer(v) for v in node.inputs] + [self.base_pointer(v) for v in node.outputs]
         pointers.append(self.block_map_pointer(node, spec))
         if spec.per_call:
             assert self.sizes is not None
             pointers.append(self.sizes)
-        self.call(item_fn, pointers, spec.work_items, False, str(node.id))
+        self.call(item_fn, pointers, spec.work_items, False)
 
     def block_map_pointer(self, node: Node, spec: FlexKernelSpec) -> ir.Value:
         """Where the kernel reads its tile states: module data (static), call data (dynamic), a
@@ -765,7 +763,7 @@ class _Lowering:
         emitter.emit_item(item, chunking)
         builder.ret_void()
         items = chunking.emit_items(self.b, self.entry_symbols())
-        self.call(fn, arguments, items, False, f"k{index}")
+        self.call(fn, arguments, items, False)
 
     def entry_symbols(self) -> dict[str, ir.Value]:
         """The call's symbol values in the entry function (loaded once, in its first block)."""
