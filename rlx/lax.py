@@ -27,6 +27,7 @@ import numpy as np
 
 from rlx.errors import RlxTypeError, RlxValueError
 from rlx.ir.graph import Graph, Value
+from rlx.ops._common import as_value, normalize_axis
 from rlx.tracing import OnArrays, _flatten, _is_array, _Tree, _unflatten, graph_of
 
 _on_arrays: dict[str, OnArrays] = {}
@@ -276,7 +277,7 @@ def dynamic_slice(operand: Any, start_indices: Any, slice_sizes: Sequence[int]) 
     graph, result = _values_or_jitted("dynamic_slice", _dynamic_slice_on_arrays, (operand, start_indices, slice_sizes))
     if graph is None:
         return result
-    value = _operand("dynamic_slice", graph, operand)
+    value = as_value(graph, operand, "rlx.lax.dynamic_slice: operand")
     sizes = _slice_sizes("dynamic_slice", value, slice_sizes)
     for axis, (start, size) in enumerate(zip(_starts("dynamic_slice", value, start_indices), sizes, strict=True)):
         first = _clamped_start("dynamic_slice", value, axis, start, size)
@@ -301,8 +302,8 @@ def dynamic_update_slice(operand: Any, update: Any, start_indices: Any) -> Any:
     graph, result = _values_or_jitted("dynamic_update_slice", _update_on_arrays, (operand, update, start_indices))
     if graph is None:
         return result
-    value = _operand("dynamic_update_slice", graph, operand)
-    patch = _operand("dynamic_update_slice", graph, update)
+    value = as_value(graph, operand, "rlx.lax.dynamic_update_slice: operand")
+    patch = as_value(graph, update, "rlx.lax.dynamic_update_slice: update")
     if patch.ndim != value.ndim or patch.dtype != value.dtype:
         raise RlxTypeError(
             f"rlx.lax.dynamic_update_slice: update {patch.type} must have operand {value.type}'s rank and dtype"
@@ -334,7 +335,7 @@ def _update_on_arrays(operand: Any, update: Any, start_indices: Any) -> Any:
 def dynamic_slice_in_dim(operand: Any, start_index: Any, slice_size: int, axis: int = 0) -> Any:
     """``jax.lax.dynamic_slice_in_dim``: :func:`dynamic_slice` along one axis."""
     ndim = _ndim("dynamic_slice_in_dim", operand)
-    axis = _axis("dynamic_slice_in_dim", axis, ndim)
+    axis = normalize_axis("rlx.lax.dynamic_slice_in_dim", axis, ndim)
     shape = _shape(operand)
     starts = [start_index if a == axis else 0 for a in range(ndim)]
     return dynamic_slice(operand, starts, [slice_size if a == axis else shape[a] for a in range(ndim)])
@@ -344,7 +345,7 @@ def dynamic_index_in_dim(operand: Any, index: Any, axis: int = 0, keepdims: bool
     """``jax.lax.dynamic_index_in_dim``: the slice at ``index`` along ``axis`` (kept as size 1
     with ``keepdims``, as JAX's default)."""
     ndim = _ndim("dynamic_index_in_dim", operand)
-    axis = _axis("dynamic_index_in_dim", axis, ndim)
+    axis = normalize_axis("rlx.lax.dynamic_index_in_dim", axis, ndim)
     block = dynamic_slice_in_dim(operand, index, 1, axis)
     if keepdims:
         return block
@@ -354,16 +355,8 @@ def dynamic_index_in_dim(operand: Any, index: Any, axis: int = 0, keepdims: bool
 def dynamic_update_slice_in_dim(operand: Any, update: Any, start_index: Any, axis: int) -> Any:
     """``jax.lax.dynamic_update_slice_in_dim``: :func:`dynamic_update_slice` along one axis."""
     ndim = _ndim("dynamic_update_slice_in_dim", operand)
-    axis = _axis("dynamic_update_slice_in_dim", axis, ndim)
+    axis = normalize_axis("rlx.lax.dynamic_update_slice_in_dim", axis, ndim)
     return dynamic_update_slice(operand, update, [start_index if a == axis else 0 for a in range(ndim)])
-
-
-def _operand(what: str, graph: Graph, x: Any) -> Value:
-    if isinstance(x, Value):
-        return x
-    if isinstance(x, (np.ndarray, int, float, np.number)):
-        return graph.constant(np.asarray(x))
-    raise RlxTypeError(f"rlx.lax.{what}: expected a value of the graph or an array, got {type(x).__name__}")
 
 
 def _shape(x: Any) -> tuple[Any, ...]:
@@ -374,12 +367,6 @@ def _ndim(what: str, x: Any) -> int:
     if not isinstance(x, (Value, np.ndarray)):
         raise RlxTypeError(f"rlx.lax.{what}: expected a value of the graph or an array, got {type(x).__name__}")
     return len(_shape(x))
-
-
-def _axis(what: str, axis: object, ndim: int) -> int:
-    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -ndim <= int(axis) < ndim:
-        raise RlxValueError(f"rlx.lax.{what}: axis {axis!r} is out of range for rank {ndim}")
-    return int(axis) % ndim
 
 
 def _slice_sizes(what: str, value: Value, sizes: Any) -> list[int]:
