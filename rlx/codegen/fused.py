@@ -592,8 +592,7 @@ class FusedEmitter:
             self.load(view, place(checked, tuple(_lane_of(self.b, ix, lane) for ix in idx)), view.base.dtype)
             for lane, checked in enumerate(self._checked_rows(node, each, count))
         ]
-        values = [lane.value for lane in lanes]  # f32, or an int or bool table's i64 / i1
-        return Lane(_pack(self.b, values, values[0].type), WIDTH, lanes[0].kind)
+        return _packed(self.b, lanes)
 
     def _checked_rows(self, node: Node, rows: list[ir.Value], count: Dim) -> list[ir.Value]:
         """``rows`` as they are, where the ids come from graph inputs or constants (checked before
@@ -654,8 +653,14 @@ class FusedEmitter:
         if vector_loop is None or lane_stride == 0:
             loaded = b.load(gep(b, base, [offset], element), typ=element)
             return Lane(_widen_scalar(b, loaded, kind), 1, kind)
+        if vector_loop.part is not None and lane_stride != 1:
+            # A concat part's lanes, strided: each position clamped into the part (_lane_of), so
+            # the reads of several windows over one source are the same scalar loads.
+            return _packed(
+                b, [self.load(view, tuple(_lane_of(b, ix, lane) for ix in idx), dtype) for lane in range(WIDTH)]
+            )
         if vector_loop.part is not None:
-            return self._load_part(view, idx, dtype, vector_loop, vector_loop.part, offset, lane_stride)
+            return self._load_part(base, offset, element, kind, vector_loop)
         mask = vector_loop.mask
         if lane_stride == 1:
             vec = ir.VectorType(element, WIDTH)
@@ -710,39 +715,24 @@ class FusedEmitter:
         first = b.shuffle_vector(loaded, ir.Constant(vec, None), ir.Constant(ir.VectorType(I32, WIDTH), [0] * WIDTH))
         return b.select(mask, loaded, first)
 
-    def _load_part(
-        self,
-        view: View,
-        idx: tuple[Ix, ...],
-        dtype: np.dtype,
-        lanes: Loop,
-        part: ir.Value,
-        offset: ir.Value,
-        lane_stride: SizeLike,
-    ) -> Lane:
-        """A load along a concat part's lanes (:attr:`Loop.part`) that reads nothing outside the
-        part. Contiguous: one load masked to the lanes inside the part (a masked-off lane is not
-        read, so it cannot fault; away from the part's ends every lane is on). Strided: lane by
-        lane, each position clamped into the part, so the reads of several windows over one
-        source (the shifted pads of a pool's gradient) are the same scalar loads, which LLVM
-        merges. An unused lane of ints holds an entry of the part (a gather may take it as an
-        id), never a value the part does not hold; of floats and bools, an entry or 0."""
+    def _load_part(self, base: ir.Value, offset: ir.Value, element: ir.Type, kind: str, lanes: Loop) -> Lane:
+        """A contiguous load along a concat part's lanes (:attr:`Loop.part`) that reads nothing
+        outside the part: one load masked to the lanes inside it (a masked-off lane is not read,
+        so it cannot fault; away from the part's ends every lane is on). An unused lane of ints
+        holds an entry of the part (a gather may take it as an id), never a value the part does
+        not hold; of floats and bools, 0. (Strided reads clamp each lane into the part:
+        :meth:`load`, :func:`_lane_of`.)"""
         b = self.b
-        if lane_stride != 1:
-            per_lane = [self.load(view, tuple(_lane_of(b, ix, lane) for ix in idx), dtype) for lane in range(WIDTH)]
-            values = [lane.value for lane in per_lane]
-            return Lane(_pack(b, values, values[0].type), WIDTH, per_lane[0].kind)
-        element, kind = _element_type(dtype)
+        assert lanes.part is not None
         vec = ir.VectorType(element, WIDTH)
-        base = self.constant(view.base) if view.base.node.op.value == "constant" else self.pointer(view.base)
         if kind == "i":  # lane 0's position clamped into the part, for the unused lanes
-            inside = b.sub(clamp(b, lanes.var, i64(0), b.sub(part, i64(1))), lanes.var)
+            inside = b.sub(clamp(b, lanes.var, i64(0), b.sub(lanes.part, i64(1))), lanes.var)
             unused = splat(b, b.load(gep(b, base, [b.add(offset, inside)], element), typ=element), WIDTH)
         else:
             unused = ir.Constant(vec, None)
         # Not ``inbounds``: at a part's edge lane 0's address lies outside it.
         pointer = gep(b, base, [offset], element, inbounds=False)
-        loaded = self._masked_load(pointer, vec, _lanes_inside(b, lanes.var, part), unused)
+        loaded = self._masked_load(pointer, vec, _lanes_inside(b, lanes.var, lanes.part), unused)
         return Lane(_widen_vector(b, loaded, kind), WIDTH, kind)
 
     def _masked_load(self, pointer: ir.Value, vec: ir.VectorType, mask: ir.Value, passthrough: ir.Value) -> ir.Value:
@@ -1281,6 +1271,12 @@ def _lanes_inside(b: ir.IRBuilder, first: ir.Value, size: ir.Value) -> ir.Value:
     stop = b.trunc(clamp(b, b.sub(size, first), i64(0), i64(WIDTH)), I32)
     after_low = b.icmp_signed(">=", numbers, splat(b, low, WIDTH))
     return b.and_(after_low, b.icmp_signed("<", numbers, splat(b, stop, WIDTH)))
+
+
+def _packed(b: ir.IRBuilder, lanes: list[Lane]) -> Lane:
+    """Scalar reads (one a lane: f32, or an int or bool table's i64 / i1) as one vector."""
+    values = [lane.value for lane in lanes]
+    return Lane(_pack(b, values, values[0].type), WIDTH, lanes[0].kind)
 
 
 def _replace(idx: tuple[Ix, ...], axis: int, entry: Ix) -> tuple[Ix, ...]:
